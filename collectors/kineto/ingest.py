@@ -1,0 +1,285 @@
+"""Ingest Kineto traces (files or multi-rank directories) into ``trace_runs``/``trace_events``."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from triscope.collectors.kineto.classify import GPU_WORK_KINDS, event_kind, kernel_class
+from triscope.collectors.kineto.reader import TraceEvent, TraceHeader, read_trace
+from triscope.errors import InputError
+from triscope.schema import qualified
+from triscope.schema.trace import TRACE_EVENTS, TRACE_RUNS
+from triscope.store.base import Store
+
+BATCH_ROWS = 200_000
+TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
+_RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+_RUN_SUFFIX = re.compile(r"([_.-]?rank[_-]?\d+)?(\.pt\.trace)?\.json(\.gz)?$", re.IGNORECASE)
+
+
+@dataclass
+class IngestResult:
+    """What one trace file produced."""
+
+    path: str
+    run_id: str
+    rank: int
+    events: int = 0
+    gpu_events: int = 0
+    skipped: int = 0
+    status: str = "complete"
+    error: str = ""
+    seconds: float = 0.0
+    base_time_ns: int = 0
+
+
+@dataclass
+class _Columns:
+    data: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in TRACE_EVENTS.column_names()})
+
+    def __len__(self) -> int:
+        return len(self.data["name"])
+
+    def clear(self) -> None:
+        for values in self.data.values():
+            values.clear()
+
+
+def _int(value: Any, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, int):
+        return value
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return default
+
+
+def _text(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def _ns(values: Sequence[float]) -> np.ndarray:
+    """Microsecond floats to int64 nanoseconds, exact for timestamps written with <= 3 decimals."""
+    us = np.asarray(values, dtype=np.float64)
+    whole = np.trunc(us)
+    return whole.astype(np.int64) * 1000 + np.rint((us - whole) * 1000.0).astype(np.int64)
+
+
+def _append_block(cols: _Columns, events: list[TraceEvent], run_id: str, rank: int) -> tuple[int, int]:
+    """Append complete events of one block; returns (stored, gpu_work)."""
+    xs = [e for e in events if e.ph == "X"]
+    if not xs:
+        return 0, 0
+    d = cols.data
+    kinds = [event_kind(e.cat) for e in xs]
+    names = [e.name for e in xs]
+    args = [e.args for e in xs]
+    n = len(xs)
+    d["run_id"].extend([run_id] * n)
+    d["rank"].extend([rank] * n)
+    d["kind"].extend(kinds)
+    d["category"].extend([e.cat for e in xs])
+    d["kernel_class"].extend([kernel_class(k, nm) for k, nm in zip(kinds, names, strict=True)])
+    d["name"].extend(names)
+    d["pid"].extend([str(e.pid) for e in xs])
+    d["tid"].extend([str(e.tid) for e in xs])
+    d["ts_ns"].extend(_ns([e.ts for e in xs]).tolist())
+    d["dur_ns"].extend(_ns([e.dur for e in xs]).tolist())
+    d["device"].extend([_int(a.device, -1) if a else -1 for a in args])
+    d["stream"].extend([_int(a.stream, -1) if a else -1 for a in args])
+    d["correlation"].extend([_int(a.correlation, 0) if a else 0 for a in args])
+    d["external_id"].extend([
+        _int(a.external_id if a.external_id is not None else a.external_id_legacy, 0) if a else 0 for a in args
+    ])
+    d["collective"].extend([_text(a.collective) if a else "" for a in args])
+    d["in_nelems"].extend([_int(a.in_nelems, 0) if a else 0 for a in args])
+    d["out_nelems"].extend([_int(a.out_nelems, 0) if a else 0 for a in args])
+    d["group_size"].extend([_int(a.group_size, 0) if a else 0 for a in args])
+    d["dtype"].extend([_text(a.dtype) if a else "" for a in args])
+    d["pg_name"].extend([_text(a.pg_name) if a else "" for a in args])
+    d["pg_ranks"].extend([_text(a.pg_ranks) if a else "" for a in args])
+    return n, sum(1 for k in kinds if k in GPU_WORK_KINDS)
+
+
+def default_run_id(path: Path) -> str:
+    """Run id for a path: a directory's name, or a file's name without rank and extension."""
+    if path.is_dir():
+        return path.resolve().name
+    stem = _RUN_SUFFIX.sub("", path.name)
+    return stem or path.name
+
+
+def rank_from_name(path: Path) -> int | None:
+    match = _RANK_IN_NAME.search(path.name)
+    return int(match.group(1)) if match else None
+
+
+def delete_rank(store: Store, run_id: str, rank: int) -> None:
+    """Remove earlier rows of (run_id, rank) so a re-ingest replaces them."""
+    params = {"run_id": run_id, "rank": rank}
+    where = "run_id = {run_id:String} AND rank = {rank:Int32}"
+    for table in (TRACE_EVENTS.name, TRACE_RUNS.name):
+        if store.cluster:
+            store.command(f"ALTER TABLE {qualified(store, table)}_local ON CLUSTER `{store.cluster}` "
+                          f"DELETE WHERE {where} SETTINGS mutations_sync = 2", params)
+        else:
+            store.command(f"DELETE FROM {qualified(store, table)} WHERE {where}", params)
+
+
+def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank: int | None = None,
+                 on_progress: Callable[[int], None] | None = None,
+                 batch_rows: int = BATCH_ROWS, default_rank: int = 0,
+                 taken: set[tuple[str, int]] | None = None) -> IngestResult:
+    """Stream one trace file into the store; a cut-short file keeps its complete events.
+
+    The rank is ``rank`` when given, else the trace's ``distributedInfo.rank``, else a
+    ``rank<N>`` in the file name, else ``default_rank``.
+    ``taken`` holds (run_id, rank) pairs already written by this batch of files: a file that
+    would overwrite one of them is refused instead.
+    Raises :class:`InputError` after recording the partial run when the file is damaged.
+    """
+    path = Path(path)
+    taken = taken if taken is not None else set()
+    started = time.perf_counter()
+    run_id = run_id or default_run_id(path)
+    header = TraceHeader()
+    guessed_rank = rank if rank is not None else rank_from_name(path)
+    result = IngestResult(str(path), run_id, guessed_rank if guessed_rank is not None else default_rank)
+    cols = _Columns()
+    events_table = qualified(store, TRACE_EVENTS.name)
+    first_block = True
+
+    def flush() -> None:
+        if len(cols):
+            store.insert(events_table, cols.data)
+            cols.clear()
+
+    failure: InputError | None = None
+    try:
+        for block in read_trace(path, header):
+            if first_block:
+                first_block = False
+                if rank is None and header.rank is not None:
+                    result.rank = header.rank
+                _claim(taken, path, run_id, result.rank)
+                delete_rank(store, run_id, result.rank)
+            stored, gpu = _append_block(cols, block, run_id, result.rank)
+            result.events += stored
+            result.gpu_events += gpu
+            result.skipped += len(block) - stored
+            if on_progress:
+                on_progress(len(block))
+            if len(cols) >= batch_rows:
+                flush()
+        flush()
+    except InputError as exc:
+        flush()
+        failure = exc
+        result.status, result.error = "partial", str(exc)
+    if first_block and failure is None:
+        _claim(taken, path, run_id, result.rank)
+        delete_rank(store, run_id, result.rank)  # a trace with no events still replaces an old one
+    if failure is None and rank is None and header.rank is not None and header.rank != result.rank:
+        _claim(taken, path, run_id, header.rank)
+        _move_rank(store, run_id, result.rank, header.rank)  # rank was only known from the tail
+        taken.discard((run_id, result.rank))
+        result.rank = header.rank
+    result.base_time_ns = header.base_time_ns
+    result.seconds = time.perf_counter() - started
+    _record_run(store, path, result, header)
+    if failure is not None:
+        raise failure
+    return result
+
+
+def _claim(taken: set[tuple[str, int]], path: Path, run_id: str, rank: int) -> None:
+    if (run_id, rank) in taken:
+        raise InputError(f"{path}: rank {rank} of run {run_id!r} was already ingested from another file "
+                         "in this batch; give each job its own directory or --run-id")
+    taken.add((run_id, rank))
+
+
+def _move_rank(store: Store, run_id: str, old: int, new: int) -> None:
+    """Re-key rows written under a guessed rank (rank is part of the sorting key: copy, then delete)."""
+    delete_rank(store, run_id, new)
+    table = qualified(store, TRACE_EVENTS.name)
+    store.command(
+        f"INSERT INTO {table} SELECT * REPLACE ({{new:Int32}} AS rank) FROM {table} "
+        "WHERE run_id = {run_id:String} AND rank = {old:Int32}",
+        {"new": new, "old": old, "run_id": run_id},
+    )
+    params = {"run_id": run_id, "rank": old}
+    where = "run_id = {run_id:String} AND rank = {rank:Int32}"
+    if store.cluster:
+        store.command(f"ALTER TABLE {table}_local ON CLUSTER `{store.cluster}` DELETE WHERE {where} "
+                      "SETTINGS mutations_sync = 2", params)
+    else:
+        store.command(f"DELETE FROM {table} WHERE {where}", params)
+
+
+def _record_run(store: Store, path: Path, result: IngestResult, header: TraceHeader) -> None:
+    meta = header.metadata
+    store.insert(qualified(store, TRACE_RUNS.name), {
+        "run_id": [result.run_id],
+        "rank": [result.rank],
+        "source_path": [str(path.resolve())],
+        "source_bytes": [path.stat().st_size],
+        "host": [str(meta.get("host_name", ""))],
+        "base_time_ns": [header.base_time_ns],
+        "time_base": ["relative" if header.base_time_ns else "absolute"],
+        "event_count": [result.events],
+        "gpu_event_count": [result.gpu_events],
+        "skipped_count": [result.skipped],
+        "status": [result.status],
+        "error": [result.error],
+        "metadata_json": [json.dumps(meta, default=str)[:1_000_000]],
+        "ingested_at": [time.time()],
+    })
+
+
+def expand_paths(paths: Iterable[str | Path]) -> list[tuple[Path, str | None]]:
+    """Trace files for the given paths; files of one directory share the directory's run id."""
+    out: list[tuple[Path, str | None]] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+            if not files:
+                raise InputError(f"{path}: no .json or .json.gz trace files in this directory")
+            out.extend((f, default_run_id(path)) for f in files)
+        elif path.exists():
+            out.append((path, None))
+        else:
+            raise InputError(f"{path}: no such file or directory")
+    return out
+
+
+def ingest_paths(store: Store, paths: Iterable[str | Path], run_id: str | None = None,
+                 on_progress: Callable[[int], None] | None = None,
+                 on_file: Callable[[IngestResult | InputError], None] | None = None) -> list[IngestResult]:
+    """Ingest files and directories; a damaged file is reported and the others still go in."""
+    results: list[IngestResult] = []
+    taken: set[tuple[str, int]] = set()
+    for index, (file, dir_run) in enumerate(expand_paths(paths)):
+        try:
+            # Files of a directory with no rank in name or metadata are ranked by their order.
+            res = ingest_trace(store, file, run_id=run_id or dir_run, on_progress=on_progress,
+                               default_rank=index, taken=taken)
+        except InputError as exc:
+            if on_file:
+                on_file(exc)
+            continue
+        results.append(res)
+        if on_file:
+            on_file(res)
+    return results

@@ -1,0 +1,277 @@
+"""Streaming reader for Kineto Chrome-trace JSON (``.json`` or gzip, detected by magic bytes).
+
+Memory stays bounded by the block size, not the file size: the ``traceEvents`` array is cut
+into blocks at ``}`` ``,`` ``{`` boundaries and each block is decoded as a JSON array with
+msgspec into typed structs (unused fields are skipped without building Python objects).
+A block cut at a wrong place (inside a string or a nested object) cannot decode as an
+array of objects, so a failed block is re-read event by event with the stdlib decoder,
+which also pinpoints real corruption by byte offset. Keys that come after the array
+(``baseTimeNanoseconds`` often does) are parsed from the small tail.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import msgspec
+
+from triscope.errors import InputError
+
+BLOCK_BYTES = 8 << 20
+_ARRAY_START = re.compile(rb'"traceEvents"\s*:\s*\[')
+_WS = b" \t\r\n"
+
+
+class EventArgs(msgspec.Struct, frozen=True):
+    """The ``args`` keys triscope uses; all others are skipped by the decoder."""
+
+    external_id: int | float | str | None = msgspec.field(default=None, name="External id")
+    external_id_legacy: int | float | str | None = msgspec.field(default=None, name="external id")
+    correlation: int | float | str | None = None
+    stream: int | float | str | None = None
+    device: int | float | str | None = None
+    collective: int | float | str | None = msgspec.field(default=None, name="Collective name")
+    in_nelems: int | float | str | None = msgspec.field(default=None, name="In msg nelems")
+    out_nelems: int | float | str | None = msgspec.field(default=None, name="Out msg nelems")
+    group_size: int | float | str | None = msgspec.field(default=None, name="Group size")
+    dtype: int | float | str | None = None
+    pg_name: int | float | str | None = msgspec.field(default=None, name="Process Group Name")
+    pg_ranks: int | float | str | None = msgspec.field(default=None, name="Process Group Ranks")
+
+
+class TraceEvent(msgspec.Struct, frozen=True):
+    """One Chrome-trace event (only the fields triscope stores)."""
+
+    ph: str = ""
+    cat: str = ""
+    name: str = ""
+    pid: int | str = 0
+    tid: int | str = 0
+    ts: float = 0.0
+    dur: float = 0.0
+    args: EventArgs | None = None
+
+
+_block_decoder = msgspec.json.Decoder(list[TraceEvent])
+
+
+@dataclass
+class TraceHeader:
+    """Top-level keys of the trace other than ``traceEvents``, known once reading has finished."""
+
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def base_time_ns(self) -> int:
+        return int(self.metadata.get("baseTimeNanoseconds") or 0)
+
+    @property
+    def rank(self) -> int | None:
+        info = self.metadata.get("distributedInfo") or {}
+        rank = info.get("rank") if isinstance(info, dict) else None
+        return int(rank) if isinstance(rank, int) else None
+
+
+def open_binary(path: str | Path) -> BinaryIO:
+    """Open ``path`` for reading, decompressing gzip when the file starts with its magic bytes."""
+    path = Path(path)
+    try:
+        raw = open(path, "rb")  # noqa: SIM115 - returned to the caller
+    except OSError as exc:
+        raise InputError(f"{path}: cannot open ({exc.strerror})") from None
+    if raw.read(2) == b"\x1f\x8b":
+        raw.seek(0)
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+    raw.seek(0)
+    return raw
+
+
+def read_trace(path: str | Path, header: TraceHeader | None = None,
+               block_bytes: int = BLOCK_BYTES) -> Iterator[list[TraceEvent]]:
+    """Yield blocks of events from a Kineto trace; fills ``header`` when the file has been read.
+
+    Raises :class:`InputError` naming the file and byte offset on truncated or corrupt input;
+    blocks yielded before the error are complete and valid.
+    """
+    header = header if header is not None else TraceHeader()
+    with open_binary(path) as stream:
+        yield from _TraceParser(str(path), stream, header, block_bytes).blocks()
+
+
+class _TraceParser:
+    def __init__(self, name: str, stream: BinaryIO, header: TraceHeader, block_bytes: int) -> None:
+        self.name = name
+        self.stream = stream
+        self.header = header
+        self.block_bytes = block_bytes
+        self.consumed = 0  # decompressed bytes before ``buf``
+        self.eof = False
+
+    def _read(self) -> bytes:
+        try:
+            data = self.stream.read(self.block_bytes)
+        except (EOFError, OSError, zlib.error) as exc:
+            raise InputError(f"{self.name}: compressed data is corrupt or cut short "
+                             f"after {self.consumed} bytes ({exc})") from None
+        if not data:
+            self.eof = True
+        return data
+
+    def _error(self, offset: int, what: str) -> InputError:
+        return InputError(f"{self.name}: {what} at byte {self.consumed + offset}")
+
+    def blocks(self) -> Iterator[list[TraceEvent]]:
+        buf = b""
+        match = None
+        while match is None:
+            data = self._read()
+            if not data:
+                if not buf.strip():
+                    raise InputError(f"{self.name}: empty file")
+                raise self._error(len(buf), "no traceEvents array found (not a Kineto trace?)")
+            buf += data
+            match = _ARRAY_START.search(buf)
+            if match is None and len(buf) > 64 * self.block_bytes:
+                raise self._error(0, "no traceEvents array in the first blocks")
+        head_text = buf[: match.start()]
+        self.consumed += match.end()
+        buf = buf[match.end():]
+        read_error: InputError | None = None
+        while True:
+            if not self.eof and read_error is None and len(buf) < self.block_bytes:
+                try:
+                    buf += self._read()
+                except InputError as exc:
+                    read_error = exc
+                continue
+            if self.eof or read_error is not None:
+                break
+            cut = _last_boundary(buf)
+            if cut is None:  # one huge event or an odd layout: read more before deciding
+                try:
+                    buf += self._read()
+                except InputError as exc:
+                    read_error = exc
+                continue
+            chunk, rest = buf[: cut[0]], buf[cut[1]:]
+            try:
+                events = _block_decoder.decode(b"[" + chunk + b"]")
+            except msgspec.DecodeError:
+                events, leftover = self._decode_slow(buf, final=False)
+                self.consumed += len(buf) - len(leftover)
+                buf = leftover
+            else:
+                self.consumed += cut[1]
+                buf = rest
+            if events:
+                yield events
+        if read_error is not None:
+            # Keep every complete event that arrived before the stream broke, then report.
+            events, _ = self._decode_slow(buf, final=False, strict=False)
+            if events:
+                yield events
+            raise InputError(f"{read_error}; {len(events)} events from the last block were kept")
+        events, tail, error = self._decode_tail(buf)
+        if events:
+            yield events
+        if error is not None:
+            raise error
+        self._finish_header(head_text, tail)
+
+    def _decode_slow(self, buf: bytes, final: bool, strict: bool = True) -> tuple[list[TraceEvent], bytes]:
+        """Decode events one at a time; returns events and the undecoded remainder.
+
+        With ``strict=False`` decoding stops quietly at the first damaged event.
+        """
+        text = buf.decode("utf-8", errors="replace")
+        decoder = json.JSONDecoder()
+        events: list[TraceEvent] = []
+        pos = 0
+        n = len(text)
+        while True:
+            while pos < n and text[pos] in " \t\r\n,":
+                pos += 1
+            if pos >= n or text[pos] == "]":
+                break
+            try:
+                obj, end = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError as exc:
+                if not strict or (not final and exc.pos >= n - 1):
+                    break  # event continues in the next block, or damage we report elsewhere
+                raise self._error(len(text[:exc.pos].encode()), f"corrupt JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                if not strict:
+                    break
+                raise self._error(len(text[:pos].encode()), "traceEvents item is not an object")
+            try:
+                events.append(msgspec.convert(obj, TraceEvent))
+            except msgspec.ValidationError as exc:
+                if not strict:
+                    break
+                raise self._error(len(text[:pos].encode()), f"invalid event ({exc})") from None
+            pos = end
+        return events, text[pos:].encode()
+
+    def _decode_tail(self, buf: bytes) -> tuple[list[TraceEvent], bytes, InputError | None]:
+        """Decode the last events; returns them, the bytes after the closing ``]`` and any error."""
+        text = buf.decode("utf-8", errors="replace")
+        try:
+            _, end = json.JSONDecoder().raw_decode("[" + text)
+        except json.JSONDecodeError as exc:
+            events, _ = self._decode_slow(buf, final=False, strict=False)
+            where = self.consumed + max(0, len(text[: exc.pos - 1].encode()))
+            return events, b"", InputError(
+                f"{self.name}: trace is truncated or corrupt near byte {where} ({exc.msg}); "
+                f"the {len(events)} complete events of the last block were kept")
+        array = ("[" + text)[:end]
+        try:
+            events = _block_decoder.decode(array.encode())
+        except msgspec.DecodeError:
+            events, _ = self._decode_slow(array[1:].encode(), final=True)
+        return events, text[end - 1:].encode(), None
+
+    def _finish_header(self, head: bytes, tail: bytes) -> None:
+        doc = head + b'"traceEvents": []' + tail
+        try:
+            meta = json.loads(doc)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{self.name}: top-level JSON around traceEvents is corrupt ({exc.msg})") from None
+        if not isinstance(meta, dict):
+            raise InputError(f"{self.name}: top level is not a JSON object")
+        meta.pop("traceEvents", None)
+        self.header.metadata = meta
+
+
+def _last_boundary(buf: bytes) -> tuple[int, int] | None:
+    """Positions (end of ``}``, start of ``{``) of the last ``} , {`` boundary in ``buf``."""
+    pos = len(buf)
+    while True:
+        comma = buf.rfind(b",", 0, pos)
+        if comma <= 0:
+            return None
+        left = comma - 1
+        while left >= 0 and buf[left] in _WS:
+            left -= 1
+        right = comma + 1
+        while right < len(buf) and buf[right] in _WS:
+            right += 1
+        if left >= 0 and buf[left] == 0x7D and right < len(buf) and buf[right] == 0x7B:
+            return left + 1, right
+        pos = comma
+
+
+def read_all(path: str | Path) -> tuple[TraceHeader, list[TraceEvent]]:
+    """Read a whole trace into memory (small traces and tests)."""
+    header = TraceHeader()
+    events = [e for block in read_trace(path, header) for e in block]
+    return header, events
+
+
+__all__ = ["EventArgs", "TraceEvent", "TraceHeader", "open_binary", "read_all", "read_trace"]

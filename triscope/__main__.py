@@ -1,0 +1,5 @@
+import sys
+
+from triscope.cli import main
+
+sys.exit(main())

@@ -1,0 +1,92 @@
+"""Configuration: one TOML file plus ``TRISCOPE_*`` environment overrides.
+
+Override keys map to dotted paths with ``__`` as the separator, e.g.
+``TRISCOPE_STORE__URL=http://127.0.0.1:8123`` sets ``[store] url``.
+Values are parsed as TOML scalars when possible (``10`` is an int, ``true`` a bool),
+otherwise kept as strings.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from triscope.errors import ConfigError
+
+ENV_PREFIX = "TRISCOPE_"
+# Variables with the prefix that are flags for the test-suite, not configuration.
+_NON_CONFIG_ENV = {"TRISCOPE_REQUIRE_ALL", "TRISCOPE_CONFIG"}
+
+DEFAULTS: dict[str, Any] = {
+    "store": {
+        # "embedded" (chDB, a data directory) or "server" (clickhouse-connect).
+        "backend": "embedded",
+        "path": "var/triscope-data",
+        "url": "",
+        "database": "triscope",
+        "username": "",
+        "password": "",
+        # Cluster mode: ON CLUSTER DDL, ReplicatedMergeTree + Distributed tables.
+        "cluster": "",
+    },
+    "analysis": {
+        "window_ms": 100,
+    },
+}
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Return the nested dict described by ``TRISCOPE_A__B=value`` variables."""
+    environ = dict(os.environ if environ is None else environ)
+    tree: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in _NON_CONFIG_ENV:
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX):].split("__") if part]
+        if len(path) < 2:
+            continue
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"environment variable {name} conflicts with another override")
+        node[path[-1]] = _parse_scalar(raw)
+    return tree
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Load defaults, then the TOML file (``path`` or ``$TRISCOPE_CONFIG``), then env overrides."""
+    env = os.environ if environ is None else environ
+    path = path or env.get("TRISCOPE_CONFIG")
+    config = copy.deepcopy(DEFAULTS)
+    if path:
+        file = Path(path)
+        try:
+            data = tomllib.loads(file.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {file}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
+        config = _deep_merge(config, data)
+    return _deep_merge(config, env_overrides(dict(env)))

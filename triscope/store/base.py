@@ -1,0 +1,69 @@
+"""The ``Store`` interface shared by the embedded (chDB) and server (clickhouse-connect) backends.
+
+Every value reaches ClickHouse as a query parameter written ``{name:Type}`` in the SQL;
+both backends bind them server-side, so no value is ever spliced into SQL text.
+Identifiers (table names) come only from the schema module.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Result:
+    """Rows of a query with their column names."""
+
+    columns: list[str]
+    rows: list[tuple[Any, ...]]
+
+    def dicts(self) -> list[dict[str, Any]]:
+        """Rows as dictionaries keyed by column name."""
+        return [dict(zip(self.columns, row, strict=True)) for row in self.rows]
+
+    def scalar(self) -> Any:
+        """The first column of the first row, or None when there are no rows."""
+        return self.rows[0][0] if self.rows else None
+
+
+class Store(ABC):
+    """A ClickHouse database reachable through one SQL dialect."""
+
+    database: str
+    cluster: str
+
+    @abstractmethod
+    def command(self, sql: str, params: Mapping[str, Any] | None = None) -> None:
+        """Run a statement that returns no rows (DDL, DELETE, INSERT ... SELECT)."""
+
+    @abstractmethod
+    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> Result:
+        """Run a SELECT and return its rows."""
+
+    @abstractmethod
+    def query_columns(self, sql: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Run a SELECT and return ``{column: numpy array}`` (fast path for analyzers)."""
+
+    @abstractmethod
+    def insert(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
+        """Insert column-oriented data (all sequences the same length); returns the row count."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def row_count(columns: Mapping[str, Sequence[Any]]) -> int:
+        """Length shared by all columns; raises ValueError when they differ."""
+        lengths = {len(v) for v in columns.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"columns have different lengths: {sorted(lengths)}")
+        return lengths.pop() if lengths else 0

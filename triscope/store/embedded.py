@@ -1,0 +1,131 @@
+"""Embedded ClickHouse through chDB: a data directory, no server.
+
+chDB allows one data path per process and one connection per thread, so this backend
+keeps a connection per thread (created lazily, after a warm-up query on the creating
+thread) and takes an exclusive ``flock`` on the directory so a second process gets a
+clear error instead of a corrupted store.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from triscope.errors import StoreError
+from triscope.store.base import Result, Store
+
+_process_path: str | None = None
+_process_lock = threading.Lock()
+
+
+def _to_insertable(values: Sequence[Any]) -> Any:
+    if isinstance(values, np.ndarray):
+        return values.tolist()
+    return values if isinstance(values, list) else list(values)
+
+
+class EmbeddedStore(Store):
+    """Store backed by chDB on a local directory."""
+
+    def __init__(self, path: str | os.PathLike[str], database: str = "triscope", cluster: str = "") -> None:
+        global _process_path
+        import chdb  # imported here: chDB start-up is heavy and not every command needs it
+
+        self._chdb = chdb
+        self.path = str(Path(path).resolve())
+        self.database = database
+        self.cluster = cluster
+        with _process_lock:
+            if _process_path not in (None, self.path):
+                raise StoreError(
+                    f"this process already opened the embedded store at {_process_path}; "
+                    f"chDB allows one data path per process (asked for {self.path})"
+                )
+            Path(self.path).mkdir(parents=True, exist_ok=True)
+            self._lock_file = open(Path(self.path) / ".triscope.lock", "a+")  # noqa: SIM115
+            try:
+                fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._lock_file.close()
+                if _process_path == self.path:
+                    # Same process re-opening its own path: the flock is already ours.
+                    self._lock_file = None
+                else:
+                    raise StoreError(
+                        f"embedded store {self.path} is in use by another process "
+                        "(chDB allows one process per data directory); stop it or use a server store"
+                    ) from None
+            _process_path = self.path
+        self._local = threading.local()
+        self._connections: list[Any] = []
+        self._conn_lock = threading.Lock()
+        self.command(f"CREATE DATABASE IF NOT EXISTS {database}")
+
+    def _conn(self) -> Any:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = self._chdb.connect(self.path)
+                conn.query("SELECT 1", "CSV")  # warm-up on this thread before use
+            except Exception as exc:  # chDB raises bare RuntimeError subclasses
+                raise StoreError(f"cannot open embedded store {self.path}: {_one_line(exc)}") from None
+            self._local.conn = conn
+            with self._conn_lock:
+                self._connections.append(conn)
+        return conn
+
+    def _run(self, sql: str, fmt: str, params: Mapping[str, Any] | None) -> Any:
+        try:
+            return self._conn().query(sql, fmt, params=dict(params) if params else None)
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"query failed: {_one_line(exc)}") from None
+
+    def command(self, sql: str, params: Mapping[str, Any] | None = None) -> None:
+        self._run(sql, "CSV", params)
+
+    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> Result:
+        import orjson
+
+        raw = self._run(sql, "JSONCompact", params).bytes()
+        if not raw:
+            return Result([], [])
+        doc = orjson.loads(raw)
+        return Result([m["name"] for m in doc["meta"]], [tuple(r) for r in doc["data"]])
+
+    def query_columns(self, sql: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        table = self._run(sql, "ArrowTable", params)
+        return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+
+    def insert(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
+        n = self.row_count(columns)
+        if n == 0:
+            return 0
+        # chDB's Python() table function reads a dict of lists in the calling frame.
+        payload = {name: _to_insertable(values) for name, values in columns.items()}
+        names = ", ".join(f"`{c}`" for c in payload)
+        self._run(f"INSERT INTO {table} ({names}) SELECT {names} FROM Python(payload)", "CSV", None)
+        return n
+
+    def close(self) -> None:
+        global _process_path
+        with self._conn_lock:
+            for conn in self._connections:
+                try:
+                    conn.close()
+                except Exception:  # noqa: BLE001 - closing best-effort
+                    pass
+            self._connections.clear()
+        self._local = threading.local()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,102 @@
+"""ClickHouse server backend through clickhouse-connect (HTTP interface).
+
+Parameters use the same ``{name:Type}`` syntax as the embedded backend; clickhouse-connect
+sends them as server-side query parameters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+from triscope.errors import StoreError
+from triscope.store.base import Result, Store
+
+
+class ServerStore(Store):
+    """Store backed by a ClickHouse server (single node or a cluster entry point)."""
+
+    def __init__(self, url: str, database: str = "triscope", username: str = "", password: str = "",
+                 cluster: str = "", connect_timeout_s: float = 5.0) -> None:
+        import clickhouse_connect
+
+        parsed = urlparse(url if "://" in url else f"http://{url}")
+        if not parsed.hostname:
+            raise StoreError(f"store url {url!r} has no host")
+        self.url = url
+        self.database = database
+        self.cluster = cluster
+        self._kwargs = dict(
+            host=parsed.hostname,
+            port=parsed.port or (8443 if parsed.scheme == "https" else 8123),
+            secure=parsed.scheme == "https",
+            username=username or parsed.username or "default",
+            password=password or parsed.password or "",
+            connect_timeout=connect_timeout_s,
+        )
+        self._connect = clickhouse_connect.get_client
+        self._local = threading.local()
+        on_cluster = f" ON CLUSTER `{cluster}`" if cluster else ""
+        self._client(database="default").command(f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}")
+
+    def _client(self, database: str | None = None) -> Any:
+        client = getattr(self._local, "client", None)
+        if client is None or database:
+            try:
+                client = self._connect(database=database or self.database, **self._kwargs)
+            except Exception as exc:
+                raise StoreError(f"cannot reach ClickHouse at {self.url}: {_one_line(exc)}") from None
+            if database is None:
+                self._local.client = client
+        return client
+
+    def command(self, sql: str, params: Mapping[str, Any] | None = None) -> None:
+        try:
+            self._client().command(sql, parameters=dict(params or {}))
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"query failed: {_one_line(exc)}") from None
+
+    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> Result:
+        try:
+            res = self._client().query(sql, parameters=dict(params or {}))
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"query failed: {_one_line(exc)}") from None
+        return Result(list(res.column_names), [tuple(r) for r in res.result_rows])
+
+    def query_columns(self, sql: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        try:
+            table = self._client().query_arrow(sql, parameters=dict(params or {}))
+        except Exception as exc:
+            raise StoreError(f"query failed: {_one_line(exc)}") from None
+        return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+
+    def insert(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
+        n = self.row_count(columns)
+        if n == 0:
+            return 0
+        names = list(columns)
+        data = [v.tolist() if isinstance(v, np.ndarray) else list(v) for v in columns.values()]
+        try:
+            self._client().insert(table, data, column_names=names, column_oriented=True)
+        except Exception as exc:
+            raise StoreError(f"insert into {table} failed: {_one_line(exc)}") from None
+        return n
+
+    def close(self) -> None:
+        client = getattr(self._local, "client", None)
+        if client is not None:
+            client.close()
+        self._local = threading.local()
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
