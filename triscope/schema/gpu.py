@@ -1,0 +1,74 @@
+"""GPU samples (NVML, dcgm-exporter), per-process GPU memory and torch allocator samples.
+
+Conventions for every time-series table in triscope: ``ts`` is ``DateTime64(9, 'UTC')``;
+a float that a source could not measure is NaN (aggregate with ``...If(x, isFinite(x))``);
+units are in the column names (``_bytes``, ``_seconds``, ``_ratio`` in 0..1, ``_hz``, ``_watts``).
+"""
+
+from triscope.schema.model import Column, Migration, Table, create_tables
+
+DOMAIN = "gpu"
+
+TS = Column("ts", "DateTime64(9, 'UTC')")
+HOST = Column("host", "LowCardinality(String)")
+
+GPU_SAMPLES = Table(
+    name="gpu_samples",
+    columns=[
+        TS, HOST,
+        Column("gpu", "UInt16", "device index on the host"),
+        Column("gpu_uuid", "LowCardinality(String)"),
+        Column("gpu_model", "LowCardinality(String)"),
+        Column("source", "LowCardinality(String)", "nvml or dcgm"),
+        Column("memory_used_bytes", "Float64"),
+        Column("memory_total_bytes", "Float64"),
+        Column("memory_reserved_bytes", "Float64"),
+        Column("gpu_util_ratio", "Float32"),
+        Column("memory_util_ratio", "Float32"),
+        Column("sm_active_ratio", "Float32", "DCGM PROF_SM_ACTIVE or NVML GPM SM activity"),
+        Column("sm_occupancy_ratio", "Float32", "DCGM PROF_SM_OCCUPANCY or NVML GPM occupancy"),
+        Column("dram_active_ratio", "Float32", "DCGM PROF_DRAM_ACTIVE: fraction of peak DRAM bandwidth"),
+        Column("l2_bandwidth_ratio", "Float32", "fraction of peak L2 bandwidth when known"),
+        Column("sm_clock_hz", "Float64"),
+        Column("power_watts", "Float32"),
+        Column("temperature_celsius", "Float32"),
+        Column("clock_event_reasons", "UInt64", "NVML clock event (throttle) reason bitmask"),
+        Column("pcie_tx_bytes_per_second", "Float64"),
+        Column("pcie_rx_bytes_per_second", "Float64"),
+        Column("nvlink_tx_bytes_per_second", "Float64"),
+        Column("nvlink_rx_bytes_per_second", "Float64"),
+        Column("ecc_corrected_total", "Float64"),
+        Column("ecc_uncorrected_total", "Float64"),
+        Column("state", "LowCardinality(String)", "ok, lost, unavailable"),
+    ],
+    order_by="host, gpu, ts",
+    partition_by="toYYYYMMDD(ts)",
+)
+
+GPU_PROCESS_MEMORY = Table(
+    name="gpu_process_memory",
+    columns=[TS, HOST, Column("gpu", "UInt16"), Column("pid", "UInt32"),
+             Column("process_name", "LowCardinality(String)"), Column("used_bytes", "Float64")],
+    order_by="host, gpu, ts, pid",
+    partition_by="toYYYYMMDD(ts)",
+)
+
+ALLOCATOR_SAMPLES = Table(
+    name="allocator_samples",
+    columns=[
+        TS, HOST, Column("gpu", "UInt16"), Column("pid", "UInt32"),
+        Column("allocated_bytes", "Float64"),
+        Column("reserved_bytes", "Float64"),
+        Column("inactive_split_bytes", "Float64"),
+        Column("alloc_retries_total", "UInt64"),
+        Column("ooms_total", "UInt64"),
+        Column("fragmentation_ratio", "Float32", "1 - allocated/reserved"),
+    ],
+    order_by="host, gpu, pid, ts",
+    partition_by="toYYYYMMDD(ts)",
+)
+
+MIGRATIONS = [
+    Migration(1, "gpu samples, process memory, allocator", create_tables(GPU_SAMPLES, GPU_PROCESS_MEMORY,
+                                                                          ALLOCATOR_SAMPLES)),
+]

@@ -1,0 +1,57 @@
+"""Request spans (OTLP / in-process exporter) and serving-engine metrics (vLLM, SGLang, TGI)."""
+
+from triscope.schema.model import Column, Migration, Table, create_tables
+
+DOMAIN = "requests"
+
+REQUESTS = Table(
+    name="requests",
+    columns=[
+        Column("ts", "DateTime64(9, 'UTC')", "span start"),
+        Column("host", "LowCardinality(String)"),
+        Column("backend", "LowCardinality(String)", "serving instance (host:port or service instance id)"),
+        Column("gpu", "LowCardinality(String)", "GPU index/uuid serving it when known"),
+        Column("model", "LowCardinality(String)", "gen_ai.request.model / response model"),
+        Column("model_version", "LowCardinality(String)"),
+        Column("modality", "LowCardinality(String)", "text, image, audio, video, speech, mixed"),
+        Column("request_class", "LowCardinality(String)", "e.g. realtime_speech, interactive_image_text, offline_video"),
+        Column("request_id", "String", "gen_ai.request.id"),
+        Column("trace_id", "String"),
+        Column("span_id", "String"),
+        Column("span_name", "LowCardinality(String)"),
+        Column("latency_seconds", "Float64", "end-to-end"),
+        Column("ttft_seconds", "Float64", "time to first token"),
+        Column("queue_seconds", "Float64", "time in queue"),
+        Column("prefill_seconds", "Float64"),
+        Column("decode_seconds", "Float64"),
+        Column("prompt_tokens", "UInt32"),
+        Column("completion_tokens", "UInt32"),
+        Column("image_pixels", "UInt64", "width*height of the input image(s), 0 when none"),
+        Column("input_resolution", "LowCardinality(String)", "e.g. 1024x768"),
+        Column("status", "LowCardinality(String)", "ok or error"),
+    ],
+    order_by="backend, ts",
+    partition_by="toYYYYMMDD(ts)",
+)
+
+SERVING_METRICS = Table(
+    name="serving_metrics",
+    columns=[
+        Column("ts", "DateTime64(9, 'UTC')"),
+        Column("host", "LowCardinality(String)"),
+        Column("backend", "LowCardinality(String)", "the scraped instance"),
+        Column("server", "LowCardinality(String)", "vllm, sglang, tgi"),
+        Column("model", "LowCardinality(String)"),
+        Column("queue_length", "Float64", "requests waiting"),
+        Column("running_requests", "Float64"),
+        Column("kv_cache_usage_ratio", "Float64", "0..1"),
+        Column("requests_total", "Float64", "finished requests counter"),
+        Column("latency_p50_seconds", "Float64", "from histogram deltas since the last scrape"),
+        Column("latency_p99_seconds", "Float64"),
+        Column("ttft_p99_seconds", "Float64"),
+    ],
+    order_by="backend, ts",
+    partition_by="toYYYYMMDD(ts)",
+)
+
+MIGRATIONS = [Migration(1, "requests and serving metrics", create_tables(REQUESTS, SERVING_METRICS))]
