@@ -1,6 +1,6 @@
 """Request spans (OTLP / in-process exporter) and serving-engine metrics (vLLM, SGLang, TGI)."""
 
-from triscope.schema.model import Column, Migration, Table, create_tables
+from triscope.schema.model import Column, Migration, Table, add_columns, create_tables
 
 DOMAIN = "requests"
 
@@ -54,4 +54,11 @@ SERVING_METRICS = Table(
     partition_by="toYYYYMMDD(ts)",
 )
 
-MIGRATIONS = [Migration(1, "requests and serving metrics", create_tables(REQUESTS, SERVING_METRICS))]
+MIGRATIONS = [
+    Migration(1, "requests and serving metrics", create_tables(REQUESTS, SERVING_METRICS)),
+    Migration(2, "requests: service name and gen_ai operation", add_columns(
+        "requests",
+        Column("service_name", "LowCardinality(String)", "resource service.name"),
+        Column("operation", "LowCardinality(String)", "gen_ai.operation.name, e.g. chat, embeddings"),
+    )),
+]

@@ -1,0 +1,63 @@
+"""In-process exporter: a real OpenTelemetry SDK tracer -> TriscopeSpanExporter -> chDB rows."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Status, StatusCode
+
+from triscope.collectors.otel_exporter import TriscopeSpanExporter
+from triscope.schema import qualified
+
+
+def test_sdk_tracer_to_store(store) -> None:
+    exporter = TriscopeSpanExporter(store, interval_s=0.2)
+    provider = TracerProvider(resource=Resource.create({
+        "service.name": "vllm", "service.instance.id": "node-a:8000", "host.name": "node-a"}))
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=50))
+    tracer = provider.get_tracer("vllm.llm_engine")
+    for i in range(50):
+        with tracer.start_as_current_span("llm_request") as span:
+            span.set_attribute("gen_ai.request.id", f"r{i:02d}")
+            span.set_attribute("gen_ai.response.model", "qwen")
+            span.set_attribute("gen_ai.usage.input_tokens", 10 + i)  # newer semconv names
+            span.set_attribute("gen_ai.usage.output_tokens", i)
+            span.set_attribute("gen_ai.latency.e2e", i / 100)
+            span.set_attribute("gen_ai.latency.time_to_first_token", i / 1000)
+            span.set_attribute("gpu.id", str(i % 2))
+            if i == 7:
+                span.set_status(Status(StatusCode.ERROR))
+    with tracer.start_as_current_span("healthcheck"):
+        pass  # no gen_ai attributes: not a request span
+    with tracer.start_as_current_span("llm_request") as span:
+        span.set_attribute("gen_ai.usage.prompt_tokens", -3)  # rejected, others kept
+    provider.force_flush()
+    provider.shutdown()
+    got = store.query(
+        f"SELECT request_id, prompt_tokens, completion_tokens, latency_seconds, ttft_seconds, gpu, status, "
+        f"backend, host, model, toUnixTimestamp64Nano(ts) AS ts_ns FROM {qualified(store, 'requests')} "
+        "ORDER BY request_id").dicts()
+    assert len(got) == 50
+    assert exporter.rejected == 1
+    assert [r["prompt_tokens"] for r in got] == [10 + i for i in range(50)]
+    assert [r["completion_tokens"] for r in got] == list(range(50))
+    assert [r["latency_seconds"] for r in got] == pytest.approx([i / 100 for i in range(50)])
+    assert [r["ttft_seconds"] for r in got] == pytest.approx([i / 1000 for i in range(50)])
+    assert {r["backend"] for r in got} == {"node-a:8000"} and {r["host"] for r in got} == {"node-a"}
+    assert [r["status"] for r in got].count("error") == 1 and got[7]["status"] == "error"
+    assert {r["gpu"] for r in got} == {"0", "1"}
+    ts = [r["ts_ns"] for r in got]
+    assert ts == sorted(ts) and ts[0] > 1_600_000_000 * 10**9
+
+
+def test_shutdown_flushes_and_refuses_more(store) -> None:
+    exporter = TriscopeSpanExporter(store, interval_s=60)  # only shutdown writes
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    with provider.get_tracer("t").start_as_current_span("llm_request") as span:
+        span.set_attribute("gen_ai.latency.e2e", 0.5)
+    provider.shutdown()
+    assert store.query(f"SELECT count() FROM {qualified(store, 'requests')}").scalar() == 1
+    assert exporter.export([]).name == "FAILURE"
