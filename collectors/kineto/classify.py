@@ -44,9 +44,14 @@ _comm_re = re.compile(DEFAULT_COMM_KERNEL_PATTERN)
 
 
 def set_comm_kernel_pattern(pattern: str) -> None:
-    """Replace the regular expression that marks a GPU kernel as communication."""
+    """Replace the regular expression (RE2-compatible) that marks a GPU kernel as communication."""
     global _comm_re
     _comm_re = re.compile(pattern)
+
+
+def comm_kernel_pattern() -> str:
+    """The regular expression in use (also evaluated by ClickHouse during ingest)."""
+    return _comm_re.pattern
 
 
 def event_kind(category: str) -> str:

@@ -15,7 +15,7 @@ import gzip
 import json
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -93,25 +93,33 @@ def open_binary(path: str | Path) -> BinaryIO:
     return raw
 
 
+RawSink = Callable[[bytes], bool]
+"""Takes a block as JSON array text; returns False when it could not parse it."""
+
+
 def read_trace(path: str | Path, header: TraceHeader | None = None,
-               block_bytes: int = BLOCK_BYTES) -> Iterator[list[TraceEvent]]:
+               block_bytes: int = BLOCK_BYTES, raw_sink: RawSink | None = None) -> Iterator[list[TraceEvent]]:
     """Yield blocks of events from a Kineto trace; fills ``header`` when the file has been read.
 
+    With ``raw_sink``, each block is first offered as JSON array bytes (e.g. to ClickHouse's
+    own JSON parser); only blocks it refuses are decoded here and yielded.
     Raises :class:`InputError` naming the file and byte offset on truncated or corrupt input;
-    blocks yielded before the error are complete and valid.
+    blocks yielded (or accepted by ``raw_sink``) before the error are complete and valid.
     """
     header = header if header is not None else TraceHeader()
     with open_binary(path) as stream:
-        yield from _TraceParser(str(path), stream, header, block_bytes).blocks()
+        yield from _TraceParser(str(path), stream, header, block_bytes, raw_sink).blocks()
 
 
 class _TraceParser:
-    def __init__(self, name: str, stream: BinaryIO, header: TraceHeader, block_bytes: int) -> None:
+    def __init__(self, name: str, stream: BinaryIO, header: TraceHeader, block_bytes: int,
+                 raw_sink: RawSink | None) -> None:
         self.name = name
         self.stream = stream
         self.header = header
         self.block_bytes = block_bytes
-        self.consumed = 0  # decompressed bytes before ``buf``
+        self.raw_sink = raw_sink
+        self.consumed = 0  # decompressed bytes before the current buffer
         self.eof = False
 
     def _read(self) -> bytes:
@@ -127,6 +135,15 @@ class _TraceParser:
     def _error(self, offset: int, what: str) -> InputError:
         return InputError(f"{self.name}: {what} at byte {self.consumed + offset}")
 
+    def _decode_array(self, array: bytes) -> list[TraceEvent] | None:
+        """Events of ``array`` (JSON array text) through the fast paths; None when it does not parse."""
+        if self.raw_sink is not None:
+            return [] if self.raw_sink(array) else None
+        try:
+            return _block_decoder.decode(array)
+        except msgspec.DecodeError:
+            return None
+
     def blocks(self) -> Iterator[list[TraceEvent]]:
         buf = b""
         match = None
@@ -140,19 +157,18 @@ class _TraceParser:
             match = _ARRAY_START.search(buf)
             if match is None and len(buf) > 64 * self.block_bytes:
                 raise self._error(0, "no traceEvents array in the first blocks")
-        head_text = buf[: match.start()]
+        head = buf[: match.start()]
+        self._set_early_metadata(head)
         self.consumed += match.end()
         buf = buf[match.end():]
         read_error: InputError | None = None
-        while True:
-            if not self.eof and read_error is None and len(buf) < self.block_bytes:
+        while not self.eof and read_error is None:
+            if len(buf) < self.block_bytes:
                 try:
                     buf += self._read()
                 except InputError as exc:
                     read_error = exc
                 continue
-            if self.eof or read_error is not None:
-                break
             cut = _last_boundary(buf)
             if cut is None:  # one huge event or an odd layout: read more before deciding
                 try:
@@ -160,16 +176,14 @@ class _TraceParser:
                 except InputError as exc:
                     read_error = exc
                 continue
-            chunk, rest = buf[: cut[0]], buf[cut[1]:]
-            try:
-                events = _block_decoder.decode(b"[" + chunk + b"]")
-            except msgspec.DecodeError:
+            events = self._decode_array(b"[" + buf[: cut[0]] + b"]")
+            if events is None:  # wrong cut or damage: decode event by event
                 events, leftover = self._decode_slow(buf, final=False)
                 self.consumed += len(buf) - len(leftover)
                 buf = leftover
             else:
                 self.consumed += cut[1]
-                buf = rest
+                buf = buf[cut[1]:]
             if events:
                 yield events
         if read_error is not None:
@@ -177,13 +191,55 @@ class _TraceParser:
             events, _ = self._decode_slow(buf, final=False, strict=False)
             if events:
                 yield events
-            raise InputError(f"{read_error}; {len(events)} events from the last block were kept")
-        events, tail, error = self._decode_tail(buf)
+            raise InputError(f"{read_error}; the {len(events)} complete events of the last block were kept")
+        split = self._split_tail(head, buf)
+        if split is None:
+            events, _ = self._decode_slow(buf, final=False, strict=False)
+            if events:
+                yield events
+            raise InputError(f"{self.name}: trace is truncated or corrupt after byte {self.consumed} "
+                             f"(no closing of traceEvents); the {len(events)} complete events of the "
+                             "last block were kept")
+        array_end, metadata = split
+        body = buf[:array_end]
+        events = self._decode_array(b"[" + body + b"]") if body.strip() else []
+        if events is None:
+            events, _ = self._decode_slow(body, final=True)
         if events:
             yield events
-        if error is not None:
-            raise error
-        self._finish_header(head_text, tail)
+        self.header.metadata = metadata
+
+    def _split_tail(self, head: bytes, buf: bytes) -> tuple[int, dict[str, Any]] | None:
+        """Find the ``]`` closing traceEvents in the last buffer: the one after which the rest
+        of the document parses. Returns (offset of that ``]``, top-level metadata)."""
+        pos = len(buf)
+        for _ in range(64):
+            close = buf.rfind(b"]", 0, pos)
+            if close < 0:
+                return None
+            before = buf[:close].rstrip()
+            if not before or before.endswith(b"}"):
+                try:
+                    meta = json.loads(head + b'"traceEvents": []' + buf[close + 1:])
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    meta = None
+                if isinstance(meta, dict):
+                    meta.pop("traceEvents", None)
+                    return close, meta
+            pos = close
+        return None
+
+    def _set_early_metadata(self, head: bytes) -> None:
+        """Keys before traceEvents (often distributedInfo with the rank), best effort."""
+        text = head.rstrip()
+        if text.endswith(b","):
+            text = text[:-1]
+        try:
+            meta = json.loads(text + b"}")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return
+        if isinstance(meta, dict):
+            self.header.metadata = meta
 
     def _decode_slow(self, buf: bytes, final: bool, strict: bool = True) -> tuple[list[TraceEvent], bytes]:
         """Decode events one at a time; returns events and the undecoded remainder.
@@ -204,7 +260,7 @@ class _TraceParser:
                 obj, end = decoder.raw_decode(text, pos)
             except json.JSONDecodeError as exc:
                 if not strict or (not final and exc.pos >= n - 1):
-                    break  # event continues in the next block, or damage we report elsewhere
+                    break  # event continues in the next block, or damage reported by the caller
                 raise self._error(len(text[:exc.pos].encode()), f"corrupt JSON ({exc.msg})") from None
             if not isinstance(obj, dict):
                 if not strict:
@@ -218,35 +274,6 @@ class _TraceParser:
                 raise self._error(len(text[:pos].encode()), f"invalid event ({exc})") from None
             pos = end
         return events, text[pos:].encode()
-
-    def _decode_tail(self, buf: bytes) -> tuple[list[TraceEvent], bytes, InputError | None]:
-        """Decode the last events; returns them, the bytes after the closing ``]`` and any error."""
-        text = buf.decode("utf-8", errors="replace")
-        try:
-            _, end = json.JSONDecoder().raw_decode("[" + text)
-        except json.JSONDecodeError as exc:
-            events, _ = self._decode_slow(buf, final=False, strict=False)
-            where = self.consumed + max(0, len(text[: exc.pos - 1].encode()))
-            return events, b"", InputError(
-                f"{self.name}: trace is truncated or corrupt near byte {where} ({exc.msg}); "
-                f"the {len(events)} complete events of the last block were kept")
-        array = ("[" + text)[:end]
-        try:
-            events = _block_decoder.decode(array.encode())
-        except msgspec.DecodeError:
-            events, _ = self._decode_slow(array[1:].encode(), final=True)
-        return events, text[end - 1:].encode(), None
-
-    def _finish_header(self, head: bytes, tail: bytes) -> None:
-        doc = head + b'"traceEvents": []' + tail
-        try:
-            meta = json.loads(doc)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{self.name}: top-level JSON around traceEvents is corrupt ({exc.msg})") from None
-        if not isinstance(meta, dict):
-            raise InputError(f"{self.name}: top level is not a JSON object")
-        meta.pop("traceEvents", None)
-        self.header.metadata = meta
 
 
 def _last_boundary(buf: bytes) -> tuple[int, int] | None:

@@ -21,7 +21,6 @@ TRACE_RUNS = Table(
         Column("time_base", "LowCardinality(String)", "relative (baseTimeNanoseconds) or absolute"),
         Column("event_count", "UInt64", "complete (ph=X) events stored"),
         Column("gpu_event_count", "UInt64"),
-        Column("skipped_count", "UInt64", "metadata, flow and instant events not stored"),
         Column("status", "LowCardinality(String)", "complete, or partial when the file was cut short"),
         Column("error", "String", "why a partial ingest stopped"),
         Column("metadata_json", "String", "top-level trace keys other than traceEvents"),

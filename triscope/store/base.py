@@ -51,6 +51,17 @@ class Store(ABC):
     def insert(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
         """Insert column-oriented data (all sequences the same length); returns the row count."""
 
+    @abstractmethod
+    def insert_from_json(self, insert_sql: str, structure: str, data: bytes,
+                         params: Mapping[str, Any] | None = None) -> None:
+        """Run an ``INSERT ... SELECT ... FROM json_input`` over ``data`` parsed by ClickHouse itself.
+
+        ``json_input`` in ``insert_sql`` stands for the rows of ``data`` (JSONEachRow: one object
+        per line, or a JSON array of objects) with columns ``structure`` (e.g. ``"a String, b Int64"``;
+        nested objects read as String when so typed). The data is parsed fully before any row is
+        written, so a parse error inserts nothing.
+        """
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 

@@ -8,8 +8,11 @@ clear error instead of a corrupted store.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import re
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -82,7 +85,8 @@ class EmbeddedStore(Store):
 
     def _run(self, sql: str, fmt: str, params: Mapping[str, Any] | None) -> Any:
         try:
-            return self._conn().query(sql, fmt, params=dict(params) if params else None)
+            bound = {k: _param_text(v) for k, v in params.items()} if params else None
+            return self._conn().query(sql, fmt, params=bound)
         except StoreError:
             raise
         except Exception as exc:
@@ -114,16 +118,56 @@ class EmbeddedStore(Store):
         self._run(f"INSERT INTO {table} ({names}) SELECT {names} FROM Python(payload)", "CSV", None)
         return n
 
+    def insert_from_json(self, insert_sql: str, structure: str, data: bytes,
+                         params: Mapping[str, Any] | None = None) -> None:
+        if not _SAFE_STRUCTURE.fullmatch(structure):
+            raise ValueError(f"unsupported characters in structure {structure!r}")
+        fd, tmp = tempfile.mkstemp(prefix="triscope-json-", suffix=".json")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            source = f"file('{tmp}', 'JSONEachRow', '{structure}')"
+            self._run(insert_sql.replace("json_input", source) + _ATOMIC_JSON_SETTINGS, "CSV", params)
+        finally:
+            os.unlink(tmp)
+
     def close(self) -> None:
         global _process_path
         with self._conn_lock:
             for conn in self._connections:
-                try:
+                with contextlib.suppress(Exception):  # closing is best-effort
                     conn.close()
-                except Exception:  # noqa: BLE001 - closing best-effort
-                    pass
             self._connections.clear()
         self._local = threading.local()
+
+
+def _literal(value: Any) -> str:
+    """A value inside a composite parameter, in ClickHouse's text format."""
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_literal(v) for v in value) + "]"
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def _param_text(value: Any) -> Any:
+    """chDB takes top-level scalars as is; arrays and tuples need ClickHouse's text format."""
+    if isinstance(value, (list, tuple)):
+        return _literal(list(value))
+    if isinstance(value, bool):
+        return int(value)
+    return value
+
+
+_SAFE_STRUCTURE = re.compile(r"[A-Za-z0-9_ ,()]+")
+# One block per call: a parse error then aborts before any row is written.
+_ATOMIC_JSON_SETTINGS = (" SETTINGS input_format_parallel_parsing = 0, max_insert_block_size = 100000000,"
+                         " min_insert_block_size_rows = 0, min_insert_block_size_bytes = 0,"
+                         " input_format_json_read_objects_as_strings = 1")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -90,6 +90,18 @@ class ServerStore(Store):
             raise StoreError(f"insert into {table} failed: {_one_line(exc)}") from None
         return n
 
+    def insert_from_json(self, insert_sql: str, structure: str, data: bytes,
+                         params: Mapping[str, Any] | None = None) -> None:
+        sql = insert_sql.replace("json_input", f"input('{structure}')")
+        settings = {"input_format_parallel_parsing": 0, "max_insert_block_size": 100_000_000,
+                    "min_insert_block_size_rows": 0, "min_insert_block_size_bytes": 0,
+                    "input_format_json_read_objects_as_strings": 1}
+        try:
+            self._client().command(f"{sql} FORMAT JSONEachRow", parameters=dict(params or {}), data=data,
+                                   settings=settings)
+        except Exception as exc:
+            raise StoreError(f"insert failed: {_one_line(exc)}") from None
+
     def close(self) -> None:
         client = getattr(self._local, "client", None)
         if client is not None:

@@ -1,0 +1,291 @@
+"""Per-rank and per-step breakdown of GPU time in a Kineto trace run, in exact int64 nanoseconds.
+
+Definitions (GPU work = events of kind kernel, memcpy and memset, selected by category):
+
+- span: first GPU work start to last GPU work end.
+- busy: length of the union of all GPU work intervals; compute: union of compute kernels;
+  non-compute = busy - compute (communication and memory work not hidden under compute);
+  idle = span - busy.
+- idle breakdown, per stream: the gap before each item (start minus the previous item's end on
+  that stream) is *host wait* when the item's launching runtime call started after the
+  previous item ended, *kernel wait* when the gap is shorter than ``kernel_wait_ns`` (launch
+  overhead between back-to-back kernels), else *other*. Negative gaps count as zero.
+- comm/compute overlap: time where the communication union and the compute union intersect,
+  as a share of the communication union.
+- launch delay: GPU start minus the end of its runtime launch call (``correlation`` join),
+  clipped at zero.
+
+Whole-run figures follow HolisticTraceAnalysis: when a rank has two or more ``ProfilerStep#N``
+annotations, GPU work launched from the last step onwards is dropped (that step is usually
+cut off by the profiler) unless ``include_last_step`` is set. Per-step figures assign GPU work
+to the step whose CPU window contains its launching runtime call.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from triscope.errors import InputError
+from triscope.schema import qualified
+from triscope.store.base import Store
+
+DEFAULT_KERNEL_WAIT_NS = 30_000  # HTA's consecutive_kernel_delay default (30 us)
+_STEP_NUMBER = re.compile(r"ProfilerStep\s*#\s*(\d+)")
+
+
+@dataclass
+class LaunchDelay:
+    """Distribution of launch delays (ns)."""
+
+    count: int = 0
+    mean_ns: float = 0.0
+    p50_ns: int = 0
+    p95_ns: int = 0
+    p99_ns: int = 0
+    max_ns: int = 0
+
+
+@dataclass
+class StreamIdle:
+    """Idle time of one stream split by cause (ns)."""
+
+    stream: int
+    host_wait_ns: int = 0
+    kernel_wait_ns: int = 0
+    other_ns: int = 0
+
+    @property
+    def total_ns(self) -> int:
+        return self.host_wait_ns + self.kernel_wait_ns + self.other_ns
+
+
+@dataclass
+class Breakdown:
+    """GPU time of one rank over one window (whole run or one step)."""
+
+    span_ns: int = 0
+    busy_ns: int = 0
+    compute_ns: int = 0
+    non_compute_ns: int = 0
+    idle_ns: int = 0
+    comm_ns: int = 0
+    memory_ns: int = 0
+    comm_compute_overlap_ns: int = 0
+    gpu_events: int = 0
+    idle_by_stream: list[StreamIdle] = field(default_factory=list)
+    launch_delay: LaunchDelay = field(default_factory=LaunchDelay)
+
+    @property
+    def host_wait_ns(self) -> int:
+        return sum(s.host_wait_ns for s in self.idle_by_stream)
+
+    @property
+    def kernel_wait_ns(self) -> int:
+        return sum(s.kernel_wait_ns for s in self.idle_by_stream)
+
+    @property
+    def other_idle_ns(self) -> int:
+        return sum(s.other_ns for s in self.idle_by_stream)
+
+    def pct(self, part_ns: int) -> float:
+        """``part_ns`` as a percentage of the span."""
+        return 100.0 * part_ns / self.span_ns if self.span_ns else 0.0
+
+    @property
+    def overlap_ratio(self) -> float:
+        """Share of communication time overlapped by compute (0 when there is no communication)."""
+        return self.comm_compute_overlap_ns / self.comm_ns if self.comm_ns else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(
+            host_wait_ns=self.host_wait_ns, kernel_wait_ns=self.kernel_wait_ns, other_idle_ns=self.other_idle_ns,
+            compute_pct=round(self.pct(self.compute_ns), 4), non_compute_pct=round(self.pct(self.non_compute_ns), 4),
+            idle_pct=round(self.pct(self.idle_ns), 4), comm_compute_overlap_ratio=round(self.overlap_ratio, 6),
+        )
+        return out
+
+
+@dataclass
+class StepBreakdown:
+    step: int
+    cpu_start_ns: int
+    cpu_dur_ns: int
+    breakdown: Breakdown
+
+
+@dataclass
+class RankBreakdown:
+    rank: int
+    whole: Breakdown
+    steps: list[StepBreakdown]
+    last_step_dropped: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "last_step_dropped": self.last_step_dropped,
+            "whole": self.whole.to_dict(),
+            "steps": [{"step": s.step, "cpu_start_ns": s.cpu_start_ns, "cpu_dur_ns": s.cpu_dur_ns,
+                       **s.breakdown.to_dict()} for s in self.steps],
+        }
+
+
+def union_length(start: np.ndarray, end: np.ndarray) -> int:
+    """Total length covered by intervals [start, end) (int64, any order)."""
+    if start.size == 0:
+        return 0
+    order = np.argsort(start, kind="stable")
+    s, e = start[order], end[order]
+    reach = np.maximum.accumulate(e)
+    # A new merged group starts where an interval begins after everything before it ended.
+    new_group = np.empty(s.size, dtype=bool)
+    new_group[0] = True
+    new_group[1:] = s[1:] > reach[:-1]
+    group_starts = s[new_group]
+    group_ends = np.append(reach[np.flatnonzero(new_group)[1:] - 1], reach[-1])
+    return int((group_ends - group_starts).sum())
+
+
+def _percentile(sorted_values: np.ndarray, q: float) -> int:
+    """Nearest-rank percentile of an ascending array."""
+    if sorted_values.size == 0:
+        return 0
+    rank = max(1, int(np.ceil(q / 100.0 * sorted_values.size)))
+    return int(sorted_values[rank - 1])
+
+
+def _launch_delay(delays: np.ndarray) -> LaunchDelay:
+    if delays.size == 0:
+        return LaunchDelay()
+    d = np.sort(delays)
+    return LaunchDelay(count=int(d.size), mean_ns=float(d.mean()), p50_ns=_percentile(d, 50),
+                       p95_ns=_percentile(d, 95), p99_ns=_percentile(d, 99), max_ns=int(d[-1]))
+
+
+def _stream_idle(stream: np.ndarray, start: np.ndarray, end: np.ndarray, launch_ts: np.ndarray,
+                 has_launch: np.ndarray, kernel_wait_ns: int) -> list[StreamIdle]:
+    out: list[StreamIdle] = []
+    for sid in np.unique(stream):
+        idx = np.flatnonzero(stream == sid)
+        idx = idx[np.argsort(start[idx], kind="stable")]
+        if idx.size < 2:
+            out.append(StreamIdle(int(sid)))
+            continue
+        prev_end = end[idx[:-1]]
+        cur = idx[1:]
+        gap = np.maximum(start[cur] - prev_end, 0)
+        host = has_launch[cur] & (launch_ts[cur] > prev_end)
+        kernel = ~host & (gap < kernel_wait_ns)
+        other = ~host & ~kernel
+        out.append(StreamIdle(int(sid), int(gap[host].sum()), int(gap[kernel].sum()), int(gap[other].sum())))
+    return out
+
+
+def breakdown_of(cols: dict[str, np.ndarray], mask: np.ndarray | None = None,
+                 kernel_wait_ns: int = DEFAULT_KERNEL_WAIT_NS) -> Breakdown:
+    """Breakdown of the GPU work rows in ``cols`` (optionally only where ``mask``)."""
+    if mask is not None:
+        cols = {k: v[mask] for k, v in cols.items()}
+    start = cols["ts_ns"]
+    if start.size == 0:
+        return Breakdown()
+    end = start + cols["dur_ns"]
+    klass = cols["kernel_class"]
+    compute, comm, memory = klass == "compute", klass == "comm", klass == "memory"
+    busy = union_length(start, end)
+    compute_ns = union_length(start[compute], end[compute])
+    comm_ns = union_length(start[comm], end[comm])
+    both = compute | comm
+    overlap = compute_ns + comm_ns - union_length(start[both], end[both])
+    span = int(end.max() - start.min())
+    has_launch = cols["launch_ts"] >= 0
+    delays = np.maximum(start[has_launch] - cols["launch_end"][has_launch], 0)
+    return Breakdown(
+        span_ns=span, busy_ns=busy, compute_ns=compute_ns, non_compute_ns=busy - compute_ns,
+        idle_ns=span - busy, comm_ns=comm_ns, memory_ns=union_length(start[memory], end[memory]),
+        comm_compute_overlap_ns=overlap, gpu_events=int(start.size),
+        idle_by_stream=_stream_idle(cols["stream"], start, end, cols["launch_ts"], has_launch, kernel_wait_ns),
+        launch_delay=_launch_delay(delays),
+    )
+
+
+def _load_gpu_work(store: Store, run_id: str, rank: int) -> dict[str, np.ndarray]:
+    """GPU work of one rank with the start/end of its launching runtime call (-1 when none)."""
+    events = qualified(store, "trace_events")
+    cols = store.query_columns(
+        f"""
+        SELECT g.ts_ns AS ts_ns, g.dur_ns AS dur_ns, g.kernel_class AS kernel_class, g.stream AS stream,
+               if(r.found, r.ts_ns, -1) AS launch_ts, if(r.found, r.ts_ns + r.dur_ns, -1) AS launch_end
+        FROM (SELECT ts_ns, dur_ns, kernel_class, stream, correlation FROM {events}
+              WHERE run_id = {{run_id:String}} AND rank = {{rank:Int32}}
+                AND kind IN ('kernel', 'memcpy', 'memset')) AS g
+        LEFT JOIN (SELECT correlation, min(ts_ns) AS ts_ns, any(dur_ns) AS dur_ns, 1 AS found FROM {events}
+                   WHERE run_id = {{run_id:String}} AND rank = {{rank:Int32}} AND kind = 'runtime'
+                     AND correlation != 0
+                   GROUP BY correlation) AS r
+          ON g.correlation = r.correlation
+        ORDER BY ts_ns
+        SETTINGS join_use_nulls = 0
+        """,
+        {"run_id": run_id, "rank": rank},
+    )
+    return {k: (v if k == "kernel_class" else v.astype(np.int64)) for k, v in cols.items()}
+
+
+def _load_steps(store: Store, run_id: str, rank: int) -> list[tuple[int, int, int]]:
+    res = store.query(
+        f"SELECT name, ts_ns, dur_ns FROM {qualified(store, 'trace_events')} "
+        "WHERE run_id = {run_id:String} AND rank = {rank:Int32} "
+        "AND kind IN ('cpu_op', 'user_annotation') AND startsWith(name, 'ProfilerStep') ORDER BY ts_ns",
+        {"run_id": run_id, "rank": rank},
+    )
+    steps = []
+    for name, ts, dur in res.rows:
+        match = _STEP_NUMBER.search(name)
+        if match:
+            steps.append((int(match.group(1)), int(ts), int(dur)))
+    return steps
+
+
+def ranks_of(store: Store, run_id: str) -> list[int]:
+    """Ranks ingested for ``run_id`` (raises InputError when the run is unknown)."""
+    res = store.query(f"SELECT DISTINCT rank FROM {qualified(store, 'trace_runs')} FINAL "
+                      "WHERE run_id = {run_id:String} ORDER BY rank", {"run_id": run_id})
+    if not res.rows:
+        known = store.query(f"SELECT DISTINCT run_id FROM {qualified(store, 'trace_runs')} ORDER BY run_id LIMIT 20")
+        names = ", ".join(r[0] for r in known.rows) or "none"
+        raise InputError(f"no trace run {run_id!r} in the store (known: {names})")
+    return [int(r[0]) for r in res.rows]
+
+
+def analyze_rank(store: Store, run_id: str, rank: int, include_last_step: bool = False,
+                 kernel_wait_ns: int = DEFAULT_KERNEL_WAIT_NS) -> RankBreakdown:
+    """Whole-run and per-step breakdown of one rank."""
+    cols = _load_gpu_work(store, run_id, rank)
+    steps = _load_steps(store, run_id, rank)
+    launch = cols["launch_ts"]
+    per_step = []
+    for number, ts, dur in steps:
+        in_step = (launch >= ts) & (launch < ts + dur)
+        per_step.append(StepBreakdown(number, ts, dur, breakdown_of(cols, in_step, kernel_wait_ns)))
+    drop_last = len(steps) >= 2 and not include_last_step
+    whole_mask = None
+    if drop_last:
+        # As HTA: keep GPU work launched before the last step began (work without a launch is dropped).
+        whole_mask = (launch >= 0) & (launch < steps[-1][1])
+    return RankBreakdown(rank, breakdown_of(cols, whole_mask, kernel_wait_ns), per_step, drop_last)
+
+
+def analyze_run(store: Store, run_id: str, ranks: list[int] | None = None, include_last_step: bool = False,
+                kernel_wait_ns: int = DEFAULT_KERNEL_WAIT_NS) -> list[RankBreakdown]:
+    """Breakdown of every (or the given) rank of a run."""
+    available = ranks_of(store, run_id)
+    chosen = [r for r in available if ranks is None or r in ranks]
+    if ranks and not chosen:
+        raise InputError(f"run {run_id!r} has no rank {ranks} (ranks: {available})")
+    return [analyze_rank(store, run_id, r, include_last_step, kernel_wait_ns) for r in chosen]
