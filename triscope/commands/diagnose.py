@@ -1,15 +1,22 @@
 """``triscope diagnose``: explain where time goes.
 
 ``--trace-run ID`` reports the Kineto trace breakdown of one profiling run
-(triscope.analyzers.trace_report). Fleet-wide stall diagnosis over a time range is added
-by the stall classifier.
+(triscope.analyzers.trace_report). Without it, the stall classifier
+(triscope.analyzers.stalls) labels every window (``--since 10m``, default 100 ms) or profiler
+step of every GPU as compute-, IO-, comm-, launch/host-bound or idle, with the evidence, the
+shares, the worst windows, the straggler rank of each collective and an action per class.
+Exit status 3 when a configured alert threshold is breached.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
+from datetime import UTC, datetime
 
 from triscope.commands._common import add_common
+
+EXIT_BREACH = 3
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,6 +25,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rank", type=int, action="append", help="only these ranks (repeatable)")
     parser.add_argument("--include-last-step", action="store_true",
                         help="keep the last ProfilerStep in whole-trace figures (HTA drops it by default)")
+    stalls = parser.add_argument_group("stall diagnosis (without --trace-run)")
+    stalls.add_argument("--since", metavar="DURATION", help="analyse the last DURATION (e.g. 10m, 2h; default 10m)")
+    stalls.add_argument("--until", metavar="WHEN",
+                        help="end of the range: a DURATION ago or an ISO-8601 UTC time (default now)")
+    stalls.add_argument("--run-id", action="append", metavar="ID",
+                        help="analyse these trace runs over their own time span (repeatable)")
+    stalls.add_argument("--host", action="append", help="only these hosts (repeatable)")
+    stalls.add_argument("--gpu", type=int, action="append", help="only these GPU indices (repeatable)")
+    stalls.add_argument("--model", help="only GPUs that served this model (requests / serving_metrics / gpu_model)")
+    stalls.add_argument("--by", choices=("window", "step"), default="window",
+                        help="classify fixed windows or profiler steps (default window)")
+    stalls.add_argument("--window-ms", type=float, help="window length (default [stalls] / [analysis] window_ms)")
+    stalls.add_argument("--top", type=int, help="worst windows to list (default [stalls] top_windows)")
+    stalls.add_argument("--all-windows", action="store_true", help="with --json: include every window")
     add_common(parser)
     parser.set_defaults(func=run)
 
@@ -27,4 +48,106 @@ def run(args: argparse.Namespace) -> int:
         from triscope.analyzers.trace_report import run_trace_report
 
         return run_trace_report(args)
-    raise SystemExit("triscope diagnose: give --trace-run ID")
+    return run_stalls(args)
+
+
+def _when(text: str, now_ns: int) -> int:
+    from triscope.analyzers.stalls import parse_duration
+    from triscope.errors import InputError
+
+    try:
+        return now_ns - int(parse_duration(text) * 1e9)
+    except InputError:
+        pass
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise InputError(f"--until: not a duration or ISO-8601 time: {text!r}") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1e9)
+
+
+def run_stalls(args: argparse.Namespace) -> int:
+    from triscope.analyzers.stalls import diagnose_stalls, parse_duration, trace_span
+    from triscope.commands._common import config_from, print_json
+    from triscope.store import open_store
+
+    config = config_from(args)
+    if args.window_ms is not None:
+        config.setdefault("stalls", {})["window_ms"] = args.window_ms
+    if args.top is not None:
+        config.setdefault("stalls", {})["top_windows"] = args.top
+    now_ns = time.time_ns()
+    store = open_store(config)
+    try:
+        if args.run_id and not args.since:
+            start_ns, end_ns = trace_span(store, args.run_id)
+        else:
+            end_ns = _when(args.until, now_ns) if args.until else now_ns
+            start_ns = end_ns - int(parse_duration(args.since or "10m") * 1e9)
+        report = diagnose_stalls(store, start_ns, end_ns, config, hosts=args.host, gpus=args.gpu,
+                                 model=args.model, run_ids=args.run_id, by=args.by)
+    finally:
+        store.close()
+    if args.json:
+        print_json(report.to_json(all_windows=args.all_windows))
+    else:
+        render(report)
+    return EXIT_BREACH if report.breaches() else 0
+
+
+def _t(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def render(report) -> None:  # noqa: ANN001 - StallReport, imported lazily
+    """Rich tables: shares per unit, worst windows with evidence, stragglers, actions."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from triscope.analyzers.stalls import ACTIONS
+
+    console = Console()
+    console.print(f"[bold]stalls[/] {_t(report.start_ns)} .. {_t(report.end_ns)} UTC, "
+                  f"{'profiler steps' if report.by == 'step' else f'{report.window_ms:g} ms windows'}")
+    if not report.windows:
+        console.print("no GPU samples, traces or IO data in this range")
+    else:
+        console.print(f"[bold]overall:[/] {report.share_text()}")
+        units = Table(title="per GPU / rank", show_lines=False)
+        for col in ("unit", "windows", "shares"):
+            units.add_column(col)
+        for u in report.units():
+            units.add_row(u, str(sum(1 for w in report.windows if w.unit == u)), report.share_text(u))
+        console.print(units)
+        top = report.top()
+        if top:
+            worst = Table(title="worst windows")
+            for col in ("unit", "start (UTC)", "length", "verdict", "evidence", "also"):
+                worst.add_column(col)
+            for w in top:
+                evidence = "; ".join(e.text() for e in w.evidence.get(w.verdict, []) if e.met)
+                worst.add_row(w.unit, _t(w.start_ns) + (f" {w.label}" if w.label else ""),
+                              f"{w.seconds * 1e3:.0f} ms", w.verdict, evidence, ",".join(w.matched[1:]))
+            console.print(worst)
+    strag = report.stragglers.get("by_rank") or []
+    if strag:
+        t = Table(title=f"stragglers ({report.stragglers['collectives']} collectives seen by >= 2 ranks)")
+        for col in ("run", "rank", "last in", "total lateness", "max lateness"):
+            t.add_column(col)
+        for r in strag:
+            t.add_row(r["run_id"], str(r["rank"]), f"{r['times_last']}/{r['collectives']}",
+                      f"{r['total_lateness_seconds'] * 1e3:.1f} ms", f"{r['max_lateness_seconds'] * 1e3:.1f} ms")
+        console.print(t)
+    for fr in report.flight_recorder:
+        status = "ok" if fr["ok"] else "[red]problem[/]"
+        console.print(f"flight recorder {fr['run_id']} pg {fr['comm_id']} ({fr['pg_desc']}): {status}; "
+                      f"last seq per rank {fr['last_seq']}; pending {len(fr['pending'])}; "
+                      f"behind {[b['rank'] for b in fr['ranks_behind']]}; mismatches {len(fr['mismatches'])}")
+    shares = report.shares()
+    for cls in shares:
+        if cls in ACTIONS and cls in report.config["alert_classes"] + ["idle"]:
+            console.print(f"[bold]{cls}[/] -> {ACTIONS[cls]}")
+    for b in report.breaches():
+        console.print(f"[red]breach:[/] {b}")
