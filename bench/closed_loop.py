@@ -1,0 +1,490 @@
+"""Closed-loop bench: simulated GPU backends behind real HAProxy, three balancing policies.
+
+    .venv/bin/python bench/closed_loop.py            # default: ~3 minutes on 2 cores
+    .venv/bin/python bench/closed_loop.py --steps 8 --step-s 20   # longer
+    .venv/bin/python bench/closed_loop.py --json
+
+N simulated vLLM-like backends (bench/sim_backend.py, heterogeneous KV capacity) sit behind one
+HAProxy. The same seeded, bursty, multimodal arrival schedule (bench/loadgen.py; +30% QPS per
+step) is replayed against three policies in turn:
+
+* ``roundrobin``  - HAProxy ``balance roundrobin``, static equal weights;
+* ``leastconn``   - HAProxy ``balance leastconn``, static equal weights;
+* ``triscope``    - HAProxy ``balance leastconn`` (``--triscope-balance``) whose server weights
+  come from triscope's feed over HAProxy's agent-check; the feed runs triscope's weight engine
+  on live scrapes of the backends' ``/metrics`` (bench/metrics_adapter.py).
+
+It prints, per policy: peak QPS held (highest step, counted from the first, where every class
+meets its P99 SLA and errors stay under ``--max-error``), P99 per class, error and OOM rates,
+request share per backend; then the leastconn/triscope ratios. See docs/closed_loop.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from haproxy_ctl import HAProxy, Server, free_port  # noqa: E402
+from loadgen import LoadShape, Result, drive, percentile  # noqa: E402
+from sim_backend import CLASSES, BackendSpec  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+PYTHON = sys.executable
+
+# Engine parameters for a feed that must follow sub-second bursts: faster updates and a short
+# window (documented in docs/closed_loop.md; every key is a regular [weights] config key).
+BENCH_WEIGHTS: dict[str, Any] = {
+    "interval_s": 0.25,
+    "window_s": 3.0,
+    "stale_after_s": 5.0,
+}
+
+
+@dataclass
+class Policy:
+    name: str
+    balance: str
+    triscope: bool = False
+
+
+@dataclass
+class StepStats:
+    step: int
+    offered_qps: float
+    requests: int
+    error_rate: float
+    oom_rate: float
+    p99_s: dict[str, float]
+    held: bool
+
+
+@dataclass
+class PolicyReport:
+    policy: str
+    balance: str
+    requests: int
+    ok: int
+    error_rate: float
+    oom_rate: float
+    timeout_rate: float
+    p99_s: dict[str, float]
+    sla_attainment: float
+    peak_qps_held: float
+    steps: list[StepStats]
+    backend_share: dict[str, float]
+    backend_oom: dict[str, int]
+    backend_peak_kv: dict[str, float]
+    weights_mean: dict[str, float]
+    weights_min: dict[str, int]
+    send_lag_s: float
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _http_json(url: str, method: str = "GET", timeout: float = 2.0) -> Any:
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - 127.0.0.1 only
+        return json.loads(resp.read())
+
+
+def _read_ready(proc: subprocess.Popen, what: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Wait for the ``{"ready": ...}`` line a helper process prints on stdout."""
+    assert proc.stdout is not None
+    result: dict[str, Any] = {}
+
+    def reader() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            with contextlib.suppress(ValueError):
+                doc = json.loads(line)
+                if isinstance(doc, dict) and "ready" in doc:
+                    result.update(doc)
+                    return
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not result:
+        proc.kill()
+        err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
+        raise RuntimeError(f"{what} did not become ready: {err.strip()}")
+    return result["ready"]
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class SimFleet:
+    """The simulated backends, one subprocess serving all of them."""
+
+    def __init__(self, specs: list[BackendSpec], batch_slowdown: float) -> None:
+        self.specs = specs
+        self.batch_slowdown = batch_slowdown
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> SimFleet:
+        cmd = [PYTHON, str(HERE / "sim_backend.py"), "--batch-slowdown", str(self.batch_slowdown)]
+        for s in self.specs:
+            cmd += ["--backend", s.to_arg()]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _read_ready(self.proc, "simulated backends")
+        return self
+
+    def url(self, spec: BackendSpec) -> str:
+        return f"http://127.0.0.1:{spec.port}"
+
+    def reset(self) -> None:
+        for s in self.specs:
+            _http_json(self.url(s) + "/sim/reset", "POST")
+
+    def states(self) -> dict[str, dict[str, Any]]:
+        return {s.name: _http_json(self.url(s) + "/sim/state") for s in self.specs}
+
+    def set_pressure(self, name: str, nbytes: int) -> None:
+        spec = next(s for s in self.specs if s.name == name)
+        _http_json(self.url(spec) + f"/sim/pressure?bytes={int(nbytes)}", "POST")
+
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(st["running"] + st["waiting"] == 0 for st in self.states().values()):
+                return
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+
+
+class FeedWorker:
+    """triscope's weight feed in its own process, scraping the simulated backends."""
+
+    def __init__(self, backends: dict[str, str], overrides: dict[str, Any], window_s: float) -> None:
+        self.backends = backends
+        self.overrides = overrides
+        self.window_s = window_s
+        self.proc: subprocess.Popen | None = None
+        self.info: dict[str, Any] = {}
+
+    def start(self) -> FeedWorker:
+        cmd = [PYTHON, str(HERE / "closed_loop.py"), "--feed-worker",
+               "--feed-backends", json.dumps(self.backends), "--weights", json.dumps(self.overrides),
+               "--feed-window-s", str(self.window_s)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.info = _read_ready(self.proc, "triscope weight feed")
+        return self
+
+    @property
+    def agent_port(self) -> int:
+        return int(self.info["agent_port"])
+
+    def weights_doc(self) -> dict[str, Any]:
+        return _http_json(f"http://127.0.0.1:{self.info['http_port']}/v1/weights")
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.proc = None
+
+
+# --------------------------------------------------------------------------- one policy
+
+
+async def _sample_weights(hap: HAProxy, stop: asyncio.Event, out: list[tuple[float, dict[str, int]]],
+                          period_s: float = 0.5) -> None:
+    loop = asyncio.get_running_loop()
+    t0 = time.monotonic()
+    while not stop.is_set():
+        with contextlib.suppress(OSError, ValueError):
+            w = await loop.run_in_executor(None, hap.weights)
+            out.append((time.monotonic() - t0, w))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), period_s)
+
+
+async def _drive_with_sampler(hap: HAProxy, schedule, timeout_factor: float):
+    samples: list[tuple[float, dict[str, int]]] = []
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(_sample_weights(hap, stop, samples))
+    try:
+        results, lag = await drive("127.0.0.1", hap.port, schedule, timeout_factor=timeout_factor)
+    finally:
+        stop.set()
+        await sampler
+    return results, lag, samples
+
+
+def summarize(policy: Policy, results: list[Result], shape: LoadShape, max_error: float,
+              states: dict[str, dict[str, Any]], samples: list[tuple[float, dict[str, int]]],
+              lag: float, wall: float) -> PolicyReport:
+    """Turn raw results into the policy's report."""
+    n = len(results)
+    ok = [r for r in results if r.status == 200]
+    steps: list[StepStats] = []
+    for k in range(shape.steps):
+        rs = [r for r in results if r.step == k]
+        p99 = {c: percentile([r.latency_s for r in rs if r.cls == c and r.status == 200], 99) for c in CLASSES}
+        err = sum(r.status != 200 for r in rs) / len(rs) if rs else math.nan
+        oom = sum(r.status == 503 for r in rs) / len(rs) if rs else math.nan
+        held = bool(rs) and err <= max_error and all(
+            math.isfinite(p99[c]) and p99[c] <= CLASSES[c].sla_s for c in CLASSES
+            if any(r.cls == c for r in rs))
+        steps.append(StepStats(k, round(shape.step_qps(k), 2), len(rs), err, oom, p99, held))
+    peak = 0.0
+    for s in steps:
+        if not s.held:
+            break
+        peak = s.offered_qps
+    served = {}
+    for r in ok:
+        served[r.backend] = served.get(r.backend, 0) + 1
+    names = sorted(states)
+    w_mean = {b: (sum(w.get(b, 0) for _, w in samples) / len(samples)) if samples else math.nan for b in names}
+    w_min = {b: min((w.get(b, 0) for _, w in samples), default=-1) for b in names}
+    within = sum(1 for r in ok if r.latency_s <= CLASSES[r.cls].sla_s)
+    return PolicyReport(
+        policy=policy.name, balance=policy.balance, requests=n, ok=len(ok),
+        error_rate=(n - len(ok)) / n if n else math.nan,
+        oom_rate=sum(r.status == 503 for r in results) / n if n else math.nan,
+        timeout_rate=sum(r.status == 0 for r in results) / n if n else math.nan,
+        p99_s={c: percentile([r.latency_s for r in ok if r.cls == c], 99) for c in CLASSES},
+        sla_attainment=within / n if n else math.nan,
+        peak_qps_held=peak, steps=steps,
+        backend_share={b: served.get(b, 0) / len(ok) if ok else 0.0 for b in names},
+        backend_oom={b: sum(states[b]["oom"].values()) for b in names},
+        backend_peak_kv={b: round(states[b]["peak_kv_ratio"], 3) for b in names},
+        weights_mean={b: round(v, 1) for b, v in w_mean.items()}, weights_min=w_min,
+        send_lag_s=lag, wall_s=wall)
+
+
+def run_policy(policy: Policy, fleet: SimFleet, schedule, shape: LoadShape, args: argparse.Namespace,
+               workdir: Path) -> PolicyReport:
+    """Replay ``schedule`` through HAProxy under ``policy``."""
+    fleet.wait_idle()
+    fleet.reset()
+    feed: FeedWorker | None = None
+    t0 = time.monotonic()
+    try:
+        agent_port = None
+        if policy.triscope:
+            feed = FeedWorker({s.name: fleet.url(s) for s in fleet.specs}, weights_overrides(args),
+                              args.feed_window_s).start()
+            agent_port = feed.agent_port
+        servers = [Server(s.name, s.port) for s in fleet.specs]
+        with HAProxy(workdir / policy.name, servers, balance=policy.balance, agent_port=agent_port,
+                     agent_inter_ms=args.agent_inter_ms) as hap:
+            if policy.triscope:
+                time.sleep(max(0.5, 3 * args.agent_inter_ms / 1000))
+            results, lag, samples = asyncio.run(_drive_with_sampler(hap, schedule, args.timeout_factor))
+        fleet.wait_idle()
+        states = fleet.states()
+    finally:
+        if feed is not None:
+            feed.stop()
+    return summarize(policy, results, shape, args.max_error, states, samples, lag, time.monotonic() - t0)
+
+
+def weights_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out = dict(BENCH_WEIGHTS)
+    out.update(json.loads(args.weights) if args.weights else {})
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt_s(x: float) -> str:
+    if not math.isfinite(x):
+        return "-"
+    return f"{x * 1000:.0f}ms" if x < 10 else f"{x:.1f}s"
+
+
+def _ratio(a: float, b: float) -> float:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.nan
+    if b == 0:
+        return math.inf if a > 0 else 1.0
+    return a / b
+
+
+def comparison(reports: dict[str, PolicyReport], baseline: str = "leastconn",
+               candidate: str = "triscope") -> dict[str, Any]:
+    """Baseline/candidate ratios (> 1 means the candidate is better)."""
+    if baseline not in reports or candidate not in reports:
+        return {}
+    b, c = reports[baseline], reports[candidate]
+    return {
+        "baseline": baseline, "candidate": candidate,
+        "p99_ratio": {k: _ratio(b.p99_s[k], c.p99_s[k]) for k in CLASSES},
+        "error_rate_ratio": _ratio(b.error_rate, c.error_rate),
+        "peak_qps_ratio": _ratio(c.peak_qps_held, b.peak_qps_held),
+        "sla_attainment_delta": c.sla_attainment - b.sla_attainment,
+    }
+
+
+def print_report(reports: dict[str, PolicyReport], comps: list[dict[str, Any]], shape: LoadShape,
+                 specs: list[BackendSpec]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=max(150, Console().width))
+    con.print(f"backends: {', '.join(f'{s.name}({s.kv_gib:g}GiB KV, {s.slots} slots, x{s.speed:g})' for s in specs)}")
+    con.print(f"load: {shape.steps} steps x {shape.step_s:g}s from {shape.base_qps:g} QPS, x{shape.step_factor:g}/step, "
+              f"bursts x{shape.burst_factor:g} for {shape.burst_s:g}s every {shape.burst_period_s:g}s")
+    t = Table(title="closed loop: per policy (P99 of successful requests; SLA speech 200ms / image 800ms / video 5s)")
+    for col in ("policy", "peak QPS held", "P99 speech", "P99 image-text", "P99 video", "errors", "OOM 503",
+                "timeouts", "within SLA"):
+        t.add_column(col)
+    for r in reports.values():
+        t.add_row(f"{r.policy} ({r.balance})", f"{r.peak_qps_held:g}",
+                  *[_fmt_s(r.p99_s[c]) for c in CLASSES],
+                  f"{r.error_rate:.2%}", f"{r.oom_rate:.2%}", f"{r.timeout_rate:.2%}", f"{r.sla_attainment:.1%}")
+    con.print(t)
+    b = Table(title="per backend: share of served requests | OOM 503s | peak memory ratio | HAProxy weight mean (min)")
+    b.add_column("policy")
+    for spec in specs:
+        b.add_column(f"{spec.name} ({spec.kv_gib:g}GiB)")
+    for r in reports.values():
+        b.add_row(r.policy, *[f"{r.backend_share.get(x.name, 0):.0%} | {r.backend_oom.get(x.name, 0)} | "
+                              f"{r.backend_peak_kv.get(x.name, 0):.2f} | {r.weights_mean.get(x.name, 0):g} "
+                              f"({r.weights_min.get(x.name, -1)})" for x in specs])
+    con.print(b)
+    s = Table(title="per step: errors | P99 speech/image/video (* = step held)")
+    s.add_column("step QPS")
+    for r in reports.values():
+        s.add_column(r.policy)
+    for k in range(shape.steps):
+        row = [f"{shape.step_qps(k):.1f}"]
+        for r in reports.values():
+            st = r.steps[k]
+            row.append(f"{'*' if st.held else ' '} {st.error_rate:.1%} | "
+                       + "/".join(_fmt_s(st.p99_s[c]) for c in CLASSES))
+        s.add_row(*row)
+    con.print(s)
+    for comp in comps:
+        if not comp:
+            continue
+        p = comp["p99_ratio"]
+        con.print(f"{comp['baseline']} / {comp['candidate']}: P99 speech x{p['realtime_speech']:.2f}, "
+                  f"image-text x{p['interactive_image_text']:.2f}, video x{p['offline_video']:.2f}; "
+                  f"errors x{comp['error_rate_ratio']:.2f}; peak QPS held x{comp['peak_qps_ratio']:.2f} "
+                  f"(candidate/baseline); within-SLA {comp['sla_attainment_delta']:+.1%}")
+    lag = max(r.send_lag_s for r in reports.values())
+    if lag > 0.05:
+        con.print(f"[yellow]load generator fell up to {lag * 1000:.0f} ms behind schedule (CPU-bound machine)")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def default_specs(n: int, kv_gib: float, slots: int) -> list[BackendSpec]:
+    """``n`` backends; the last has half the KV memory and half the batch slots."""
+    specs = [BackendSpec(f"b{i}", free_port(), kv_gib, slots, 1.0) for i in range(n)]
+    if n >= 2:
+        specs[-1].kv_gib = kv_gib / 2
+        specs[-1].slots = max(1, slots // 2)
+    return specs
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="closed-loop load-balancing bench (see docs/closed_loop.md)")
+    p.add_argument("--backends", type=int, default=4, help="number of simulated backends (last: half memory)")
+    p.add_argument("--backend", action="append", default=[],
+                   help="explicit backend name:port:kv_gib:slots:speed (repeat; overrides --backends)")
+    p.add_argument("--kv-gib", type=float, default=40.0, help="KV pool of a full-size backend")
+    p.add_argument("--slots", type=int, default=16, help="max running requests of a full-size backend")
+    p.add_argument("--batch-slowdown", type=float, default=0.8)
+    p.add_argument("--base-qps", type=float, default=30.0)
+    p.add_argument("--step-factor", type=float, default=1.3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--step-s", type=float, default=8.0)
+    p.add_argument("--burst-factor", type=float, default=3.0)
+    p.add_argument("--burst-s", type=float, default=1.0)
+    p.add_argument("--burst-period-s", type=float, default=4.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--policies", default="roundrobin,leastconn,triscope")
+    p.add_argument("--triscope-balance", default="leastconn", choices=["leastconn", "roundrobin"])
+    p.add_argument("--agent-inter-ms", type=int, default=250)
+    p.add_argument("--feed-window-s", type=float, default=3.0, help="P99/QPS window of the metrics adapter")
+    p.add_argument("--weights", default="", help="JSON object of [weights] overrides for the triscope feed")
+    p.add_argument("--max-error", type=float, default=0.01, help="error rate a held step may have")
+    p.add_argument("--timeout-factor", type=float, default=6.0, help="client timeout = max(2s, SLA x this)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--workdir", default="")
+    # internal: the feed worker process
+    p.add_argument("--feed-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--feed-backends", default="{}", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole bench; returns the JSON document."""
+    specs = ([BackendSpec.parse(b) for b in args.backend] if args.backend
+             else default_specs(args.backends, args.kv_gib, args.slots))
+    shape = LoadShape(base_qps=args.base_qps, step_factor=args.step_factor, steps=args.steps,
+                      step_s=args.step_s, burst_period_s=args.burst_period_s, burst_s=args.burst_s,
+                      burst_factor=args.burst_factor)
+    schedule = shape.schedule(args.seed)
+    catalog = {"roundrobin": Policy("roundrobin", "roundrobin"), "leastconn": Policy("leastconn", "leastconn"),
+               "triscope": Policy("triscope", args.triscope_balance, triscope=True)}
+    policies = [catalog[p.strip()] for p in args.policies.split(",") if p.strip()]
+    reports: dict[str, PolicyReport] = {}
+    with tempfile.TemporaryDirectory(prefix="triscope-closed-loop-", dir=args.workdir or None) as tmp:
+        fleet = SimFleet(specs, args.batch_slowdown).start()
+        try:
+            for policy in policies:
+                if not args.json:
+                    print(f"running {policy.name} ({policy.balance}) ...", file=sys.stderr, flush=True)
+                reports[policy.name] = run_policy(policy, fleet, schedule, shape, args, Path(tmp))
+        finally:
+            fleet.stop()
+    comps = [comparison(reports, "leastconn", "triscope"), comparison(reports, "roundrobin", "triscope")]
+    doc = {"backends": [asdict(s) for s in specs], "load": asdict(shape), "arrivals": len(schedule),
+           "weights_overrides": weights_overrides(args) if "triscope" in reports else {},
+           "policies": {k: asdict(v) for k, v in reports.items()}, "comparisons": [c for c in comps if c]}
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print_report(reports, comps, shape, specs)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.feed_worker:
+        from metrics_adapter import run_feed_worker
+
+        run_feed_worker(json.loads(args.feed_backends), weights_overrides(args), args.feed_window_s)
+        return 0
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Start, query and stop a real HAProxy in front of the simulated backends (bench helper)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (small race, fine for a bench)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1",
+              proc: subprocess.Popen | None = None) -> None:
+    """Block until ``host:port`` accepts TCP connections (fail early if ``proc`` exits)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with status {proc.returncode}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s}s") from None
+            time.sleep(0.05)
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    host: str = "127.0.0.1"
+
+
+class HAProxy:
+    """One HAProxy process: an HTTP frontend, one backend pool, an admin stats socket.
+
+    ``agent_port`` set: every server gets ``agent-check`` against that port with
+    ``agent-send "<name>\\n"`` (the triscope feed's HAProxy agent protocol).
+    """
+
+    def __init__(self, workdir: Path, servers: list[Server], balance: str = "roundrobin",
+                 agent_port: int | None = None, agent_inter_ms: int = 250, port: int | None = None,
+                 binary: str | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.servers = servers
+        self.balance = balance
+        self.agent_port = agent_port
+        self.agent_inter_ms = agent_inter_ms
+        self.port = port or free_port()
+        self.binary = binary or shutil.which("haproxy") or "haproxy"
+        self.socket_path = self.workdir / "haproxy.sock"
+        self.config_path = self.workdir / "haproxy.cfg"
+        self.proc: subprocess.Popen | None = None
+
+    def config_text(self) -> str:
+        lines = [
+            "global",
+            "    maxconn 4000",
+            f"    stats socket {self.socket_path} mode 600 level admin",
+            "    nbthread 1",
+            "defaults",
+            "    mode http",
+            "    timeout connect 2s",
+            "    timeout client 120s",
+            "    timeout server 120s",
+            "    option http-keep-alive",
+            "frontend fe",
+            f"    bind 127.0.0.1:{self.port}",
+            "    default_backend gpus",
+            "backend gpus",
+            f"    balance {self.balance}",
+        ]
+        for s in self.servers:
+            line = f"    server {s.name} {s.host}:{s.port} weight 100"
+            if self.agent_port is not None:
+                line += (f" agent-check agent-addr 127.0.0.1 agent-port {self.agent_port}"
+                         f" agent-inter {self.agent_inter_ms}ms agent-send \"{s.name}\\n\"")
+            lines.append(line)
+        return "\n".join(lines) + "\n"
+
+    def start(self) -> HAProxy:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(self.config_text())
+        check = subprocess.run([self.binary, "-c", "-q", "-f", str(self.config_path)],
+                               capture_output=True, text=True)
+        if check.returncode != 0:
+            raise RuntimeError(f"haproxy rejected its config: {check.stderr.strip() or check.stdout.strip()}")
+        log = open(self.workdir / "haproxy.log", "wb")  # noqa: SIM115 - owned by the process lifetime
+        self.proc = subprocess.Popen([self.binary, "-db", "-f", str(self.config_path)],
+                                     stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        try:
+            wait_port(self.port, proc=self.proc)
+        except (TimeoutError, RuntimeError) as exc:
+            self.stop()
+            tail = (self.workdir / "haproxy.log").read_text(errors="replace")[-1500:]
+            raise RuntimeError(f"haproxy did not start: {exc}: {tail.strip()}") from None
+        deadline = time.monotonic() + 5
+        while not self.socket_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self
+
+    def admin(self, command: str) -> str:
+        """One command on the stats socket; returns its text answer."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2.0)
+            s.connect(str(self.socket_path))
+            s.sendall(command.encode() + b"\n")
+            chunks = []
+            while True:
+                data = s.recv(65536)
+                if not data:
+                    break
+                chunks.append(data)
+        return b"".join(chunks).decode()
+
+    def stats(self) -> list[dict[str, str]]:
+        """``show stat`` rows of the servers of the pool."""
+        text = self.admin("show stat").lstrip("# ")
+        rows = list(csv.DictReader(io.StringIO(text)))
+        return [r for r in rows if r.get("pxname") == "gpus" and r.get("svname") not in ("FRONTEND", "BACKEND")]
+
+    def weights(self) -> dict[str, int]:
+        """Current effective weight of every server (what the agent set)."""
+        out = {}
+        for s in self.servers:
+            answer = self.admin(f"get weight gpus/{s.name}").split()
+            out[s.name] = int(answer[0]) if answer and answer[0].isdigit() else -1
+        return out
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> HAProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

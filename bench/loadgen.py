@@ -1,0 +1,191 @@
+"""Open-loop, bursty multimodal load generator for the closed-loop bench.
+
+The arrival schedule is computed up front from a seed, so every policy sees exactly the same
+offered load: per-class Poisson arrivals whose rate steps up by ``step_factor`` (+30%) every
+``step_s`` seconds and is modulated by bursts (``burst_factor`` x for ``burst_s`` every
+``burst_period_s``, phase-shifted per class, mean-preserving). Requests are sent on time
+whatever the responses do (no coordinated omission) over a pool of keep-alive connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from sim_backend import CLASSES, RequestClass
+
+
+@dataclass(frozen=True)
+class Arrival:
+    t: float
+    cls: str
+    step: int
+
+
+@dataclass
+class LoadShape:
+    """The offered load: QPS steps, class mix and bursts."""
+
+    base_qps: float = 20.0
+    step_factor: float = 1.3
+    steps: int = 6
+    step_s: float = 8.0
+    burst_period_s: float = 4.0
+    burst_s: float = 1.0
+    burst_factor: float = 3.0
+    mix: dict[str, float] = field(default_factory=lambda: {c.name: c.share for c in CLASSES.values()})
+
+    def step_qps(self, step: int) -> float:
+        return self.base_qps * self.step_factor**step
+
+    @property
+    def duration_s(self) -> float:
+        return self.steps * self.step_s
+
+    def _modulation(self, t: float, phase: float) -> float:
+        """Mean-1 burst multiplier: ``burst_factor`` inside a burst, a lower floor outside."""
+        duty = self.burst_s / self.burst_period_s
+        if duty >= 1.0 or self.burst_factor <= 1.0:
+            return 1.0
+        low = max(0.0, (1.0 - duty * self.burst_factor) / (1.0 - duty))
+        inside = ((t + phase) % self.burst_period_s) < self.burst_s
+        return self.burst_factor if inside else low
+
+    def schedule(self, seed: int = 1) -> list[Arrival]:
+        """All arrivals, sorted by time (thinning of a non-homogeneous Poisson process)."""
+        rng = random.Random(seed)
+        out: list[Arrival] = []
+        total_share = sum(self.mix.values())
+        for k, (name, share) in enumerate(sorted(self.mix.items())):
+            phase = k * self.burst_period_s / max(1, len(self.mix))
+            for step in range(self.steps):
+                lam = self.step_qps(step) * share / total_share
+                lam_max = lam * max(1.0, self.burst_factor)
+                t = step * self.step_s
+                end = t + self.step_s
+                while True:
+                    t += rng.expovariate(lam_max) if lam_max > 0 else math.inf
+                    if t >= end:
+                        break
+                    if rng.random() * lam_max <= lam * self._modulation(t, phase):
+                        out.append(Arrival(t, name, step))
+        out.sort(key=lambda a: a.t)
+        return out
+
+
+@dataclass
+class Result:
+    t: float
+    cls: str
+    step: int
+    status: int
+    latency_s: float
+    backend: str
+
+
+class _Conn:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+
+class HttpPool:
+    """Minimal HTTP/1.1 keep-alive client (GET only), enough for the bench's tiny responses."""
+
+    def __init__(self, host: str, port: int, max_idle: int = 512) -> None:
+        self.host = host
+        self.port = port
+        self.idle: list[_Conn] = []
+        self.max_idle = max_idle
+
+    async def _connect(self) -> _Conn:
+        reader, writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+        return _Conn(reader, writer)
+
+    async def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
+        """One GET; retries once on a stale pooled connection."""
+        for attempt in range(2):
+            conn = self.idle.pop() if self.idle else await self._connect()
+            try:
+                return await self._exchange(conn, path)
+            except (ConnectionError, asyncio.IncompleteReadError, OSError):
+                with contextlib.suppress(Exception):
+                    conn.writer.close()
+                if attempt:
+                    raise
+        raise ConnectionError("unreachable")
+
+    async def _exchange(self, conn: _Conn, path: str) -> tuple[int, dict[str, str], bytes]:
+        conn.writer.write(f"GET {path} HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode())
+        await conn.writer.drain()
+        head = await conn.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        body = await conn.reader.readexactly(int(headers.get("content-length", "0") or 0))
+        if headers.get("connection", "").lower() == "close" or len(self.idle) >= self.max_idle:
+            conn.writer.close()
+        else:
+            self.idle.append(conn)
+        return status, headers, body
+
+    def close(self) -> None:
+        for conn in self.idle:
+            with contextlib.suppress(Exception):
+                conn.writer.close()
+        self.idle.clear()
+
+
+async def _one(pool: HttpPool, a: Arrival, t_start: float, timeout_s: float, out: list[Result]) -> None:
+    sent = time.monotonic()
+    try:
+        status, headers, _ = await asyncio.wait_for(pool.get(f"/v1/infer/{a.cls}"), timeout_s)
+        backend = headers.get("x-backend", "")
+    except TimeoutError:
+        status, backend = 0, ""
+    except (ConnectionError, OSError, asyncio.IncompleteReadError, ValueError):
+        status, backend = -1, ""
+    out.append(Result(sent - t_start, a.cls, a.step, status, time.monotonic() - sent, backend))
+
+
+async def drive(host: str, port: int, schedule: list[Arrival], timeout_factor: float = 6.0,
+                progress=None) -> tuple[list[Result], float]:
+    """Send ``schedule`` open-loop; returns results and the worst send lag (s) behind schedule."""
+    pool = HttpPool(host, port)
+    results: list[Result] = []
+    tasks: set[asyncio.Task] = set()
+    t_start = time.monotonic()
+    worst_lag = 0.0
+    for i, a in enumerate(schedule):
+        delay = a.t - (time.monotonic() - t_start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        else:
+            worst_lag = max(worst_lag, -delay)
+        cls: RequestClass = CLASSES[a.cls]
+        task = asyncio.create_task(_one(pool, a, t_start, max(2.0, cls.sla_s * timeout_factor), results))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        if progress is not None and i % 50 == 0:
+            progress(a.t)
+    if tasks:
+        await asyncio.gather(*list(tasks))
+    pool.close()
+    return results, worst_lag
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (NaN for no values)."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, math.ceil(q / 100.0 * len(s)) - 1))
+    return s[k]
