@@ -286,6 +286,9 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, shape: LoadShape, args
     """Replay ``schedule`` through HAProxy under ``policy``."""
     fleet.wait_idle()
     fleet.reset()
+    for name, ratio in parse_pressure(args.pressure).items():
+        spec = next(x for x in fleet.specs if x.name == name)
+        fleet.set_pressure(name, int(ratio * spec.kv_gib * 1024**3))
     feed: FeedWorker | None = None
     t0 = time.monotonic()
     try:
@@ -305,7 +308,21 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, shape: LoadShape, args
     finally:
         if feed is not None:
             feed.stop()
-    return summarize(policy, results, shape, args.max_error, states, samples, lag, time.monotonic() - t0)
+    report = summarize(policy, results, shape, args.max_error, states, samples, lag, time.monotonic() - t0)
+    if feed is not None:
+        report.extra["feed"] = feed.info.get("feed", "")
+    return report
+
+
+def parse_pressure(items: list[str]) -> dict[str, float]:
+    """``NAME=RATIO`` items (memory pinned on a backend for the whole run, 0..1 of its KV pool)."""
+    out = {}
+    for item in items:
+        name, sep, ratio = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--pressure {item!r}: expected NAME=RATIO")
+        out[name] = min(1.0, max(0.0, float(ratio)))
+    return out
 
 
 def weights_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -426,6 +443,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burst-s", type=float, default=1.0)
     p.add_argument("--burst-period-s", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--pressure", action="append", default=[],
+                   help="NAME=RATIO: pin that share of a backend's memory for the run (a leak, a big tenant)")
     p.add_argument("--policies", default="roundrobin,leastconn,triscope")
     p.add_argument("--triscope-balance", default="leastconn", choices=["leastconn", "roundrobin"])
     p.add_argument("--agent-inter-ms", type=int, default=250)
