@@ -460,7 +460,7 @@ def classify_window(m: dict[str, float], cfg: dict[str, Any]) -> tuple[str, list
 def _unit_windows(unit: _Unit, start_ns: int, end_ns: int, w_ns: int, by: str) -> list[tuple[int, int, str, str]]:
     """(start, end, kind, label) intervals of the unit that hold data."""
     if by == "step":
-        steps = [(int(s), int(e), str(n)) for t in unit.traces for s, e, n in zip(*t["steps"], strict=True)]
+        steps = [(int(s), int(e), str(n)) for t in unit.traces for s, e, n in zip(*t["iv"]["steps"], strict=True)]
         if steps:
             return [(max(s, start_ns), min(e, end_ns), "step", n) for s, e, n in sorted(steps)]
     ws, we = _window_grid(start_ns, end_ns, w_ns)
@@ -494,11 +494,11 @@ def _metrics(unit: _Unit, iv: list[tuple[int, int, str, str]], io_rows: list[tup
     if unit.traces:
         spans = np.zeros(n, dtype=np.int64)
         sums: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(n, dtype=np.int64))
-        has_gpu = any(t["has_gpu"] for t in unit.traces)
+        has_gpu = any(t["iv"]["has_gpu"] for t in unit.traces)
         for t in unit.traces:
             spans += busy_ns(np.array([t["lo"]]), np.array([t["hi"]]), ws, we)
             for key in ("gpu", "gpu_compute", "comm", "host"):
-                sums[key] += busy_ns(*t[key], ws, we)
+                sums[key] += busy_ns(*t["iv"][key], ws, we)
         for i in range(n):
             if spans[i] <= 0:
                 continue
@@ -596,7 +596,7 @@ def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, 
             continue
         if model_gpus is not None and not ({(part["host"], str(part["device"])), (part["host"], "")} & model_gpus):
             continue
-        part.update(_trace_intervals(store, part, start_ns, end_ns, int(cfg["max_trace_events"])))
+        part["iv"] = _trace_intervals(store, part, start_ns, end_ns, int(cfg["max_trace_events"]))
         u = unit_for(part["host"], part["device"], part["rank"])
         u.traces.append(part)
         u.ranks.add(part["rank"])

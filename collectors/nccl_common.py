@@ -134,11 +134,20 @@ def columns_of(rows: Iterable[Mapping[str, Any]]) -> dict[str, list[Any]]:
     return out
 
 
-def replace_rows(store: Store, rows: list[dict[str, Any]], source: str, run_id: str) -> int:
-    """Insert rows of (source, run_id), first deleting earlier rows of that pair so re-ingest replaces."""
+def replace_rows(store: Store, rows: list[dict[str, Any]], source: str, run_id: str,
+                 per_rank: bool = False) -> int:
+    """Insert rows of (source, run_id), first deleting earlier rows so a re-ingest replaces them.
+
+    ``per_rank``: delete only the ranks present in ``rows`` (one file per rank, e.g. Flight Recorder).
+    """
     table = qualified(store, NCCL_OPS.name)
     where = "source = {source:String} AND run_id = {run_id:String}"
-    params = {"source": source, "run_id": run_id}
+    params: dict[str, Any] = {"source": source, "run_id": run_id}
+    if per_rank:
+        where += " AND rank IN {ranks:Array(Int32)}"
+        params["ranks"] = sorted({int(r["rank"]) for r in rows})
+        if not rows:
+            return 0
     if store.cluster:
         store.command(f"ALTER TABLE {table}_local ON CLUSTER `{store.cluster}` DELETE WHERE {where} "
                       "SETTINGS mutations_sync = 2", params)

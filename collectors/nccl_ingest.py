@@ -103,5 +103,5 @@ def ingest_path(store: Store, path: str | Path, fmt: str = "auto", run_id: str |
         rows, result.errors = parsed.rows, parsed.errors
     if not rows and result.errors:
         raise InputError(result.errors[0])
-    result.rows = replace_rows(store, rows, SOURCE_OF[fmt], run_id)
+    result.rows = replace_rows(store, rows, SOURCE_OF[fmt], run_id, per_rank=fmt == "flight-recorder")
     return result

@@ -21,6 +21,7 @@ from triscope.errors import InputError
 
 MAX_LINE_BYTES = 1 << 20
 _GB = 1e9
+_PER_RANK_SIZE = frozenset({"AllGather", "ReduceScatter"})
 
 
 @dataclass
@@ -58,15 +59,19 @@ def _jsonl_row(record: dict[str, Any], run_id: str) -> dict[str, Any] | None:
     algbw = _float(perf.get("coll_algobw_gbs", perf.get("p2p_algobw_gbs"))) * _GB
     if algbw != algbw and busbw == busbw:
         algbw = busbw / bus_factor(collective, nranks)
+    raw_bytes = _float(perf.get("coll_msg_size_bytes", perf.get("p2p_msg_size_bytes")))
+    # Inspector gives the per-rank buffer of AllGather/ReduceScatter (its algbw uses n x that);
+    # nccl_ops holds nccl-tests' "size", the full buffer.
+    msg_bytes = raw_bytes * nranks if collective in _PER_RANK_SIZE and nranks > 0 else raw_bytes
     return new_row(
         ts=ns_text(int(ts_us) * 1000), host=str(meta.get("hostname", "")), run_id=run_id,
         rank=int(header.get("rank", -1)), source="inspector", backend="nccl", comm_id=str(header.get("id", "")),
         collective=collective, op_name=name, seq=int(perf.get("coll_sn", perf.get("p2p_sn", -1))), is_p2p=p2p,
-        nranks=nranks, msg_bytes=_float(perf.get("coll_msg_size_bytes", perf.get("p2p_msg_size_bytes"))),
+        nranks=nranks, msg_bytes=msg_bytes,
         duration_seconds=duration, algbw_bytes_per_second=algbw, busbw_bytes_per_second=busbw, state="completed",
         detail_json={"format_version": meta.get("inspector_output_format_version"), "pid": meta.get("pid"),
                      "nnodes": header.get("nnodes"), "rec_mechanism": meta.get("rec_mechanism"),
-                     "timing_source": perf.get("coll_timing_source"),
+                     "timing_source": perf.get("coll_timing_source"), "coll_msg_size_bytes": raw_bytes,
                      "ts_basis": "coll_start_ts" if start_us is not None else "dump_timestamp_us"},
     )
 
