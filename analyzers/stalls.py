@@ -297,10 +297,13 @@ def _samples(store: Store, start_ns: int, end_ns: int) -> list[tuple[Any, ...]]:
 
 
 def _io(store: Store, start_ns: int, end_ns: int) -> list[tuple[Any, ...]]:
-    """(host, device, op, start_ns, end_ns, p99_seconds, queue_depth): read rows, or 'all' where no read rows."""
+    """(host, device, op, start_ns, end_ns, p99_seconds, queue_depth): read rows, or 'all' where no read rows.
+
+    window_seconds is Float32: the end is rounded to the microsecond so 0.1 s does not spill into the next window.
+    """
     return store.query(
         "SELECT host, device, op, toUnixTimestamp64Nano(ts) AS t, "
-        "t + toInt64(greatest(window_seconds, 0) * 1e9), p99_seconds, queue_depth "
+        "t + toInt64(round(greatest(window_seconds, 0) * 1e6)) * 1000, p99_seconds, queue_depth "
         f"FROM {qualified(store, 'io_latency')} "
         "WHERE ts < fromUnixTimestamp64Nano({end:Int64}) "
         "AND ts >= fromUnixTimestamp64Nano({start:Int64}) - INTERVAL 1 HOUR "
@@ -427,8 +430,8 @@ def classify_window(m: dict[str, float], cfg: dict[str, Any]) -> tuple[str, list
     ev["io"] = [p99, qd]
     if g("io_met", 0.0) > 0:
         p99.met = qd.met = True
-        held["io"] = min(p99.value / max(cfg["io_read_p99_min_seconds"], 1e-12),
-                         qd.value / max(cfg["io_queue_depth_min"], 1e-12))
+        held["io"] = math.sqrt(p99.value / max(cfg["io_read_p99_min_seconds"], 1e-12)
+                               * qd.value / max(cfg["io_queue_depth_min"], 1e-12))
 
     gpu_busy = _check("gpu_busy_share", g("gpu_busy_share", nan), "<", cfg["host_gpu_busy_max"], "trace_events")
     host_busy = _check("host_busy_share", g("host_busy_share", nan), ">", cfg["host_busy_min"], "trace_events")
