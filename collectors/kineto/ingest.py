@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from triscope.collectors.kineto import classify
 from triscope.collectors.kineto.classify import GPU_WORK_KINDS, KIND_BY_CATEGORY, event_kind, kernel_class
 from triscope.collectors.kineto.reader import TraceEvent, TraceHeader, read_trace
@@ -58,6 +58,8 @@ def _int(value: Any, default: int) -> int:
         return default
     if isinstance(value, int):
         return value
+    if isinstance(value, str) and not value.strip().lstrip("+-").isdigit():
+        return default  # hex ("0x0" on ROCm) and other text
     try:
         return int(float(value))
     except (TypeError, ValueError):
@@ -65,14 +67,13 @@ def _int(value: Any, default: int) -> int:
 
 
 def _text(value: Any) -> str:
-    return "" if value is None else str(value)
+    """String arguments only (as ClickHouse's JSONExtractString): other types read as empty."""
+    return value if isinstance(value, str) else ""
 
 
-def _ns(values: Sequence[float]) -> np.ndarray:
-    """Microsecond floats to int64 nanoseconds, exact for timestamps written with <= 3 decimals."""
-    us = np.asarray(values, dtype=np.float64)
-    whole = np.trunc(us)
-    return whole.astype(np.int64) * 1000 + np.rint((us - whole) * 1000.0).astype(np.int64)
+def _ns(us: Decimal) -> int:
+    """Exact nanoseconds of a microsecond timestamp (half away from zero, as ClickHouse's round)."""
+    return int((us * 1000).to_integral_value(rounding=ROUND_HALF_UP))
 
 
 def _append_block(cols: _Columns, events: list[TraceEvent], run_id: str, rank: int) -> None:
@@ -93,8 +94,8 @@ def _append_block(cols: _Columns, events: list[TraceEvent], run_id: str, rank: i
     d["name"].extend(names)
     d["pid"].extend([str(e.pid) for e in xs])
     d["tid"].extend([str(e.tid) for e in xs])
-    d["ts_ns"].extend(_ns([e.ts for e in xs]).tolist())
-    d["dur_ns"].extend(_ns([e.dur for e in xs]).tolist())
+    d["ts_ns"].extend([_ns(e.ts) for e in xs])
+    d["dur_ns"].extend([_ns(e.dur) for e in xs])
     d["device"].extend([_int(a.device, -1) if a else -1 for a in args])
     d["stream"].extend([_int(a.stream, -1) if a else -1 for a in args])
     d["correlation"].extend([_int(a.correlation, 0) if a else 0 for a in args])
@@ -115,7 +116,8 @@ _JSON_STRUCTURE = ("ph String, cat String, name String, pid String, tid String, 
 
 
 def _arg_int(key: str, default: int) -> str:
-    return f"if(JSONHas(args, '{key}'), JSONExtractInt(args, '{key}'), {default})"
+    # Same rules as _int(): ints, floats (truncated) and decimal strings; anything else -> default.
+    return f"ifNull(JSONExtract(args, '{key}', 'Nullable(Int64)'), {default})"
 
 
 def _fast_insert_sql(table: str) -> str:
@@ -141,13 +143,13 @@ FROM (
     toInt64(round(ts * 1000)) AS ts_ns,
     toInt64(round(dur * 1000)) AS dur_ns,
     {_arg_int("correlation", 0)} AS correlation,
-    if(JSONHas(args, 'External id'), JSONExtractInt(args, 'External id'),
-       JSONExtractInt(args, 'external id')) AS external_id,
+    ifNull(JSONExtract(args, 'External id', 'Nullable(Int64)'),
+           {_arg_int("external id", 0)}) AS external_id,
     position(args, 'Collective name') > 0 AS has_comm,  -- skip parsing comm args on other events
     if(has_comm, JSONExtractString(args, 'Collective name'), '') AS collective,
-    if(has_comm, JSONExtractInt(args, 'In msg nelems'), 0) AS in_nelems,
-    if(has_comm, JSONExtractInt(args, 'Out msg nelems'), 0) AS out_nelems,
-    toInt32(if(has_comm, JSONExtractInt(args, 'Group size'), 0)) AS group_size,
+    if(has_comm, {_arg_int("In msg nelems", 0)}, 0) AS in_nelems,
+    if(has_comm, {_arg_int("Out msg nelems", 0)}, 0) AS out_nelems,
+    toInt32(if(has_comm, {_arg_int("Group size", 0)}, 0)) AS group_size,
     if(has_comm, JSONExtractString(args, 'dtype'), '') AS dtype,
     if(has_comm, JSONExtractString(args, 'Process Group Name'), '') AS pg_name,
     if(has_comm, JSONExtractString(args, 'Process Group Ranks'), '') AS pg_ranks

@@ -11,12 +11,12 @@ which also pinpoints real corruption by byte offset. Keys that come after the ar
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -25,6 +25,7 @@ import msgspec
 from triscope.errors import InputError
 
 BLOCK_BYTES = 8 << 20
+_MAX_STALL_BLOCKS = 8  # an event larger than this many blocks is treated as corruption
 _ARRAY_START = re.compile(rb'"traceEvents"\s*:\s*\[')
 _WS = b" \t\r\n"
 
@@ -54,8 +55,9 @@ class TraceEvent(msgspec.Struct, frozen=True):
     name: str = ""
     pid: int | str = 0
     tid: int | str = 0
-    ts: float = 0.0
-    dur: float = 0.0
+    # Decimal keeps the exact text: epoch microseconds with 3 decimals exceed float64 precision.
+    ts: Decimal = Decimal(0)
+    dur: Decimal = Decimal(0)
     args: EventArgs | None = None
 
 
@@ -79,6 +81,61 @@ class TraceHeader:
         return int(rank) if isinstance(rank, int) else None
 
 
+class _GzipStream:
+    """Streaming gzip decompression that hands out every byte decoded before damage.
+
+    ``gzip.GzipFile.read`` raises on a cut-short file without returning what it had already
+    decompressed; this reader returns that data first and raises on the next call.
+    """
+
+    def __init__(self, raw: BinaryIO, chunk: int = 1 << 20) -> None:
+        self.raw = raw
+        self.chunk = chunk
+        self.inflater = zlib.decompressobj(wbits=31)
+        self.pending: InputError | OSError | None = None
+        self.done = False
+
+    def read(self, size: int) -> bytes:
+        if self.pending is not None:
+            error, self.pending = self.pending, None
+            raise error
+        out: list[bytes] = []
+        have = 0
+        while have < size and not self.done:
+            compressed = self.raw.read(self.chunk)
+            try:
+                if not compressed:
+                    self.done = True
+                    if not self.inflater.eof:
+                        raise EOFError("compressed file ended before the end-of-stream marker")
+                    break
+                data = self.inflater.decompress(compressed)
+                while self.inflater.eof and self.inflater.unused_data:  # next gzip member
+                    rest = self.inflater.unused_data
+                    self.inflater = zlib.decompressobj(wbits=31)
+                    data += self.inflater.decompress(rest)
+            except (zlib.error, EOFError) as exc:
+                self.done = True
+                self.pending = OSError(str(exc))
+                break
+            out.append(data)
+            have += len(data)
+        result = b"".join(out)
+        if not result and self.pending is not None:
+            error, self.pending = self.pending, None
+            raise error
+        return result
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def __enter__(self) -> _GzipStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def open_binary(path: str | Path) -> BinaryIO:
     """Open ``path`` for reading, decompressing gzip when the file starts with its magic bytes."""
     path = Path(path)
@@ -88,7 +145,7 @@ def open_binary(path: str | Path) -> BinaryIO:
         raise InputError(f"{path}: cannot open ({exc.strerror})") from None
     if raw.read(2) == b"\x1f\x8b":
         raw.seek(0)
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+        return _GzipStream(raw)  # type: ignore[return-value]
     raw.seek(0)
     return raw
 
@@ -179,6 +236,16 @@ class _TraceParser:
             events = self._decode_array(b"[" + buf[: cut[0]] + b"]")
             if events is None:  # wrong cut or damage: decode event by event
                 events, leftover = self._decode_slow(buf, final=False)
+                if not events:
+                    # No complete event yet: a huge event, or damage. Read on, within bounds.
+                    if len(buf) > _MAX_STALL_BLOCKS * self.block_bytes:
+                        raise self._error(0, "corrupt JSON (no complete event within "
+                                             f"{len(buf)} bytes)")
+                    try:
+                        buf += self._read()
+                    except InputError as exc:
+                        read_error = exc
+                    continue
                 self.consumed += len(buf) - len(leftover)
                 buf = leftover
             else:
@@ -192,31 +259,39 @@ class _TraceParser:
             if events:
                 yield events
             raise InputError(f"{read_error}; the {len(events)} complete events of the last block were kept")
-        split = self._split_tail(head, buf)
-        if split is None:
-            events, _ = self._decode_slow(buf, final=False, strict=False)
-            if events:
-                yield events
-            raise InputError(f"{self.name}: trace is truncated or corrupt after byte {self.consumed} "
-                             f"(no closing of traceEvents); the {len(events)} complete events of the "
-                             "last block were kept")
-        array_end, metadata = split
-        body = buf[:array_end]
-        events = self._decode_array(b"[" + body + b"]") if body.strip() else []
-        if events is None:
-            events, _ = self._decode_slow(body, final=True)
+        for array_end, metadata in self._tail_candidates(head, buf):
+            body = buf[:array_end]
+            events = self._decode_array(b"[" + body + b"]") if body.strip() else []
+            if events is not None:
+                if events:
+                    yield events
+                self.header.metadata = metadata
+                return
+        # No clean split: decode event by event; the array ends where decoding stops at "]".
+        events, rest = self._decode_slow(buf, final=True, strict=False)
+        metadata = None
+        if rest.lstrip().startswith(b"]"):
+            try:
+                metadata = json.loads(head + b'"traceEvents": []' + rest.lstrip()[1:])
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                metadata = None
         if events:
             yield events
+        if not isinstance(metadata, dict):
+            raise InputError(f"{self.name}: trace is truncated or corrupt after byte "
+                             f"{self.consumed + len(buf) - len(rest)}; the {len(events)} complete events "
+                             "of the last block were kept")
+        metadata.pop("traceEvents", None)
         self.header.metadata = metadata
 
-    def _split_tail(self, head: bytes, buf: bytes) -> tuple[int, dict[str, Any]] | None:
-        """Find the ``]`` closing traceEvents in the last buffer: the one after which the rest
-        of the document parses. Returns (offset of that ``]``, top-level metadata)."""
+    def _tail_candidates(self, head: bytes, buf: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Possible ``]`` closing traceEvents in the last buffer, last first: those after which
+        the rest of the document parses. Yields (offset of that ``]``, top-level metadata)."""
         pos = len(buf)
         for _ in range(64):
             close = buf.rfind(b"]", 0, pos)
             if close < 0:
-                return None
+                return
             before = buf[:close].rstrip()
             if not before or before.endswith(b"}"):
                 try:
@@ -225,9 +300,8 @@ class _TraceParser:
                     meta = None
                 if isinstance(meta, dict):
                     meta.pop("traceEvents", None)
-                    return close, meta
+                    yield close, meta
             pos = close
-        return None
 
     def _set_early_metadata(self, head: bytes) -> None:
         """Keys before traceEvents (often distributedInfo with the rank), best effort."""
@@ -247,7 +321,7 @@ class _TraceParser:
         With ``strict=False`` decoding stops quietly at the first damaged event.
         """
         text = buf.decode("utf-8", errors="replace")
-        decoder = json.JSONDecoder()
+        decoder = json.JSONDecoder(parse_float=Decimal)
         events: list[TraceEvent] = []
         pos = 0
         n = len(text)
@@ -259,8 +333,8 @@ class _TraceParser:
             try:
                 obj, end = decoder.raw_decode(text, pos)
             except json.JSONDecodeError as exc:
-                if not strict or (not final and exc.pos >= n - 1):
-                    break  # event continues in the next block, or damage reported by the caller
+                if not strict or not final:
+                    break  # the event may continue in the next block; damage is reported at the end
                 raise self._error(len(text[:exc.pos].encode()), f"corrupt JSON ({exc.msg})") from None
             if not isinstance(obj, dict):
                 if not strict:

@@ -1,0 +1,183 @@
+"""Kineto ingest into the real engine: every sample trace, both parse paths, eras, joins, damage."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+import pytest
+from conftest import SHARED_DATA, shared_data
+from kineto_helpers import GPU_CATEGORIES, complete_events, cpu, kernel, load_json, runtime, write_trace
+from triscope.collectors.kineto import ingest_paths, ingest_trace
+
+from triscope.errors import InputError
+from triscope.schema import qualified
+
+SAMPLES = sorted((SHARED_DATA / "kineto").glob("*.json*")) if (SHARED_DATA / "kineto").exists() else []
+EVENT_COLUMNS = "kind, category, kernel_class, name, pid, tid, device, stream, ts_ns, dur_ns, correlation, " \
+                "external_id, collective, in_nelems, out_nelems, group_size, dtype, pg_name, pg_ranks"
+
+
+def _rows(store, run_id: str) -> list[tuple]:
+    return store.query(f"SELECT {EVENT_COLUMNS} FROM {qualified(store, 'trace_events')} "
+                       "WHERE run_id = {r:String} ORDER BY ts_ns, name, kind, correlation, dur_ns, tid",
+                       {"r": run_id}).rows
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
+def test_every_sample_trace_ingests_completely(store, path: Path):
+    doc = load_json(path, exact=True)
+    expected = complete_events(doc)
+    result = ingest_trace(store, path, run_id="r")
+    assert result.status == "complete"
+    assert result.events == len(expected)
+    assert result.gpu_events == sum(1 for e in expected if e.get("cat") in GPU_CATEGORIES)
+    base = int(doc.get("baseTimeNanoseconds") or 0)
+    assert result.base_time_ns == base
+    got = store.query(f"SELECT min(ts_ns), max(ts_ns + dur_ns) FROM {qualified(store, 'trace_events')}").rows[0]
+    lo = min(_ns(e["ts"]) for e in expected)
+    hi = max(_ns(e["ts"]) + _ns(e.get("dur", 0)) for e in expected)
+    assert got == (lo, hi)
+
+
+def _ns(us: Decimal | int) -> int:
+    """Exact nanoseconds of a JSON microsecond value read as Decimal."""
+    return int((Decimal(us) * 1000).to_integral_value(rounding=ROUND_HALF_UP))
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
+def test_clickhouse_and_python_parse_paths_store_identical_rows(store, path: Path):
+    ingest_trace(store, path, run_id="fast")
+    ingest_trace(store, path, run_id="slow", use_clickhouse_json=False)
+    assert _rows(store, "fast") == _rows(store, "slow")
+
+
+def test_timestamp_eras_and_joins(store):
+    a100 = shared_data("kineto", "a100_ddp_2024_rank0.json.gz")  # relative ts + baseTimeNanoseconds
+    legacy = shared_data("kineto", "legacy_inference_tiny_2022.json.gz")  # absolute epoch us, 2022 categories
+    r1 = ingest_trace(store, a100, run_id="a100")
+    r2 = ingest_trace(store, legacy, run_id="legacy")
+    runs = dict(store.query(f"SELECT run_id, time_base FROM {qualified(store, 'trace_runs')}").rows)
+    assert runs == {"a100": "relative", "legacy": "absolute"}
+    assert r1.base_time_ns == 1711964646000000000 and r2.base_time_ns == 0
+    # Absolute era: ns timestamps are epoch values in 2022.
+    ts = store.query(f"SELECT min(ts_ns) FROM {qualified(store, 'trace_events')} WHERE run_id = 'legacy'").scalar()
+    assert 1_640_000_000 * 10**9 < ts < 1_700_000_000 * 10**9
+    # Legacy Kernel/Runtime categories map to kernel/runtime, and the lowercase 'external id' is read.
+    kinds = dict(store.query(f"SELECT kind, count() FROM {qualified(store, 'trace_events')} "
+                             "WHERE run_id = 'legacy' GROUP BY kind").rows)
+    assert kinds["kernel"] == 4 and kinds["runtime"] == 8
+    # correlation joins every a100 kernel to its runtime launch.
+    unmatched = store.query(f"""
+        SELECT count() FROM {qualified(store, 'trace_events')} AS k
+        LEFT ANTI JOIN (SELECT correlation FROM {qualified(store, 'trace_events')}
+                        WHERE run_id = 'a100' AND kind = 'runtime') AS r USING correlation
+        WHERE k.run_id = 'a100' AND k.kind = 'kernel'""").scalar()
+    assert unmatched == 0
+    doc = load_json(a100)
+    first = min((e for e in doc["traceEvents"] if e.get("cat") == "kernel" and e["name"].startswith("nccl")),
+                key=lambda e: e["ts"])
+    comm = store.query(f"SELECT name, collective, in_nelems, group_size, dtype, pg_ranks "
+                       f"FROM {qualified(store, 'trace_events')} WHERE run_id = 'a100' AND kernel_class = 'comm' "
+                       "ORDER BY ts_ns LIMIT 1").rows[0]
+    a = first["args"]
+    assert comm == (first["name"], a["Collective name"], a["In msg nelems"], a["Group size"], a["dtype"],
+                    a["Process Group Ranks"])
+    params = store.query(f"SELECT count() FROM {qualified(store, 'trace_events')} WHERE run_id = 'a100' "
+                         "AND name = 'record_param_comms' AND collective != ''").scalar()
+    assert params > 0
+
+
+def test_kernel_classes_by_category_and_name(store, tmp_path: Path):
+    events = [
+        kernel("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)", 10, 5),
+        kernel("ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", 20, 5),
+        kernel("void vllm::cross_device_reduce_1stage<__nv_bfloat16, 8>(vllm::RankData*, int)", 30, 5),
+        kernel("triton_poi_fused_add_0", 40, 5),
+        kernel("Memcpy HtoD (Pageable -> Device)", 50, 5, cat="gpu_memcpy"),
+        kernel("Memset (Device)", 60, 5, cat="gpu_memset"),
+        # A Triton host op carries stream 0 but is CPU work.
+        {"ph": "X", "cat": "cpu_op", "name": "triton_poi_fused_add_0", "pid": 1, "tid": 1, "ts": 39, "dur": 1,
+         "args": {"stream": 0, "device": 0}},
+        cpu("aten::mm", 5, 2),
+        {"ph": "i", "name": "instant", "pid": 1, "tid": 1, "ts": 1, "s": "g"},
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "python"}},
+    ]
+    path = write_trace(tmp_path / "classes.json", events)
+    result = ingest_trace(store, path, run_id="c")
+    assert result.events == 8 and result.gpu_events == 6
+    got = dict(store.query(f"SELECT name, kernel_class FROM {qualified(store, 'trace_events')} "
+                           "WHERE kind IN ('kernel', 'memcpy', 'memset')").rows)
+    assert [got[e["name"]] for e in events[:6]] == ["comm", "comm", "comm", "compute", "memory", "memory"]
+    host = store.query(f"SELECT kind, kernel_class FROM {qualified(store, 'trace_events')} "
+                       "WHERE name = 'triton_poi_fused_add_0' AND category = 'cpu_op'").rows
+    assert host == [("cpu_op", "")]
+
+
+def test_truncated_trace_keeps_earlier_rows_and_other_runs(store, tmp_path: Path):
+    good = write_trace(tmp_path / "good.json", [kernel(f"g{i}", i, 1) for i in range(50)])
+    ingest_trace(store, good, run_id="good")
+    events = [kernel(f"k{i}", i, 1, correlation=i) for i in range(3000)]
+    data = json.dumps({"traceEvents": events}, indent=2).encode()
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(gzip.compress(data)[: len(gzip.compress(data)) * 2 // 3])
+    with pytest.raises(InputError) as info:
+        ingest_trace(store, cut, run_id="cut")
+    assert "\n" not in str(info.value)
+    run = store.query(f"SELECT status, event_count, error FROM {qualified(store, 'trace_runs')} FINAL "
+                      "WHERE run_id = 'cut'").rows[0]
+    assert run[0] == "partial" and 0 < run[1] < 3000 and run[2]
+    kept = store.query(f"SELECT name FROM {qualified(store, 'trace_events')} WHERE run_id = 'cut' "
+                       "ORDER BY ts_ns").rows
+    assert [r[0] for r in kept] == [f"k{i}" for i in range(len(kept))]
+    assert store.query(f"SELECT count() FROM {qualified(store, 'trace_events')} "
+                       "WHERE run_id = 'good'").scalar() == 50
+
+
+def test_garbage_gzip_is_refused_without_touching_the_store(store, tmp_path: Path):
+    bad = tmp_path / "bad.json.gz"
+    bad.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 8)
+    with pytest.raises(InputError, match="corrupt or cut short"):
+        ingest_trace(store, bad, run_id="bad")
+    assert store.query(f"SELECT count() FROM {qualified(store, 'trace_events')}").scalar() == 0
+
+
+def test_reingest_replaces_instead_of_duplicating(store, tmp_path: Path):
+    path = write_trace(tmp_path / "t_rank2.json", [kernel(f"k{i}", i, 1) for i in range(10)])
+    ingest_trace(store, path)
+    ingest_trace(store, path)
+    assert store.query(f"SELECT count() FROM {qualified(store, 'trace_events')}").scalar() == 10
+    assert store.query(f"SELECT run_id, rank FROM {qualified(store, 'trace_runs')} FINAL").rows == [("t", 2)]
+
+
+def test_multi_rank_directory_is_one_run(store, tmp_path: Path):
+    job = tmp_path / "job7"
+    job.mkdir()
+    for rank in range(3):
+        write_trace(job / f"worker{rank}.json", [kernel("k", rank * 10, 1)] * (rank + 1),
+                    distributedInfo={"rank": rank, "world_size": 3})
+    (job / "notes.txt").write_text("not a trace")
+    results = ingest_paths(store, [job])
+    assert sorted((r.run_id, r.rank, r.events) for r in results) == [("job7", 0, 1), ("job7", 1, 2), ("job7", 2, 3)]
+
+
+def test_rank_known_only_from_the_tail_rekeys_rows(store, tmp_path: Path):
+    path = tmp_path / "late.json"
+    path.write_text(json.dumps({"traceEvents": [kernel("k", 1, 1), runtime("cudaLaunchKernel", 0, 1, 5)],
+                                "distributedInfo": {"rank": 5}}))
+    result = ingest_trace(store, path, run_id="late")
+    assert result.rank == 5
+    assert store.query(f"SELECT DISTINCT rank FROM {qualified(store, 'trace_events')}").rows == [(5,)]
+
+
+def test_same_rank_twice_in_one_batch_is_refused(store, tmp_path: Path):
+    job = tmp_path / "mixed"
+    job.mkdir()
+    for name in ("a", "b"):
+        write_trace(job / f"{name}.json", [kernel(name, 1, 1)], distributedInfo={"rank": 0})
+    errors = []
+    results = ingest_paths(store, [job], on_file=lambda o: errors.append(o) if isinstance(o, InputError) else None)
+    assert len(results) == 1 and len(errors) == 1 and "already ingested" in str(errors[0])
+    assert store.query(f"SELECT name FROM {qualified(store, 'trace_events')}").rows == [("a",)]

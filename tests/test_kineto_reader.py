@@ -1,0 +1,116 @@
+"""Streaming Kineto reader: every sample trace, odd layouts, and damaged input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from conftest import SHARED_DATA, require
+from kineto_helpers import cpu, kernel, load_json, write_trace
+from triscope.collectors.kineto.reader import TraceHeader, read_all, read_trace
+
+from triscope.errors import InputError
+
+SAMPLES = sorted(p for p in (SHARED_DATA / "kineto").glob("*.json*")) if (SHARED_DATA / "kineto").exists() else []
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("block_bytes", [4096, 8 << 20])
+def test_every_sample_trace_reads_like_the_stdlib(path: Path, block_bytes: int):
+    doc = load_json(path, exact=True)
+    header = TraceHeader()
+    events = [e for block in read_trace(path, header, block_bytes=block_bytes) for e in block]
+    assert len(events) == len(doc["traceEvents"])
+    for ours, theirs in zip(events, doc["traceEvents"], strict=True):
+        assert ours.name == theirs.get("name", "")
+        assert ours.ph == theirs.get("ph", "")
+        assert ours.ts == theirs.get("ts", 0)  # exact: both Decimal
+    assert header.metadata == {k: v for k, v in load_json(path).items() if k != "traceEvents"}
+
+
+def test_samples_are_present():
+    require(bool(SAMPLES), "../shared/data/kineto is absent")
+    assert len(SAMPLES) >= 10
+
+
+def _tricky_events(n: int = 300) -> list[dict]:
+    events = []
+    for i in range(n):
+        # Names containing the block separator, braces and escaped quotes must not confuse the cutter.
+        events.append(kernel(f'k{i} }}, {{ "x": [1], \\"q\\"', ts=1000.0 + i, dur=0.5, correlation=i))
+        events.append(cpu("op", ts=1000.0 + i, dur=0.25, **{"Input Dims": [[1, 2], [3]], "nested": {"a": [{"b": 1}]}}))
+    return events
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["indented", "compact"])
+def test_adversarial_layouts_decode_exactly(tmp_path: Path, compact: bool):
+    events = _tricky_events()
+    path = write_trace(tmp_path / "t.json", events, compact=compact, baseTimeNanoseconds=5)
+    for block_bytes in (512, 4096, 1 << 20):
+        header, got = read_all_blocks(path, block_bytes)
+        assert [e.name for e in got] == [e["name"] for e in events]
+        assert header.base_time_ns == 5
+
+
+def read_all_blocks(path: Path, block_bytes: int):
+    header = TraceHeader()
+    return header, [e for block in read_trace(path, header, block_bytes=block_bytes) for e in block]
+
+
+def test_metadata_after_the_events_is_read(tmp_path: Path):
+    path = tmp_path / "late.json"
+    events = [kernel("a", 1.0, 1.0)]
+    path.write_text(json.dumps({"traceEvents": events, "deviceProperties": [{"id": 0}], "INFO": ["x]"],
+                                "distributedInfo": {"rank": 3}, "baseTimeNanoseconds": 1700000000000000000}))
+    header, got = read_all(path)
+    assert len(got) == 1
+    assert header.rank == 3 and header.base_time_ns == 1700000000000000000
+    assert header.metadata["deviceProperties"] == [{"id": 0}]
+
+
+def test_truncated_plain_trace_keeps_complete_events(tmp_path: Path):
+    events = [kernel(f"k{i}", float(i), 1.0) for i in range(200)]
+    full = write_trace(tmp_path / "full.json", events).read_bytes()
+    cut = tmp_path / "cut.json"
+    cut.write_bytes(full[: int(len(full) * 0.6)])
+    got = []
+    with pytest.raises(InputError) as info:
+        for block in read_trace(cut):
+            got.extend(block)
+    assert "truncated or corrupt" in str(info.value) and "\n" not in str(info.value)
+    assert 100 <= len(got) < 200
+    assert [e.name for e in got] == [f"k{i}" for i in range(len(got))]
+
+
+def test_truncated_gzip_keeps_complete_events(tmp_path: Path):
+    events = [kernel(f"k{i}", float(i), 1.0) for i in range(5000)]
+    data = gzip.compress(json.dumps({"traceEvents": events}, indent=2).encode())
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    got = []
+    with pytest.raises(InputError, match="cut short|truncated"):
+        for block in read_trace(cut, block_bytes=16384):
+            got.extend(block)
+    assert got and [e.name for e in got] == [f"k{i}" for i in range(len(got))]
+
+
+@pytest.mark.parametrize("payload, message", [
+    (b"\x1f\x8b\x08\x00garbage-not-deflate" * 4, "corrupt or cut short"),
+    (b"", "empty file"),
+    (b'{"schemaVersion": 1, "other": []}', "no traceEvents array"),
+    (b'{"traceEvents": [{"ph": "X", "name": "a"}, {"ph": "X", "name": tru}]}', "corrupt JSON|truncated or corrupt"),
+    (b'{"traceEvents": [{"ph": "X", "ts": "soon"}]}', "invalid event|truncated or corrupt"),
+])
+def test_damaged_input_fails_with_one_line(tmp_path: Path, payload: bytes, message: str):
+    path = tmp_path / "bad.json"
+    path.write_bytes(payload)
+    with pytest.raises(InputError, match=message) as info:
+        read_all(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_missing_file_is_an_input_error(tmp_path: Path):
+    with pytest.raises(InputError, match="cannot open"):
+        read_all(tmp_path / "nope.json")

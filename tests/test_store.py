@@ -1,0 +1,115 @@
+"""Store backends, parameter binding, schema migrations and cluster DDL on the real chDB engine."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from triscope.config import env_overrides, load_config
+from triscope.errors import ConfigError, StoreError
+from triscope.schema import domains, migrate, qualified, schema_versions
+from triscope.schema.model import Column, Table, add_column_sql, create_table_sql
+from triscope.store import open_store
+
+
+def test_parameters_are_bound_not_spliced(store):
+    hostile = "x'); DROP TABLE trace_events; --"
+    row = store.query("SELECT {s:String} AS s, {n:Int64} + 1 AS n, {a:Array(String)} AS a",
+                      {"s": hostile, "n": 41, "a": ["it's", "b\\c"]}).rows[0]
+    assert row == (hostile, 42, ["it's", "b\\c"])
+    assert store.query(f"EXISTS TABLE {qualified(store, 'trace_events')}").scalar() == 1
+
+
+def test_insert_and_read_back_columns(store):
+    table = qualified(store, "io_latency")
+    n = store.insert(table, {"ts": [1.5, 2.5], "host": ["a", "b"], "device": ["sda", "sdb"], "source": ["t", "t"],
+                             "op": ["read", "write"], "window_seconds": [1.0, 1.0], "ios": [3.0, 4.0],
+                             "p50_seconds": [0.001, 0.002], "p99_seconds": [0.01, 0.02], "mean_seconds": [0.0, 0.0],
+                             "queue_depth": [1.0, 2.0]})
+    assert n == 2
+    cols = store.query_columns(f"SELECT host, ios FROM {table} ORDER BY host")
+    assert list(cols["host"]) == ["a", "b"]
+    assert cols["ios"].tolist() == [3.0, 4.0]
+
+
+def test_insert_rejects_ragged_columns(store):
+    with pytest.raises(ValueError, match="different lengths"):
+        store.insert(qualified(store, "trace_runs"), {"run_id": ["a", "b"], "rank": [1]})
+
+
+def test_insert_from_json_is_all_or_nothing(store):
+    store.command(f"CREATE TABLE {qualified(store, 'j')} (a Int64, b String) ENGINE = MergeTree ORDER BY a")
+    sql = f"INSERT INTO {qualified(store, 'j')} (a, b) SELECT a, b FROM json_input"
+    store.insert_from_json(sql, "a Int64, b String", b'[{"a": 1, "b": "x"}, {"a": 2, "b": "y"}]')
+    with pytest.raises(StoreError):
+        store.insert_from_json(sql, "a Int64, b String", b'[{"a": 3, "b": "z"}, {"a": "oops" ')
+    assert store.query(f"SELECT a FROM {qualified(store, 'j')} ORDER BY a").rows == [(1,), (2,)]
+
+
+def test_query_errors_are_one_line(store):
+    with pytest.raises(StoreError) as info:
+        store.query("SELECT no_such_column FROM system.one")
+    assert "\n" not in str(info.value)
+
+
+def test_migrations_are_recorded_and_idempotent(store):
+    first = schema_versions(store)
+    assert set(first) == set(domains())
+    assert all(v >= 1 for v in first.values())
+    assert migrate(store) == first
+    count = store.query(f"SELECT count() FROM {qualified(store, 'schema_migrations')} FINAL").scalar()
+    assert count == sum(first.values())
+
+
+def test_cluster_ddl_uses_replicated_and_distributed():
+    table = Table("t", [Column("a", "Int64")], order_by="a", engine="ReplacingMergeTree(a)")
+    local, dist = create_table_sql(table, "db", cluster="c1")
+    assert local.startswith("CREATE TABLE IF NOT EXISTS db.t_local ON CLUSTER `c1`")
+    assert "ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/t_local', '{replica}', a)" in local
+    assert dist.startswith("CREATE TABLE IF NOT EXISTS db.t ON CLUSTER `c1` AS db.t_local")
+    assert "Distributed(`c1`, db, t_local, rand())" in dist
+    alters = add_column_sql("t", Column("b", "String"), "db", cluster="c1")
+    assert [a.split()[2] for a in alters] == ["db.t_local", "db.t"]
+    assert create_table_sql(table, "db") == [
+        "CREATE TABLE IF NOT EXISTS db.t (\n  `a` Int64\n)\nENGINE = ReplacingMergeTree(a)\nORDER BY (a)"]
+
+
+def test_single_node_ddl_runs_on_the_engine(store):
+    table = Table("ddl_check", [Column("ts", "DateTime64(9, 'UTC')", "it's a comment"), Column("v", "Float64")],
+                  order_by="ts", partition_by="toYYYYMMDD(ts)", ttl="toDateTime(ts) + INTERVAL 1 DAY")
+    for sql in create_table_sql(table, store.database):
+        store.command(sql)
+    assert store.query(f"EXISTS TABLE {qualified(store, 'ddl_check')}").scalar() == 1
+
+
+def test_unreachable_server_store_gives_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again before connecting: nothing listens there
+    with pytest.raises(StoreError) as info:
+        open_store({"store": {"backend": "server", "url": f"http://127.0.0.1:{port}"}})
+    assert "cannot reach ClickHouse" in str(info.value) or "query failed" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_config_file_and_environment_overrides(tmp_path):
+    cfg = tmp_path / "t.toml"
+    cfg.write_text('[store]\npath = "from-file"\n[analysis]\nwindow_ms = 250\n')
+    conf = load_config(cfg, environ={"TRISCOPE_STORE__BACKEND": "server", "TRISCOPE_ANALYSIS__WINDOW_MS": "50",
+                                     "TRISCOPE_REQUIRE_ALL": "1"})
+    assert conf["store"]["path"] == "from-file"
+    assert conf["store"]["backend"] == "server"
+    assert conf["analysis"]["window_ms"] == 50
+    assert env_overrides({"TRISCOPE_X__Y": "true"}) == {"x": {"y": True}}
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[store\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad, environ={})
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml", environ={})
+
+
+def test_unknown_backend_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown store.backend"):
+        open_store({"store": {"backend": "sqlite"}})
