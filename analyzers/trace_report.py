@@ -34,6 +34,8 @@ def print_report(run_id: str, ranks: list[RankBreakdown]) -> None:
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=220)  # piped: keep every column rather than folding to 80
     headers = ["window", "span ms", "compute %", "non-compute %", "idle %", "host-wait ms*", "kernel-wait ms*",
                "other idle ms*", "comm overlap %", "launch p50 us", "launch p95 us", "GPU events"]
     for rank in ranks:

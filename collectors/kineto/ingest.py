@@ -14,7 +14,6 @@ from typing import Any
 from triscope.collectors.kineto import classify
 from triscope.collectors.kineto.classify import GPU_WORK_KINDS, KIND_BY_CATEGORY, event_kind, kernel_class
 from triscope.collectors.kineto.reader import TraceEvent, TraceHeader, read_trace
-
 from triscope.errors import InputError, StoreError
 from triscope.schema import qualified
 from triscope.schema.trace import TRACE_EVENTS, TRACE_RUNS
