@@ -78,10 +78,14 @@ def _range_sql(start_ns: int | None, end_ns: int | None) -> str:
 
 def stragglers(store: Store, run_ids: list[str] | None = None, start_ns: int | None = None,
                end_ns: int | None = None, min_lateness_seconds: float = 0.001,
-               sources: tuple[str, ...] = ("kineto", "flight_recorder")) -> StragglerReport:
+               sources: tuple[str, ...] = ("kineto", "flight_recorder"),
+               hosts: list[str] | None = None) -> StragglerReport:
     """Latest arrival per collective seen by >= 2 ranks (p2p ops are left out)."""
     params: dict[str, Any] = {"sources": list(sources), "start": start_ns or 0, "end": end_ns or 0}
     where = "source IN {sources:Array(String)} AND seq >= 0 AND is_p2p = 0 AND rank >= 0"
+    if hosts:
+        where += " AND host IN {hosts:Array(String)}"
+        params["hosts"] = list(hosts)
     if run_ids:
         where += " AND run_id IN {runs:Array(String)}"
         params["runs"] = list(run_ids)

@@ -637,7 +637,8 @@ def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, 
     traced_runs = sorted({r for u in units.values() for r in u.runs}) or run_ids
     strag = stragglers(store, run_ids=traced_runs, start_ns=None if run_ids else start_ns,
                        end_ns=None if run_ids else end_ns,
-                       min_lateness_seconds=float(cfg["straggler_min_lateness_seconds"]))
+                       min_lateness_seconds=float(cfg["straggler_min_lateness_seconds"]),
+                       hosts=sorted(host_set) or None)
     report.stragglers = strag.to_json()
     report.flight_recorder = flight_recorder_check(store, run_ids, None if run_ids else start_ns,
                                                    None if run_ids else end_ns)

@@ -26,7 +26,6 @@ from triscope.collectors.nccl_common import (
     new_row,
     ns_text,
 )
-
 from triscope.errors import InputError
 
 MAX_DUMP_BYTES = 2 << 30

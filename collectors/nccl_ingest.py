@@ -12,7 +12,6 @@ from pathlib import Path
 
 from triscope.collectors import nccl_flight_recorder, nccl_inspector, nccl_tests
 from triscope.collectors.nccl_common import replace_rows
-
 from triscope.errors import InputError
 from triscope.store.base import Store
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from triscope.collectors.nccl_common import NAN, bus_factor, canonical_collective, new_row, ns_text
-
 from triscope.errors import InputError
 
 MAX_LINE_BYTES = 1 << 20

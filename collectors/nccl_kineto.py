@@ -25,7 +25,6 @@ from triscope.collectors.nccl_common import (
     ns_text,
     replace_rows,
 )
-
 from triscope.errors import InputError
 from triscope.schema import qualified
 from triscope.store.base import Store

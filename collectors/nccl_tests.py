@@ -13,7 +13,6 @@ from typing import Any
 
 from triscope.collectors.nccl_common import NAN, canonical_collective, new_row, ns_text
 from triscope.collectors.nccl_inspector import Parsed
-
 from triscope.errors import InputError
 
 _BINARY = re.compile(r"\b([a-z_]+?)_perf(?:_mpi)?\b")

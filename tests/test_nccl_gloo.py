@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from triscope.analyzers.nccl_crossrank import flight_recorder_check, stragglers
 from triscope.analyzers.stalls import diagnose_stalls
 from triscope.collectors.kineto.ingest import ingest_trace

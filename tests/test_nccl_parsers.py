@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 from conftest import shared_data
+
 from triscope.collectors import nccl_flight_recorder, nccl_inspector, nccl_tests
 from triscope.collectors.nccl_common import bus_factor, canonical_collective, dtype_bytes
 from triscope.collectors.nccl_ingest import detect_format, ingest_path
-
 from triscope.errors import InputError
 from triscope.schema import qualified
 

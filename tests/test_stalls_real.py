@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import require_binary
+
 from triscope.analyzers.stalls import diagnose_stalls, trace_span
 from triscope.collectors.kineto.ingest import ingest_trace
 from triscope.collectors.nccl_common import ns_text
-
 from triscope.schema import qualified
 
 pytestmark = pytest.mark.slow
