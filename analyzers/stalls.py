@@ -350,32 +350,31 @@ def _trace_intervals(store: Store, part: dict[str, Any], start_ns: int, end_ns: 
     params = {"run_id": part["run_id"], "rank": part["rank"], "lo": start_ns - base, "hi": end_ns - base,
               "host_comm": _HOST_COMM, "not_work": _NOT_HOST_WORK, "limit": limit + 1}
     res = store.query_columns(
-        "SELECT multiIf(kind IN ('kernel', 'memcpy', 'memset') AND kernel_class = 'comm', 'comm', "
-        "kind IN ('kernel', 'memcpy', 'memset'), concat('gpu_', kernel_class), "
-        "kind IN ('user_annotation', 'cpu_op') AND match(name, {host_comm:String}), 'host_comm', "
-        "kind = 'user_annotation' AND startsWith(name, 'ProfilerStep#'), 'step', "
-        "kind IN ('cpu_op', 'runtime') AND NOT match(name, {not_work:String}), 'host', '') AS cls, "
-        "ts_ns, ts_ns + dur_ns AS te, name "
+        "SELECT toUInt8(multiIf(kind IN ('kernel', 'memcpy', 'memset') AND kernel_class = 'comm', 1, "
+        "kind IN ('kernel', 'memcpy', 'memset') AND kernel_class IN ('compute', ''), 2, "
+        "kind IN ('kernel', 'memcpy', 'memset'), 3, "
+        "kind IN ('user_annotation', 'cpu_op') AND match(name, {host_comm:String}), 4, "
+        "kind = 'user_annotation' AND startsWith(name, 'ProfilerStep#'), 5, "
+        "kind IN ('cpu_op', 'runtime') AND NOT match(name, {not_work:String}), 6, 0)) AS cls, "
+        "ts_ns, ts_ns + dur_ns AS te, if(cls = 5, name, '') AS step_name "
         f"FROM {qualified(store, 'trace_events')} "
         "WHERE run_id = {run_id:String} AND rank = {rank:Int32} AND ts_ns < {hi:Int64} "
-        "AND ts_ns + dur_ns > {lo:Int64} AND cls != '' LIMIT {limit:UInt64}", params)
-    cls = np.asarray(res.get("cls", []), dtype=object)
+        "AND ts_ns + dur_ns > {lo:Int64} AND cls != 0 LIMIT {limit:UInt64}", params)
+    cls = np.asarray(res.get("cls", []), dtype=np.uint8)
     if len(cls) > limit:
         raise InputError(f"trace {part['run_id']} rank {part['rank']} has more than {limit} events in the range; "
                          "narrow --since/--until or raise [stalls] max_trace_events")
     ts = np.asarray(res.get("ts_ns", []), dtype=np.int64) + base
     te = np.asarray(res.get("te", []), dtype=np.int64) + base
-    names = np.asarray(res.get("name", []), dtype=object)
+    names = np.asarray(res.get("step_name", []), dtype=object)
 
-    def pick(*classes: str) -> tuple[np.ndarray, np.ndarray]:
-        m = np.isin(cls, classes)
+    def pick(*codes: int) -> tuple[np.ndarray, np.ndarray]:
+        m = np.isin(cls, codes)
         return ts[m], te[m]
 
-    gpu_classes = ("comm", "gpu_compute", "gpu_memory", "gpu_")
-    steps = np.isin(cls, ("step",))
-    return {"gpu": pick(*gpu_classes), "gpu_compute": pick("gpu_compute", "gpu_"), "comm": pick("comm", "host_comm"),
-            "host": pick("host"), "steps": (ts[steps], te[steps], names[steps]),
-            "has_gpu": part["device"] >= 0}
+    steps = cls == 5
+    return {"gpu": pick(1, 2, 3), "gpu_compute": pick(2), "comm": pick(1, 4), "host": pick(6),
+            "steps": (ts[steps], te[steps], names[steps]), "has_gpu": part["device"] >= 0}
 
 
 # ---------------------------------------------------------------- classification

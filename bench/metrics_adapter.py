@@ -76,6 +76,16 @@ class BackendProbe:
         self.min_count = min_count
         self.history: deque[tuple[float, dict[str, dict[float, float]], float]] = deque()
         self.last: dict[str, Any] = {}
+        self.collector = "bench parser"
+        self._scraper: Any = None
+        try:  # the real serving-metrics collector parses the vLLM families when it is installed
+            from triscope.collectors.serving_metrics import ServingMetricsScraper, Target
+
+            self._scraper = ServingMetricsScraper({})
+            self._target = Target(url=self.base_url + "/metrics", server="vllm", backend=name)
+            self.collector = "triscope.collectors.serving_metrics"
+        except ImportError:
+            pass
 
     def scrape(self) -> str:
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=self.timeout_s) as resp:  # noqa: S310
@@ -85,10 +95,19 @@ class BackendProbe:
         """Scrape once; a dict of BackendInputs keyword arguments (``healthy=False`` on failure)."""
         now = time.time() if now is None else now
         try:
-            samples = parse_prometheus(self.scrape())
+            text = self.scrape()
+            samples = parse_prometheus(text)
         except (OSError, ValueError):
             return {"backend": self.name, "healthy": False, "sources": {"serving": now}}
         kv = running = waiting = success = NAN
+        if self._scraper is not None:
+            try:
+                rows = self._scraper.rows_from_text(self._target, text, int(now * 1e9))
+                kv, success = rows["kv_cache_usage_ratio"][0], rows["requests_total"][0]
+                running, waiting = rows["running_requests"][0], rows["queue_length"][0]
+                samples = [x for x in samples if x[0].startswith(CLASS_HIST)]
+            except Exception:  # noqa: BLE001 - a collector failure marks the backend unhealthy
+                return {"backend": self.name, "healthy": False, "sources": {"serving": now}}
         hist: dict[str, dict[float, float]] = {}
         for name, labels, value in samples:
             if name == "vllm:kv_cache_usage_perc":
@@ -224,6 +243,7 @@ def run_feed_worker(backends: dict[str, str], overrides: dict[str, Any], window_
 
     params = WeightParams.from_config(weights_config(overrides))
     probes = [BackendProbe(name, url, window_s=window_s) for name, url in backends.items()]
+    kind += f"; vLLM metrics parsed by {probes[0].collector}" if probes else ""
     feed = WeightFeed(params, store=None, inputs_fn=inputs_fn(probes))
     feed.start()
     stop = stop or threading.Event()

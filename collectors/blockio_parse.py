@@ -236,7 +236,9 @@ def parse_biolatency_text(lines: Iterable[str]) -> list[Hist]:
     current: Hist | None = None
     scale = 1.0
     for line in lines:
-        if m := _BCC_TS.match(line):
+        if line.startswith(("Tracing block device", "# ")):  # a new run: labels start afresh
+            disk, flags, ts, current = "", "", "", None
+        elif m := _BCC_TS.match(line):
             ts = m["t"]
         elif m := _BCC_DISK.match(line):
             disk = m["d"]

@@ -19,9 +19,9 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import StatusCode
+
 from triscope.collectors.row_buffer import FlushLoop, RowBuffer
 from triscope.collectors.span_mapping import COLUMNS, SpanRejected, SpanView, is_request_span, map_span
-
 from triscope.store import Store
 
 log = logging.getLogger(__name__)

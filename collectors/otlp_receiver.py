@@ -29,7 +29,6 @@ from typing import Any
 
 from triscope.collectors.row_buffer import FlushLoop, RowBuffer
 from triscope.collectors.span_mapping import COLUMNS, SpanRejected, SpanView, is_request_span, map_span
-
 from triscope.errors import ConfigError, InputError
 from triscope.store import Store
 

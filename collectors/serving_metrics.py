@@ -25,7 +25,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from triscope.collectors.span_mapping import ns_to_ts_text
-
 from triscope.errors import ConfigError, InputError
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import SHARED_DATA, require
 from kineto_helpers import cpu, kernel, load_json, write_trace
-from triscope.collectors.kineto.reader import TraceHeader, read_all, read_trace
 
+from triscope.collectors.kineto.reader import TraceHeader, read_all, read_trace
 from triscope.errors import InputError
 
 SAMPLES = sorted(p for p in (SHARED_DATA / "kineto").glob("*.json*")) if (SHARED_DATA / "kineto").exists() else []

@@ -7,8 +7,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Status, StatusCode
-from triscope.collectors.otel_exporter import TriscopeSpanExporter
 
+from triscope.collectors.otel_exporter import TriscopeSpanExporter
 from triscope.schema import qualified
 
 

@@ -14,8 +14,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
-from triscope.collectors.otlp_receiver import OtlpReceiver, encode_status
 
+from triscope.collectors.otlp_receiver import OtlpReceiver, encode_status
 from triscope.schema import qualified
 
 T0 = 1_767_225_600_123_456_789  # 2026-01-01T00:00:00.123456789Z

@@ -10,6 +10,7 @@ from collections import defaultdict
 import pytest
 from conftest import shared_data
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
 from triscope.collectors.serving_metrics import (
     ServingMetricsScraper,
     Target,
@@ -18,7 +19,6 @@ from triscope.collectors.serving_metrics import (
     histogram_quantile,
     parse_exposition,
 )
-
 from triscope.errors import InputError
 from triscope.schema import qualified
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from triscope.collectors.kineto import classify
 from triscope.collectors.kineto.classify import GPU_WORK_KINDS, KIND_BY_CATEGORY, event_kind, kernel_class
-from triscope.collectors.kineto.reader import TraceEvent, TraceHeader, read_trace
+from triscope.collectors.kineto.reader import BLOCK_BYTES, TraceEvent, TraceHeader, read_trace
 from triscope.errors import InputError, StoreError
 from triscope.schema import qualified
 from triscope.schema.trace import TRACE_EVENTS, TRACE_RUNS
@@ -108,6 +108,7 @@ def _append_block(cols: _Columns, events: list[TraceEvent], run_id: str, rank: i
     d["dtype"].extend([_text(a.dtype) if a else "" for a in args])
     d["pg_name"].extend([_text(a.pg_name) if a else "" for a in args])
     d["pg_ranks"].extend([_text(a.pg_ranks) if a else "" for a in args])
+    d["ingest_block"].extend([0] * n)
 
 
 _JSON_STRUCTURE = ("ph String, cat String, name String, pid String, tid String, "
@@ -125,11 +126,13 @@ def _fast_insert_sql(table: str) -> str:
     return f"""
 INSERT INTO {table} ({", ".join(TRACE_EVENTS.column_names())})
 SELECT run_id, rank, kind, category, kernel_class, name, pid, tid, device, stream, ts_ns, dur_ns,
-       correlation, external_id, collective, in_nelems, out_nelems, group_size, dtype, pg_name, pg_ranks
+       correlation, external_id, collective, in_nelems, out_nelems, group_size, dtype, pg_name, pg_ranks,
+       ingest_block
 FROM (
   SELECT
     {{run_id:String}} AS run_id,
     {{rank:Int32}} AS rank,
+    {{block:UInt32}} AS ingest_block,
     transform(lower(cat), {{cats:Array(String)}}, {{kinds:Array(String)}}, 'other') AS kind,
     cat AS category,
     multiIf(kind NOT IN ({gpu}), '',
@@ -178,19 +181,24 @@ def delete_rank(store: Store, run_id: str, rank: int) -> None:
     if not existing.scalar() and not store.query(
             f"SELECT count() FROM {qualified(store, TRACE_RUNS.name)} WHERE {where}", params).scalar():
         return  # nothing to replace: skip the mutations
-    for table in (TRACE_EVENTS.name, TRACE_RUNS.name):
-        if store.cluster:
-            store.command(f"ALTER TABLE {qualified(store, table)}_local ON CLUSTER `{store.cluster}` "
-                          f"DELETE WHERE {where} SETTINGS mutations_sync = 2", params)
-        else:
-            store.command(f"DELETE FROM {qualified(store, table)} WHERE {where}", params)
+    _delete_where(store, where, params, TRACE_EVENTS.name)
+    _delete_where(store, where, params, TRACE_RUNS.name)
+
+
+def _delete_where(store: Store, where: str, params: dict[str, Any], table: str = TRACE_EVENTS.name) -> None:
+    """Delete rows synchronously (``ALTER ... DELETE`` on the local tables in cluster mode)."""
+    if store.cluster:
+        store.command(f"ALTER TABLE {qualified(store, table)}_local ON CLUSTER `{store.cluster}` "
+                      f"DELETE WHERE {where} SETTINGS mutations_sync = 2", params)
+    else:
+        store.command(f"DELETE FROM {qualified(store, table)} WHERE {where}", params)
 
 
 def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank: int | None = None,
                  on_progress: Callable[[int], None] | None = None,
                  batch_rows: int = BATCH_ROWS, default_rank: int = 0,
                  taken: set[tuple[str, int]] | None = None,
-                 use_clickhouse_json: bool = True) -> IngestResult:
+                 use_clickhouse_json: bool = True, block_bytes: int = BLOCK_BYTES) -> IngestResult:
     """Stream one trace file into the store; a cut-short file keeps its complete events.
 
     The rank is ``rank`` when given, else the trace's ``distributedInfo.rank``, else a
@@ -234,17 +242,22 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
 
     def fast(array: bytes) -> bool:
         start()
+        fast_params["block"] = fast_params.get("block", 0) + 1
         try:
             store.insert_from_json(fast_sql, _JSON_STRUCTURE, array, fast_params)
         except StoreError:
-            return False  # the reader decodes this block itself
+            # Remove whatever part of the block got in; the reader then decodes it itself.
+            _delete_where(store, "run_id = {run_id:String} AND rank = {rank:Int32} AND ingest_block = {block:UInt32}",
+                          {k: fast_params[k] for k in ("run_id", "rank", "block")})
+            return False
         if on_progress:
             on_progress(len(array))
         return True
 
     failure: InputError | None = None
     try:
-        for block in read_trace(path, header, raw_sink=fast if use_clickhouse_json else None):
+        for block in read_trace(path, header, block_bytes=block_bytes,
+                                raw_sink=fast if use_clickhouse_json else None):
             start()
             _append_block(cols, block, run_id, result.rank)
             if on_progress:
@@ -295,32 +308,26 @@ def _move_rank(store: Store, run_id: str, old: int, new: int) -> None:
         "WHERE run_id = {run_id:String} AND rank = {old:Int32}",
         {"new": new, "old": old, "run_id": run_id},
     )
-    params = {"run_id": run_id, "rank": old}
-    where = "run_id = {run_id:String} AND rank = {rank:Int32}"
-    if store.cluster:
-        store.command(f"ALTER TABLE {table}_local ON CLUSTER `{store.cluster}` DELETE WHERE {where} "
-                      "SETTINGS mutations_sync = 2", params)
-    else:
-        store.command(f"DELETE FROM {table} WHERE {where}", params)
+    _delete_where(store, "run_id = {run_id:String} AND rank = {rank:Int32}", {"run_id": run_id, "rank": old})
 
 
 def _record_run(store: Store, path: Path, result: IngestResult, header: TraceHeader) -> None:
+    # A parameterized VALUES row: cheaper than the Python() table function for one row.
     meta = header.metadata
-    store.insert(qualified(store, TRACE_RUNS.name), {
-        "run_id": [result.run_id],
-        "rank": [result.rank],
-        "source_path": [str(path.resolve())],
-        "source_bytes": [path.stat().st_size],
-        "host": [str(meta.get("host_name", ""))],
-        "base_time_ns": [header.base_time_ns],
-        "time_base": ["relative" if header.base_time_ns else "absolute"],
-        "event_count": [result.events],
-        "gpu_event_count": [result.gpu_events],
-        "status": [result.status],
-        "error": [result.error],
-        "metadata_json": [json.dumps(meta, default=str)[:1_000_000]],
-        "ingested_at": [time.time()],
-    })
+    store.command(
+        f"INSERT INTO {qualified(store, TRACE_RUNS.name)} (run_id, rank, source_path, source_bytes, host, "
+        "base_time_ns, time_base, event_count, gpu_event_count, status, error, metadata_json, ingested_at) VALUES "
+        "({run_id:String}, {rank:Int32}, {source_path:String}, {source_bytes:UInt64}, {host:String}, "
+        "{base_time_ns:Int64}, {time_base:String}, {event_count:UInt64}, {gpu_event_count:UInt64}, "
+        "{status:String}, {error:String}, {metadata_json:String}, now64(3))",
+        {
+            "run_id": result.run_id, "rank": result.rank, "source_path": str(path.resolve()),
+            "source_bytes": path.stat().st_size, "host": str(meta.get("host_name", "")),
+            "base_time_ns": header.base_time_ns, "time_base": "relative" if header.base_time_ns else "absolute",
+            "event_count": result.events, "gpu_event_count": result.gpu_events, "status": result.status,
+            "error": result.error, "metadata_json": json.dumps(meta, default=str)[:1_000_000],
+        },
+    )
 
 
 def expand_paths(paths: Iterable[str | Path]) -> list[tuple[Path, str | None]]:

@@ -56,6 +56,7 @@ TRACE_EVENTS = Table(
         Column("dtype", "LowCardinality(String)"),
         Column("pg_name", "LowCardinality(String)", "Process Group Name"),
         Column("pg_ranks", "String", "Process Group Ranks"),
+        Column("ingest_block", "UInt32", "internal: block of the file it came in (0 = decoded in Python)"),
     ],
     order_by="run_id, rank, kind, ts_ns",
     comment="complete (ph=X) events of Kineto traces",

@@ -58,8 +58,8 @@ class Store(ABC):
 
         ``json_input`` in ``insert_sql`` stands for the rows of ``data`` (JSONEachRow: one object
         per line, or a JSON array of objects) with columns ``structure`` (e.g. ``"a String, b Int64"``;
-        nested objects read as String when so typed). The data is parsed fully before any row is
-        written, so a parse error inserts nothing.
+        nested objects read as String when so typed). Not atomic: rows parsed before a parse error
+        may already be written, so callers tag rows (e.g. a block id) to remove them on failure.
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook

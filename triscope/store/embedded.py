@@ -127,7 +127,7 @@ class EmbeddedStore(Store):
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
             source = f"file('{tmp}', 'JSONEachRow', '{structure}')"
-            self._run(insert_sql.replace("json_input", source) + _ATOMIC_JSON_SETTINGS, "CSV", params)
+            self._run(insert_sql.replace("json_input", source) + _JSON_SETTINGS, "CSV", params)
         finally:
             os.unlink(tmp)
 
@@ -164,10 +164,7 @@ def _param_text(value: Any) -> Any:
 
 
 _SAFE_STRUCTURE = re.compile(r"[A-Za-z0-9_ ,()]+")
-# One block per call: a parse error then aborts before any row is written.
-_ATOMIC_JSON_SETTINGS = (" SETTINGS input_format_parallel_parsing = 0, max_insert_block_size = 100000000,"
-                         " min_insert_block_size_rows = 0, min_insert_block_size_bytes = 0,"
-                         " input_format_json_read_objects_as_strings = 1")
+_JSON_SETTINGS = " SETTINGS input_format_json_read_objects_as_strings = 1"
 
 
 def _one_line(exc: BaseException) -> str:

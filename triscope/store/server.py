@@ -93,9 +93,7 @@ class ServerStore(Store):
     def insert_from_json(self, insert_sql: str, structure: str, data: bytes,
                          params: Mapping[str, Any] | None = None) -> None:
         sql = insert_sql.replace("json_input", f"input('{structure}')")
-        settings = {"input_format_parallel_parsing": 0, "max_insert_block_size": 100_000_000,
-                    "min_insert_block_size_rows": 0, "min_insert_block_size_bytes": 0,
-                    "input_format_json_read_objects_as_strings": 1}
+        settings = {"input_format_json_read_objects_as_strings": 1}
         try:
             self._client().command(f"{sql} FORMAT JSONEachRow", parameters=dict(params or {}), data=data,
                                    settings=settings)

@@ -1,0 +1,325 @@
+"""QPS x GPU memory x latency heatmap, computed in ClickHouse.
+
+Every request (a ``requests`` row, by its start time ``ts``) lands in one cell of a
+``[qps_bins, memory_bins, latency_bins]`` tensor (default ``[32, 64, 128]``):
+
+* **QPS** of its backend in its analysis window (default 100 ms): all requests of that backend
+  starting in the window, divided by the window length (the ``--model`` filter does not change a
+  backend's load; ``--backend`` selects backends). 5 QPS per bin.
+* **GPU memory** used by the backend's GPU in that window: the mean ``gpu_samples.memory_used_bytes``
+  of the window, or the latest earlier window (at most ``memory_max_age_s`` old, ASOF join).
+  200 MB (200 * 10^6 bytes) per bin. A request's GPU is ``requests.host`` + ``requests.gpu``
+  matched against ``gpu_samples.host`` + the GPU index (``gpu``, as text) or ``gpu_uuid``; a request
+  with an empty ``gpu`` maps to the sum over all GPUs of its host (one backend per host).
+  Requests with no memory sample in reach are counted as ``unmatched`` and left out.
+* **Latency**: ``latency_seconds`` (end to end), 10 ms per bin.
+
+Values beyond the last bin are clamped into it. Counts per cell are a ``GROUP BY`` of the flat
+cell index in ClickHouse; the analyzer only reshapes them. ``p95_grid`` is the exact
+(``quantileExactInclusive``, numpy's default ``linear`` method) P95 latency per (QPS, memory) cell;
+``patterns`` lists the busiest (QPS, memory) cells with their P95 and dominant modality/class.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from triscope.errors import ConfigError, InputError
+from triscope.schema import qualified
+from triscope.store import Store
+
+AXES = ("qps", "memory", "latency")
+
+
+@dataclass(frozen=True)
+class HeatmapSpec:
+    """Bin layout and analysis window."""
+
+    window_ms: float = 100.0
+    qps_bin: float = 5.0
+    qps_bins: int = 32
+    memory_bin_bytes: float = 200e6
+    memory_bins: int = 64
+    latency_bin_s: float = 0.010
+    latency_bins: int = 128
+    memory_max_age_s: float = 5.0
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.qps_bins, self.memory_bins, self.latency_bins)
+
+    @property
+    def window_ns(self) -> int:
+        return int(round(self.window_ms * 1e6))
+
+    def validate(self) -> HeatmapSpec:
+        if self.window_ns <= 0 or min(self.qps_bin, self.memory_bin_bytes, self.latency_bin_s) <= 0:
+            raise ConfigError("heatmap: window and bin widths must be > 0")
+        if min(self.qps_bins, self.memory_bins, self.latency_bins) < 1 or \
+                self.qps_bins * self.memory_bins * self.latency_bins > 2**31:
+            raise ConfigError("heatmap: bin counts must be >= 1 and the tensor below 2^31 cells")
+        if self.memory_max_age_s < 0:
+            raise ConfigError("heatmap: memory_max_age_s must be >= 0")
+        return self
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> HeatmapSpec:
+        section = dict(config.get("heatmap", {}))
+        if "window_ms" not in section and "window_ms" in config.get("analysis", {}):
+            section["window_ms"] = config["analysis"]["window_ms"]
+        known = set(cls.__dataclass_fields__)
+        unknown = set(section) - known
+        if unknown:
+            raise ConfigError(f"[heatmap] has unknown keys: {', '.join(sorted(unknown))}")
+        try:
+            return cls(**{k: type(getattr(cls, k))(v) for k, v in section.items()}).validate()
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"[heatmap] has a bad value: {exc}") from None
+
+
+@dataclass
+class HeatmapResult:
+    """The tensor and its summaries."""
+
+    spec: HeatmapSpec
+    tensor: np.ndarray  # uint64 [qps, memory, latency]
+    start_ns: int
+    end_ns: int
+    requests: int
+    unmatched: int
+    p95_grid: np.ndarray | None = None  # float64 [qps, memory], NaN where empty
+    patterns: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def slice(self, keep: tuple[str, str], where: dict[str, tuple[int, int]] | None = None) -> np.ndarray:
+        """2-D counts over two axes, summing the third over all bins or an index range ``[lo, hi)``."""
+        return slice_axes(self.tensor, keep, where)
+
+    def edges(self, axis: str) -> np.ndarray:
+        """Lower bin edges of an axis in its unit (QPS, bytes, seconds)."""
+        s = self.spec
+        width, n = {"qps": (s.qps_bin, s.qps_bins), "memory": (s.memory_bin_bytes, s.memory_bins),
+                    "latency": (s.latency_bin_s, s.latency_bins)}[axis]
+        return np.arange(n) * width
+
+    def to_json(self) -> dict[str, Any]:
+        nz = np.argwhere(self.tensor)
+        return {
+            "spec": asdict(self.spec), "shape": list(self.tensor.shape),
+            "start_ns": self.start_ns, "end_ns": self.end_ns,
+            "requests": self.requests, "unmatched_requests": self.unmatched, "seconds": self.seconds,
+            "cells": [[int(q), int(m), int(lat), int(self.tensor[q, m, lat])] for q, m, lat in nz],
+            "p95_latency_seconds": None if self.p95_grid is None else [
+                [int(q), int(m), float(self.p95_grid[q, m])] for q, m in np.argwhere(np.isfinite(self.p95_grid))],
+            "patterns": self.patterns,
+        }
+
+
+def slice_axes(tensor: np.ndarray, keep: tuple[str, str], where: dict[str, tuple[int, int]] | None = None
+               ) -> np.ndarray:
+    """Counts over the two ``keep`` axes (in the given order), the other one summed."""
+    if len(keep) != 2 or len(set(keep)) != 2 or not set(keep) <= set(AXES):
+        raise InputError(f"slice needs two different axes of {', '.join(AXES)}, got {keep}")
+    (other,) = [a for a in AXES if a not in keep]
+    axis = AXES.index(other)
+    lo, hi = (where or {}).get(other, (0, tensor.shape[axis]))
+    view = np.take(tensor, np.arange(lo, hi), axis=axis).sum(axis=axis)
+    rest = [a for a in AXES if a != other]
+    return view if list(keep) == rest else view.T
+
+
+def _filters(backends: list[str] | None, models: list[str] | None) -> tuple[str, str, dict[str, Any]]:
+    where, selected, params = "", "1", {}
+    if backends:
+        where = " AND backend IN {backends:Array(String)}"
+        params["backends"] = list(backends)
+    if models:
+        selected = "model IN {models:Array(String)}"
+        params["models"] = list(models)
+    return where, selected, params
+
+
+_HOST_WIDE = 0x10000  # GPU slot meaning "all GPUs of the host" (requests with an empty gpu)
+
+
+def _windows_sql(store: Store, backend_where: str, payload: str, payload_cols: str) -> str:
+    """CTEs: per backend window (``k`` = window << 16 | backend number) the request count and
+    ``payload`` arrays, ASOF-joined on the GPU slot (``host number << 17 | GPU index``) with that
+    GPU's (or host's) memory in the latest sampled window (``joined``)."""
+    req, gpu = qualified(store, "requests"), qualified(store, "gpu_samples")
+    return f"""
+WITH
+  wins AS (
+    SELECT bitOr(bitShiftLeft(toUInt64(intDiv(toUnixTimestamp64Nano(ts), {{wns:Int64}})), 16),
+                 transform(toString(backend), {{bl:Array(String)}}, {{bid:Array(UInt16)}}, toUInt16(0))) AS k,
+           toInt64(bitShiftRight(k, 16)) AS w,
+           any(host) AS host, any(gpu) AS g, count() AS n, {payload}
+    FROM {req}
+    WHERE ts >= fromUnixTimestamp64Nano({{t0:Int64}}) AND ts < fromUnixTimestamp64Nano({{t1:Int64}}){backend_where}
+    GROUP BY k
+  ),
+  slots AS (
+    SELECT *, bitOr(bitShiftLeft(toUInt64(transform(toString(host), {{hosts:Array(String)}}, {{hid:Array(UInt32)}},
+                                                    toUInt32(0))), 17),
+                    toUInt64(multiIf(g = '', {_HOST_WIDE}, match(g, '^[0-9]+$'), toUInt32OrZero(toString(g)),
+                                     transform(toString(g), {{uuids:Array(String)}}, {{uuid_idx:Array(UInt32)}},
+                                               toUInt32(65535))))) AS slot
+    FROM wins
+  ),
+  per_gpu AS (
+    SELECT bitOr(bitShiftLeft(toUInt64(transform(toString(host), {{hosts:Array(String)}}, {{hid:Array(UInt32)}},
+                                                 toUInt32(0))), 17), toUInt64(gpu)) AS slot,
+           intDiv(toUnixTimestamp64Nano(ts), {{wns:Int64}}) AS w, avg(memory_used_bytes) AS used
+    FROM {gpu}
+    WHERE ts >= fromUnixTimestamp64Nano({{m0:Int64}}) AND ts < fromUnixTimestamp64Nano({{t1:Int64}})
+      AND isFinite(memory_used_bytes)
+    GROUP BY slot, w
+  ),
+  mem AS (
+    SELECT slot, w, used FROM per_gpu
+    UNION ALL
+    SELECT bitOr(bitAnd(slot, bitNot(toUInt64(0x1FFFF))), {_HOST_WIDE}) AS hslot, w, sum(used)
+    FROM per_gpu GROUP BY hslot, w
+  ),
+  joined AS (
+    SELECT slots.n AS n, {payload_cols}, mem.used AS used,
+           mem.w > 0 AND slots.w - mem.w <= {{max_age_w:Int64}} AS matched,
+           least(toUInt32(floor(slots.n * 1e9 / {{wns:Int64}} / {{qps_bin:Float64}})), {{qn:UInt32}} - 1) AS qbin,
+           least(toUInt32(floor(greatest(mem.used, 0) / {{mem_bin:Float64}})), {{mn:UInt32}} - 1) AS mbin
+    FROM slots ASOF LEFT JOIN mem ON slots.slot = mem.slot AND slots.w >= mem.w
+  )
+"""
+
+
+def _resolve(store: Store, backends: list[str] | None) -> dict[str, Any]:
+    """Numbers for backends and hosts, and GPU uuid -> index, as query parameters.
+
+    Taken over the whole tables (a superset of the range is enough and far cheaper to list)."""
+    names = [r[0] for r in store.query(f"SELECT DISTINCT backend FROM {qualified(store, 'requests')}").rows]
+    if backends:
+        names = [b for b in names if b in set(backends)]
+    if len(names) >= 65535:
+        raise InputError(f"{len(names)} backends; the heatmap handles at most 65534 at once (use --backend)")
+    gpus = store.query(f"SELECT host, gpu, any(gpu_uuid) FROM {qualified(store, 'gpu_samples')} "
+                       "GROUP BY host, gpu").rows
+    hosts = sorted({str(h) for h, _, _ in gpus})
+    if len(hosts) >= 2**31:
+        raise InputError("too many GPU hosts")
+    uuids = [(str(u), int(i)) for _, i, u in gpus if u]
+    return {"bl": names, "bid": list(range(1, len(names) + 1)), "hosts": hosts,
+            "hid": list(range(1, len(hosts) + 1)), "uuids": [u for u, _ in uuids],
+            "uuid_idx": [i for _, i in uuids]}
+
+
+def _lbin(expr: str) -> str:
+    return f"least(toUInt32(floor(greatest({expr}, 0) / {{lat_bin:Float64}})), {{ln:UInt32}} - 1)"
+
+
+def _params(spec: HeatmapSpec, start_ns: int, end_ns: int) -> dict[str, Any]:
+    max_age_w = int(spec.memory_max_age_s * 1e9) // spec.window_ns
+    return {
+        "wns": spec.window_ns, "t0": start_ns, "t1": end_ns,
+        "m0": start_ns - (max_age_w + 1) * spec.window_ns, "max_age_w": max_age_w,
+        "qps_bin": spec.qps_bin, "qn": spec.qps_bins, "mem_bin": spec.memory_bin_bytes, "mn": spec.memory_bins,
+        "lat_bin": spec.latency_bin_s, "ln": spec.latency_bins,
+    }
+
+
+def time_range(store: Store, start_ns: int | None, end_ns: int | None) -> tuple[int, int]:
+    """Fill a missing bound from the data (first request, last request + 1 ns)."""
+    if start_ns is not None and end_ns is not None:
+        return start_ns, end_ns
+    row = store.query(f"SELECT toUnixTimestamp64Nano(min(ts)), toUnixTimestamp64Nano(max(ts)), count() "
+                      f"FROM {qualified(store, 'requests')}").rows[0]
+    lo, hi = (int(row[0]), int(row[1]) + 1) if int(row[2]) else (0, 0)
+    return (lo if start_ns is None else start_ns), (hi if end_ns is None else end_ns)
+
+
+def tensor_query(store: Store, spec: HeatmapSpec, start_ns: int, end_ns: int,
+                 backends: list[str] | None = None, models: list[str] | None = None) -> tuple[np.ndarray, int, int]:
+    """The count tensor (ClickHouse GROUP BY of cell index), counted requests, unmatched requests."""
+    where, selected, params = _filters(backends, models)
+    found = _resolve(store, backends)
+    if not found["bl"]:
+        return np.zeros(spec.shape, dtype=np.uint64), 0, 0
+    payload = f"groupArrayIf({_lbin('latency_seconds')}, isFinite(latency_seconds) AND {selected}) AS lbins"
+    params.update(found)
+    sql = _windows_sql(store, where, payload, "slots.lbins AS lbins") + """
+SELECT if(matched, (toUInt32(qbin) * {mn:UInt32} + mbin) * {ln:UInt32} + lbin, 4294967295) AS cell,
+       count() AS requests
+FROM joined ARRAY JOIN lbins AS lbin
+GROUP BY cell
+"""
+    cols = store.query_columns(sql, {**_params(spec, start_ns, end_ns), **params})
+    tensor = np.zeros(spec.shape, dtype=np.uint64)
+    cells = np.asarray(cols.get("cell", []), dtype=np.int64)
+    counts = np.asarray(cols.get("requests", []), dtype=np.uint64)
+    unmatched_mask = cells == 4294967295
+    unmatched = int(counts[unmatched_mask].sum())
+    tensor.reshape(-1)[cells[~unmatched_mask]] = counts[~unmatched_mask]
+    return tensor, int(counts[~unmatched_mask].sum()), unmatched
+
+
+def cell_summary_query(store: Store, spec: HeatmapSpec, start_ns: int, end_ns: int,
+                       backends: list[str] | None = None, models: list[str] | None = None
+                       ) -> list[dict[str, Any]]:
+    """Per (QPS, memory) cell: requests, exact P95 latency, dominant modality and request class."""
+    where, selected, params = _filters(backends, models)
+    found = _resolve(store, backends)
+    if not found["bl"]:
+        return []
+    cond = f"isFinite(latency_seconds) AND {selected}"
+    payload = (f"groupArrayIf(latency_seconds, {cond}) AS lats, groupArrayIf(modality, {cond}) AS mods, "
+               f"groupArrayIf(request_class, {cond}) AS classes")
+    params.update(found)
+    sql = _windows_sql(store, where, payload, "slots.lats AS lats, slots.mods AS mods, slots.classes AS classes"
+                       ) + """
+SELECT qbin, mbin, count() AS requests,
+       quantileExactInclusive(0.95)(lat) AS p95_latency_seconds,
+       topKWeighted(1)(modality, 1)[1] AS modality, topKWeighted(1)(rclass, 1)[1] AS request_class,
+       round(max(used)) AS memory_max_bytes
+FROM joined ARRAY JOIN lats AS lat, mods AS modality, classes AS rclass
+WHERE matched
+GROUP BY qbin, mbin
+ORDER BY requests DESC, qbin, mbin
+"""
+    return store.query(sql, {**_params(spec, start_ns, end_ns), **params}).dicts()
+
+
+def compute_heatmap(store: Store, spec: HeatmapSpec | None = None, start_ns: int | None = None,
+                    end_ns: int | None = None, backends: list[str] | None = None,
+                    models: list[str] | None = None, summaries: bool = True, top: int = 10) -> HeatmapResult:
+    """Tensor, P95 grid and typical load patterns for ``[start_ns, end_ns)``."""
+    spec = (spec or HeatmapSpec()).validate()
+    t0 = time.perf_counter()
+    start_ns, end_ns = time_range(store, start_ns, end_ns)
+    if end_ns <= start_ns:
+        raise InputError(f"empty time range: from {start_ns} to {end_ns} (ns)")
+    tensor, counted, unmatched = tensor_query(store, spec, start_ns, end_ns, backends, models)
+    result = HeatmapResult(spec, tensor, start_ns, end_ns, counted, unmatched)
+    if summaries:
+        cells = cell_summary_query(store, spec, start_ns, end_ns, backends, models)
+        grid = np.full(spec.shape[:2], np.nan)
+        for c in cells:
+            grid[int(c["qbin"]), int(c["mbin"])] = float(c["p95_latency_seconds"])
+        result.p95_grid = grid
+        result.patterns = [_pattern(spec, c, counted) for c in cells[:top]]
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _pattern(spec: HeatmapSpec, cell: dict[str, Any], total: int) -> dict[str, Any]:
+    q, m = int(cell["qbin"]), int(cell["mbin"])
+    last_q, last_m = q == spec.qps_bins - 1, m == spec.memory_bins - 1
+    return {
+        "qps_min": q * spec.qps_bin, "qps_max": None if last_q else (q + 1) * spec.qps_bin,
+        "memory_min_bytes": m * spec.memory_bin_bytes,
+        "memory_max_bytes": None if last_m else (m + 1) * spec.memory_bin_bytes,
+        "requests": int(cell["requests"]), "share": (int(cell["requests"]) / total) if total else 0.0,
+        "p95_latency_seconds": float(cell["p95_latency_seconds"]),
+        "modality": cell["modality"] or "", "request_class": cell["request_class"] or "",
+    }

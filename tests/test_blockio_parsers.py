@@ -1,0 +1,217 @@
+"""Block-IO parsers on every sample in ../shared/data/ebpf, percentile interpolation, bad input."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+from conftest import shared_data
+
+from triscope.collectors.blockio import EbpfExporterCollector, WindowAssembler
+from triscope.collectors.blockio_parse import (
+    Bucket,
+    bpftrace_text_bucket,
+    diskstats_delta,
+    op_from_rwbs,
+    parse_bcc_json,
+    parse_biolatency_text,
+    parse_bpftrace_json,
+    parse_bpftrace_text,
+    parse_diskstats,
+    parse_ebpf_exporter,
+    percentile,
+)
+from triscope.errors import InputError
+
+
+def lines(name: str) -> list[str]:
+    return shared_data("ebpf", name).read_text().splitlines()
+
+
+def counts(bs: list[Bucket]) -> list[tuple[float, float, float]]:
+    return [(b.lo, b.hi, b.count) for b in bs]
+
+
+def test_percentile_interpolates_inside_bucket() -> None:
+    bs = [Bucket(0, 10, 50), Bucket(10, 20, 50)]
+    assert percentile(bs, 0.5) == pytest.approx(10.0)
+    assert percentile(bs, 0.75) == pytest.approx(15.0)
+    assert percentile(bs, 0.25) == pytest.approx(5.0)
+    assert math.isnan(percentile([Bucket(0, 1, 0)], 0.5))
+    # exact and open-ended buckets return their lower bound; negatives count as 0
+    assert percentile([Bucket(-math.inf, 0, 3)], 0.5) == 0
+    assert percentile([Bucket(4 << 20, math.inf, 2)], 0.99) == 4 << 20
+    assert percentile([Bucket(1, 1, 2)], 0.99) == 1
+
+
+def test_bpftrace_text_edge_buckets() -> None:
+    assert bpftrace_text_bucket("[1K, 2K)  17 |@@ |") == Bucket(1024, 2048, 17)
+    assert bpftrace_text_bucket("[4M, ...)  3 |@|") == Bucket(4 << 20, math.inf, 3)
+    assert bpftrace_text_bucket("[0]  1 |@|") == Bucket(0, 0, 1)
+    assert bpftrace_text_bucket("[1]  1 |@|") == Bucket(1, 1, 1)
+    assert bpftrace_text_bucket("(..., 0)  1 |@|") == Bucket(-math.inf, 0, 1)
+    assert bpftrace_text_bucket("@x[1]: 2") is None
+    text = lines("local_bpftrace017_edge_buckets_and_json_types.txt")
+    split = text.index("## json")
+    parsed = parse_bpftrace_text(text[:split])
+    h = parsed.hists["@h"][""]
+    assert counts(h)[:3] == [(-math.inf, 0, 1), (0, 0, 1), (1, 1, 1)]
+    assert counts(h)[-1] == (2048, 4096, 1)
+    assert sum(b.count for b in h) == 4
+    assert parsed.scalars["@x"]["1"] == 2 and parsed.scalars["@y"][""] == 1
+    assert percentile(h, 0.5) == 0
+    assert percentile(h, 0.99) == pytest.approx(2048 + 2048 * 0.96)
+    # the -f json half of the same capture gives the same histogram
+    hj = parse_bpftrace_json("\n".join(text[split + 1:]))["@h"][""]
+    assert [b.count for b in hj] == [b.count for b in h]
+    assert counts(hj)[:3] == [(-math.inf, 0, 1), (0, 0, 1), (1, 1, 1)]
+    assert (hj[-1].lo, hj[-1].hi) == (2048, 4096)
+
+
+def test_bpftrace_text_examples() -> None:
+    ex = parse_bpftrace_text(lines("bpftrace_v0.17_biolatency_example.txt")).hists["@usecs"][""]
+    assert sum(b.count for b in ex) == 883
+    assert percentile(ex, 0.5) == pytest.approx(2048 + 2048 * (441.5 - 438) / 230)
+    local = parse_bpftrace_text(lines("local_bpftrace017_text_block_io_hist.txt"))
+    dev = local.hists["@usecs"]["254,0"]
+    assert sum(b.count for b in dev) == 2108 and local.scalars == {}
+    rq = parse_bpftrace_text(lines("local_bpftrace017_block_rq_hist.txt"))
+    assert sum(b.count for b in rq.hists["@usecs"][""]) == 8069
+    # '@usecs_by_dev[254, 0]: count 8069, average 29, total 237132' is a stats() line, not an error
+    assert rq.errors == [] or all("usecs_by_dev" in e for e in rq.errors)
+    for name in ("bpftrace_v0.17_biosnoop_example.txt", "bcc_biosnoop_example.txt"):
+        assert parse_bpftrace_text(lines(name)).hists == {}
+
+
+def test_bpftrace_json_files() -> None:
+    one = parse_bpftrace_json(shared_data("ebpf", "bpftrace_repo_tests_hist.json").read_text())["@hist"][""]
+    assert counts(one)[0] == (2, 4, 1) and counts(one)[-1] == (1024, 2048, 1)
+    multi = parse_bpftrace_json(
+        shared_data("ebpf", "bpftrace_repo_tests_hist_multiple_multiple_keys.json").read_text())["@"]
+    assert set(multi) == {"bpftrace,2", "curl,3"}
+    assert sum(b.count for b in multi["curl,3"]) == 2
+    zero = parse_bpftrace_json(shared_data("ebpf", "bpftrace_repo_tests_hist_zero.json").read_text())
+    assert zero["@hist"][""] == [] and math.isnan(percentile(zero["@hist"][""], 0.5))
+    local = parse_bpftrace_json(shared_data("ebpf", "local_bpftrace017_json_block_io_hist.txt").read_text())
+    dev = local["@usecs"]["254,0"]
+    assert sum(b.count for b in dev) == 2147
+    with pytest.raises(InputError, match="invalid JSON"):
+        parse_bpftrace_json('{"type": "hist", "data": {')
+
+
+def test_bcc_text_and_json() -> None:
+    hs = parse_biolatency_text(lines("bcc_biolatency_example.txt"))
+    first = hs[0]
+    assert first.op == "all" and first.device == "" and first.count == 277
+    assert (first.buckets[0].lo, first.buckets[0].hi) == (0, 2)
+    ms = [h for h in hs if h.ts == "06:20:16"][0]
+    assert ms.buckets[0].hi == 2000.0 and ms.count == 103  # msecs converted to usecs
+    disks = {h.device: h.count for h in hs if h.device}
+    assert disks == {"xvdb": 202, "xvdc": 201, "xvda1": 348}
+    js = parse_bcc_json(lines("bcc_biolatency_example.txt"))
+    assert js[0].count == 124 and js[0].ts == "2020-12-30 14:33:03"
+    assert {h.op for h in js[1:5]} == {"write", "other"}
+    assert [h.device for h in js if h.device] == ["sda"]  # b'sda' bytes literal
+    assert js[-1].buckets[0] == Bucket(0, 2000, 11)
+    with pytest.raises(InputError, match="bcc -j"):
+        parse_bcc_json(["{'data': __import__('os').system('true')}"])
+    # the percentiles tool prints other shapes; none of them is taken for a histogram
+    assert parse_biolatency_text(lines("bcc_biolatpcts_example.txt")) == []
+
+
+def test_libbpf_tools_variants() -> None:
+    dt = parse_biolatency_text(lines("local_libbpf-tools_biolatency_-D_-T.txt"))
+    assert len(dt) == 1 and dt[0].device == "vda" and dt[0].ts == "10:17:57" and dt[0].count == 3284
+    f = parse_biolatency_text(lines("local_libbpf-tools_biolatency_-F.txt"))
+    ops = [h.op for h in f]
+    assert ops[:2] == ["write", "write"] and "discard" in ops
+    assert f[1].count == 109 and f[-1].count == 4
+
+
+def test_ebpf_exporter_prometheus() -> None:
+    text = shared_data("ebpf", "ebpf_exporter_readme_bio_latency_metrics.prom").read_text()
+    hs = {(h.device, h.op): h for h in parse_ebpf_exporter(text)}
+    w = hs[("nvme0n1", "write")]
+    assert w.count == 48
+    assert percentile(w.buckets, 0.5) == pytest.approx(128 + 128 * 2 / 14)
+    assert hs[("nvme1n1", "write")].count == 1
+    with pytest.raises(InputError, match="ebpf_exporter"):
+        parse_ebpf_exporter('x_bucket{le="1"} notanumber\n')
+    # window rows come from deltas between two scrapes
+    c = EbpfExporterCollector({"blockio": {"host": "h"}})
+    assert c.rows_from_text(text, 1_000_000_000)["ts"] == []
+    bumped = []
+    for line in text.splitlines():  # 10 more writes on nvme0n1 in (128 us, 256 us]
+        if line.startswith('ebpf_exporter_bio_latency_seconds_bucket{device="nvme0n1"'):
+            le = line.split('le="')[1].split('"')[0]
+            if float(le) >= 0.000256:
+                name, value = line.rsplit(" ", 1)
+                line = f"{name} {int(value) + 10}"
+        bumped.append(line)
+    rows = c.rows_from_text("\n".join(bumped) + "\n", 2_000_000_000)
+    assert rows["ios"] == [10.0] and rows["device"] == ["nvme0n1"] and rows["window_seconds"] == [1.0]
+    assert 128e-6 < rows["p50_seconds"][0] < 256e-6
+
+
+def test_diskstats_two_snapshots() -> None:
+    text = shared_data("ebpf", "local_diskstats.txt").read_text()
+    section = text.split("## /sys/block")[0]
+    before = parse_diskstats(section)
+    vda = before["vda"]
+    assert (vda.major, vda.minor, vda.reads, vda.read_ticks_ms, vda.writes) == (254, 0, 19751, 10609, 25304)
+    assert vda.weighted_ticks_ms == 98348 and len(before) == 10
+    f = section.splitlines()
+    i = next(n for n, line in enumerate(f) if " vda " in line)
+    p = f[i].split()
+    p[3] = str(int(p[3]) + 100)    # reads
+    p[6] = str(int(p[6]) + 50)     # read ticks ms
+    p[7] = str(int(p[7]) + 20)     # writes
+    p[10] = str(int(p[10]) + 80)   # write ticks ms
+    p[13] = str(int(p[13]) + 4000)  # weighted ticks ms
+    f[i] = " ".join(p)
+    after = parse_diskstats("\n".join(f))
+    out = {(d.device, d.op): d for d in diskstats_delta(before, after, 2.0)}
+    r, w = out[("vda", "read")], out[("vda", "write")]
+    assert r.ios == 100 and r.mean_seconds == pytest.approx(0.0005)
+    assert w.ios == 20 and w.mean_seconds == pytest.approx(0.004)
+    assert r.queue_depth == pytest.approx(2.0)
+    assert math.isnan(out[("loop0", "read")].mean_seconds)
+    with pytest.raises(InputError, match="diskstats"):
+        parse_diskstats(" 254 0 vda 1 2 3\n")
+
+
+def test_rwbs_ops() -> None:
+    assert [op_from_rwbs(s) for s in ("R", "RA", "RS", "W", "WS", "FWFS", "D", "FN", "N")] == [
+        "read", "read", "read", "write", "write", "write", "discard", "other", "other"]
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_window_assembler_survives_garbage(fmt: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A bad line is one log line; the rest of the window still becomes rows."""
+    if fmt == "text":
+        stream = ["Attaching 4 probes...", "@usecs[254, 0, WS]: ", "[32, 64)  10 |@@@@|",
+                  "[64, 128)  10 |@@@@|", "", "garbage ### line", "@usecs[254, 0, R]: ", "[0]  4 |@|",
+                  "", "@lat_ns[254, 0, WS]: 1000000", "@qd_ns[254, 0]: 500000000", "triscope-window-end"]
+    else:
+        stream = ['{"type": "attached_probes", "data": {"probes": 4}}',
+                  '{"type": "hist", "data": {"@usecs": {"254,0,WS": [{"min": 32, "max": 63, "count": 10},'
+                  ' {"min": 64, "max": 127, "count": 10}], "254,0,R": [{"min": 0, "max": 0, "count": 4}]}}}',
+                  '{"type": "hist", "data": {',
+                  '{"type": "map", "data": {"@lat_ns": {"254,0,WS": 1000000}}}',
+                  '{"type": "map", "data": {"@qd_ns": {"254,0": 500000000}}}',
+                  '{"type": "printf", "data": "triscope-window-end\\n"}']
+    a = WindowAssembler("h", fmt, 1.0)
+    with caplog.at_level(logging.WARNING):
+        for line in stream:
+            a.feed(line + "\n", now_ns=5)
+    assert a.errors == 1
+    assert len([r for r in caplog.records if "bad bpftrace line" in r.getMessage()]) == 1
+    rows = a.drain()
+    by_op = {op: i for i, op in enumerate(rows["op"])}
+    w, r = by_op["write"], by_op["read"]
+    assert rows["ios"][w] == 20 and rows["ios"][r] == 4
+    assert rows["p50_seconds"][w] == pytest.approx(64e-6)
+    assert rows["mean_seconds"][w] == pytest.approx(1e-3 / 20)
+    assert rows["p99_seconds"][r] == 0 and rows["mean_seconds"][r] == 0  # estimated from [0] bucket
+    assert rows["queue_depth"][w] == pytest.approx(0.5)
