@@ -48,8 +48,12 @@ class Store(ABC):
         """Run a SELECT and return ``{column: numpy array}`` (fast path for analyzers)."""
 
     @abstractmethod
-    def insert(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
-        """Insert column-oriented data (all sequences the same length); returns the row count."""
+    def insert(self, table: str, columns: Mapping[str, Sequence[Any]],
+               settings: Mapping[str, str | int] | None = None) -> int:
+        """Insert column-oriented data (all sequences the same length); returns the row count.
+
+        ``settings`` are ClickHouse settings for this one INSERT (e.g. ``insert_deduplication_token``).
+        """
 
     @abstractmethod
     def insert_from_json(self, insert_sql: str, structure: str, data: bytes,

@@ -108,14 +108,16 @@ class EmbeddedStore(Store):
         table = self._run(sql, "ArrowTable", params)
         return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
 
-    def insert(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
+    def insert(self, table: str, columns: Mapping[str, Sequence[Any]],
+               settings: Mapping[str, str | int] | None = None) -> int:
         n = self.row_count(columns)
         if n == 0:
             return 0
         # chDB's Python() table function reads a dict of lists in the calling frame.
         payload = {name: _to_insertable(values) for name, values in columns.items()}
         names = ", ".join(f"`{c}`" for c in payload)
-        self._run(f"INSERT INTO {table} ({names}) SELECT {names} FROM Python(payload)", "CSV", None)
+        self._run(f"INSERT INTO {table} ({names}){_settings_clause(settings)} SELECT {names} FROM Python(payload)",
+                  "CSV", None)
         return n
 
     def insert_from_json(self, insert_sql: str, structure: str, data: bytes,
@@ -161,6 +163,19 @@ def _param_text(value: Any) -> Any:
     if isinstance(value, bool):
         return int(value)
     return value
+
+
+_SETTING_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+
+
+def _settings_clause(settings: Mapping[str, str | int] | None) -> str:
+    """`` SETTINGS k = v, ...`` for one statement (names checked, values as escaped literals)."""
+    if not settings:
+        return ""
+    for name, value in settings.items():
+        if not _SETTING_NAME.fullmatch(name) or not isinstance(value, (str, int)):
+            raise ValueError(f"bad insert setting {name!r}={value!r}")
+    return " SETTINGS " + ", ".join(f"{k} = {_literal(v)}" for k, v in settings.items())
 
 
 _SAFE_STRUCTURE = re.compile(r"[A-Za-z0-9_ ,()]+")

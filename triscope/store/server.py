@@ -78,14 +78,16 @@ class ServerStore(Store):
             raise StoreError(f"query failed: {_one_line(exc)}") from None
         return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
 
-    def insert(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
+    def insert(self, table: str, columns: Mapping[str, Sequence[Any]],
+               settings: Mapping[str, str | int] | None = None) -> int:
         n = self.row_count(columns)
         if n == 0:
             return 0
         names = list(columns)
         data = [v.tolist() if isinstance(v, np.ndarray) else list(v) for v in columns.values()]
         try:
-            self._client().insert(table, data, column_names=names, column_oriented=True)
+            self._client().insert(table, data, column_names=names, column_oriented=True,
+                                 settings=dict(settings or {}))
         except Exception as exc:
             raise StoreError(f"insert into {table} failed: {_one_line(exc)}") from None
         return n

@@ -1,0 +1,397 @@
+"""The batching writer between collectors and the store: bounded memory, disk spool, exactly-once replay.
+
+Collectors call :meth:`Writer.submit` (never blocks on the store). Rows go to a per-table batch,
+written to the spool (:mod:`triscope.spool`) on every submit, so a ``kill -9`` loses no submitted
+row. A background thread seals a batch at ``batch_rows`` rows or ``flush_interval_s`` seconds
+and inserts it with ``insert_deduplication_token = <batch id>``; the writer first sets
+``non_replicated_deduplication_window`` on each single-node MergeTree table it writes, so a
+batch inserted just before a crash and replayed after restart is dropped by ClickHouse itself
+(ReplicatedMergeTree deduplicates by default).
+
+When the store is unreachable, sealed batches stay in the spool and are retried with backoff,
+oldest first. Memory is bounded: at most ``max_memory_rows`` rows are held in memory; batches
+beyond that are only on disk and are read back when their turn comes. The spool is bounded by
+``spool_max_bytes``: past it the oldest batches are deleted and counted in ``rows_dropped``
+(logged). A batch the store refuses while ``SELECT 1`` still works is bad data: it moves to
+``spool/rejected/`` and counts in ``rows_rejected`` instead of blocking the queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from triscope.errors import ConfigError, InputError, StoreError
+from triscope.schema import qualified
+from triscope.spool import TABLE_NAME, OpenBatch, Spool, SpoolFile
+from triscope.store.base import Store
+
+log = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = {
+    "spool_dir": "var/triscope-spool",
+    "batch_rows": 100_000,
+    "flush_interval_s": 1.0,
+    "max_memory_rows": 2_000_000,
+    "spool_max_bytes": 2 << 30,
+    "fsync": True,
+    "retry_max_s": 30.0,
+    "dedup_window": 1000,
+}
+STAT_NAMES = ("rows_submitted", "rows_written", "rows_replayed", "rows_dropped", "rows_rejected",
+              "batches_written", "insert_failures")
+
+
+@dataclass
+class _Queued:
+    """A sealed batch waiting for the store; ``columns`` is None when only the spool file holds it."""
+
+    file: SpoolFile
+    columns: dict[str, list[Any]] | None
+    replayed: bool = False
+
+
+class _Building:
+    """The batch being filled for one (table, column set)."""
+
+    def __init__(self, batch: OpenBatch, names: tuple[str, ...]) -> None:
+        self.batch = batch
+        self.columns: dict[str, list[Any]] = {n: [] for n in names}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+class Writer:
+    """Buffers, batches, spools and writes rows to a store (see the module docstring).
+
+    ``store`` is a :class:`Store` or a zero-argument callable opening one; a callable is called
+    again after a failure, so a server that is down at start is picked up when it comes back.
+    """
+
+    def __init__(self, store: Store | Callable[[], Store], spool_dir: str, *, batch_rows: int = 100_000,
+                 flush_interval_s: float = 1.0, max_memory_rows: int = 2_000_000,
+                 spool_max_bytes: int = 2 << 30, fsync: bool = True, retry_max_s: float = 30.0,
+                 dedup_window: int = 1000) -> None:
+        if isinstance(store, Store):
+            self._store: Store | None = store
+            self._connect: Callable[[], Store] | None = None
+        else:
+            self._store, self._connect = None, store
+        self.spool = Spool(spool_dir, fsync=fsync)
+        self.batch_rows = max(1, int(batch_rows))
+        self.flush_interval_s = float(flush_interval_s)
+        self.max_memory_rows = max(self.batch_rows, int(max_memory_rows))
+        self.spool_max_bytes = int(spool_max_bytes)
+        self.fsync = fsync
+        self.retry_max_s = float(retry_max_s)
+        self.dedup_window = int(dedup_window)
+        self.stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
+        self.store_up = True
+        self.last_error = ""
+        self._building: dict[tuple[str, tuple[str, ...]], _Building] = {}
+        self._to_seal: list[_Building] = []
+        self._queue: collections.deque[_Queued] = collections.deque()
+        self._memory_rows = 0
+        self._spool_bytes = 0
+        self._in_flight: _Queued | None = None
+        self._dedup_ready: set[str] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._idle = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._retry_at = 0.0
+        self._backoff = 0.5
+        self._recover()
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], store: Store | Callable[[], Store]) -> Writer:
+        """A writer configured by the ``[writer]`` section (defaults in :data:`DEFAULTS`)."""
+        cfg = {**DEFAULTS, **(config.get("writer") or {})}
+        unknown = set(cfg) - set(DEFAULTS)
+        if unknown:
+            raise ConfigError(f"[writer] has unknown keys: {', '.join(sorted(unknown))}")
+        try:
+            kwargs = {k: type(DEFAULTS[k])(v) for k, v in cfg.items() if k != "spool_dir"}
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"[writer] has a bad value: {exc}") from None
+        return cls(store, str(cfg["spool_dir"]), **kwargs)
+
+    # ---- recovery -----------------------------------------------------------------------------
+    def _recover(self) -> None:
+        for item in self.spool.recover():
+            self._queue.append(_Queued(item, None, replayed=True))
+            self._spool_bytes += item.size
+        if self._queue:
+            n = sum(q.file.rows for q in self._queue)
+            log.info("writer: %d batch(es), %d rows in spool %s to replay", len(self._queue), n, self.spool.dir)
+
+    # ---- producer side ------------------------------------------------------------------------
+    def submit(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
+        """Queue rows for ``table`` (unqualified name); durable in the spool when this returns.
+
+        Raises InputError (nothing queued) when the table name is bad or the columns differ in length.
+        """
+        if not TABLE_NAME.fullmatch(table):
+            raise InputError(f"writer: bad table name {table!r}")
+        lengths = {len(v) for v in columns.values()}
+        if len(lengths) > 1:
+            raise InputError(f"writer: {table}: columns have different lengths {sorted(lengths)}")
+        n = lengths.pop() if lengths else 0
+        if n == 0:
+            return 0
+        names = tuple(columns)
+        with self._lock:
+            key = (table, names)
+            building = self._building.get(key)
+            if building is None:
+                building = self._building[key] = _Building(self.spool.open_batch(table), names)
+            self._spool_bytes += building.batch.append(columns, n)
+            for name in names:
+                building.columns[name].extend(columns[name])
+            self._memory_rows += n
+            self.stats["rows_submitted"] += n
+            if building.batch.rows >= self.batch_rows:
+                del self._building[key]
+                self._to_seal.append(building)
+                self._wake.set()
+        return n
+
+    # ---- consumer side ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the background thread that seals and writes batches."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="triscope-writer", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._next_wait())
+            self._wake.clear()
+            self._seal_due(force=False)
+            self._drain()
+
+    def _next_wait(self) -> float:
+        wait = self.flush_interval_s
+        with self._lock:
+            if self._building:
+                oldest = min(b.batch.created for b in self._building.values())
+                wait = min(wait, max(0.0, oldest + self.flush_interval_s - time.monotonic()))
+            if self._queue and not self.store_up:
+                wait = min(wait, max(0.0, self._retry_at - time.monotonic()))
+            elif self._queue:
+                wait = 0.0
+        return max(wait, 0.005)
+
+    def _seal_due(self, force: bool) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for key, building in list(self._building.items()):
+                if force or now - building.batch.created >= self.flush_interval_s:
+                    del self._building[key]
+                    self._to_seal.append(building)
+            sealing, self._to_seal = self._to_seal, []
+        for building in sealing:
+            item = building.batch.seal(self.fsync)
+            with self._lock:
+                self._queue.append(_Queued(item, building.columns))
+                self._spill_memory()
+                self._enforce_spool_cap()
+
+    def _spill_memory(self) -> None:
+        """Keep at most max_memory_rows in memory: newest queued batches live only on disk (lock held)."""
+        if self._memory_rows <= self.max_memory_rows:
+            return
+        for queued in reversed(self._queue):
+            if self._memory_rows <= self.max_memory_rows:
+                break
+            if queued.columns is not None and queued is not self._in_flight:
+                queued.columns = None
+                self._memory_rows -= queued.file.rows
+
+    def _enforce_spool_cap(self) -> None:
+        """Delete the oldest batches while the spool is over its byte cap (lock held)."""
+        while self._spool_bytes > self.spool_max_bytes:
+            victim = next((q for q in self._queue if q is not self._in_flight), None)
+            if victim is None:
+                break
+            self._queue.remove(victim)
+            self._forget(victim)
+            self.spool.remove(victim.file)
+            self.stats["rows_dropped"] += victim.file.rows
+            log.warning("writer: spool over %d bytes; dropped oldest batch %s (%d rows of %s), %d rows lost so far",
+                        self.spool_max_bytes, victim.file.batch_id, victim.file.rows, victim.file.table,
+                        self.stats["rows_dropped"])
+
+    def _forget(self, queued: _Queued) -> None:
+        """Account a batch leaving the queue (lock held)."""
+        self._spool_bytes -= queued.file.size
+        if queued.columns is not None:
+            self._memory_rows -= queued.file.rows
+            queued.columns = None
+
+    def _get_store(self) -> Store:
+        if self._store is None:
+            assert self._connect is not None
+            self._store = self._connect()
+            self._dedup_ready.clear()
+        return self._store
+
+    def _ensure_dedup(self, store: Store, table: str) -> None:
+        """Turn on block deduplication for a single-node MergeTree table (once per table)."""
+        if table in self._dedup_ready or self.dedup_window <= 0:
+            return
+        res = store.query("SELECT engine, create_table_query FROM system.tables "
+                          "WHERE database = {db:String} AND name = {t:String}",
+                          {"db": store.database, "t": table})
+        if res.rows:
+            engine, ddl = res.rows[0]
+            if (engine.endswith("MergeTree") and not engine.startswith("Replicated")
+                    and "non_replicated_deduplication_window" not in ddl):
+                store.command(f"ALTER TABLE {qualified(store, table)} MODIFY SETTING "
+                              f"non_replicated_deduplication_window = {self.dedup_window}")
+        self._dedup_ready.add(table)
+
+    def _drain(self) -> None:
+        """Insert queued batches oldest first until the queue is empty or the store fails."""
+        while not self._stop.is_set() or self._draining_on_close:
+            with self._lock:
+                if not self._queue or (not self.store_up and time.monotonic() < self._retry_at):
+                    self._idle.notify_all()
+                    return
+                queued = self._in_flight = self._queue[0]
+            ok = self._write(queued)
+            with self._lock:
+                self._in_flight = None
+                if ok is None:  # store down: retry later
+                    self._idle.notify_all()
+                    return
+                if self._queue and self._queue[0] is queued:
+                    self._queue.popleft()
+                self._forget(queued)
+
+    _draining_on_close = False
+
+    def _write(self, queued: _Queued) -> bool | None:
+        """Insert one batch: True written, False rejected (bad data), None store unavailable."""
+        item = queued.file
+        try:
+            columns = queued.columns if queued.columns is not None else self.spool.load(item)
+        except (OSError, StoreError) as exc:
+            log.error("writer: cannot read spool file %s (%s); moving it to rejected/", item.path.name,
+                      _one_line(exc))
+            self.spool.reject(item)
+            self.stats["rows_rejected"] += item.rows
+            return False
+        try:
+            store = self._get_store()
+            self._ensure_dedup(store, item.table)
+            store.insert(qualified(store, item.table), columns,
+                         settings={"insert_deduplication_token": item.batch_id})
+        except Exception as exc:  # noqa: BLE001 - classify below: store down vs bad batch
+            return self._failed(queued, exc)
+        self.spool.remove(item)
+        self.stats["rows_written"] += item.rows
+        self.stats["batches_written"] += 1
+        if queued.replayed:
+            self.stats["rows_replayed"] += item.rows
+        if not self.store_up:
+            log.info("writer: store is back; replaying the spool")
+        self.store_up, self._backoff = True, 0.5
+        return True
+
+    def _failed(self, queued: _Queued, exc: Exception) -> bool | None:
+        self.stats["insert_failures"] += 1
+        self.last_error = _one_line(exc)
+        if self._store is not None and self._healthy(self._store):
+            log.error("writer: store refused batch %s of %s (%d rows): %s; moved to %s",
+                      queued.file.batch_id, queued.file.table, queued.file.rows, self.last_error,
+                      self.spool.reject(queued.file))
+            self.stats["rows_rejected"] += queued.file.rows
+            return False
+        if self.store_up:
+            log.warning("writer: store unavailable (%s); spooling to %s", self.last_error, self.spool.dir)
+        self.store_up = False
+        if self._connect is not None and self._store is not None:
+            with contextlib.suppress(Exception):  # a dead connection may fail to close
+                self._store.close()
+            self._store = None
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self.retry_max_s, self._backoff * 2)
+        return None
+
+    @staticmethod
+    def _healthy(store: Store) -> bool:
+        try:
+            return store.query("SELECT 1").scalar() == 1
+        except Exception:  # noqa: BLE001 - any failure means not healthy
+            return False
+
+    # ---- control ------------------------------------------------------------------------------
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Seal every batch and wait until all are in the store; False if the store stayed down."""
+        self._seal_due(force=True)
+        if self._thread is None:
+            self._drain()
+            return not self._queue
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._retry_at = 0.0
+        self._wake.set()
+        with self._idle:
+            while self._queue or self._in_flight is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(min(left, 0.1))
+                if self._queue and not self.store_up and time.monotonic() < self._retry_at:
+                    self._wake.set()
+        return True
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Seal, write what the store takes within ``timeout_s``, stop; the rest stays spooled.
+
+        Returns True when nothing is left in the spool. Safe to call twice.
+        """
+        if self._thread is not None:
+            self._stop.set()
+            self._wake.set()
+            self._thread.join(timeout=timeout_s + 5)
+            self._thread = None
+        self._seal_due(force=True)
+        self._draining_on_close = True
+        deadline = time.monotonic() + timeout_s
+        try:
+            while self._queue and time.monotonic() < deadline:
+                self._retry_at = 0.0
+                self._drain()
+                if self._queue:
+                    time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        finally:
+            self._draining_on_close = False
+        left = sum(q.file.rows for q in self._queue)
+        if left:
+            log.warning("writer: %d rows stay in spool %s for the next start", left, self.spool.dir)
+        self.spool.close()
+        if self._connect is not None and self._store is not None:
+            self._store.close()
+            self._store = None
+        return left == 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and gauges for status output and metrics."""
+        with self._lock:
+            pending = sum(q.file.rows for q in self._queue) + sum(
+                b.batch.rows for b in (*self._building.values(), *self._to_seal))
+            return {**self.stats, "rows_pending": pending, "memory_rows": self._memory_rows,
+                    "spool_bytes": self._spool_bytes, "store_up": self.store_up, "last_error": self.last_error}
