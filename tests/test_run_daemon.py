@@ -1,0 +1,156 @@
+"""``triscope run`` as a real subprocess: diskstats, a real prometheus_client /metrics, OTLP/HTTP, SIGTERM.
+
+The daemon has its own chDB directory, so the rows are read back by a second subprocess after it
+exits (the pytest process keeps to its one shared chDB path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+
+pytestmark = pytest.mark.slow
+
+T0 = 1_764_000_000_000_000_000
+QUERY = r'''
+import json, sys
+from triscope.store import open_store
+s = open_store({"store": {"backend": "embedded", "path": sys.argv[1], "database": "runtest"}})
+out = {}
+for t in ("io_latency", "serving_metrics", "requests"):
+    out[t] = s.query(f"SELECT count() FROM runtest.{t}").scalar()
+out["served"] = s.query("SELECT groupUniqArray(model), max(queue_length), max(kv_cache_usage_ratio) "
+                        "FROM runtest.serving_metrics").rows[0]
+out["sources"] = s.query("SELECT groupUniqArray(source) FROM runtest.io_latency").scalar()
+out["span"] = s.query("SELECT model, prompt_tokens FROM runtest.requests").rows
+print(json.dumps(out))
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vllm_server() -> tuple[int, object]:
+    registry = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    Gauge("vllm:num_requests_waiting", "waiting", labels, registry=registry).labels("llama", "0").set(3)
+    Gauge("vllm:num_requests_running", "running", labels, registry=registry).labels("llama", "0").set(5)
+    Gauge("vllm:kv_cache_usage_perc", "kv", labels, registry=registry).labels("llama", "0").set(0.42)
+    Histogram("vllm:e2e_request_latency_seconds", "e2e", labels, buckets=[0.1, 1.0],
+              registry=registry).labels("llama", "0").observe(0.3)
+    port = _free_port()
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    return port, server
+
+
+def _span_doc() -> bytes:
+    return json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{
+        "traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174", "name": "llm_request",
+        "kind": 2, "startTimeUnixNano": str(T0), "endTimeUnixNano": str(T0 + 250_000_000),
+        "attributes": [{"key": "gen_ai.request.model", "value": {"stringValue": "llama"}},
+                       {"key": "gen_ai.usage.input_tokens", "value": {"intValue": "77"}}]}]}]}]}).encode()
+
+
+def test_run_collects_writes_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    metrics_port, server = _vllm_server()
+    otlp_port = _free_port()
+    cfg = tmp_path / "triscope.toml"
+    cfg.write_text(f"""
+[store]
+path = "{tmp_path / 'chdb'}"
+database = "runtest"
+
+[run]
+collectors = ["blockio_diskstats", "serving_metrics", "otlp"]
+status_interval_s = 0.3
+
+[writer]
+spool_dir = "{tmp_path / 'spool'}"
+flush_interval_s = 0.2
+
+[blockio]
+interval_s = 0.2
+
+[serving_metrics]
+interval_s = 0.2
+targets = ["http://127.0.0.1:{metrics_port}/metrics"]
+
+[otlp]
+port = {otlp_port}
+""")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRISCOPE_") or k == "TRISCOPE_REQUIRE_ALL"}
+    proc = subprocess.Popen([sys.executable, "-m", "triscope", "run", "--config", str(cfg), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    log_lines: list[str] = []
+    reader = threading.Thread(target=lambda: log_lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        posted = False
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "".join(log_lines)
+            with open(tmp_path / "io.bin", "wb") as fh:  # real disk writes for diskstats to see
+                fh.write(os.urandom(1 << 20))
+                fh.flush()
+                os.fsync(fh.fileno())
+            if not posted:
+                try:
+                    req = urllib.request.Request(f"http://127.0.0.1:{otlp_port}/v1/traces", data=_span_doc(),
+                                                 headers={"Content-Type": "application/json"})
+                    posted = urllib.request.urlopen(req, timeout=2).status == 200
+                except OSError:
+                    pass
+            written = [int(x.split("written ")[1].split(",")[0]) for x in log_lines if "status: written" in x]
+            if posted and written and written[-1] >= 10:
+                break
+            time.sleep(0.2)
+        assert posted and written and written[-1] >= 10, "".join(log_lines)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.shutdown()
+    reader.join(timeout=5)
+    assert proc.returncode == 0, "".join(log_lines)
+    summary = json.loads(out)
+    assert summary["flushed"] and summary["writer"]["rows_pending"] == 0
+    assert summary["writer"]["rows_written"] == summary["writer"]["rows_submitted"] > 0
+    assert set(summary["collectors"]) == {"blockio_diskstats", "serving_metrics", "otlp"}
+    assert summary["collectors"]["otlp"]["rows"] == 1
+    assert list((tmp_path / "spool").glob("*.batch")) == list((tmp_path / "spool").glob("*.open")) == []
+
+    query = tmp_path / "query.py"
+    query.write_text(QUERY)
+    res = subprocess.run([sys.executable, str(query), str(tmp_path / "chdb")], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["io_latency"] == summary["collectors"]["blockio_diskstats"]["rows"] > 0
+    assert got["serving_metrics"] == summary["collectors"]["serving_metrics"]["rows"] > 0
+    assert got["served"] == [["llama"], 3.0, 0.42]
+    assert got["sources"] == ["diskstats"]
+    assert got["requests"] == 1 and got["span"] == [["llama", 77]]
+
+
+def test_unknown_collector_is_a_one_line_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(f'[store]\npath = "{tmp_path / "chdb"}"\n[run]\ncollectors = ["nope"]\n')
+    res = subprocess.run([sys.executable, "-m", "triscope", "run", "--config", str(cfg)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1].startswith("triscope: error: unknown collector 'nope'")
