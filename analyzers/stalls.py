@@ -46,7 +46,7 @@ STALL_DEFAULTS: dict[str, Any] = {
     "idle_busy_max": 0.05,
     "precedence": list(CLASSES),
     "alert_classes": ["comm", "compute", "io", "host"],
-    "alert_share": 0.0,
+    "alert_share": 0.25,
     "straggler_min_lateness_seconds": 0.001,
     "straggler_alert_seconds": 0.05,
     "top_windows": 10,
