@@ -1,0 +1,546 @@
+"""NVML sampler tests.
+
+There is no GPU here, so most tests use a stand-in **at the nvidia-ml-py module boundary only**:
+a module object holding every constant, ctypes struct and ``NVMLError`` subclass of the real
+``pynvml`` (nvidia-ml-py) installed in the venv, whose library entry points (``nvmlInit``,
+``nvmlDeviceGet*``, ``nvmlGpm*``) are replaced by functions over simulated GPUs. Like the real
+bindings they raise ``pynvml.NVMLError`` (which maps the real error codes to the real subclasses,
+e.g. ``NVMLError_GpuIsLost``), return the real ctypes structs (``c_nvmlMemory_v2_t``,
+``c_nvmlUtilization_t``, ``c_nvmlFieldValue_t`` arrays with per-entry ``nvmlReturn``/``valueType``/
+``timestamp``) and friendly objects for processes. The sampler code under test is unchanged.
+The "no NVML library" test uses the real module against this machine's missing libnvidia-ml.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import math
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml as real
+import pytest
+
+from triscope.collectors.nvml import NvmlSampler
+from triscope.schema import qualified
+from triscope.schema.gpu import GPU_PROCESS_MEMORY, GPU_SAMPLES
+
+MiB = 1 << 20
+
+
+@dataclass
+class FakeGpu:
+    """A simulated GPU: instantaneous readings plus cumulative counters advanced by :meth:`advance`."""
+
+    name: str = "NVIDIA H100 80GB HBM3"
+    uuid: str = "GPU-52e6b438-f2a7-269e-6513-0c5ca6a3a450"
+    total: int = 81559 * MiB
+    reserved: int = 553 * MiB
+    used: int = 40000 * MiB
+    util_gpu: int = 97
+    util_mem: int = 41
+    sm_mhz: int = 1980
+    power_mw: int = 512331
+    temp_c: int = 58
+    reasons: int = 0x20  # clocksEventReasonSwThermalSlowdown... any bitmask
+    pcie_tx: int = 10_000
+    pcie_rx: int = 20_000
+    nvlink_tx_kib: int = 1_000
+    nvlink_rx_kib: int = 2_000
+    ecc_sbe: int = 3
+    ecc_dbe: int = 0
+    gpm_supported: bool = True
+    gpm: dict[int, float] = field(default_factory=lambda: {2: 80.0, 3: 45.0, 10: 30.0})  # percent
+    gpm_integral: dict[int, float] = field(default_factory=lambda: {2: 0.0, 3: 0.0, 10: 0.0})
+    processes: list[tuple[int, int | None]] = field(default_factory=lambda: [(4242, 39000 * MiB)])
+    lost: bool = False
+    unsupported_calls: set[str] = field(default_factory=set)
+    unsupported_fields: set[int] = field(default_factory=set)
+    failing_once: dict[str, int] = field(default_factory=dict)  # call -> NVML error code, raised once
+    pcie_type: int = real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+
+
+class Clock:
+    """The stand-in's notion of time (NVML field timestamps are microseconds)."""
+
+    def __init__(self) -> None:
+        self.us = 1_750_000_000_000_000
+
+
+def advance(gpus: list[FakeGpu], clock: Clock, seconds: float, pcie_tx_bps: float = 0, pcie_rx_bps: float = 0,
+            nvlink_tx_bps: float = 0, nvlink_rx_bps: float = 0) -> None:
+    """Let ``seconds`` pass with the given traffic rates on every GPU."""
+    clock.us += round(seconds * 1e6)
+    for g in gpus:
+        mod = (1 << 32) if g.pcie_type == real.NVML_VALUE_TYPE_UNSIGNED_INT else (1 << 64)
+        g.pcie_tx = (g.pcie_tx + round(pcie_tx_bps * seconds)) % mod
+        g.pcie_rx = (g.pcie_rx + round(pcie_rx_bps * seconds)) % mod
+        g.nvlink_tx_kib += round(nvlink_tx_bps * seconds / 1024)
+        g.nvlink_rx_kib += round(nvlink_rx_bps * seconds / 1024)
+        for k, pct in g.gpm.items():
+            g.gpm_integral[k] += pct * seconds
+
+
+KEEP = {"nvmlFriendlyObject", "nvmlStructToFriendlyObject", "nvmlFriendlyObjectToStruct", "nvmlExceptionClass"}
+
+
+def standin(gpus: list[FakeGpu], clock: Clock | None = None, init_error: int | None = None) -> types.ModuleType:
+    """A ``pynvml`` module over simulated GPUs (see the module docstring)."""
+    clock = clock or Clock()
+    m = types.ModuleType("pynvml")
+    for name in dir(real):
+        if not name.startswith("__"):
+            setattr(m, name, getattr(real, name))
+    calls: dict[str, int] = {}
+    m.calls = calls  # type: ignore[attr-defined]
+    m.clock = clock  # type: ignore[attr-defined]
+    state = {"init": 0, "init_error": init_error}
+    m.state = state  # type: ignore[attr-defined]
+
+    def not_found(name: str) -> Any:
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            raise real.NVMLError(real.NVML_ERROR_FUNCTION_NOT_FOUND)
+        fn.__name__ = name
+        return fn
+
+    for name in dir(real):  # entry points this stand-in does not simulate behave as absent from the driver
+        if name.startswith("nvml") and callable(getattr(real, name)) and name not in KEEP:
+            setattr(m, name, not_found(name))
+
+    structs = [real.struct_c_nvmlDevice_t() for _ in gpus]
+    handles = [ctypes.pointer(s) for s in structs]
+    by_addr = {ctypes.addressof(s): g for s, g in zip(structs, gpus, strict=True)}
+    gpm_buffers: list[Any] = []
+    gpm_records: dict[int, tuple[int, dict[int, float]]] = {}
+
+    def api(fn: Any) -> Any:
+        name = fn.__name__
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            if name not in ("nvmlInit",) and not state["init"]:
+                raise real.NVMLError(real.NVML_ERROR_UNINITIALIZED)
+            return fn(*args, **kwargs)
+        wrapper.__name__ = name
+        setattr(m, name, wrapper)
+        return wrapper
+
+    def gpu_of(handle: Any, name: str) -> FakeGpu:
+        g = by_addr[ctypes.addressof(handle.contents)]
+        if g.lost:
+            raise real.NVMLError(real.NVML_ERROR_GPU_IS_LOST)
+        if name in g.unsupported_calls:
+            raise real.NVMLError(real.NVML_ERROR_NOT_SUPPORTED)
+        if name in g.failing_once:
+            raise real.NVMLError(g.failing_once.pop(name))
+        return g
+
+    @api
+    def nvmlInit() -> None:
+        if state["init_error"] is not None:
+            raise real.NVMLError(state["init_error"])
+        state["init"] += 1
+
+    @api
+    def nvmlShutdown() -> None:
+        state["init"] -= 1
+
+    @api
+    def nvmlDeviceGetCount() -> int:
+        return len(gpus)
+
+    @api
+    def nvmlDeviceGetHandleByIndex(index: int) -> Any:
+        if not 0 <= index < len(gpus):
+            raise real.NVMLError(real.NVML_ERROR_INVALID_ARGUMENT)
+        if gpus[index].lost:
+            raise real.NVMLError(real.NVML_ERROR_GPU_IS_LOST)
+        return handles[index]
+
+    @api
+    def nvmlDeviceGetUUID(handle: Any) -> str:
+        return gpu_of(handle, "nvmlDeviceGetUUID").uuid
+
+    @api
+    def nvmlDeviceGetName(handle: Any) -> str:
+        return gpu_of(handle, "nvmlDeviceGetName").name
+
+    @api
+    def nvmlDeviceGetMemoryInfo(handle: Any, version: int | None = None) -> Any:
+        if version:
+            g = gpu_of(handle, "nvmlDeviceGetMemoryInfo_v2")
+            if version != real.nvmlMemory_v2:
+                raise real.NVMLError(real.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+            mem = real.c_nvmlMemory_v2_t()
+            mem.version = version
+            mem.total, mem.reserved, mem.used = g.total, g.reserved, g.used
+            mem.free = g.total - g.reserved - g.used
+            return mem
+        g = gpu_of(handle, "nvmlDeviceGetMemoryInfo")
+        mem = real.c_nvmlMemory_t()
+        mem.total, mem.used = g.total, g.used + g.reserved
+        mem.free = g.total - mem.used
+        return mem
+
+    @api
+    def nvmlDeviceGetUtilizationRates(handle: Any) -> Any:
+        g = gpu_of(handle, "nvmlDeviceGetUtilizationRates")
+        u = real.c_nvmlUtilization_t()
+        u.gpu, u.memory = g.util_gpu, g.util_mem
+        return u
+
+    @api
+    def nvmlDeviceGetClockInfo(handle: Any, clock_type: int) -> int:
+        g = gpu_of(handle, "nvmlDeviceGetClockInfo")
+        if clock_type != real.NVML_CLOCK_SM:
+            raise real.NVMLError(real.NVML_ERROR_INVALID_ARGUMENT)
+        return g.sm_mhz
+
+    @api
+    def nvmlDeviceGetTemperatureV(handle: Any, sensor: int, version: int = real.nvmlTemperature_v1) -> int:
+        return gpu_of(handle, "nvmlDeviceGetTemperatureV").temp_c
+
+    @api
+    def nvmlDeviceGetTemperature(handle: Any, sensor: int) -> int:
+        return gpu_of(handle, "nvmlDeviceGetTemperature").temp_c
+
+    @api
+    def nvmlDeviceGetCurrentClocksEventReasons(handle: Any) -> int:
+        return gpu_of(handle, "nvmlDeviceGetCurrentClocksEventReasons").reasons
+
+    @api
+    def nvmlDeviceGetCurrentClocksThrottleReasons(handle: Any) -> int:
+        return gpu_of(handle, "nvmlDeviceGetCurrentClocksThrottleReasons").reasons
+
+    @api
+    def nvmlDeviceGetPowerUsage(handle: Any) -> int:
+        return gpu_of(handle, "nvmlDeviceGetPowerUsage").power_mw
+
+    @api
+    def nvmlDeviceGetFieldValues(handle: Any, field_ids: list[Any]) -> Any:
+        g = gpu_of(handle, "nvmlDeviceGetFieldValues")
+        values = (real.c_nvmlFieldValue_t * len(field_ids))()
+        ull = real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+        table = {
+            real.NVML_FI_DEV_POWER_INSTANT: (real.NVML_VALUE_TYPE_UNSIGNED_INT, g.power_mw),
+            real.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: (g.pcie_type, g.pcie_tx),
+            real.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: (g.pcie_type, g.pcie_rx),
+            real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: (ull, g.nvlink_tx_kib),
+            real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: (ull, g.nvlink_rx_kib),
+            real.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: (ull, g.ecc_sbe),
+            real.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: (ull, g.ecc_dbe),
+            real.NVML_FI_DEV_ECC_SBE_AGG_TOTAL: (ull, g.ecc_sbe + 100),
+            real.NVML_FI_DEV_ECC_DBE_AGG_TOTAL: (ull, g.ecc_dbe + 100),
+        }
+        member = {real.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal", ull: "ullVal"}
+        for i, fid in enumerate(field_ids):
+            fid, scope = fid if isinstance(fid, tuple) else (fid, 0)
+            values[i].fieldId, values[i].scopeId = fid, scope
+            values[i].timestamp = clock.us
+            values[i].latencyUsec = 3
+            if fid in g.unsupported_fields or fid not in table:
+                values[i].nvmlReturn = real.NVML_ERROR_NOT_SUPPORTED
+                continue
+            if fid in (real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX) \
+                    and scope != 0xFFFFFFFF:
+                values[i].nvmlReturn = real.NVML_ERROR_INVALID_ARGUMENT  # this GPU only answers the all-links sum
+                continue
+            vtype, value = table[fid]
+            values[i].valueType = vtype
+            setattr(values[i].value, member[vtype], value)
+            values[i].nvmlReturn = real.NVML_SUCCESS
+        return values
+
+    @api
+    def nvmlDeviceGetComputeRunningProcesses(handle: Any) -> list[Any]:
+        g = gpu_of(handle, "nvmlDeviceGetComputeRunningProcesses")
+        out = []
+        for pid, used in g.processes:
+            info = real.c_nvmlProcessInfo_v3_t()
+            info.pid = pid
+            info.usedGpuMemory = used if used is not None else real.NVML_VALUE_NOT_AVAILABLE_ulonglong.value
+            obj = real.nvmlStructToFriendlyObject(info)
+            if obj.usedGpuMemory == real.NVML_VALUE_NOT_AVAILABLE_ulonglong.value:
+                obj.usedGpuMemory = None
+            out.append(obj)
+        return out
+
+    @api
+    def nvmlSystemGetProcessName(pid: int) -> str:
+        if pid == 4242:
+            return "python3 -m vllm.entrypoints.openai.api_server"
+        raise real.NVMLError(real.NVML_ERROR_NOT_FOUND)
+
+    @api
+    def nvmlGpmQueryDeviceSupport(handle: Any) -> Any:
+        g = gpu_of(handle, "nvmlGpmQueryDeviceSupport")
+        sup = real.c_nvmlGpmSupport_t()
+        sup.version = real.NVML_GPM_SUPPORT_VERSION
+        sup.isSupportedDevice = int(g.gpm_supported)
+        return sup
+
+    @api
+    def nvmlGpmSampleAlloc() -> Any:
+        buf = (ctypes.c_char * 64)()
+        gpm_buffers.append(buf)
+        return ctypes.cast(buf, real.c_nvmlGpmSample_t)
+
+    @api
+    def nvmlGpmSampleFree(sample: Any) -> None:
+        gpm_records.pop(ctypes.cast(sample, ctypes.c_void_p).value, None)
+
+    @api
+    def nvmlGpmSampleGet(handle: Any, sample: Any) -> Any:
+        g = gpu_of(handle, "nvmlGpmSampleGet")
+        gpm_records[ctypes.cast(sample, ctypes.c_void_p).value] = (clock.us, dict(g.gpm_integral))
+        return sample
+
+    @api
+    def nvmlGpmMetricsGet(mg: Any) -> Any:
+        if mg.version != real.NVML_GPM_METRICS_GET_VERSION:
+            raise real.NVMLError(real.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        t1, i1 = gpm_records[ctypes.cast(mg.sample1, ctypes.c_void_p).value]
+        t2, i2 = gpm_records[ctypes.cast(mg.sample2, ctypes.c_void_p).value]
+        if t2 <= t1:
+            raise real.NVMLError(real.NVML_ERROR_INVALID_ARGUMENT)
+        for k in range(mg.numMetrics):
+            metric = mg.metrics[k]
+            if metric.metricId in i1:
+                metric.value = (i2[metric.metricId] - i1[metric.metricId]) / ((t2 - t1) / 1e6)
+                metric.nvmlReturn = real.NVML_SUCCESS
+            else:
+                metric.nvmlReturn = real.NVML_ERROR_NOT_SUPPORTED
+        return mg
+
+    return m
+
+
+def sampler(nv: types.ModuleType, **cfg: Any) -> NvmlSampler:
+    s = NvmlSampler({"nvml": {"host": "gpu-node-17", **cfg}}, nvml=nv)
+    s.start()
+    return s
+
+
+def rows(cols: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    names = list(cols)
+    return [dict(zip(names, vals, strict=True)) for vals in zip(*cols.values(), strict=True)]
+
+
+def two_gpus() -> list[FakeGpu]:
+    return [FakeGpu(), FakeGpu(uuid="GPU-128b2f33-d23f-892f-1818-95315d9dc9f8", used=0, util_gpu=0,
+                               power_mw=71204, temp_c=29, reasons=0, processes=[])]
+
+
+def test_standin_raises_real_error_classes() -> None:
+    nv = standin(two_gpus())
+    with pytest.raises(real.NVMLError_Uninitialized):
+        nv.nvmlDeviceGetCount()
+    nv.nvmlInit()
+    with pytest.raises(real.NVMLError_InvalidArgument) as exc:
+        nv.nvmlDeviceGetHandleByIndex(7)
+    assert exc.value.value == real.NVML_ERROR_INVALID_ARGUMENT == 2
+    assert isinstance(nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(0), real.nvmlMemory_v2),
+                      real.c_nvmlMemory_v2_t)
+
+
+def test_sample_maps_every_metric() -> None:
+    gpus = two_gpus()
+    nv = standin(gpus)
+    s = sampler(nv)
+    assert s.state == "ok" and len(s.devices) == 2
+    first = s.sample_once(now_ns=1_750_000_000_000_000_000)
+    r0 = rows(first["gpu_samples"])[0]
+    assert math.isnan(r0["pcie_tx_bytes_per_second"]) and math.isnan(r0["sm_occupancy_ratio"])  # no baseline yet
+    advance(gpus, nv.clock, 0.1, pcie_tx_bps=2e9, pcie_rx_bps=5e8, nvlink_tx_bps=1024e6, nvlink_rx_bps=2048e6)
+    out = s.sample_once(now_ns=1_750_000_000_100_000_000)
+    g0, g1 = rows(out["gpu_samples"])
+    assert g0["ts"] == "2025-06-15 15:06:40.100000000"
+    assert (g0["host"], g0["gpu"], g0["gpu_uuid"], g0["gpu_model"], g0["source"], g0["state"]) == (
+        "gpu-node-17", 0, "GPU-52e6b438-f2a7-269e-6513-0c5ca6a3a450", "NVIDIA H100 80GB HBM3", "nvml", "ok")
+    assert g0["memory_used_bytes"] == 40000 * MiB
+    assert g0["memory_total_bytes"] == 81559 * MiB
+    assert g0["memory_reserved_bytes"] == 553 * MiB
+    assert g0["gpu_util_ratio"] == pytest.approx(0.97) and g0["memory_util_ratio"] == pytest.approx(0.41)
+    assert g0["sm_clock_hz"] == 1980e6
+    assert g0["power_watts"] == pytest.approx(512.331)
+    assert g0["temperature_celsius"] == 58 and g0["clock_event_reasons"] == 0x20
+    assert g0["pcie_tx_bytes_per_second"] == pytest.approx(2e9)
+    assert g0["pcie_rx_bytes_per_second"] == pytest.approx(5e8)
+    assert g0["nvlink_tx_bytes_per_second"] == pytest.approx(1024e6)
+    assert g0["nvlink_rx_bytes_per_second"] == pytest.approx(2048e6)
+    assert (g0["ecc_corrected_total"], g0["ecc_uncorrected_total"]) == (3, 0)
+    assert g0["sm_active_ratio"] == pytest.approx(0.80)
+    assert g0["sm_occupancy_ratio"] == pytest.approx(0.45)
+    assert g0["dram_active_ratio"] == pytest.approx(0.30)
+    assert math.isnan(g0["l2_bandwidth_ratio"])
+    assert g1["gpu"] == 1 and g1["power_watts"] == pytest.approx(71.204) and g1["memory_used_bytes"] == 0
+    # per-process memory on the first sample only (process_interval_s = 1 s of monotonic time)
+    procs = rows(first["gpu_process_memory"])
+    assert procs == [{"ts": "2025-06-15 15:06:40.000000000", "host": "gpu-node-17", "gpu": 0, "pid": 4242,
+                      "process_name": "python3 -m vllm.entrypoints.openai.api_server",
+                      "used_bytes": float(39000 * MiB)}]
+    assert "gpu_process_memory" not in out
+    # batched: one field-values call per GPU and sample; power came from it, not nvmlDeviceGetPowerUsage
+    assert nv.calls["nvmlDeviceGetFieldValues"] == 4
+    assert nv.calls.get("nvmlDeviceGetPowerUsage", 0) == 0
+    s.close()
+    s.close()
+    assert nv.state["init"] == 0
+
+
+def test_gpu_lost_is_a_state_and_others_keep_sampling(caplog: pytest.LogCaptureFixture) -> None:
+    gpus = two_gpus()
+    nv = standin(gpus)
+    s = sampler(nv, retry_s=3600)
+    s.sample_once()
+    gpus[1].lost = True
+    with caplog.at_level(logging.WARNING, logger="triscope.collectors.nvml"):
+        for _ in range(3):
+            advance(gpus, nv.clock, 0.1)
+            out = rows(s.collect()["gpu_samples"])
+            assert [(r["gpu"], r["state"]) for r in out] == [(0, "ok"), (1, "lost")]
+            assert out[0]["memory_used_bytes"] == 40000 * MiB
+            assert math.isnan(out[1]["memory_used_bytes"]) and out[1]["gpu_uuid"] == gpus[1].uuid
+    assert s.state == "degraded" and "GPU 1 lost" in s.reason
+    lost_lines = [r for r in caplog.records if "lost" in r.getMessage()]
+    assert len(lost_lines) == 1
+    # the lost GPU is not queried again until its retry time; then it comes back
+    before = nv.calls["nvmlDeviceGetMemoryInfo"]
+    s.sample_once()
+    assert nv.calls["nvmlDeviceGetMemoryInfo"] == before + 1  # GPU 0 only
+    gpus[1].lost = False
+    s.devices[1].retry_at = 0.0
+    out = rows(s.sample_once()["gpu_samples"])
+    assert [r["state"] for r in out] == ["ok", "ok"] and s.state == "ok"
+
+
+def test_no_gpu_and_driver_not_loaded_are_states(caplog: pytest.LogCaptureFixture) -> None:
+    s = sampler(standin([]))
+    assert s.state == "no_gpu" and s.collect() == {}
+    gpus = two_gpus()
+    nv = standin(gpus, init_error=real.NVML_ERROR_DRIVER_NOT_LOADED)
+    with caplog.at_level(logging.WARNING, logger="triscope.collectors.nvml"):
+        s = sampler(nv, retry_s=0)
+        assert s.state == "unavailable" and "Driver Not Loaded" in s.reason
+        assert s.collect() == {} and s.collect() == {}  # retried, still failing: no new log line
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+    nv.state["init_error"] = None  # driver loaded later: the next collect re-initializes
+    out = s.collect()
+    assert s.state == "ok" and len(out["gpu_samples"]["ts"]) == 2
+
+
+def test_real_module_without_library_is_unavailable(caplog: pytest.LogCaptureFixture) -> None:
+    """Real nvidia-ml-py against this machine, which has no libnvidia-ml.so.1."""
+    if ctypes.util.find_library("nvidia-ml"):
+        pytest.skip("this machine has an NVML library; tools/nvml_check.py covers real GPUs")
+    with caplog.at_level(logging.WARNING, logger="triscope.collectors.nvml"):
+        s = NvmlSampler({"nvml": {"retry_s": 3600}})
+        s.start()
+        assert s.collect() == {}
+    assert s.state == "unavailable" and "NVML Shared Library Not Found" in s.reason
+    assert len(caplog.records) == 1 and "\n" not in caplog.records[0].getMessage()
+    s.close()
+    s.close()
+
+
+def test_missing_module_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    s = NvmlSampler({"nvml": {"retry_s": 0}})
+    s.start()
+    assert s.state == "unavailable" and "nvidia-ml-py is not installed" in s.reason
+    assert s.collect() == {}
+
+
+def test_unsupported_metrics_fall_back_or_go_nan() -> None:
+    """A PCIe card on an old driver: no NVLink, no GPM, no instant power, no memory v2, no event reasons API."""
+    gpu = FakeGpu(gpm_supported=False,
+                  unsupported_fields={real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
+                                      real.NVML_FI_DEV_POWER_INSTANT, real.NVML_FI_DEV_ECC_SBE_VOL_TOTAL,
+                                      real.NVML_FI_DEV_ECC_DBE_VOL_TOTAL},
+                  unsupported_calls={"nvmlDeviceGetUtilizationRates"})
+    nv = standin([gpu])
+    nv.nvmlDeviceGetCurrentClocksEventReasons = lambda h: (_ for _ in ()).throw(  # driver < 535
+        real.NVMLError(real.NVML_ERROR_FUNCTION_NOT_FOUND))
+    gpu.unsupported_calls.add("nvmlDeviceGetMemoryInfo_v2")
+    s = sampler(nv)
+    s.sample_once()
+    advance([gpu], nv.clock, 0.2, pcie_tx_bps=1e6)
+    r = rows(s.sample_once()["gpu_samples"])[0]
+    assert r["state"] == "ok"
+    assert math.isnan(r["nvlink_tx_bytes_per_second"]) and math.isnan(r["sm_occupancy_ratio"])
+    assert math.isnan(r["gpu_util_ratio"]) and math.isnan(r["ecc_corrected_total"])
+    assert r["power_watts"] == pytest.approx(512.331)  # from nvmlDeviceGetPowerUsage
+    assert r["memory_used_bytes"] == gpu.used + gpu.reserved and math.isnan(r["memory_reserved_bytes"])  # v1
+    assert r["clock_event_reasons"] == 0x20  # via the throttle-reasons fallback
+    assert r["pcie_tx_bytes_per_second"] == pytest.approx(1e6)
+    # unsupported metrics are not asked again: only PCIe left in the field-values request
+    assert [fid for fid, _ in s.devices[0].fields] == [real.NVML_FI_DEV_PCIE_COUNT_TX_BYTES,
+                                                       real.NVML_FI_DEV_PCIE_COUNT_RX_BYTES]
+    assert nv.calls["nvmlDeviceGetUtilizationRates"] == 1
+
+
+def test_transient_error_is_nan_once_and_counter_wrap(caplog: pytest.LogCaptureFixture) -> None:
+    gpu = FakeGpu(pcie_type=real.NVML_VALUE_TYPE_UNSIGNED_INT, pcie_tx=(1 << 32) - 1000)
+    nv = standin([gpu])
+    s = sampler(nv)
+    s.sample_once()
+    gpu.failing_once["nvmlDeviceGetTemperatureV"] = real.NVML_ERROR_TIMEOUT
+    advance([gpu], nv.clock, 0.1, pcie_tx_bps=100_000)  # 10_000 bytes: wraps the 32-bit counter
+    with caplog.at_level(logging.WARNING, logger="triscope.collectors.nvml"):
+        r = rows(s.sample_once()["gpu_samples"])[0]
+    assert math.isnan(r["temperature_celsius"]) and r["state"] == "ok"
+    assert r["pcie_tx_bytes_per_second"] == pytest.approx(100_000)
+    assert len(caplog.records) == 1 and "Timeout" in caplog.records[0].getMessage()
+    advance([gpu], nv.clock, 0.1)
+    assert rows(s.sample_once()["gpu_samples"])[0]["temperature_celsius"] == 58
+
+
+def test_rows_round_trip_through_the_store(store: Any) -> None:
+    gpus = two_gpus()
+    gpus[0].processes.append((777, None))  # WDDM-style "not available" memory -> NaN
+    nv = standin(gpus)
+    s = sampler(nv, ecc="aggregate")
+    first = s.sample_once(now_ns=1_750_000_000_000_000_000)
+    advance(gpus, nv.clock, 0.1, pcie_tx_bps=3e9)
+    second = s.sample_once(now_ns=1_750_000_000_100_000_000)
+    for batch in (first, second):
+        for table, cols in batch.items():
+            store.insert(qualified(store, table), cols)
+    got = store.query(
+        f"SELECT gpu, toString(ts), state, memory_used_bytes, pcie_tx_bytes_per_second, ecc_corrected_total, "
+        f"sm_occupancy_ratio, clock_event_reasons FROM {qualified(store, 'gpu_samples')} "
+        f"WHERE isFinite(pcie_tx_bytes_per_second) ORDER BY gpu").rows
+    assert got[0][:3] == (0, "2025-06-15 15:06:40.100000000", "ok")
+    assert got[0][3] == 40000 * MiB and got[0][4] == pytest.approx(3e9) and got[0][5] == 103
+    assert got[0][6] == pytest.approx(0.45, rel=1e-6) and got[0][7] == 0x20
+    assert [r[0] for r in got] == [0, 1]
+    # every column of every row comes back as sampled (NaN stays NaN; the JSON result renders it as null,
+    # so compare through query_columns, which keeps floats as floats)
+    for table, schema in (("gpu_samples", GPU_SAMPLES), ("gpu_process_memory", GPU_PROCESS_MEMORY)):
+        sent = {c: first[table][c] + second.get(table, {}).get(c, []) for c in schema.column_names()}
+        assert set(first[table]) == set(schema.column_names())
+        select = ", ".join("toString(ts) AS ts" if c == "ts" else f"`{c}`" for c in schema.column_names())
+        back = store.query_columns(f"SELECT {select} FROM {qualified(store, table)} ORDER BY ts, gpu"
+                                   + (", pid" if table == "gpu_process_memory" else ""))
+        n = len(sent["ts"])
+        assert len(back["ts"]) == n and n > 0
+        key = ["ts", "gpu"] + (["pid"] if table == "gpu_process_memory" else [])
+        order = sorted(range(n), key=lambda i: tuple(sent[k][i] for k in key))
+        sent = {c: [v[i] for i in order] for c, v in sent.items()}
+        for c in schema.column_names():
+            for i in range(n):
+                want, got_v = sent[c][i], back[c][i]
+                if isinstance(want, float) and math.isnan(want):
+                    assert math.isnan(float(got_v)), (table, c, i)
+                elif isinstance(want, float):
+                    assert float(got_v) == pytest.approx(want, rel=1e-6), (table, c, i)
+                else:
+                    assert (got_v.decode() if isinstance(got_v, bytes) else got_v) == want, (table, c, i)
+    procs = store.query(f"SELECT pid, process_name, isNaN(used_bytes), used_bytes "
+                        f"FROM {qualified(store, 'gpu_process_memory')} ORDER BY pid").rows
+    assert procs[0][:3] == (777, "", 1)
+    assert procs[1] == (4242, "python3 -m vllm.entrypoints.openai.api_server", 0, 39000.0 * MiB)
