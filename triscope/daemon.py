@@ -9,7 +9,9 @@ Collectors and exporters are named in ``[run]`` by a registry key (:data:`COLLEC
 :data:`EXPORTERS`) or by ``"package.module:factory"``; a factory takes the whole config and
 returns an object with ``start()``/``close()`` (collectors also ``name``, ``interval_s``,
 ``collect()``, see :class:`triscope.collector.Collector`). Exporters may also take the store
-opener as a second argument (``factory(config, open_store)``).
+opener as a second argument (``factory(config, open_store)``) and a third, a zero-argument
+callable returning the pipeline's live counters (``factory(config, open_store, stats)``, see
+:meth:`Daemon.stats`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ COLLECTORS: dict[str, str] = {
 }
 """Collector names usable in ``[run] collectors``; any ``module:callable`` works too."""
 
-EXPORTERS: dict[str, str] = {}
-"""Exporter names usable in ``[run] exporters`` (none built in yet); any ``module:callable`` works."""
+EXPORTERS: dict[str, str] = {
+    "prometheus": "triscope.exporters.prometheus:factory",
+}
+"""Exporter names usable in ``[run] exporters``; any ``module:callable`` works too."""
 
 DEFAULTS: dict[str, Any] = {"collectors": [], "exporters": [], "status_interval_s": 30.0,
                             "shutdown_timeout_s": 10.0}
@@ -74,6 +78,7 @@ class CollectorLoop(threading.Thread):
         self.collector, self.writer, self.stop = collector, writer, stop
         self.interval_s = max(0.001, float(getattr(collector, "interval_s", 1.0)))
         self.rows = 0
+        self.rows_by_table: dict[str, int] = {}
         self.errors = 0
         self.last_error = ""
 
@@ -93,9 +98,12 @@ class CollectorLoop(threading.Thread):
         n = 0
         for table, columns in (out or {}).items():
             try:
-                n += self.writer.submit(table, columns)
+                k = self.writer.submit(table, columns)
             except InputError as exc:
                 self._error(str(exc))
+                continue
+            n += k
+            self.rows_by_table[table] = self.rows_by_table.get(table, 0) + k
         self.rows += n
         return n
 
@@ -110,11 +118,14 @@ class CollectorLoop(threading.Thread):
             self.stop.wait(deadline - now)
 
 
-def _call_factory(factory: Callable[..., Any], config: dict[str, Any], opener: Callable[[], Any]) -> Any:
+def _call_factory(factory: Callable[..., Any], config: dict[str, Any], opener: Callable[[], Any],
+                  stats: Callable[[], dict[str, Any]]) -> Any:
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
+    if len(params) >= 3:
+        return factory(config, opener, stats)
     return factory(config, opener) if len(params) >= 2 else factory(config)
 
 
@@ -172,10 +183,17 @@ class Daemon:
             self.writer.close(timeout_s=1.0)
             raise ConfigError("no collector could start: " + "; ".join(f"{k}: {v}" for k, v in self.failed.items()))
         for _spec, factory in self.exporter_factories:
-            exporter = _call_factory(factory, self.config, self.opener)
+            exporter = _call_factory(factory, self.config, self.opener, self.stats)
             exporter.start()
             self.exporters.append(exporter)
         log.info("triscope run: collectors %s; spool %s", ", ".join(self.started), self.writer.spool.dir)
+
+    def stats(self) -> dict[str, Any]:
+        """Live counters: ``writer`` (:meth:`Writer.snapshot`), per-collector rows/errors, not started."""
+        return {"writer": self.writer.snapshot() if self.writer is not None else {},
+                "collectors": {loop.collector.name: {"rows": loop.rows, "errors": loop.errors,
+                                                     "tables": dict(loop.rows_by_table)} for loop in self.loops},
+                "not_started": dict(self.failed)}
 
     def wait(self) -> None:
         """Block until :meth:`request_stop` (a signal), logging writer status periodically."""
