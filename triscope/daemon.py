@@ -46,6 +46,7 @@ COLLECTORS: dict[str, str] = {
 
 EXPORTERS: dict[str, str] = {
     "prometheus": "triscope.exporters.prometheus:factory",
+    "weights_feed": "triscope.exporters.feed:factory",
 }
 """Exporter names usable in ``[run] exporters``; any ``module:callable`` works too."""
 
