@@ -1,0 +1,114 @@
+"""HAProxy agent-check server: HAProxy sends its ``agent-send`` line, we answer ``ready NN%`` or ``drain``.
+
+Protocol (HAProxy 2.6 ``agent-check``): HAProxy opens a TCP connection, writes the configured
+``agent-send`` string and reads one ASCII line. We read at most :data:`MAX_LINE` bytes up to the
+first newline; the line names the backend (``gpu-a:8000``). Answers:
+
+* ``ready NN%\n`` for a ready backend, ``NN`` = its integer LB weight (1..100 with ``lb_scale`` 100),
+  a percentage of the server's configured ``weight`` (configure ``weight 100``); ``ready`` also
+  lifts a drain set by a previous answer;
+* ``drain\n`` for a drained backend;
+* ``ready 100%\n`` for a name the feed does not know, or an empty line: fail open, so a typo in
+  ``agent-send`` leaves HAProxy balancing as if the feed were absent rather than starving a server;
+* nothing (the connection is closed) when the line is longer than :data:`MAX_LINE` bytes without a
+  newline; HAProxy counts that as an agent failure, which changes no weight.
+
+HAProxy 2.6 does not parse ``weight:N``, so only percentages are sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import socketserver
+import threading
+from collections.abc import Callable
+
+from triscope.exporters.weights import DRAIN, WeightsResult
+
+log = logging.getLogger(__name__)
+
+MAX_LINE = 256
+"""Longest ``agent-send`` line read, newline included."""
+
+READ_TIMEOUT_S = 1.0
+UNKNOWN_REPLY = "ready 100%\n"
+
+
+def agent_reply(result: WeightsResult | None, name: str) -> str:
+    """The agent-check answer for backend ``name`` given the latest engine result."""
+    bw = result.backends.get(name) if result is not None else None
+    if bw is None:
+        return UNKNOWN_REPLY
+    if bw.state == DRAIN:
+        return "drain\n"
+    return f"ready {max(1, int(bw.lb_weight))}%\n"
+
+
+def read_line(sock: socket.socket, limit: int = MAX_LINE) -> str | None:
+    """Read up to ``limit`` bytes until a newline (or EOF / timeout); None when the line is too long."""
+    data = b""
+    while b"\n" not in data:
+        if len(data) >= limit:
+            return None
+        try:
+            chunk = sock.recv(limit - len(data))
+        except TimeoutError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    line = data.split(b"\n", 1)[0]
+    if len(line) >= limit:
+        return None
+    return line.strip().decode("utf-8", errors="replace")
+
+
+class AgentServer:
+    """Threaded TCP agent-check server; ``result_fn`` returns the current :class:`WeightsResult`."""
+
+    def __init__(self, result_fn: Callable[[], WeightsResult | None], bind: str = "127.0.0.1",
+                 port: int = 0, max_line: int = MAX_LINE, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+        self.result_fn = result_fn
+        self.max_line = max_line
+        self.read_timeout_s = read_timeout_s
+        self.requests_total = 0
+        agent = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                agent._handle(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            daemon_threads = True
+
+        self._server = Server((bind, port), Handler)
+        self.port = int(self._server.server_address[1])
+        self._thread: threading.Thread | None = None
+
+    def _handle(self, sock: socket.socket) -> None:
+        sock.settimeout(self.read_timeout_s)
+        try:
+            name = read_line(sock, self.max_line)
+            if name is None:
+                return
+            self.requests_total += 1
+            sock.sendall(agent_reply(self.result_fn(), name).encode())
+        except OSError as exc:
+            log.debug("agent connection: %s", exc)
+
+    def start(self) -> AgentServer:
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="triscope-haproxy-agent", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            with contextlib.suppress(Exception):
+                self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)

@@ -1,0 +1,103 @@
+"""Prometheus text exposition (format 0.0.4) of the routing weights: ``GET /metrics`` of the feed."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from triscope.exporters.weights import WeightsResult
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+SCALE_ACTIONS = ("up", "down", "hold")
+
+
+def escape_label(value: str) -> str:
+    """Escape a label value: backslash, double quote and newline."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def format_value(value: float) -> str:
+    """A sample value; NaN and infinities use Prometheus' spellings."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return repr(float(value))
+
+
+class MetricWriter:
+    """Collects metric families and renders them with one HELP/TYPE header each."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_text: str,
+               samples: Iterable[tuple[Mapping[str, str], float]]) -> None:
+        """Add a family; ``samples`` are (labels, value) pairs (NaN samples are skipped)."""
+        self._lines.append(f"# HELP {name} {help_text}")
+        self._lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            if isinstance(value, float) and math.isnan(value):
+                continue
+            if labels:
+                inner = ",".join(f'{k}="{escape_label(str(v))}"' for k, v in labels.items())
+                self._lines.append(f"{name}{{{inner}}} {format_value(value)}")
+            else:
+                self._lines.append(f"{name} {format_value(value)}")
+
+    def render(self) -> bytes:
+        return ("\n".join(self._lines) + "\n").encode()
+
+
+def render_weights(result: WeightsResult | None, updates_total: int, update_errors_total: int,
+                   last_update: float, inputs_age: float) -> bytes:
+    """The feed's ``/metrics`` document for the latest ``result`` (None before the first update)."""
+    w = MetricWriter()
+    backends = sorted(result.backends.items()) if result is not None else []
+
+    def per_backend(fn) -> list[tuple[dict[str, str], float]]:  # noqa: ANN001
+        return [({"backend": n}, float(fn(b))) for n, b in backends]
+
+    w.family("triscope_backend_weight", "gauge", "Routing weight of the backend (0..1, 0 = drained).",
+             per_backend(lambda b: b.weight))
+    w.family("triscope_backend_target_weight", "gauge", "Undamped target weight of the backend (0..1).",
+             per_backend(lambda b: b.target))
+    w.family("triscope_backend_lb_weight", "gauge", "Integer weight published to load balancers.",
+             per_backend(lambda b: b.lb_weight))
+    w.family("triscope_backend_drained", "gauge", "1 when the backend is drained, else 0.",
+             per_backend(lambda b: 1.0 if b.state == "drain" else 0.0))
+    w.family("triscope_backend_weight_factor", "gauge", "Penalty factor (>= 1) of the weight formula.",
+             [({"backend": n, "factor": f}, float(v)) for n, b in backends for f, v in sorted(b.factors.items())])
+    w.family("triscope_backend_memory_used_ratio", "gauge", "GPU memory used/total (worst GPU of the backend).",
+             per_backend(lambda b: b.inputs.memory_used_ratio))
+    w.family("triscope_backend_kv_cache_usage_ratio", "gauge", "KV-cache usage ratio reported by the backend.",
+             per_backend(lambda b: b.inputs.kv_cache_usage_ratio))
+    w.family("triscope_backend_requests_per_second", "gauge", "Request rate of the backend over the window.",
+             per_backend(lambda b: b.inputs.qps))
+    w.family("triscope_backend_input_age_seconds", "gauge", "Age of the backend's newest inputs at the update.",
+             per_backend(lambda b: b.age_seconds))
+    w.family("triscope_weights_inputs_age_seconds", "gauge", "Age of the oldest backend input at the last update.",
+             [({}, inputs_age)])
+    stale = float(result.stale) if result is not None else 1.0
+    w.family("triscope_weights_stale", "gauge", "1 when inputs are stale and equal weights are published.",
+             [({}, stale)])
+    w.family("triscope_weights_version", "gauge", "Version of the published weights (increments on change).",
+             [({}, float(result.version) if result is not None else 0.0)])
+    w.family("triscope_weights_updates_total", "counter", "Engine updates completed.", [({}, float(updates_total))])
+    w.family("triscope_weights_update_errors_total", "counter", "Engine updates that failed.",
+             [({}, float(update_errors_total))])
+    w.family("triscope_weights_last_update_timestamp_seconds", "gauge", "Epoch seconds of the last update.",
+             [({}, last_update if last_update > 0 else math.nan)])
+    classes = sorted(result.classes.items()) if result is not None else []
+    w.family("triscope_request_class_priority_weight", "gauge",
+             "Queue priority weight of a request class: weight * max(1, p99/sla)^alpha.",
+             [({"request_class": c}, float(v["priority_weight"])) for c, v in classes])
+    action = result.scale.action if result is not None else ""
+    w.family("triscope_kv_cache_scale_recommendation", "gauge", "1 for the current KV-cache scaling action.",
+             [({"action": a}, 1.0 if a == action else 0.0) for a in SCALE_ACTIONS] if result is not None else [])
+    w.family("triscope_fleet_kv_cache_usage_ratio", "gauge", "Mean KV-cache usage of the reporting backends.",
+             [({}, result.scale.fleet_kv_cache_usage_ratio if result is not None else math.nan)])
+    return w.render()
