@@ -18,6 +18,7 @@ import ctypes.util
 import logging
 import math
 import sys
+import time
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -544,3 +545,78 @@ def test_rows_round_trip_through_the_store(store: Any) -> None:
                         f"FROM {qualified(store, 'gpu_process_memory')} ORDER BY pid").rows
     assert procs[0][:3] == (777, "", 1)
     assert procs[1] == (4242, "python3 -m vllm.entrypoints.openai.api_server", 0, 39000.0 * MiB)
+
+
+def _nvml_check() -> types.ModuleType:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "nvml_check.py"
+    spec = importlib.util.spec_from_file_location("nvml_check", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class WallClock(Clock):
+    """Field timestamps that follow real time (the tool samples in real time)."""
+
+    @property  # type: ignore[override]
+    def us(self) -> int:
+        return time.time_ns() // 1000
+
+    @us.setter
+    def us(self, value: int) -> None:
+        pass
+
+
+def test_nvml_check_tool_without_gpu_prints_one_line() -> None:
+    """tools/nvml_check.py as a real subprocess on this machine (no NVML library)."""
+    import subprocess
+    from pathlib import Path
+
+    if ctypes.util.find_library("nvidia-ml"):
+        pytest.skip("this machine has an NVML library")
+    tool = Path(__file__).resolve().parent.parent / "tools" / "nvml_check.py"
+    res = subprocess.run([sys.executable, str(tool)], capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [
+        "no GPU: NVML state unavailable: nvmlInit failed: NVML Shared Library Not Found (code 12)"]
+    assert res.stderr == ""
+    res = subprocess.run([sys.executable, str(tool), "--require-gpu"], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert res.returncode == 2
+
+
+def test_nvml_check_tool_reports_metrics_and_memory_mismatch(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The tool's main() over the stand-in module; nvidia-smi readings are injected (no GPU here)."""
+    tool = _nvml_check()
+    assert tool.parse_smi_memory("index, memory.used [MiB]\n0, 40000 MiB\n1, [N/A]\n2, 17\n") == {0: 40000.0, 2: 17.0}
+    gpus = two_gpus()
+    gpus[1].unsupported_calls.add("nvmlDeviceGetUtilizationRates")
+    smi = {0: 40000.0, 1: 0.0}
+    monkeypatch.setattr(tool, "smi_memory_used", lambda: dict(smi))
+    rc = tool.main(["--seconds", "0.25", "--interval", "0.05"], nvml=standin(gpus, clock=WallClock()))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "NVML: 2 GPU(s), state ok" in out and "memory cross-check: ok" in out
+    gpu1 = out.split("GPU 1 ")[1]
+    assert "gpu_util_ratio                 unsupported" in gpu1
+    assert "memory_total_bytes             supported    8.55208e+10" in gpu1
+    assert "pcie_tx_bytes_per_second       supported    0" in gpu1  # counters did not move
+    assert "util=unsupported" in gpu1 and "memory=GetMemoryInfo(v2)" in gpu1 and "gpm=yes" in gpu1
+    assert "power=FieldValues(POWER_INSTANT)" in gpu1
+    assert "l2_bandwidth_ratio             unsupported" in gpu1
+    assert "gpu_util_ratio                 supported    0.97" in out.split("GPU 1 ")[0]
+    # an old-driver nvidia-smi that counts the reserved memory as used also matches
+    smi[0] = 40000.0 + 553
+    assert tool.main(["--seconds", "0.1"], nvml=standin(two_gpus())) == 0
+    smi[0] = 30000.0  # 10 GB off: a mismatch
+    rc = tool.main(["--seconds", "0.1"], nvml=standin(two_gpus()))
+    out = capsys.readouterr().out
+    assert rc == 1 and "MISMATCH GPU 0: NVML memory used 40000 MiB" in out and "FAILED" in out
+    smi.pop(1)
+    assert tool.main(["--seconds", "0.1"], nvml=standin(two_gpus())) == 1
+    assert "GPU 1: nvidia-smi did not report it" in capsys.readouterr().out
