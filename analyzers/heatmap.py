@@ -106,6 +106,13 @@ class HeatmapResult:
                     "latency": (s.latency_bin_s, s.latency_bins)}[axis]
         return np.arange(n) * width
 
+    def bin_edges(self, axis: str) -> np.ndarray:
+        """The ``n + 1`` bin edges of an axis (the last bin also holds every value above its lower edge)."""
+        s = self.spec
+        width, n = {"qps": (s.qps_bin, s.qps_bins), "memory": (s.memory_bin_bytes, s.memory_bins),
+                    "latency": (s.latency_bin_s, s.latency_bins)}[axis]
+        return np.arange(n + 1) * width
+
     def to_json(self) -> dict[str, Any]:
         nz = np.argwhere(self.tensor)
         return {
@@ -296,7 +303,10 @@ def compute_heatmap(store: Store, spec: HeatmapSpec | None = None, start_ns: int
     """Tensor, P95 grid and typical load patterns for ``[start_ns, end_ns)``."""
     spec = (spec or HeatmapSpec()).validate()
     t0 = time.perf_counter()
+    bounded = start_ns is not None and end_ns is not None
     start_ns, end_ns = time_range(store, start_ns, end_ns)
+    if not bounded and start_ns == end_ns == 0:
+        raise InputError("empty time range: the store has no requests")
     if end_ns <= start_ns:
         raise InputError(f"empty time range: from {start_ns} to {end_ns} (ns)")
     tensor, counted, unmatched = tensor_query(store, spec, start_ns, end_ns, backends, models)
