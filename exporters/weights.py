@@ -338,10 +338,10 @@ def _num(x: float) -> float | None:
 
 
 def headroom_penalty(ratio: float) -> float:
-    """``1 / max(0.05, 1 - ratio)``; 1 when the ratio is not measured."""
+    """``1 / max(0.05, 1 - ratio)`` with the ratio clamped to [0, 1]; 1 when it is not measured."""
     if not math.isfinite(ratio):
         return 1.0
-    return 1.0 / max(0.05, 1.0 - ratio)
+    return 1.0 / max(0.05, 1.0 - min(1.0, max(0.0, ratio)))
 
 
 def latency_penalty(p99_seconds: float, cls: RequestClass) -> float:
@@ -502,7 +502,11 @@ def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | Non
                                        drain_suppressed=suppressed and bool(reasons[n]))
             states[n] = BackendState(weight, False, first_seen[n])
 
-    scale, above, below = scale_decision(inputs, prev, params, now)
+    if stale:  # a sustained condition cannot be verified on stale numbers: hold and restart the timers
+        scale, above, below = ScaleDecision("hold", NAN, "inputs are stale"), NAN, NAN
+    else:
+        # the instance that appeared in this very update already starts the cooldown
+        scale, above, below = scale_decision(inputs, replace(prev, newest_instance_at=newest), params, now)
     published = tuple((n, results[n].lb_weight, results[n].state) for n in names) + (("stale", stale),)
     version = prev.version + 1 if published != prev.published else prev.version
     result = WeightsResult(results, version, now, stale, stale_backends, suppressed,

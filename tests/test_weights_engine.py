@@ -1,0 +1,347 @@
+"""Routing-weight engine (triscope.exporters.weights): properties and the documented formula."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from triscope.errors import ConfigError
+from triscope.exporters.haproxy_agent import agent_reply
+from triscope.exporters.weights import (
+    NAN,
+    BackendInputs,
+    WeightParams,
+    class_priorities,
+    compute_weights,
+    damp,
+    factors,
+    headroom_penalty,
+    latency_penalty,
+)
+
+P = WeightParams()
+NOW = 1_800_000_000.0
+NAMES = ["a:1", "b:2", "c:3", "d:4"]
+CLASSES = list(P.classes)
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+ratio = st.one_of(st.just(NAN), st.floats(0.0, 1.0))
+
+
+def mk(name: str, mem: float = NAN, kv: float = NAN, qps: float = NAN, cap: float = NAN,
+       p99: dict[str, float] | None = None, healthy: bool = True, at: float = NOW) -> BackendInputs:
+    """Inputs with memory as a ratio of a 80 GB GPU (NaN = not measured), sampled at ``at``."""
+    total = 80e9 if math.isfinite(mem) else NAN
+    return BackendInputs(name, memory_used_bytes=mem * 80e9 if math.isfinite(mem) else NAN,
+                         memory_total_bytes=total, kv_cache_usage_ratio=kv, qps=qps, capacity_qps=cap,
+                         p99_seconds=p99 or {}, healthy=healthy, sources={"gpu": at, "serving": at})
+
+
+@st.composite
+def backend(draw: st.DrawFn, name: str) -> BackendInputs:
+    p99 = draw(st.dictionaries(st.sampled_from(CLASSES + ["unknown"]), st.floats(0.001, 30.0), max_size=3))
+    return mk(name, mem=draw(ratio), kv=draw(ratio),
+              qps=draw(st.one_of(st.just(NAN), st.floats(0.0, 200.0))),
+              cap=draw(st.one_of(st.just(NAN), st.floats(1.0, 100.0))),
+              p99=p99, healthy=draw(st.sampled_from([True, True, True, False])))
+
+
+@st.composite
+def fleet(draw: st.DrawFn, min_size: int = 1) -> list[BackendInputs]:
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=min_size, max_size=4, unique=True))
+    return [draw(backend(n)) for n in sorted(names)]
+
+
+@st.composite
+def history(draw: st.DrawFn) -> tuple[list[list[BackendInputs]], list[BackendInputs]]:
+    """Some earlier updates (to build a realistic previous state) and the current inputs."""
+    past = draw(st.lists(fleet(), min_size=0, max_size=3))
+    return past, draw(fleet())
+
+
+def run(past: list[list[BackendInputs]], current: list[BackendInputs], params: WeightParams = P):
+    state = None
+    t = NOW - len(past)
+    for inputs in past:
+        shifted = [i.__class__(**{**i.__dict__, "sources": {"gpu": t, "serving": t}}) for i in inputs]
+        _, state = compute_weights(shifted, state, params, t)
+        t += 1.0
+    result, new_state = compute_weights(current, state, params, NOW)
+    return state, result, new_state
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@SETTINGS
+@given(history(), st.data())
+def test_more_memory_never_raises_a_weight(hist, data) -> None:
+    past, current = hist
+    state = run(past, current)[0]
+    idx = data.draw(st.integers(0, len(current) - 1))
+    base = current[idx]
+    lo = data.draw(st.floats(0.0, 1.0))
+    hi = data.draw(st.floats(lo, 1.0))
+    low = [mk(base.backend, mem=lo, kv=base.kv_cache_usage_ratio, qps=base.qps, cap=base.capacity_qps,
+              p99=dict(base.p99_seconds), healthy=base.healthy) if i == idx else b for i, b in enumerate(current)]
+    high = [mk(base.backend, mem=hi, kv=base.kv_cache_usage_ratio, qps=base.qps, cap=base.capacity_qps,
+               p99=dict(base.p99_seconds), healthy=base.healthy) if i == idx else b for i, b in enumerate(current)]
+    r_low, _ = compute_weights(low, state, P, NOW)
+    r_high, _ = compute_weights(high, state, P, NOW)
+    assert r_high.backends[base.backend].weight <= r_low.backends[base.backend].weight + 1e-12
+    assert r_high.backends[base.backend].lb_weight <= r_low.backends[base.backend].lb_weight
+    assert r_high.backends[base.backend].target <= r_low.backends[base.backend].target + 1e-12
+
+
+@SETTINGS
+@given(history())
+def test_weights_never_all_zero_and_drain_is_a_state(hist) -> None:
+    past, current = hist
+    _, result, _ = run(past, current)
+    ws = result.backends.values()
+    assert any(b.state == "ready" and b.lb_weight >= 1 for b in ws)
+    for b in ws:
+        if b.state == "drain":
+            assert b.weight == 0 and b.lb_weight == 0 and b.reasons
+            assert agent_reply(result, b.backend) == "drain\n"
+        else:
+            assert b.state == "ready"
+            assert P.floor <= b.weight <= 1.0
+            assert isinstance(b.lb_weight, int) and 1 <= b.lb_weight <= P.lb_scale
+            m = re.fullmatch(r"ready (\d+)%\n", agent_reply(result, b.backend))
+            assert m and 1 <= int(m.group(1)) <= 100
+        assert 0.0 <= b.target <= 1.0
+
+
+@SETTINGS
+@given(fleet(min_size=2), st.data())
+def test_stale_inputs_give_equal_weights_and_a_flag(current, data) -> None:
+    idx = data.draw(st.integers(0, len(current) - 1))
+    age = data.draw(st.floats(P.stale_after_s + 0.001, 1e6))
+    old = current[idx]
+    current[idx] = old.__class__(**{**old.__dict__, "sources": {"gpu": NOW - age, "serving": NOW}})
+    state = run([current], current)[0]  # a previous state exists: staleness still wins
+    result, new_state = compute_weights(current, state, P, NOW)
+    assert result.stale and new_state.stale
+    assert result.stale_backends == (old.backend,)
+    assert not result.drain_suppressed
+    for b in result.backends.values():
+        assert b.weight == 1.0 and b.lb_weight == P.lb_scale and b.state == "ready"
+    assert result.backends[old.backend].reasons == ("stale",)
+    assert result.scale.action == "hold"
+
+
+@SETTINGS
+@given(st.floats(P.floor, 1.0), st.floats(0.0, 1.0))
+def test_damp_cuts_fast_raises_slowly_with_bounded_steps(w, t) -> None:
+    out = damp(w, t, P)
+    assert P.floor <= out <= 1.0
+    assert -P.max_step_down - 1e-12 <= out - w <= P.max_step_up + 1e-12
+    if t < w:
+        assert out <= w
+        assert out == pytest.approx(max(P.floor, w + max(-P.max_step_down, P.ewma_down * (t - w))))
+    else:
+        assert w <= out <= max(w, t) + 1e-12
+        assert out == pytest.approx(min(1.0, w + min(P.max_step_up, P.ewma_up * (t - w))))
+    # the same distance down moves at least as far as up
+    d = min(w - P.floor, 1.0 - w)
+    if d > 1e-6:
+        assert w - damp(w, w - d, P) >= damp(w, w + d, P) - w - 1e-12
+
+
+@SETTINGS
+@given(st.lists(fleet(min_size=2), min_size=2, max_size=6))
+def test_continuing_backends_move_by_bounded_steps(seq) -> None:
+    state = None
+    prev = None
+    for k, inputs in enumerate(seq):
+        t = NOW + k
+        inputs = [i.__class__(**{**i.__dict__, "sources": {"gpu": t, "serving": t}}) for i in inputs]
+        result, state_new = compute_weights(inputs, state, P, t)
+        if prev is not None and not result.drain_suppressed and not prev.drain_suppressed:
+            for name, b in result.backends.items():
+                old = prev.backends.get(name)
+                if old is None or old.state == "drain" or b.state == "drain":
+                    continue
+                assert -P.max_step_down - 1e-12 <= b.weight - old.weight <= P.max_step_up + 1e-12
+        prev, state = result, state_new
+
+
+# --------------------------------------------------------------------------- formula examples
+
+
+def test_memory_penalty_examples() -> None:
+    assert headroom_penalty(0.6) == pytest.approx(2.5)
+    assert headroom_penalty(0.0) == 1.0
+    assert headroom_penalty(0.99) == pytest.approx(20.0)  # capped by max(0.05, ...)
+    assert headroom_penalty(NAN) == 1.0
+    assert headroom_penalty(1.7) == pytest.approx(20.0)  # out-of-range ratios are clamped
+    assert headroom_penalty(-0.5) == 1.0
+    f = factors(mk("a:1", mem=0.75), P)
+    assert f == {"memory": pytest.approx(4.0), "kv_cache": 1.0, "load": 1.0, "latency": 1.0}
+
+
+def test_targets_follow_the_product_of_penalties() -> None:
+    inputs = [mk("a:1", mem=0.5), mk("b:2", mem=0.0, kv=0.75), mk("c:3", mem=0.2, qps=20, cap=40)]
+    result, _ = compute_weights(inputs, None, P, NOW)
+    # raw: a = 1/2, b = 1/4, c = 1/(1.25*2) = 0.4 -> normalised by the best (a)
+    assert result.backends["a:1"].target == pytest.approx(1.0)
+    assert result.backends["b:2"].target == pytest.approx(0.5)
+    assert result.backends["c:3"].target == pytest.approx(0.8)
+    assert [result.backends[n].lb_weight for n in ("a:1", "b:2", "c:3")] == [100, 50, 80]  # first update: target
+
+
+def test_p99_priority_weights_of_the_design_classes() -> None:
+    rc = P.classes
+    assert (rc["realtime_speech"].sla_seconds, rc["realtime_speech"].weight, rc["realtime_speech"].alpha) == (
+        0.2, 8.0, 2.5)
+    assert (rc["interactive_image_text"].sla_seconds, rc["interactive_image_text"].weight,
+            rc["interactive_image_text"].alpha) == (0.8, 4.0, 2.0)
+    assert (rc["offline_video"].sla_seconds, rc["offline_video"].weight, rc["offline_video"].alpha) == (5.0, 1.0, 1.0)
+    assert latency_penalty(0.4, rc["realtime_speech"]) == pytest.approx(2 ** 2.5)
+    assert latency_penalty(0.1, rc["realtime_speech"]) == 1.0  # under SLA: max(1, .)
+    inputs = [mk("a:1", p99={"realtime_speech": 0.4, "interactive_image_text": 0.4}),
+              mk("b:2", p99={"realtime_speech": 0.1, "interactive_image_text": 1.6, "offline_video": 10.0})]
+    pr = class_priorities(inputs, P)
+    assert pr["realtime_speech"]["priority_weight"] == pytest.approx(8 * 2 ** 2.5)  # fleet P99 = worst, 0.4
+    assert pr["interactive_image_text"]["priority_weight"] == pytest.approx(4 * 2 ** 2.0)
+    assert pr["offline_video"]["priority_weight"] == pytest.approx(1 * 2 ** 1.0)
+    assert pr["realtime_speech"]["p99_seconds"] == pytest.approx(0.4)
+    # the latency factor of a backend is its worst class, capped
+    assert factors(inputs[1], P)["latency"] == pytest.approx(4.0)
+    assert factors(mk("x:1", p99={"realtime_speech": 20.0}), P)["latency"] == P.latency_penalty_cap
+    # unknown class names count as the default class (interactive_image_text)
+    assert factors(mk("x:1", p99={"chat": 1.6}), P)["latency"] == pytest.approx(4.0)
+    result, _ = compute_weights(inputs, None, P, NOW)
+    assert result.to_dict()["classes"]["realtime_speech"]["priority_weight"] == pytest.approx(8 * 2 ** 2.5)
+
+
+def test_no_class_data_gives_base_priority() -> None:
+    pr = class_priorities([mk("a:1")], P)
+    assert pr["realtime_speech"]["priority_weight"] == 8.0
+    assert pr["realtime_speech"]["p99_seconds"] != pr["realtime_speech"]["p99_seconds"]  # NaN
+    assert P.classes["realtime_speech"].weight == 8.0
+
+
+def test_drain_hysteresis_and_slow_start() -> None:
+    a = lambda mem, t: mk("a:1", mem=mem, at=t)  # noqa: E731
+    b = lambda t: mk("b:2", mem=0.1, at=t)  # noqa: E731
+    r, s = compute_weights([a(0.5, NOW), b(NOW)], None, P, NOW)
+    assert r.backends["a:1"].state == "ready"
+    r, s = compute_weights([a(0.97, NOW + 1), b(NOW + 1)], s, P, NOW + 1)
+    assert r.backends["a:1"].state == "drain" and r.backends["a:1"].reasons == ("memory",)
+    r, s = compute_weights([a(0.95, NOW + 2), b(NOW + 2)], s, P, NOW + 2)  # above release 0.92: still drained
+    assert r.backends["a:1"].state == "drain"
+    r, s = compute_weights([a(0.5, NOW + 3), b(NOW + 3)], s, P, NOW + 3)  # released: slow start at floor
+    assert r.backends["a:1"].state == "ready" and r.backends["a:1"].weight == P.floor
+    assert r.backends["a:1"].lb_weight == round(P.floor * P.lb_scale)
+    # a backend at 0.96 (below drain) is low but ready, not drained
+    r, _ = compute_weights([a(0.96, NOW), b(NOW)], None, P, NOW)
+    assert r.backends["a:1"].state == "ready" and r.backends["a:1"].lb_weight >= 1
+    # a new backend in a running feed starts at the floor
+    r, s2 = compute_weights([b(NOW)], None, P, NOW)
+    r, _ = compute_weights([a(0.0, NOW + 1), b(NOW + 1)], s2, P, NOW + 1)
+    assert r.backends["a:1"].weight == P.floor and r.backends["a:1"].target == 1.0
+
+
+def test_unhealthy_and_kv_drain_and_all_drained_suppression() -> None:
+    r, _ = compute_weights([mk("a:1", healthy=False), mk("b:2", kv=0.985), mk("c:3")], None, P, NOW)
+    assert r.backends["a:1"].reasons == ("health",) and r.backends["b:2"].reasons == ("kv_cache",)
+    assert r.backends["c:3"].state == "ready" and not r.drain_suppressed
+    r, _ = compute_weights([mk("a:1", healthy=False), mk("b:2", mem=0.99)], None, P, NOW)
+    assert r.drain_suppressed
+    for b in r.backends.values():
+        assert b.state == "ready" and b.weight == P.floor and b.lb_weight >= 1 and b.drain_suppressed
+
+
+def test_version_increments_only_when_published_weights_change() -> None:
+    inputs = [mk("a:1", mem=0.5), mk("b:2", mem=0.1)]
+    r1, s = compute_weights(inputs, None, P, NOW)
+    for k in range(1, 30):  # converge
+        r, s = compute_weights([i.__class__(**{**i.__dict__, "sources": {"gpu": NOW + k}}) for i in inputs], s, P,
+                               NOW + k)
+    r2, s2 = compute_weights([i.__class__(**{**i.__dict__, "sources": {"gpu": NOW + 31}}) for i in inputs], s, P,
+                             NOW + 31)
+    assert r2.version == r.version  # nothing published changed
+    r3, _ = compute_weights([mk("a:1", mem=0.9, at=NOW + 32), mk("b:2", mem=0.1, at=NOW + 32)], s2, P, NOW + 32)
+    assert r3.version == r2.version + 1
+    assert r1.version == 1
+
+
+def _kv(kv: float, t: float, names: tuple[str, ...] = ("a:1", "b:2")) -> list[BackendInputs]:
+    return [mk(n, kv=kv, at=t) for n in names]
+
+
+def test_kv_scale_up_after_two_seconds_at_85_percent() -> None:
+    actions = []
+    s = None
+    for k, kv in enumerate([0.86, 0.9, 0.95, 0.95, 0.5, 0.9, 0.9]):
+        r, s = compute_weights(_kv(kv, NOW + k), s, P, NOW + k)
+        actions.append(r.scale.action)
+    assert actions == ["hold", "hold", "up", "up", "hold", "hold", "hold"]
+    r, _ = compute_weights(_kv(0.849, NOW), None, P, NOW)
+    assert r.scale.fleet_kv_cache_usage_ratio == pytest.approx(0.849)
+
+
+def test_kv_scale_down_after_five_seconds_with_cooldown_for_new_instances() -> None:
+    s = None
+    actions = []
+    for k in range(7):
+        r, s = compute_weights(_kv(0.3, NOW + k), s, P, NOW + k)
+        actions.append(r.scale.action)
+    assert actions == ["hold"] * 5 + ["down", "down"]
+    # a new instance appears at NOW+7: no scale-down before NOW+37
+    actions = {}
+    for k in range(7, 40):
+        r, s = compute_weights(_kv(0.3, NOW + k, ("a:1", "b:2", "c:3")), s, P, NOW + k)
+        actions[k] = r.scale.action
+    assert all(actions[k] == "hold" for k in range(7, 37))
+    assert actions[37] == "down"
+    reasons = {}
+    s2 = None
+    for k in range(8):
+        names = ("a:1", "b:2") if k < 6 else ("a:1", "b:2", "c:3")
+        r, s2 = compute_weights(_kv(0.3, NOW + k, names), s2, P, NOW + k)
+        reasons[k] = (r.scale.action, r.scale.reason)
+    assert reasons[5][0] == "down" and reasons[6][0] == "hold" and "cooldown" in reasons[6][1]
+    # exactly 40% counts as low, 40.1% does not
+    s = None
+    for k in range(6):
+        r, s = compute_weights(_kv(0.401, NOW + k), s, P, NOW + k)
+    assert r.scale.action == "hold"
+
+
+def test_config_overrides_and_errors() -> None:
+    p = WeightParams.from_config({"weights": {"floor": 0.1, "classes": {"batch": {"sla_ms": 60000, "weight": 0.5,
+                                                                                   "alpha": 1}}}})
+    assert p.floor == 0.1 and "batch" in p.classes and "realtime_speech" in p.classes
+    for bad in ({"flor": 1}, {"floor": 0}, {"floor": "x"}, {"classes": {"x": {"sla_ms": 0, "weight": 1, "alpha": 1}}},
+                {"release_memory_ratio": 0.99}, {"default_class": "nope"}, {"backends": {"a": {"gpus": ["x"]}}}):
+        with pytest.raises(ConfigError):
+            WeightParams.from_config({"weights": bad})
+
+
+def test_stale_inputs_hold_scaling_and_restart_its_timer() -> None:
+    s = None
+    for k in range(3):
+        r, s = compute_weights(_kv(0.95, NOW + k), s, P, NOW + k)
+    assert r.scale.action == "up"
+    stale = [mk("a:1", kv=0.95, at=NOW + 3), mk("b:2", kv=0.95, at=NOW - 100)]
+    r, s = compute_weights(stale, s, P, NOW + 3)
+    assert r.stale and r.scale.action == "hold" and "stale" in r.scale.reason
+    r, s = compute_weights(_kv(0.95, NOW + 4), s, P, NOW + 4)  # fresh again: the 2 s start over
+    assert r.scale.action == "hold"
+    r, s = compute_weights(_kv(0.95, NOW + 6), s, P, NOW + 6)
+    assert r.scale.action == "up"
+
+
+def test_missing_inputs_count_as_stale() -> None:
+    r, _ = compute_weights([mk("a:1", mem=0.99), BackendInputs("b:2")], None, P, NOW)
+    assert r.stale and r.stale_backends == ("b:2",)
+    assert all(b.state == "ready" and b.lb_weight == P.lb_scale for b in r.backends.values())
+    r, _ = compute_weights([], None, P, NOW)
+    assert r.stale and r.backends == {}
