@@ -1,0 +1,320 @@
+"""Prometheus exporter: derived metrics from a seeded store, promtool lint, a real Prometheus scraping it,
+and the pipeline counters of an in-process ``triscope run`` (serving-metrics collector -> writer -> store).
+
+The serving engine of the daemon test is a prometheus_client server exposing vLLM's metric names
+(a stand-in for vLLM, which needs a GPU); everything after it is the real pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import require_binary
+from triscope.collectors.nccl_common import ns_text
+from triscope.errors import ConfigError
+from triscope.exporters.prometheus import PrometheusExporter, factory, prometheus_config
+from triscope.schema import qualified
+
+MS = 1_000_000
+LAT_B1 = [0.010 * (i + 1) for i in range(50)]  # 10 ms .. 500 ms
+LAT_B2 = [0.2, 0.4, 0.9]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _t0() -> int:
+    return (time.time_ns() // 10**9 - 10) * 10**9  # 10 s ago, on the 100 ms grid
+
+
+def _seed(store: Any, t0: int) -> None:
+    """Request spans for b1/b2, serving metrics, GPU samples: 2 s compute-bound then 2 s idle."""
+    lat = LAT_B1 + LAT_B2
+    backends = ["b1"] * len(LAT_B1) + ["b2"] * len(LAT_B2)
+    n = len(lat)
+    store.insert(qualified(store, "requests"), {
+        "ts": [ns_text(t0 + i * 10 * MS) for i in range(n)], "host": ["h1"] * n, "backend": backends,
+        "model": ["llama"] * n, "latency_seconds": lat, "status": ["ok"] * n,
+    })
+    store.insert(qualified(store, "requests"), {  # a span without a measured latency counts, but not in P99
+        "ts": [ns_text(t0)], "host": ["h1"], "backend": ["b2"], "model": ["llama"], "latency_seconds": [float("nan")],
+    })
+    store.insert(qualified(store, "serving_metrics"), {
+        "ts": [ns_text(t0 + k * 10**9) for k in range(3)], "host": ["h1"] * 3, "backend": ["b1"] * 3,
+        "server": ["vllm"] * 3, "model": ["llama"] * 3, "kv_cache_usage_ratio": [0.5, 0.9, 0.72],
+        "latency_p99_seconds": [0.3, 0.45, float("nan")],
+    })
+    idx = list(range(40))
+    busy = [i < 20 for i in idx]
+    store.insert(qualified(store, "gpu_samples"), {
+        "ts": [ns_text(t0 + i * 100 * MS + 50 * MS) for i in idx], "host": ["h1"] * 40, "gpu": [0] * 40,
+        "gpu_model": ["H100"] * 40, "source": ["dcgm"] * 40,
+        "memory_used_bytes": [float((30 + i) << 30) for i in idx], "memory_total_bytes": [float(80 << 30)] * 40,
+        "sm_active_ratio": [0.99 if b else 0.01 for b in busy], "dram_active_ratio": [0.3 if b else 0.01 for b in busy],
+        "l2_bandwidth_ratio": [0.3 if b else 0.01 for b in busy], "gpu_util_ratio": [0.99 if b else 0.01 for b in busy],
+    })
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200
+        return resp.read().decode()
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _get(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+@pytest.fixture()
+def exporter(store: Any) -> Iterator[PrometheusExporter]:
+    _seed(store, _t0())
+    exp = factory({"prometheus": {"port": 0, "cache_s": 0}, "store": {}}, lambda: store)
+    exp.start()
+    try:
+        yield exp
+    finally:
+        exp.close()
+
+
+def test_config_is_checked() -> None:
+    assert prometheus_config({})["listen"] == "127.0.0.1"
+    with pytest.raises(ConfigError, match="unknown keys: lisen"):
+        prometheus_config({"prometheus": {"lisen": "0.0.0.0"}})
+    with pytest.raises(ConfigError, match="not in 0..65535"):
+        prometheus_config({"prometheus": {"port": 70000}})
+    with pytest.raises(ConfigError, match="bad value"):
+        prometheus_config({"prometheus": {"port": "http"}})
+    with pytest.raises(ConfigError, match="window_s must be > 0"):
+        prometheus_config({"prometheus": {"window_s": 0}})
+
+
+def test_derived_metrics_match_the_seeded_store(exporter: PrometheusExporter) -> None:
+    assert exporter.url.startswith("http://127.0.0.1:")
+    s = _samples(_scrape(exporter.url))
+    window = 60.0
+    assert _get(s, "triscope_backend_requests_per_second", backend="b1") == pytest.approx(len(LAT_B1) / window)
+    assert _get(s, "triscope_backend_requests_per_second", backend="b2") == pytest.approx((len(LAT_B2) + 1) / window)
+    for backend, lat in (("b1", LAT_B1), ("b2", LAT_B2)):
+        assert _get(s, "triscope_backend_request_latency_p99_seconds", backend=backend, source="requests") == \
+            pytest.approx(float(np.quantile(lat, 0.99)), rel=1e-6)
+    # the engine's own P99: the latest finite sample (the NaN one is skipped)
+    assert _get(s, "triscope_backend_request_latency_p99_seconds", backend="b1", source="serving_metrics") == 0.45
+    assert _get(s, "triscope_backend_kv_cache_usage_ratio", backend="b1", model="llama") == pytest.approx(0.72)
+    assert _get(s, "triscope_gpu_memory_used_bytes", host="h1", gpu="0") == float(69 << 30)
+    assert _get(s, "triscope_gpu_memory_total_bytes", host="h1", gpu="0") == float(80 << 30)
+    assert _get(s, "triscope_gpu_memory_used_ratio", host="h1", gpu="0") == pytest.approx(69 / 80)
+    assert _get(s, "triscope_stall_time_ratio", **{"class": "compute"}) == pytest.approx(0.5)
+    assert _get(s, "triscope_stall_time_ratio", **{"class": "idle"}) == pytest.approx(0.5)
+    assert _get(s, "triscope_store_up") == 1.0
+    assert all(_get(s, "triscope_exporter_store_query_errors_total", query=q) == 0
+               for q in ("requests", "serving_metrics", "gpu_samples", "stalls"))
+    assert ("triscope_writer_rows_written_total", ()) not in s  # no daemon stats given: no writer families
+
+
+def test_promtool_finds_nothing_to_lint(store: Any, tmp_path: Path) -> None:
+    """Every family (derived, writer, collectors, exporter) passes ``promtool check metrics``."""
+    from triscope.writer import Writer
+
+    promtool = require_binary("promtool")
+    _seed(store, _t0())
+    writer = Writer(store, str(tmp_path / "spool"), flush_interval_s=0.05)
+    writer.submit("io_latency", {"ts": [ns_text(_t0())], "host": ["h1"], "device": ["nvme0n1"]})
+    assert writer.flush(timeout_s=10)
+
+    def stats() -> dict[str, Any]:
+        return {"writer": writer.snapshot(), "collectors": {"blockio": {"rows": 1, "errors": 0,
+                                                                         "tables": {"io_latency": 1}}},
+                "not_started": {"nvml": "NVML not available"}}
+
+    exp = factory({"prometheus": {"port": 0, "cache_s": 0}}, lambda: store, stats)
+    exp.start()
+    try:
+        text = _scrape(exp.url)
+    finally:
+        exp.close()
+        writer.close()
+    s = _samples(text)
+    assert _get(s, "triscope_writer_rows_written_total") == 1
+    assert _get(s, "triscope_collector_up", collector="nvml") == 0
+    families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    helps = {line.split()[2] for line in text.splitlines() if line.startswith("# HELP")}
+    assert families == helps and len(families) >= 25
+    res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and res.stdout.strip() == "" and res.stderr.strip() == "", res.stdout + res.stderr
+
+
+def test_only_get_metrics_is_served(exporter: PrometheusExporter) -> None:
+    base = exporter.url.removesuffix("/metrics")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(base + "/admin", timeout=5)
+    assert err.value.code == 404
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(urllib.request.Request(exporter.url, data=b"x" * 1000, method="POST"), timeout=5)
+    assert err.value.code == 405
+
+
+def test_cache_serves_old_values_until_it_expires(store: Any) -> None:
+    t0 = _t0()
+    _seed(store, t0)
+    exp = factory({"prometheus": {"port": 0, "cache_s": 1.0}}, lambda: store)
+    exp.start()
+    try:
+        first = _get(_samples(_scrape(exp.url)), "triscope_backend_requests_per_second", backend="b1")
+        store.insert(qualified(store, "requests"), {
+            "ts": [ns_text(t0 + 5 * 10**9)] * 6, "backend": ["b1"] * 6, "latency_seconds": [0.1] * 6})
+        cached = _get(_samples(_scrape(exp.url)), "triscope_backend_requests_per_second", backend="b1")
+        time.sleep(1.1)
+        later = _get(_samples(_scrape(exp.url)), "triscope_backend_requests_per_second", backend="b1")
+    finally:
+        exp.close()
+    assert first == cached == pytest.approx(50 / 60)
+    assert later == pytest.approx(56 / 60)
+
+
+def test_a_failing_store_is_counted_not_raised(tmp_path: Path) -> None:
+    def opener() -> Any:
+        from triscope.errors import StoreError
+
+        raise StoreError("cannot reach ClickHouse at http://127.0.0.1:1: connection refused")
+
+    exp = PrometheusExporter({"prometheus": {"port": 0, "cache_s": 0}}, opener)
+    exp.start()
+    try:
+        s = _samples(_scrape(exp.url))
+        s2 = _samples(_scrape(exp.url))
+    finally:
+        exp.close()
+    assert _get(s, "triscope_store_up") == 0.0
+    assert _get(s, "triscope_exporter_store_query_errors_total", query="requests") == 1
+    assert _get(s2, "triscope_exporter_store_query_errors_total", query="stalls") == 2
+
+
+@pytest.mark.slow
+def test_real_prometheus_scrapes_the_exporter(exporter: PrometheusExporter, tmp_path: Path) -> None:
+    binary = require_binary("prometheus")
+    port = _free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
+        f"  - job_name: triscope\n    static_configs:\n      - targets: ['127.0.0.1:{exporter.port}']\n")
+    proc = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    expected = float(np.quantile(LAT_B1, 0.99))
+    query = 'triscope_backend_request_latency_p99_seconds{backend="b1",source="requests",job="triscope"}'
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    got: list[Any] = []
+    try:
+        deadline = time.monotonic() + 25
+        while time.monotonic() < deadline and not got:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                import json
+
+                doc = json.loads(_scrape(url))
+                got = doc["data"]["result"]
+            except (OSError, ValueError):
+                pass
+            if not got:
+                time.sleep(0.3)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert got, "Prometheus never returned the exporter's metric"
+    assert len(got) == 1 and float(got[0]["value"][1]) == pytest.approx(expected, rel=1e-9)
+    assert got[0]["metric"]["instance"] == f"127.0.0.1:{exporter.port}"
+    assert proc.returncode == 0  # SIGTERM: a clean shutdown
+
+
+def _vllm(kv: float) -> tuple[int, Any]:
+    registry = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    Gauge("vllm:num_requests_waiting", "waiting", labels, registry=registry).labels("llama", "0").set(1)
+    Gauge("vllm:kv_cache_usage_perc", "kv", labels, registry=registry).labels("llama", "0").set(kv)
+    port = _free_port()
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    return port, server
+
+
+@pytest.mark.slow
+def test_daemon_pipeline_counters(store_path: Path, tmp_path: Path) -> None:
+    from triscope.daemon import Daemon
+    from triscope.store import open_store
+
+    vllm_port, vllm = _vllm(0.61)
+    database = f"prom{os.getpid()}"
+    config = {
+        "store": {"backend": "embedded", "path": str(store_path), "database": database},
+        "run": {"collectors": ["serving_metrics"], "exporters": ["prometheus"], "status_interval_s": 0},
+        "writer": {"spool_dir": str(tmp_path / "spool"), "flush_interval_s": 0.2},
+        "serving_metrics": {"interval_s": 0.2, "targets": [f"http://127.0.0.1:{vllm_port}/metrics"]},
+        "prometheus": {"port": 0, "cache_s": 0, "poll_s": 0.1, "stalls": False},
+    }
+    daemon = Daemon(config)
+    started = time.time()
+    daemon.start()
+    try:
+        url = daemon.exporters[0].url
+        deadline = time.monotonic() + 20
+        s: dict = {}
+        while time.monotonic() < deadline:
+            s = _samples(_scrape(url))
+            if s.get(("triscope_writer_rows_written_total", ()), 0) >= 5 and any(
+                    k[0] == "triscope_backend_kv_cache_usage_ratio" for k in s):
+                break
+            time.sleep(0.2)
+        live = s
+        daemon.stop.set()  # collectors stop; the writer and the exporter keep running
+        for loop in daemon.loops:
+            loop.join(timeout=5)
+        assert daemon.writer.flush(timeout_s=10)
+        s = _samples(_scrape(url))  # steady state: every counter is exact
+    finally:
+        summary = daemon.shutdown()
+        vllm.shutdown()
+    with open_store(config) as check:
+        in_store = check.query(f"SELECT count() FROM {database}.serving_metrics").scalar()
+        check.command(f"DROP DATABASE IF EXISTS {database}")
+    assert _get(live, "triscope_writer_rows_written_total") >= 5
+    written = _get(s, "triscope_writer_rows_written_total")
+    assert written == _get(s, "triscope_writer_rows_submitted_total") == _get(
+        s, "triscope_collector_rows_total", collector="serving_metrics", table="serving_metrics")
+    assert summary["writer"]["rows_written"] == in_store >= written  # shutdown takes one last sample
+    assert _get(s, "triscope_writer_pending_rows") == 0
+    assert _get(s, "triscope_writer_spool_bytes") == 0
+    assert _get(s, "triscope_writer_batches_written_total") >= 1
+    assert _get(s, "triscope_collector_up", collector="serving_metrics") == 1.0
+    assert _get(s, "triscope_collector_errors_total", collector="serving_metrics") == 0
+    assert _get(s, "triscope_store_up") == 1.0
+    assert started <= _get(s, "triscope_writer_last_write_timestamp_seconds") <= time.time()
+    assert _get(s, "triscope_writer_rows_replayed_total") == 0
+    kv = [v for (name, _labels), v in live.items() if name == "triscope_backend_kv_cache_usage_ratio"]
+    assert kv == [pytest.approx(0.61)]  # vLLM gauge -> collector -> writer -> store -> derived metric
