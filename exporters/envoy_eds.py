@@ -35,7 +35,8 @@ def cluster_name(params: WeightParams) -> str:
 
 
 def _error(status: int, message: str) -> tuple[int, bytes]:
-    return status, (message + "\n").encode()
+    """One-line JSON error body ``{"error": "..."}`` (the feed serves it as application/json)."""
+    return status, json.dumps({"error": message}).encode() + b"\n"
 
 
 def parse_request(body: bytes, max_bytes: int) -> tuple[dict[str, Any] | None, tuple[int, bytes] | None]:
@@ -124,7 +125,7 @@ def discovery_response(result: WeightsResult, params: WeightParams,
 def eds_response(result: WeightsResult, request_body: bytes, params: WeightParams) -> tuple[int, bytes]:
     """HTTP status and JSON body for ``POST /v3/discovery:endpoints``.
 
-    200 with the full DiscoveryResponse on every poll; 400 (one line) for a body that is not a
+    200 with the full DiscoveryResponse on every poll; 400 (one-line JSON ``{"error": ...}``) for a body that is not a
     DiscoveryRequest; 413 when the body exceeds ``[weights.feed] max_body_bytes``.
     """
     max_bytes = int(params.feed.get("max_body_bytes", 65536))

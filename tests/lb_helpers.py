@@ -1,0 +1,157 @@
+"""Shared pieces of the real-load-balancer tests (Envoy, Traefik): backends, inputs, polling.
+
+Backends are tiny HTTP servers on 127.0.0.1 answering their own name; the weight feed gets its
+engine inputs from :class:`Fleet` (a mutable memory ratio per backend) instead of a store.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import http.client
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from triscope.exporters.weights import BackendInputs, WeightParams
+
+GIB = 1024**3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _NameHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    wbufsize = 1 << 16  # headers and body in one segment (no Nagle / delayed-ACK stalls)
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        body = self.server.backend_name.encode()  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+
+@contextlib.contextmanager
+def backends(names: list[str]) -> Iterator[dict[str, int]]:
+    """Start one HTTP server per name; yields name -> port."""
+    servers = []
+    try:
+        for name in names:
+            srv = ThreadingHTTPServer(("127.0.0.1", 0), _NameHandler)
+            srv.daemon_threads = True
+            srv.backend_name = name  # type: ignore[attr-defined]
+            threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+            servers.append(srv)
+        yield {s.backend_name: s.server_address[1] for s in servers}  # type: ignore[attr-defined]
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
+
+
+class Fleet:
+    """Engine inputs for the feed: fresh samples with a memory ratio set by the test."""
+
+    def __init__(self, ports: dict[str, int]) -> None:
+        self.ports = ports
+        self.memory = dict.fromkeys(ports, 0.0)
+        self._lock = threading.Lock()
+
+    def set(self, **ratios: float) -> None:
+        with self._lock:
+            self.memory.update(ratios)
+
+    def __call__(self) -> list[BackendInputs]:
+        now = time.time()
+        with self._lock:
+            memory = dict(self.memory)
+        return [BackendInputs(name, memory_used_bytes=ratio * 80 * GIB, memory_total_bytes=80 * GIB,
+                              sources={"gpu": now, "serving": now}, address=f"127.0.0.1:{self.ports[name]}")
+                for name, ratio in memory.items()]
+
+
+# Envoy 1.40 sends its whole node (with the extension list) in every REST DiscoveryRequest:
+# about 77 KB, more than the 64 KiB default of [weights.feed] max_body_bytes.
+ENVOY_MAX_BODY_BYTES = 1 << 20
+
+
+def fast_params(**feed: Any) -> WeightParams:
+    """Undamped engine (weights jump to their targets each update) updating every 0.2 s."""
+    return WeightParams.from_config({"weights": {
+        "interval_s": 0.2, "ewma_down": 1.0, "ewma_up": 1.0, "max_step_down": 1.0, "max_step_up": 1.0,
+        "slow_start": False, "history": False,
+        "feed": {"port": 0, "agent_port": -1, "max_body_bytes": ENVOY_MAX_BODY_BYTES, **feed}}})
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, proc: subprocess.Popen | None = None,
+             log: Path | None = None) -> Any:
+    """Poll ``predicate`` until it returns a truthy value; fail with ``what`` (and the log tail)."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: process exited with {proc.returncode}\n{_tail(log)}")
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (OSError, http.client.HTTPException, ValueError, KeyError) as exc:
+            last_exc = exc
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last error: {last_exc})\n{_tail(log)}")
+
+
+def _tail(log: Path | None) -> str:
+    if log is None or not log.exists():
+        return ""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+
+
+def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def split(port: int, n: int) -> collections.Counter:
+    """Send ``n`` sequential GETs over one keep-alive connection; count the answering backends."""
+    counts: collections.Counter = collections.Counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
+    try:
+        for _ in range(n):
+            conn.request("GET", "/")
+            resp = conn.getresponse()
+            body = resp.read()
+            counts[body.decode() if resp.status == 200 else f"HTTP {resp.status}"] += 1
+    finally:
+        conn.close()
+    return counts
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate a process we started (kill after 5 s)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
