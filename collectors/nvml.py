@@ -77,10 +77,11 @@ _VALUE_MEMBER = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 _WRAP = {1: 1 << 32, 6: 1 << 16}  # counters of these value types wrap; 64-bit ones effectively never
 
 NAN = math.nan
+LOST_TEXT = {15: "NVML_ERROR_GPU_IS_LOST: the GPU fell off the bus", 16: "NVML_ERROR_RESET_REQUIRED: the GPU needs a reset"}
 
 
 class _Lost(Exception):
-    """The GPU answered GPU_IS_LOST / RESET_REQUIRED."""
+    """The GPU answered GPU_IS_LOST / RESET_REQUIRED (``args[0]``: the NVML code)."""
 
 
 def _code(exc: BaseException) -> int:
@@ -100,6 +101,7 @@ class _Device:
         self.uuid = uuid
         self.model = model
         self.lost = False
+        self.lost_code = ERR_GPU_IS_LOST
         self.retry_at = 0.0
         # key -> list of (callable, args) alternatives; the first that works is kept.
         self.getters: dict[str, list[tuple[Callable[..., Any], tuple[Any, ...]]]] = {}
@@ -251,7 +253,7 @@ class NvmlSampler:
         except self._error_cls as exc:  # type: ignore[misc]
             dev = _Device(index, None, "", "")
             if _code(exc) in LOST_ERRORS:
-                dev.lost = True
+                dev.lost, dev.lost_code = True, _code(exc)
                 dev.retry_at = time.monotonic() + self.retry_s
                 return dev
             log.warning("nvml: GPU %d skipped: nvmlDeviceGetHandleByIndex: %s", index, exc)
@@ -340,7 +342,7 @@ class NvmlSampler:
             except self._error_cls as exc:  # type: ignore[misc]
                 code = _code(exc)
                 if code in LOST_ERRORS:
-                    raise _Lost from None
+                    raise _Lost(code) from None
                 if code in PERMANENT_ERRORS:
                     options.pop(0)
                     if not options:
@@ -362,7 +364,7 @@ class NvmlSampler:
         except self._error_cls as exc:  # type: ignore[misc]
             code = _code(exc)
             if code in LOST_ERRORS:
-                raise _Lost from None
+                raise _Lost(code) from None
             if code in PERMANENT_ERRORS:
                 log.info("nvml: GPU %d: field values not available (%s)", dev.index, exc)
                 dev.fields, dev.field_keys = [], []
@@ -373,7 +375,7 @@ class NvmlSampler:
             ret = fv.nvmlReturn
             if ret != 0:
                 if ret in LOST_ERRORS:
-                    raise _Lost
+                    raise _Lost(ret)
                 if ret in PERMANENT_ERRORS:
                     drop.append(i)
                 continue
@@ -402,7 +404,8 @@ class NvmlSampler:
 
     def _append_lost(self, cols: dict[str, list[Any]], ts: str, dev: _Device) -> None:
         values = (ts, self.host, dev.index, dev.uuid, dev.model, "nvml", NAN, NAN, NAN, NAN, NAN, NAN, NAN,
-                  NAN, NAN, NAN, NAN, NAN, 0, NAN, NAN, NAN, NAN, NAN, NAN, "lost")
+                  NAN, NAN, NAN, NAN, NAN, 0, NAN, NAN, NAN, NAN, NAN, NAN, "lost", "", "", "",
+                  LOST_TEXT.get(dev.lost_code, LOST_TEXT[ERR_GPU_IS_LOST]))
         for c, v in zip(SAMPLE_COLUMNS, values, strict=True):
             cols[c].append(v)
 
@@ -423,7 +426,7 @@ class NvmlSampler:
                 gpm = dev.gpm.read()
             except self._error_cls as exc:  # type: ignore[misc]
                 if _code(exc) in LOST_ERRORS:
-                    raise _Lost from None
+                    raise _Lost(_code(exc)) from None
                 if _code(exc) in PERMANENT_ERRORS:
                     log.info("nvml: GPU %d: GPM not available (%s)", dev.index, exc)
                     dev.gpm.free()
@@ -443,7 +446,7 @@ class NvmlSampler:
             float(temp) if temp is not None else NAN,
             int(reasons) & 0x7FFF_FFFF_FFFF_FFFF if reasons is not None else 0,  # chDB casts ints < 2**63
             f.get("pcie_tx", NAN), f.get("pcie_rx", NAN), f.get("nvlink_tx", NAN), f.get("nvlink_rx", NAN),
-            f.get("ecc_corrected", NAN), f.get("ecc_uncorrected", NAN), "ok",
+            f.get("ecc_corrected", NAN), f.get("ecc_uncorrected", NAN), "ok", "", "", "", "",
         )
         for c, v in zip(SAMPLE_COLUMNS, values, strict=True):
             cols[c].append(v)
@@ -515,7 +518,8 @@ class NvmlSampler:
             start = len(cols["ts"])
             try:
                 self._sample_device(dev, cols, procs, ts, now_us)
-            except _Lost:
+            except _Lost as exc:
+                dev.lost_code = int(exc.args[0]) if exc.args else ERR_GPU_IS_LOST
                 for c in SAMPLE_COLUMNS:
                     del cols[c][start:]
                 dev.lost = True

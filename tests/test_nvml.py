@@ -406,6 +406,7 @@ def test_gpu_lost_is_a_state_and_others_keep_sampling(caplog: pytest.LogCaptureF
             assert [(r["gpu"], r["state"]) for r in out] == [(0, "ok"), (1, "lost")]
             assert out[0]["memory_used_bytes"] == 40000 * MiB
             assert math.isnan(out[1]["memory_used_bytes"]) and out[1]["gpu_uuid"] == gpus[1].uuid
+            assert out[0]["error"] == "" and out[1]["error"].startswith("NVML_ERROR_GPU_IS_LOST")
     assert s.state == "degraded" and "GPU 1 lost" in s.reason
     lost_lines = [r for r in caplog.records if "lost" in r.getMessage()]
     assert len(lost_lines) == 1

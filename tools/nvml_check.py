@@ -25,7 +25,8 @@ from typing import Any
 from triscope.collectors.nvml import SAMPLE_COLUMNS, NvmlSampler
 
 MiB = 1 << 20
-ID_COLUMNS = {"ts", "host", "gpu", "gpu_uuid", "gpu_model", "source", "state"}
+ID_COLUMNS = {"ts", "host", "gpu", "gpu_uuid", "gpu_model", "source", "state", "pod", "namespace", "container",
+              "error"}
 METRICS = [c for c in SAMPLE_COLUMNS if c not in ID_COLUMNS]
 RATES = {"pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second", "nvlink_tx_bytes_per_second",
          "nvlink_rx_bytes_per_second", "sm_active_ratio", "sm_occupancy_ratio", "dram_active_ratio"}

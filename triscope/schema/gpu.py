@@ -5,14 +5,16 @@ a float that a source could not measure is NaN (aggregate with ``...If(x, isFini
 units are in the column names (``_bytes``, ``_seconds``, ``_ratio`` in 0..1, ``_hz``, ``_watts``).
 """
 
-from triscope.schema.model import Column, Migration, Table, create_tables
+from dataclasses import replace
+
+from triscope.schema.model import Column, Migration, Table, add_columns, create_tables
 
 DOMAIN = "gpu"
 
 TS = Column("ts", "DateTime64(9, 'UTC')")
 HOST = Column("host", "LowCardinality(String)")
 
-GPU_SAMPLES = Table(
+_GPU_SAMPLES_V1 = Table(
     name="gpu_samples",
     columns=[
         TS, HOST,
@@ -45,6 +47,16 @@ GPU_SAMPLES = Table(
     partition_by="toYYYYMMDD(ts)",
 )
 
+GPU_SAMPLES_V2_COLUMNS = (
+    Column("pod", "LowCardinality(String)", "Kubernetes pod using the GPU (dcgm-exporter -k), comma-joined"),
+    Column("namespace", "LowCardinality(String)", "Kubernetes namespace of that pod"),
+    Column("container", "LowCardinality(String)", "Kubernetes container of that pod"),
+    Column("error", "String", "one-line reason when state is not ok"),
+)
+
+GPU_SAMPLES = replace(_GPU_SAMPLES_V1, columns=[*_GPU_SAMPLES_V1.columns, *GPU_SAMPLES_V2_COLUMNS])
+"""Current ``gpu_samples`` columns (version 1 plus the columns migration 2 adds)."""
+
 GPU_PROCESS_MEMORY = Table(
     name="gpu_process_memory",
     columns=[TS, HOST, Column("gpu", "UInt16"), Column("pid", "UInt32"),
@@ -69,6 +81,8 @@ ALLOCATOR_SAMPLES = Table(
 )
 
 MIGRATIONS = [
-    Migration(1, "gpu samples, process memory, allocator", create_tables(GPU_SAMPLES, GPU_PROCESS_MEMORY,
+    Migration(1, "gpu samples, process memory, allocator", create_tables(_GPU_SAMPLES_V1, GPU_PROCESS_MEMORY,
                                                                           ALLOCATOR_SAMPLES)),
+    Migration(2, "gpu samples: kubernetes pod labels and error text",
+              add_columns("gpu_samples", *GPU_SAMPLES_V2_COLUMNS)),
 ]
