@@ -115,8 +115,8 @@ class WeightFeed:
     def update(self) -> WeightsResult:
         """Read inputs, run the engine once, publish the result; errors propagate (the loop logs them)."""
         with self._update_lock:
-            now = self.clock()
-            inputs = [with_address(i, self.params) for i in self._inputs(now)]
+            inputs = [with_address(i, self.params) for i in self._inputs(self.clock())]
+            now = self.clock()  # after the read: ages include the time the read took
             result, state = compute_weights(inputs, self._state, self.params, now)
             body = json.dumps(result.to_dict(), separators=(",", ":")).encode() + b"\n"
             with self._lock:

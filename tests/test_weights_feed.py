@@ -1,0 +1,332 @@
+"""Weight feed (triscope.exporters.feed) over real sockets: HTTP endpoints, update loop, HAProxy agent."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from conftest import require_binary
+from prometheus_client.parser import text_string_to_metric_families
+
+from triscope.errors import ConfigError
+from triscope.exporters.feed import WeightFeed, factory
+from triscope.exporters.haproxy_agent import MAX_LINE
+from triscope.exporters.weights import BackendInputs, WeightParams
+
+
+class Fleet:
+    """Mutable engine inputs: memory ratio / KV / health per backend, fresh on every call."""
+
+    def __init__(self, **mem: float) -> None:
+        self.mem = dict(mem)
+        self.kv: dict[str, float] = {}
+        self.healthy: dict[str, bool] = {}
+        self.calls = 0
+        self.fail: str = ""
+        self.lock = threading.Lock()
+
+    def __call__(self) -> list[BackendInputs]:
+        with self.lock:
+            self.calls += 1
+            if self.fail:
+                raise RuntimeError(self.fail)
+            now = time.time()
+            return [BackendInputs(f"127.0.0.1:{9000 + i}", memory_used_bytes=m * 1e9, memory_total_bytes=1e9,
+                                  kv_cache_usage_ratio=self.kv.get(n, float("nan")),
+                                  healthy=self.healthy.get(n, True), sources={"gpu": now, "serving": now})
+                    for i, (n, m) in enumerate(sorted(self.mem.items()))]
+
+
+def name(i: int) -> str:
+    return f"127.0.0.1:{9000 + i}"
+
+
+def params(**weights: object) -> WeightParams:
+    cfg = {"interval_s": 0.1, "feed": {"port": 0, "agent_port": 0, "max_body_bytes": 1024}, **weights}
+    return WeightParams.from_config({"weights": cfg})
+
+
+@pytest.fixture()
+def fleet() -> Fleet:
+    return Fleet(a=0.1, b=0.5)
+
+
+@pytest.fixture()
+def feed(fleet: Fleet) -> Iterator[WeightFeed]:
+    f = WeightFeed(params(), inputs_fn=fleet).start()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def get(feed: WeightFeed, path: str, method: str = "GET", body: bytes | None = None,
+        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", feed.http_port, timeout=5)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def weights(feed: WeightFeed) -> dict:
+    status, headers, body = get(feed, "/v1/weights")
+    assert status == 200 and headers["content-type"] == "application/json"
+    return json.loads(body)
+
+
+def wait_for(pred, timeout_s: float = 5.0, every_s: float = 0.02):  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+def agent(port: int, payload: bytes, shutdown_write: bool = False) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(payload)
+        if shutdown_write:
+            s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(1024):
+            out += chunk
+        return out
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def test_weights_document_follows_inputs_and_versions(feed: WeightFeed, fleet: Fleet) -> None:
+    doc = weights(feed)
+    a, b = doc["backends"][name(0)], doc["backends"][name(1)]
+    # first update: weights at their targets; memory penalties 1/0.9 and 1/0.5
+    assert a["lb_weight"] == 100 and b["lb_weight"] == round(100 * 0.5 / 0.9)
+    assert a["inputs"]["memory_used_ratio"] == pytest.approx(0.1)
+    assert a["factors"]["memory"] == pytest.approx(1 / 0.9) and b["state"] == "ready"
+    assert a["address"] == name(0) and doc["stale"] is False and doc["interval_s"] == 0.1
+    assert set(doc["classes"]) == {"realtime_speech", "interactive_image_text", "offline_video"}
+    assert doc["classes"]["realtime_speech"]["priority_weight"] == 8.0
+    assert doc["scale"]["action"] == "hold"
+    v0 = doc["version"]
+
+    fleet.mem["a"] = 0.99  # drain a: the loop (0.1 s) publishes it
+    doc = wait_for(lambda: (d := weights(feed))["backends"][name(0)]["state"] == "drain" and d)
+    assert doc["backends"][name(0)]["reasons"] == ["memory"] and doc["backends"][name(0)]["lb_weight"] == 0
+    assert doc["backends"][name(0)]["weight"] == 0 and doc["version"] > v0
+    assert doc["backends"][name(1)]["target"] == 1.0
+
+    # converged inputs stop changing the version
+    wait_for(lambda: weights(feed)["backends"][name(1)]["lb_weight"] == 100)
+    v1 = weights(feed)["version"]
+    n = feed.updates_total
+    wait_for(lambda: feed.updates_total >= n + 3)
+    assert weights(feed)["version"] == v1
+
+
+def test_stale_inputs_are_flagged_with_equal_weights(fleet: Fleet) -> None:
+    def stale_inputs() -> list[BackendInputs]:
+        fresh = fleet()
+        return [fresh[0], BackendInputs(fresh[1].backend, 9e8, 1e9, sources={"gpu": time.time() - 60})]
+
+    with WeightFeed(params(), inputs_fn=stale_inputs).start() as feed:
+        doc = weights(feed)
+        assert doc["stale"] is True and doc["stale_backends"] == [name(1)]
+        assert {b["lb_weight"] for b in doc["backends"].values()} == {100}
+        metrics = {f.name: f for f in text_string_to_metric_families(get(feed, "/metrics")[2].decode())}
+        assert metrics["triscope_weights_stale"].samples[0].value == 1
+        assert max(s.value for s in metrics["triscope_backend_input_age_seconds"].samples) >= 59
+
+
+def test_metrics_exposition(feed: WeightFeed, fleet: Fleet) -> None:
+    fleet.kv["b"] = 0.5
+    fleet.healthy["a"] = False
+    wait_for(lambda: weights(feed)["backends"][name(0)]["state"] == "drain")
+    status, headers, body = get(feed, "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+    fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    by = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in fams.values() for s in fam.samples}
+    assert by[("triscope_backend_drained", (("backend", name(0)),))] == 1
+    assert by[("triscope_backend_drained", (("backend", name(1)),))] == 0
+    assert by[("triscope_backend_weight", (("backend", name(0)),))] == 0
+    assert by[("triscope_backend_lb_weight", (("backend", name(1)),))] >= 1
+    assert by[("triscope_backend_kv_cache_usage_ratio", (("backend", name(1)),))] == 0.5
+    assert by[("triscope_backend_weight_factor", (("backend", name(1)), ("factor", "kv_cache")))] == pytest.approx(2)
+    assert by[("triscope_backend_memory_used_ratio", (("backend", name(1)),))] == pytest.approx(0.5)
+    assert fams["triscope_weights_updates"].type == "counter"
+    assert by[("triscope_weights_updates_total", ())] >= 1
+    assert 1 <= by[("triscope_weights_version", ())] <= weights(feed)["version"]
+    assert 0 <= by[("triscope_weights_inputs_age_seconds", ())] < 5
+    assert by[("triscope_kv_cache_scale_recommendation", (("action", "hold"),))] == 1
+    assert by[("triscope_request_class_priority_weight", (("request_class", "realtime_speech"),))] == 8
+    assert by[("triscope_weights_last_update_timestamp_seconds", ())] == pytest.approx(time.time(), abs=5)
+
+
+def test_metrics_pass_promtool(feed: WeightFeed, tmp_path) -> None:  # noqa: ANN001
+    promtool = require_binary("promtool")
+    body = get(feed, "/metrics")[2]
+    proc = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr.decode() + proc.stdout.decode()
+
+
+def test_request_bodies_are_bounded_and_errors_are_json(feed: WeightFeed) -> None:
+    status, _, body = get(feed, "/v3/discovery:endpoints", "POST", b"x" * 2000,
+                          {"Content-Type": "application/json"})
+    assert status == 413 and "max_body_bytes" in json.loads(body)["error"]
+    status, _, body = get(feed, "/v1/weights", "GET", b"y" * 1025)
+    assert status == 413
+    # a lying Content-Length is refused before reading anything
+    with socket.create_connection(("127.0.0.1", feed.http_port), timeout=5) as s:
+        s.sendall(b"POST /v3/discovery:endpoints HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 413")
+    with socket.create_connection(("127.0.0.1", feed.http_port), timeout=5) as s:
+        s.sendall(b"POST /v3/discovery:endpoints HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 411")
+    status, _, body = get(feed, "/v1/weights", "GET", headers={"Content-Length": "-3"})
+    assert status == 400
+    status, _, body = get(feed, "/nope")
+    assert status == 404 and json.loads(body)["error"].startswith("no such endpoint")
+    status, _, _ = get(feed, "/v1/weights", "POST", b"{}")
+    assert status == 405
+    # the server survives all of that
+    assert weights(feed)["backends"]
+
+
+def test_envoy_and_traefik_routes(feed: WeightFeed) -> None:
+    status, _, body = get(feed, "/v3/discovery:endpoints", "POST",
+                          json.dumps({"resource_names": ["triscope"]}).encode(), {"Content-Type": "application/json"})
+    assert status == 200
+    doc = json.loads(body)
+    assert doc["version_info"] == str(weights(feed)["version"])  # inputs are steady: no new version
+    assert doc["resources"][0]["cluster_name"] == "triscope"
+    status, _, body = get(feed, "/v1/traefik")
+    assert status == 200 and "http" in json.loads(body)
+
+
+def test_absent_envoy_or_traefik_module_gives_503(feed: WeightFeed, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``None`` in sys.modules makes the import fail exactly as an absent module does."""
+    monkeypatch.setitem(sys.modules, "triscope.exporters.envoy_eds", None)
+    monkeypatch.setitem(sys.modules, "triscope.exporters.traefik_provider", None)
+    status, _, body = get(feed, "/v3/discovery:endpoints", "POST", b"{}")
+    assert status == 503 and "envoy_eds" in json.loads(body)["error"] and body.count(b"\n") == 1
+    status, _, body = get(feed, "/v1/traefik")
+    assert status == 503 and "traefik_provider" in json.loads(body)["error"]
+
+
+def test_failing_inputs_keep_the_last_result_and_health(fleet: Fleet) -> None:
+    feed = WeightFeed(params(), inputs_fn=fleet)
+    assert not feed.healthy() and feed.http_port == -1
+    with feed.start():
+        assert get(feed, "/healthz")[:1] == (200,)
+        before = weights(feed)
+        fleet.fail = "scrape refused"
+        wait_for(lambda: feed.update_errors_total >= 2)
+        assert feed.last_error == "scrape refused"
+        assert weights(feed)["backends"] == before["backends"]  # last good result still served
+        assert weights(feed)["computed_at"] == feed.result.computed_at  # not refreshed by failed updates
+        fleet.fail = ""
+        n = feed.updates_total
+        wait_for(lambda: feed.updates_total > n)
+        assert feed.last_error == ""
+
+
+def test_no_result_yet_is_503() -> None:
+    def broken() -> list[BackendInputs]:
+        raise RuntimeError("store down")
+
+    with WeightFeed(params(), inputs_fn=broken).start() as feed:
+        status, _, body = get(feed, "/v1/weights")
+        assert status == 503 and "store down" in json.loads(body)["error"]
+        assert get(feed, "/healthz")[0] == 503
+        assert agent(feed.agent_port, b"x\n") == b"ready 100%\n"
+
+
+def test_feed_binds_loopback_and_ports_can_be_off(fleet: Fleet) -> None:
+    with WeightFeed(params(), inputs_fn=fleet, agent_port=-1).start() as feed:
+        assert feed.agent_port == -1 and feed.http_port > 0
+        assert feed.urls["weights"].startswith("http://127.0.0.1:")
+        assert "haproxy_agent" not in feed.urls
+    with pytest.raises(ConfigError):
+        WeightFeed(params())
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        with pytest.raises(ConfigError, match="cannot listen"):
+            WeightFeed(params(), inputs_fn=fleet, port=busy.getsockname()[1]).start()
+    finally:
+        busy.close()
+
+
+def test_factory_builds_a_feed_from_config() -> None:
+    feed = factory({"weights": {"interval_s": 0.5, "feed": {"port": 0, "agent_port": -1}}}, lambda: None)
+    assert isinstance(feed, WeightFeed) and feed.params.interval_s == 0.5
+    with pytest.raises(ConfigError):
+        factory({"weights": {"interval": 1}}, lambda: None)
+
+
+# --------------------------------------------------------------------------- HAProxy agent
+
+
+def test_agent_replies_percent_drain_and_unknown(feed: WeightFeed, fleet: Fleet) -> None:
+    doc = weights(feed)
+    lb_b = doc["backends"][name(1)]["lb_weight"]
+    assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
+    reply = agent(feed.agent_port, name(1).encode() + b"\n")
+    assert reply in (f"ready {lb_b}%\n".encode(), f"ready {weights(feed)['backends'][name(1)]['lb_weight']}%\n".encode())
+    assert agent(feed.agent_port, b"nobody:1\n") == b"ready 100%\n"
+    assert agent(feed.agent_port, b"\n") == b"ready 100%\n"
+    fleet.mem["a"] = 0.98
+    wait_for(lambda: weights(feed)["backends"][name(0)]["state"] == "drain")
+    assert agent(feed.agent_port, name(0).encode() + b"\r\n") == b"drain\n"
+    fleet.mem["a"] = 0.1  # released: slow start, never 0%
+    wait_for(lambda: weights(feed)["backends"][name(0)]["state"] == "ready")
+    first = agent(feed.agent_port, name(0).encode() + b"\n")
+    assert first.startswith(b"ready ") and first.endswith(b"%\n") and int(first[6:-2]) >= 1
+
+
+def test_agent_line_framing(feed: WeightFeed) -> None:
+    # split across writes, no newline but EOF, trailing words ignored only after the newline
+    with socket.create_connection(("127.0.0.1", feed.agent_port), timeout=5) as s:
+        s.sendall(name(0).encode()[:5])
+        time.sleep(0.05)
+        s.sendall(name(0).encode()[5:] + b"\n")
+        assert s.recv(100) == b"ready 100%\n"
+    assert agent(feed.agent_port, name(0).encode(), shutdown_write=True) == b"ready 100%\n"
+    # an over-long line gets no answer: the connection is closed
+    assert agent(feed.agent_port, b"x" * (MAX_LINE + 10)) == b""
+    assert agent(feed.agent_port, b"x" * MAX_LINE + b"\n") == b""
+    # the agent is still serving
+    assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
+
+
+def test_agent_silent_client_times_out_without_blocking_others(feed: WeightFeed) -> None:
+    silent = socket.create_connection(("127.0.0.1", feed.agent_port), timeout=5)
+    try:
+        t0 = time.monotonic()
+        assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
+        assert time.monotonic() - t0 < 0.5
+        assert silent.recv(100) == b"ready 100%\n"  # after the read timeout: unknown (empty) name
+    finally:
+        silent.close()
+
+
+def test_urlopen_roundtrip(feed: WeightFeed) -> None:
+    with urllib.request.urlopen(feed.urls["weights"], timeout=5) as resp:
+        assert json.load(resp)["backends"]
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(feed.urls["weights"].replace("/v1/weights", "/v2"), timeout=5)
+    assert err.value.code == 404
