@@ -77,6 +77,7 @@ class WeightFeed:
             raise ConfigError("[weights.feed] max_body_bytes must be >= 0")
         self._store_arg = store
         self._store: Any = None
+        self._owns_store = False
         self.inputs_fn = inputs_fn
         self._state: EngineState | None = None
         self._result: WeightsResult | None = None
@@ -109,7 +110,10 @@ class WeightFeed:
             return list(self.inputs_fn())
         if self._store is None:
             arg = self._store_arg
-            self._store = arg() if callable(arg) and not hasattr(arg, "query") else arg
+            if callable(arg) and not hasattr(arg, "query"):
+                self._store, self._owns_store = arg(), True
+            else:
+                self._store = arg
         return read_inputs(self._store, self.params, now)
 
     def update(self) -> WeightsResult:
@@ -224,6 +228,10 @@ class WeightFeed:
         if self._agent is not None:
             self._agent.close()
             self._agent = None
+        if self._owns_store and self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.close()
+            self._store, self._owns_store = None, False
 
     def __enter__(self) -> WeightFeed:
         return self.start()

@@ -330,3 +330,67 @@ def test_urlopen_roundtrip(feed: WeightFeed) -> None:
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(feed.urls["weights"].replace("/v1/weights", "/v2"), timeout=5)
     assert err.value.code == 404
+
+
+# --------------------------------------------------------------------------- store reader
+
+
+def _ts(t: float) -> str:
+    ns = int(t * 1e9)
+    return f"{ns // 1_000_000_000}.{ns % 1_000_000_000:09d}"
+
+
+def _seed(store, now: float) -> None:  # noqa: ANN001
+    from triscope.schema import qualified
+
+    gpu_rows = [  # gpu-a: GPUs 0 (40%) and 1 (90%, worst); gpu-b: GPU 0 lost; an old sample is superseded
+        ("gpu-a", 0, now - 1, 32e9, 80e9, "ok"), ("gpu-a", 1, now - 30, 10e9, 80e9, "ok"),
+        ("gpu-a", 1, now - 2, 72e9, 80e9, "ok"), ("gpu-b", 0, now - 1, 8e9, 80e9, "lost"),
+    ]
+    store.insert(qualified(store, "gpu_samples"), {
+        "ts": [_ts(r[2]) for r in gpu_rows], "host": [r[0] for r in gpu_rows], "gpu": [r[1] for r in gpu_rows],
+        "memory_used_bytes": [r[3] for r in gpu_rows], "memory_total_bytes": [r[4] for r in gpu_rows],
+        "state": [r[5] for r in gpu_rows], "source": ["nvml"] * len(gpu_rows)})
+    sm = [("gpu-a:8000", now - 4, 0.2, 100.0, 0.3), ("gpu-a:8000", now - 0.5, 0.6, 140.0, 0.5),
+          ("gpu-b:8000", now - 0.5, 0.1, 10.0, 2.0)]
+    store.insert(qualified(store, "serving_metrics"), {
+        "ts": [_ts(r[1]) for r in sm], "backend": [r[0] for r in sm], "kv_cache_usage_ratio": [r[2] for r in sm],
+        "requests_total": [r[3] for r in sm], "latency_p99_seconds": [r[4] for r in sm],
+        "host": [r[0].split(":")[0] for r in sm]})
+    reqs = [("gpu-a:8000", "gpu-a", "0", now - 3 + i * 0.01, 0.1 + i * 0.001, "realtime_speech") for i in range(100)]
+    reqs += [("gpu-a:8000", "gpu-a", "1", now - 2, 3.0, "mystery")]  # unknown class -> default class
+    store.insert(qualified(store, "requests"), {
+        "ts": [_ts(r[3]) for r in reqs], "backend": [r[0] for r in reqs], "host": [r[1] for r in reqs],
+        "gpu": [r[2] for r in reqs], "latency_seconds": [r[4] for r in reqs],
+        "request_class": [r[5] for r in reqs]})
+
+
+def test_store_reader_and_feed(store) -> None:  # noqa: ANN001
+    from triscope.exporters.weights import read_inputs
+
+    now = time.time()
+    _seed(store, now)
+    p = WeightParams.from_config({"weights": {"interval_s": 0.2, "feed": {"port": 0, "agent_port": 0},
+                                              "backends": {"gpu-b:8000": {"host": "gpu-b", "gpus": [0],
+                                                                          "address": "127.0.0.1:9002"}}}})
+    inputs = {i.backend: i for i in read_inputs(store, p, now)}
+    assert set(inputs) == {"gpu-a:8000", "gpu-b:8000"}
+    a, b = inputs["gpu-a:8000"], inputs["gpu-b:8000"]
+    assert a.memory_used_ratio == pytest.approx(0.9)  # worst GPU of the backend, latest sample
+    assert a.kv_cache_usage_ratio == pytest.approx(0.6)
+    assert a.qps == pytest.approx(101 / p.window_s)  # requests rows win over the counter
+    assert a.p99_seconds["realtime_speech"] == pytest.approx(0.1 + 0.99 * 99 * 0.001, abs=2e-3)
+    assert a.p99_seconds["interactive_image_text"] == pytest.approx(3.0)
+    assert a.sources["gpu"] == pytest.approx(now - 2, abs=1e-3) and a.healthy
+    assert not b.healthy and b.memory_used_ratio == pytest.approx(0.1) and b.address == "127.0.0.1:9002"
+    assert b.p99_seconds == {"interactive_image_text": 2.0}  # serving P99 as the default class
+    assert b.qps != b.qps  # one counter sample: no rate
+    with WeightFeed(p, store=store).start() as feed:
+        doc = weights(feed)
+        assert doc["backends"]["gpu-b:8000"]["state"] == "drain"
+        assert doc["backends"]["gpu-b:8000"]["reasons"] == ["health"]
+        assert doc["backends"]["gpu-a:8000"]["factors"]["memory"] == pytest.approx(10.0)
+        assert agent(feed.agent_port, b"gpu-b:8000\n") == b"drain\n"
+    # a store opener (what `triscope run` passes) works too
+    with WeightFeed(p, store=lambda: store).start() as feed:
+        assert weights(feed)["backends"]["gpu-a:8000"]["state"] == "ready"
