@@ -42,17 +42,27 @@ DEFAULTS: dict[str, Any] = {"interval_s": 1.0, "format": "json", "url": "http://
                             "host": "", "max_body_bytes": 16 << 20}
 WINDOW_MARK = "triscope-window-end"
 
+WINDOW_START_MARK = "triscope-window-start"
+
 BPFTRACE_PROGRAM = r"""
+BEGIN
+{
+  printf("triscope-window-start %llu\n", nsecs);
+}
+
+tracepoint:block:block_io_start  // acct
+{  // acct
+  @acct[args->dev, args->sector] = nsecs;  // acct
+}  // acct
+
+tracepoint:block:block_rq_merge  // acct
+{  // acct
+  delete(@acct[args->dev, args->sector]);  // acct
+}  // acct
+
 tracepoint:block:block_rq_issue
 {
-  $d = args->dev;
-  $n = nsecs;
-  @start[$d, args->sector] = $n;
-  if (@last[$d] > 0) {
-    @qd_ns[$d >> 20, $d & 0xfffff] = sum(($n - @last[$d]) * @inflight[$d]);
-  }
-  @last[$d] = $n;
-  @inflight[$d] = @inflight[$d] + 1;
+  @start[args->dev, args->sector] = nsecs;
 }
 
 tracepoint:block:block_rq_complete
@@ -60,13 +70,21 @@ tracepoint:block:block_rq_complete
 {
   $d = args->dev;
   $n = nsecs;
-  $lat = $n - @start[$d, args->sector];
+  $s = @start[$d, args->sector];
+  $lat = $n - $s;
   @usecs[$d >> 20, $d & 0xfffff, args->rwbs] = hist($lat / 1000);
   @lat_ns[$d >> 20, $d & 0xfffff, args->rwbs] = sum($lat);
-  @qd_ns[$d >> 20, $d & 0xfffff] = sum(($n - @last[$d]) * @inflight[$d]);
-  @last[$d] = $n;
-  @inflight[$d] = @inflight[$d] - 1;
+  $q = $s;
+  $a = @acct[$d, args->sector];  // acct
+  if ($a > 0 && $a <= $s) { $q = $a; }  // acct
+  delete(@acct[$d, args->sector]);  // acct
+  @qd_ns[$d >> 20, $d & 0xfffff] = sum($n - $q);
   delete(@start[$d, args->sector]);
+}
+
+tracepoint:block:block_rq_requeue
+{
+  delete(@start[args->dev, args->sector]);
 }
 
 interval:s:__INTERVAL__
@@ -77,16 +95,32 @@ interval:s:__INTERVAL__
   clear(@usecs);
   clear(@lat_ns);
   clear(@qd_ns);
-  printf("triscope-window-end\n");
+  printf("triscope-window-end %llu\n", nsecs);
 }
 
 END
 {
-  clear(@start); clear(@last); clear(@inflight); clear(@usecs); clear(@lat_ns); clear(@qd_ns);
+  clear(@start); clear(@usecs); clear(@lat_ns); clear(@qd_ns);
+  clear(@acct);  // acct
 }
 """
-"""Per window: @usecs[major, minor, rwbs] latency log2 hist (issue -> complete), @lat_ns sums,
-@qd_ns[major, minor] = integral of in-flight requests over time (ns), so queue depth = qd_ns / window."""
+"""Per window (``nsecs`` is CLOCK_MONOTONIC; the marks carry the window bounds):
+
+- ``@usecs[major, minor, rwbs]``: log2 histogram of device latency, driver issue -> completion
+  (``block_rq_issue`` -> ``block_rq_complete``), and ``@lat_ns`` its exact sum (mean latency).
+- ``@qd_ns[major, minor]``: summed queue residence of the requests completing in the window, from
+  the kernel's IO-accounting start (``block_io_start``, kernel >= 6.5) to completion. By Little's
+  law ``qd_ns / window`` is the mean number of requests queued or in flight: the same quantity as
+  /proc/diskstats' weighted time (iostat ``aqu-sz``), which counts from the request's
+  ``start_time_ns``, so the bpftrace and diskstats collectors report one ``queue_depth``. Without
+  ``block_io_start`` (older kernels) residence counts from driver issue: in-flight depth only.
+  (Not a counter incremented in the probes: ``@n = @n + 1`` is not atomic across CPUs, lost
+  updates make it drift; ``hist()``/``sum()`` are per-CPU aggregations.)
+
+Requests are keyed by (dev, sector). Two requests in flight on the same sector at once (rare:
+concurrent flushes, the same block read twice) collide: the first completion takes the later
+start and the second is not counted, so ``ios`` can only undercount. A requeued request restarts
+its device latency at re-issue; a request merged into another is dropped from ``@acct``."""
 
 
 def device_name(major: int, minor: int) -> str:
@@ -143,6 +177,8 @@ class WindowAssembler:
         self._qd: dict[tuple[int, int], int] = defaultdict(int)
         self._cur: tuple[int, int, str] | None = None
         self._window_start = time.time_ns()
+        self._mark_start: int | None = None  # wall ns of the window start, from the program's marks
+        self.clock_offset_ns = time.time_ns() - time.monotonic_ns()  # bpftrace nsecs -> wall clock
 
     def _bad(self, msg: str) -> None:
         self.errors += 1
@@ -164,9 +200,10 @@ class WindowAssembler:
         s = line.strip()
         if not s:
             return
-        kind, maps = parse_bpftrace_json_record(json.loads(s))
-        if kind == "printf" and WINDOW_MARK in str(json.loads(s).get("data", "")):
-            self._close(now_ns)
+        record = json.loads(s)
+        kind, maps = parse_bpftrace_json_record(record)
+        if kind == "printf":
+            self._mark(str(record.get("data", "")).strip(), now_ns)
             return
         for name, keyed in maps.items():
             for key, value in keyed.items():
@@ -187,8 +224,8 @@ class WindowAssembler:
         if not s:
             self._cur = None
             return
-        if s == WINDOW_MARK:
-            self._close(now_ns)
+        if s.startswith((WINDOW_MARK, WINDOW_START_MARK)):
+            self._mark(s, now_ns)
             return
         if self._cur is not None and (b := bpftrace_text_bucket(s)) is not None:
             self._hists[self._cur].append(b)
@@ -206,9 +243,27 @@ class WindowAssembler:
             return
         raise InputError("unrecognised line")
 
-    def _close(self, now_ns: int | None) -> None:
+    def _mark(self, text: str, now_ns: int | None) -> None:
+        """A window mark: ``triscope-window-start|end [nsecs]`` (nsecs: CLOCK_MONOTONIC)."""
+        name, _, value = text.partition(" ")
+        mono = int(value) if value.strip() else None
+        if name == WINDOW_START_MARK and mono is not None:
+            self._mark_start = mono + self.clock_offset_ns
+        elif name == WINDOW_MARK:
+            self._close(now_ns, None if mono is None else mono + self.clock_offset_ns)
+        else:
+            raise InputError(f"unexpected printf {text[:60]!r}")
+
+    def _close(self, now_ns: int | None, end_ns: int | None = None) -> None:
+        """Rows for the window ending now. With the program's marks the window is exactly
+        [previous mark, this mark] on the kernel clock; a bare mark means one interval ending now."""
         now = now_ns if now_ns is not None else time.time_ns()
         window = self.interval_s
+        if end_ns is not None:
+            start = self._mark_start if self._mark_start is not None else end_ns - round(window * 1e9)
+            if end_ns > start:
+                window = (end_ns - start) / 1e9
+            self._window_start, self._mark_start, now = start, end_ns, end_ns
         per: dict[tuple[int, int, str], list[Bucket]] = defaultdict(list)
         lat: dict[tuple[int, int, str], int] = defaultdict(int)
         for (ma, mi, rwbs), bs in self._hists.items():
@@ -219,7 +274,10 @@ class WindowAssembler:
         for (ma, mi, op), bs in sorted(per.items()):
             n = sum(b.count for b in bs)
             mean = lat[(ma, mi, op)] / n / 1e9 if n and lat[(ma, mi, op)] else math.nan
-            qd = self._qd.get((ma, mi), 0) / 1e9 / window
+            if (ma, mi) in self._qd:
+                qd = self._qd[(ma, mi)] / 1e9 / window
+            else:  # Little's law over every request type of the device (flushes occupy the queue too)
+                qd = sum(v for (a, b, _), v in self._lat.items() if (a, b) == (ma, mi)) / 1e9 / window
             hist_row(self.rows, self._window_start, self.host, "bpftrace", device_name(ma, mi), op, window,
                      bs, mean, qd)
         self._hists.clear()
@@ -231,6 +289,18 @@ class WindowAssembler:
     def drain(self) -> dict[str, list[Any]]:
         rows, self.rows = self.rows, _rows()
         return rows
+
+
+def bpftrace_program(interval_s: float, accounting: bool) -> str:
+    """The program with a whole-second interval; lines tagged ``// acct`` only with ``accounting``."""
+    lines = BPFTRACE_PROGRAM.replace("__INTERVAL__", str(max(1, round(interval_s)))).splitlines()
+    return "\n".join(ln.split("  // acct")[0] for ln in lines if accounting or "// acct" not in ln) + "\n"
+
+
+def has_tracepoint(system: str, event: str) -> bool:
+    """Whether the kernel offers tracepoint ``system:event`` (tracefs or the debugfs copy)."""
+    return any(os.path.isdir(f"{root}/events/{system}/{event}")
+               for root in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"))
 
 
 def mount_tracefs() -> None:
@@ -261,12 +331,14 @@ class BpftraceCollector:
         self.stderr = ""
 
     def program(self) -> str:
-        return BPFTRACE_PROGRAM.replace("__INTERVAL__", str(max(1, round(self.interval_s))))
+        """The bpftrace program for this kernel (IO-accounting probes only when it has them)."""
+        return bpftrace_program(self.interval_s, has_tracepoint("block", "block_io_start"))
 
     def start(self) -> None:
         if not self.binary:
             raise TriscopeError("blockio: bpftrace is not installed")
         mount_tracefs()
+        self.asm.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         args = [self.binary] + (["-f", "json"] if self.fmt == "json" else []) + ["-e", self.program()]
         self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       bufsize=1, env={**os.environ, "BPFTRACE_STRLEN": "16"})

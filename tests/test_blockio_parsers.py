@@ -215,3 +215,43 @@ def test_window_assembler_survives_garbage(fmt: str, caplog: pytest.LogCaptureFi
     assert rows["mean_seconds"][w] == pytest.approx(1e-3 / 20)
     assert rows["p99_seconds"][r] == 0 and rows["mean_seconds"][r] == 0  # estimated from [0] bucket
     assert rows["queue_depth"][w] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_window_bounds_from_program_marks(fmt: str) -> None:
+    """Marks carry CLOCK_MONOTONIC nsecs: the row's window is [start mark, end mark] on the wall clock."""
+    if fmt == "text":
+        stream = ["triscope-window-start 1000000000", "@usecs[254, 0, R]: ", "[128, 256)  4 |@@@@|", "",
+                  "@lat_ns[254, 0, R]: 800000", "@qd_ns[254, 0]: 3000000000", "triscope-window-end 3000000000",
+                  "@qd_ns[254, 0]: 500000000", "@usecs[254, 0, W]: ", "[64, 128)  1 |@|", "",
+                  "triscope-window-end 3500000000"]
+    else:
+        stream = ['{"type": "printf", "data": "triscope-window-start 1000000000\\n"}',
+                  '{"type": "hist", "data": {"@usecs": {"254,0,R": [{"min": 128, "max": 255, "count": 4}]}}}',
+                  '{"type": "map", "data": {"@lat_ns": {"254,0,R": 800000}}}',
+                  '{"type": "map", "data": {"@qd_ns": {"254,0": 3000000000}}}',
+                  '{"type": "printf", "data": "triscope-window-end 3000000000\\n"}',
+                  '{"type": "map", "data": {"@qd_ns": {"254,0": 500000000}}}',
+                  '{"type": "hist", "data": {"@usecs": {"254,0,W": [{"min": 64, "max": 127, "count": 1}]}}}',
+                  '{"type": "printf", "data": "triscope-window-end 3500000000\\n"}']
+    a = WindowAssembler("h", fmt, 1.0)
+    a.clock_offset_ns = 1_796_000_000_000_000_000
+    for line in stream:
+        a.feed(line + "\n", now_ns=123)
+    assert a.errors == 0
+    rows = a.drain()
+    assert rows["op"] == ["read", "write"]
+    assert rows["ts"] == ["2026-11-30 00:53:21.000000000", "2026-11-30 00:53:23.000000000"]
+    assert rows["window_seconds"] == [2.0, 0.5]
+    assert rows["queue_depth"] == [pytest.approx(1.5), pytest.approx(1.0)]
+    assert rows["mean_seconds"][0] == pytest.approx(200e-6) and rows["ios"] == [4.0, 1.0]
+
+
+def test_program_without_accounting_tracepoint() -> None:
+    """Kernels before 6.5 lack block_io_start: the program drops those probes and every @acct use."""
+    from triscope.collectors.blockio import bpftrace_program
+
+    full, bare = bpftrace_program(2.4, True), bpftrace_program(2.4, False)
+    assert "block_io_start" in full and "@acct" in full and "interval:s:2\n" in full
+    assert "block_io_start" not in bare and "@acct" not in bare and "// acct" not in full + bare
+    assert bare.count("{") == bare.count("}") and "@qd_ns[$d >> 20, $d & 0xfffff] = sum($n - $q);" in bare
