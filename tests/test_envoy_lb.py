@@ -59,7 +59,6 @@ def bootstrap(admin_port: int, listen_port: int, feed_port: int) -> dict:
             }],
             "clusters": [
                 {"name": "triscope", "type": "EDS", "connect_timeout": "1s", "lb_policy": "ROUND_ROBIN",
-                 "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
                  "eds_cluster_config": {"service_name": "triscope", "eds_config": {
                      "resource_api_version": "V3",
                      "api_config_source": {"api_type": "REST", "transport_api_version": "V3",
@@ -162,7 +161,15 @@ def test_drained_backend_is_draining_and_gets_no_traffic(lb: dict) -> None:
     counts = split(lb["listen"], 200)
     assert counts["c"] == 0 and counts["a"] + counts["b"] == 200, counts
 
-    lb["fleet"].set(c=0.5)  # below release_memory_ratio 0.92: back in service
-    wait_for(lambda: envoy_hosts(admin)[ports["c"]]["eds_health"] == "HEALTHY", 5,
-             "Envoy to bring c back", lb["proc"], lb["log"])
-    assert split(lb["listen"], 100)["c"] > 0
+    # two of three draining: below Envoy's default 50% healthy-panic threshold, yet DRAINING
+    # hosts stay out of rotation (they are excluded, not counted as unhealthy)
+    lb["fleet"].set(b=0.99)
+    wait_for(lambda: envoy_hosts(admin)[ports["b"]]["eds_health"] == "DRAINING", 5,
+             "Envoy to mark b DRAINING", lb["proc"], lb["log"])
+    assert split(lb["listen"], 90) == {"a": 90}
+
+    lb["fleet"].set(b=0.5, c=0.5)  # below release_memory_ratio 0.92: back in service
+    wait_for(lambda: {h["eds_health"] for h in envoy_hosts(admin).values()} == {"HEALTHY"}, 5,
+             "Envoy to bring b and c back", lb["proc"], lb["log"])
+    back = split(lb["listen"], 100)
+    assert back["b"] > 0 and back["c"] > 0, back
