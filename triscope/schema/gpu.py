@@ -65,7 +65,7 @@ GPU_PROCESS_MEMORY = Table(
     partition_by="toYYYYMMDD(ts)",
 )
 
-ALLOCATOR_SAMPLES = Table(
+_ALLOCATOR_SAMPLES_V1 = Table(
     name="allocator_samples",
     columns=[
         TS, HOST, Column("gpu", "UInt16"), Column("pid", "UInt32"),
@@ -80,9 +80,17 @@ ALLOCATOR_SAMPLES = Table(
     partition_by="toYYYYMMDD(ts)",
 )
 
+ALLOCATOR_SAMPLES_V3_COLUMNS = (
+    Column("active_bytes", "Float64", "torch allocator active blocks: allocated, or freed but awaiting stream events"),
+)
+ALLOCATOR_SAMPLES = replace(_ALLOCATOR_SAMPLES_V1,
+                            columns=[*_ALLOCATOR_SAMPLES_V1.columns, *ALLOCATOR_SAMPLES_V3_COLUMNS])
+"""Current ``allocator_samples`` columns (version 1 plus the column migration 3 adds)."""
+
 MIGRATIONS = [
     Migration(1, "gpu samples, process memory, allocator", create_tables(_GPU_SAMPLES_V1, GPU_PROCESS_MEMORY,
-                                                                          ALLOCATOR_SAMPLES)),
+                                                                          _ALLOCATOR_SAMPLES_V1)),
     Migration(2, "gpu samples: kubernetes pod labels and error text",
               add_columns("gpu_samples", *GPU_SAMPLES_V2_COLUMNS)),
+    Migration(3, "allocator samples: active bytes", add_columns("allocator_samples", *ALLOCATOR_SAMPLES_V3_COLUMNS)),
 ]
