@@ -394,3 +394,64 @@ def test_store_reader_and_feed(store) -> None:  # noqa: ANN001
     # a store opener (what `triscope run` passes) works too
     with WeightFeed(p, store=lambda: store).start() as feed:
         assert weights(feed)["backends"]["gpu-a:8000"]["state"] == "ready"
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _config_file(tmp_path, store, extra: str = "") -> str:  # noqa: ANN001
+    path = tmp_path / "triscope.toml"
+    path.write_text(f'[store]\nbackend = "embedded"\npath = "{store.path}"\ndatabase = "{store.database}"\n'
+                    f'[weights]\ndiscover = true\n{extra}')
+    return str(path)
+
+
+def test_cli_serve_once_json_and_table(store, tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    from triscope.cli import main
+
+    monkeypatch.delenv("TRISCOPE_CONFIG", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    _seed(store, time.time())
+    cfg = _config_file(tmp_path, store, '[weights.backends."gpu-b:8000"]\nhost = "gpu-b"\ngpus = [0]\n')
+    assert main(["weights", "serve", "--once", "--json", "-c", cfg]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc["backends"]) == {"gpu-a:8000", "gpu-b:8000"}
+    assert doc["backends"]["gpu-a:8000"]["inputs"]["memory_used_ratio"] == pytest.approx(0.9)
+    assert doc["backends"]["gpu-b:8000"]["state"] == "drain"
+    assert main(["weights", "show", "-c", cfg]) == 0
+    out = capsys.readouterr().out
+    assert "gpu-a:8000" in out and "drain" in out and "KV-cache scaling" in out
+    bad = _config_file(tmp_path, store, "floor = 0\n")
+    assert main(["weights", "serve", "--once", "-c", bad]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "floor" in err
+
+
+def test_cli_serve_runs_until_sigterm(tmp_path) -> None:  # noqa: ANN001
+    import os
+    import re
+    import signal
+
+    from conftest import REPO
+
+    env = {**os.environ, "TRISCOPE_STORE__PATH": str(tmp_path / "db"), "TRISCOPE_WEIGHTS__INTERVAL_S": "0.2"}
+    env.pop("TRISCOPE_CONFIG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "triscope", "weights", "serve", "--port", "0", "--agent-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"weights=http://127\.0\.0\.1:(\d+)/v1/weights .*haproxy_agent=tcp://127\.0\.0\.1:(\d+)", line)
+        assert m, line + proc.stderr.read() if proc.poll() is not None else line
+        http_port, agent_port = int(m.group(1)), int(m.group(2))
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/weights", timeout=10) as resp:
+            doc = json.load(resp)
+        assert doc["backends"] == {} and doc["stale"] is True  # empty store: nothing known yet
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=10) as resp:
+            assert resp.read() == b"ok\n"
+        assert agent(agent_port, b"x:1\n") == b"ready 100%\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,119 @@
+"""``triscope weights``: compute load-balancer weights from the store, or serve them as a feed.
+
+``serve`` runs :class:`triscope.exporters.feed.WeightFeed` (``/v1/weights``, ``/metrics``, Envoy EDS,
+Traefik provider, HAProxy agent) until SIGTERM/SIGINT; ``serve --once`` and ``show`` compute one
+update and print it (a table, or the ``/v1/weights`` document with ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from triscope.commands._common import add_common
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("weights", help="load-balancer weights from GPU memory, KV cache and P99")
+    sub = parser.add_subparsers(dest="weights_command", metavar="ACTION")
+    serve = sub.add_parser("serve", help="run the weight feed (HTTP + HAProxy agent) until interrupted")
+    serve.add_argument("--bind", help="listen address (default [weights.feed] bind, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="HTTP port (default [weights.feed] port; 0 = ephemeral, -1 = off)")
+    serve.add_argument("--agent-port", type=int,
+                       help="HAProxy agent-check port (default [weights.feed] agent_port; 0 = ephemeral, -1 = off)")
+    serve.add_argument("--interval", type=float, metavar="S", help="update period (default [weights] interval_s)")
+    serve.add_argument("--once", action="store_true", help="compute one update, print it and exit")
+    add_common(serve)
+    serve.set_defaults(func=run_serve)
+    show = sub.add_parser("show", help="compute one update from the store and print it")
+    add_common(show)
+    show.set_defaults(func=run_show)
+    parser.set_defaults(func=lambda _args: (parser.print_help(), 2)[1])
+
+
+def _params(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    from triscope.commands._common import config_from
+    from triscope.exporters.weights import WeightParams
+
+    config = config_from(args)
+    if getattr(args, "interval", None) is not None:
+        config.setdefault("weights", {})["interval_s"] = args.interval
+    return config, WeightParams.from_config(config)
+
+
+def _print(result: Any, as_json: bool) -> None:
+    from triscope.commands._common import print_json
+
+    doc = result.to_dict()
+    if as_json:
+        print_json(doc)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(x: float | None, spec: str = ".2f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    table = Table(title=f"weights v{doc['version']}" + (" (STALE: equal weights)" if doc["stale"] else ""))
+    for col in ("backend", "state", "weight", "target", "lb", "memory", "kv", "qps", "age s", "reasons"):
+        table.add_column(col, justify="left" if col in ("backend", "state", "reasons") else "right")
+    for name, b in doc["backends"].items():
+        i = b["inputs"]
+        table.add_row(name, b["state"], fmt(b["weight"]), fmt(b["target"]), str(b["lb_weight"]),
+                      fmt(i["memory_used_ratio"], ".0%"), fmt(i["kv_cache_usage_ratio"], ".0%"), fmt(i["qps"], ".1f"),
+                      fmt(b["age_seconds"], ".1f"), ", ".join(b["reasons"]))
+    console = Console()
+    console.print(table)
+    if not doc["backends"]:
+        console.print("no backends: configure [weights.backends] or write serving_metrics / requests rows")
+    classes = ", ".join(f"{c} {v['priority_weight']:.1f}" for c, v in doc["classes"].items())
+    console.print(f"class priority weights: {classes}")
+    console.print(f"KV-cache scaling: {doc['scale']['action']} ({doc['scale']['reason']})")
+
+
+def _once(args: argparse.Namespace) -> int:
+    from triscope.exporters.feed import WeightFeed
+    from triscope.store import open_store
+
+    config, params = _params(args)
+    store = open_store(config)
+    try:
+        feed = WeightFeed(params, store=store)
+        _print(feed.update(), args.json)
+    finally:
+        store.close()
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    """``triscope weights show``."""
+    return _once(args)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``triscope weights serve``."""
+    if args.once:
+        return _once(args)
+    from triscope.exporters.feed import WeightFeed
+    from triscope.store import open_store
+
+    config, params = _params(args)
+    stop = threading.Event()
+    store = open_store(config)
+    feed = WeightFeed(params, store=store, bind=args.bind, port=args.port, agent_port=args.agent_port)
+    try:
+        feed.start()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            signal.signal(signal.SIGINT, lambda *_: stop.set())
+        print("weights feed: " + " ".join(f"{k}={v}" for k, v in feed.urls.items()), flush=True)
+        if feed.last_error:
+            print(f"triscope: warning: first update failed: {feed.last_error}", file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        feed.close()
+        store.close()
+    return 0
