@@ -128,7 +128,7 @@ def eds_response(result: WeightsResult, request_body: bytes, params: WeightParam
     200 with the full DiscoveryResponse on every poll; 400 (one-line JSON ``{"error": ...}``) for a body that is not a
     DiscoveryRequest; 413 when the body exceeds ``[weights.feed] max_body_bytes``.
     """
-    max_bytes = int(params.feed.get("max_body_bytes", 65536))
+    max_bytes = int(params.feed.get("max_body_bytes", 1 << 20))
     request, error = parse_request(request_body, max_bytes)
     if error is not None:
         return error

@@ -72,7 +72,7 @@ class WeightFeed:
         self.bind = str(bind if bind is not None else feed_cfg.get("bind", "127.0.0.1"))
         self._port_cfg = int(port if port is not None else feed_cfg.get("port", 9470))
         self._agent_port_cfg = int(agent_port if agent_port is not None else feed_cfg.get("agent_port", 9471))
-        self.max_body_bytes = int(feed_cfg.get("max_body_bytes", 65536))
+        self.max_body_bytes = int(feed_cfg.get("max_body_bytes", 1 << 20))
         if self.max_body_bytes < 0:
             raise ConfigError("[weights.feed] max_body_bytes must be >= 0")
         self._store_arg = store

@@ -58,7 +58,7 @@ DEFAULTS: dict[str, Any] = {
         "bind": "127.0.0.1",
         "port": 9470,
         "agent_port": 9471,
-        "max_body_bytes": 65536,
+        "max_body_bytes": 1 << 20,  # Envoy 1.40 REST DiscoveryRequests are ~77 KB (node metadata)
         "envoy_cluster": "triscope",
         "traefik_service": "triscope",
         "traefik_entrypoints": ["web"],
