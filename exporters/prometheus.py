@@ -93,7 +93,7 @@ class Derived:
     at: float = 0.0
     duration_s: float = 0.0
     samples: dict[str, list[tuple[tuple[str, ...], float]]] = field(default_factory=dict)
-    ok: bool = False
+    ok: bool = False  # the store answered at least one query
 
 
 def _range(now_ns: int, window_s: float) -> dict[str, int]:
@@ -210,6 +210,14 @@ class TriscopeCollector:
         self.refresh_timeouts = 0
         self._last_batches = -1
         self.last_write_unix: float | None = None
+        self._last_warning: dict[str, str] = {}
+
+    def _warn(self, what: str, exc: BaseException) -> None:
+        """Log a failure once per new message (a store that stays down is not one line per scrape)."""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if self._last_warning.get(what) != text:
+            log.warning("prometheus exporter: %s: %s", what, text)
+        self._last_warning[what] = text
 
     def describe(self) -> list[Metric]:
         """Nothing: keeps registration from running a scrape (and a store query)."""
@@ -289,19 +297,19 @@ class TriscopeCollector:
         return self._store
 
     def _refresh(self) -> Derived:
-        """Run every query on the worker thread; a failing query keeps its previous values."""
+        """Run every query on the worker thread; a failing query's families are left empty (and counted)."""
         t0 = time.monotonic()
         now_ns = time.time_ns()
-        out = Derived(at=time.monotonic(), samples=dict(self._derived.samples))
+        out = Derived(at=time.monotonic())
         try:
             store = self._open()
         except Exception as exc:  # noqa: BLE001 - counted and reported, never raised into a scrape
-            log.warning("prometheus exporter: store not available: %s", str(exc).splitlines()[0] if str(exc) else exc)
+            self._warn("store not available", exc)
             for name in QUERIES:
                 self.query_errors[name] += 1
             out.duration_s = time.monotonic() - t0
             return out
-        ok = True
+        ok = False  # the store answered at least one query
         for name, fn in QUERIES.items():
             if name == "stalls" and not self.cfg["stalls"]:
                 continue
@@ -312,11 +320,11 @@ class TriscopeCollector:
                     got = fn(store, now_ns, self.cfg["window_s"])
             except Exception as exc:  # noqa: BLE001 - one bad query must not blank the rest
                 self.query_errors[name] += 1
-                ok = False
-                log.warning("prometheus exporter: %s query failed: %s", name, str(exc).splitlines()[0]
-                            if str(exc) else type(exc).__name__)
+                self._warn(f"{name} query failed", exc)
                 continue
+            self._last_warning.pop(f"{name} query failed", None)
             out.samples.update(got)
+            ok = True
         out.ok = ok
         out.duration_s = time.monotonic() - t0
         return out

@@ -318,3 +318,20 @@ def test_daemon_pipeline_counters(store_path: Path, tmp_path: Path) -> None:
     assert _get(s, "triscope_writer_rows_replayed_total") == 0
     kv = [v for (name, _labels), v in live.items() if name == "triscope_backend_kv_cache_usage_ratio"]
     assert kv == [pytest.approx(0.61)]  # vLLM gauge -> collector -> writer -> store -> derived metric
+
+
+def test_a_failing_query_blanks_only_its_families(store: Any) -> None:
+    _seed(store, _t0())
+    store.command(f"DROP TABLE {qualified(store, 'gpu_samples')}")
+    exp = factory({"prometheus": {"port": 0, "cache_s": 0}}, lambda: store)
+    exp.start()
+    try:
+        s = _samples(_scrape(exp.url))
+    finally:
+        exp.close()
+    errors = {q: _get(s, "triscope_exporter_store_query_errors_total", query=q)
+              for q in ("requests", "serving_metrics", "gpu_samples", "stalls")}
+    assert errors == {"requests": 0, "serving_metrics": 0, "gpu_samples": 1, "stalls": 1}
+    assert not any(name.startswith(("triscope_gpu_", "triscope_stall_")) for name, _ in s)
+    assert _get(s, "triscope_backend_requests_per_second", backend="b1") == pytest.approx(len(LAT_B1) / 60)
+    assert _get(s, "triscope_store_up") == 1.0
