@@ -1,0 +1,76 @@
+"""Template variables and SQL filter fragments shared by the boards.
+
+Every query variable reads its values from the store for the dashboard's time range. Filters
+use the plugin's ``$__conditionalAll(cond, $var)``: with *All* selected the condition becomes
+``1=1`` (no giant ``IN`` list), otherwise ``col IN (${var:singlequote})``.
+"""
+
+from __future__ import annotations
+
+from triscope.dashboards.model import Variable
+
+DATABASE = Variable("database", "ClickHouse database", kind="textbox", default="triscope", hide=2,
+                    description="database holding the triscope tables ([store] database)")
+
+
+def t(table: str) -> str:
+    """A table of the triscope database, as the boards write it."""
+    return f"${{database}}.{table}"
+
+
+def cond(column: str, var: str) -> str:
+    """``$__conditionalAll(column IN (${var:singlequote}), $var)``."""
+    return f"$__conditionalAll({column} IN (${{{var}:singlequote}}), ${var})"
+
+
+def conds(pairs: list[tuple[str, str]]) -> str:
+    """Several :func:`cond` joined with AND (``1=1`` when empty)."""
+    return " AND ".join(cond(c, v) for c, v in pairs) or "1=1"
+
+
+def distinct(column: str, tables: list[str], where: list[tuple[str, str]], ts: str = "ts",
+              order: str = "") -> str:
+    parts = []
+    for table in tables:
+        filters = "".join(f" AND {cond(c, v)}" for c, v in where)
+        parts.append(f"SELECT toString({column}) AS v FROM {t(table)} WHERE $__timeFilter({ts}) "
+                     f"AND toString({column}) != ''{filters}")
+    return f"SELECT DISTINCT v FROM ({' UNION ALL '.join(parts)}) ORDER BY {order or 'v'}"
+
+
+def host_var(*tables: str) -> Variable:
+    """Hosts seen in ``tables`` in the time range."""
+    return Variable("host", "Host", distinct("host", list(tables), []))
+
+
+def gpu_var() -> Variable:
+    """GPU indices of the selected hosts (gpu_samples)."""
+    return Variable("gpu", "GPU", distinct("gpu", ["gpu_samples"], [("host", "host")],
+                                            order="toUInt32OrZero(v), v"))
+
+
+def backend_var() -> Variable:
+    """Serving backends of the selected hosts (requests, serving_metrics)."""
+    return Variable("backend", "Backend", distinct("backend", ["requests", "serving_metrics"],
+                                                    [("host", "host")]))
+
+
+def request_var(column: str, label: str) -> Variable:
+    """Values of one ``requests`` column for the selected hosts and backends."""
+    return Variable(column, label, distinct(column, ["requests"], [("host", "host"), ("backend", "backend")]))
+
+
+def request_vars() -> list[Variable]:
+    """model, model_version, modality, input_resolution, request_class."""
+    return [request_var("model", "Model"), request_var("model_version", "Model version"),
+            request_var("modality", "Modality"), request_var("input_resolution", "Input resolution"),
+            request_var("request_class", "Request class")]
+
+
+REQUEST_DIMENSIONS = ["model", "model_version", "modality", "input_resolution", "request_class"]
+REQUEST_FILTER = conds([("host", "host"), ("gpu", "gpu"), ("backend", "backend")]
+                       + [(c, c) for c in REQUEST_DIMENSIONS])
+REQUEST_SELECTED = conds([(c, c) for c in REQUEST_DIMENSIONS])
+BACKEND_FILTER = conds([("host", "host"), ("backend", "backend")])
+GPU_FILTER = conds([("host", "host"), ("toString(gpu)", "gpu")])
+

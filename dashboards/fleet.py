@@ -1,0 +1,157 @@
+"""Fleet overview: QPS, GPU memory and P99 latency per backend, serving-engine state, pipeline health."""
+
+from __future__ import annotations
+
+from triscope.dashboards.common import (
+    BACKEND_FILTER,
+    DATABASE,
+    GPU_FILTER,
+    REQUEST_DIMENSIONS,
+    REQUEST_FILTER,
+    backend_var,
+    gpu_var,
+    host_var,
+    request_vars,
+    t,
+)
+from triscope.dashboards.model import (
+    Board,
+    link,
+    prom_target,
+    row,
+    sql_target,
+    stat,
+    table,
+    timeseries,
+)
+
+UID = "triscope-fleet"
+HEATMAP_UID = "triscope-heatmap"
+STALLS_UID = "triscope-stalls"
+WEIGHTS_UID = "triscope-weights"
+
+REQ = t("requests")
+GPU = t("gpu_samples")
+SERVING = t("serving_metrics")
+_LAT = "isFinite(latency_seconds)"
+_RANGE_S = "greatest(1, toUnixTimestamp($__toTime) - toUnixTimestamp($__fromTime))"
+
+_HEATMAP_BACKEND = link("QPS x memory x latency of ${__field.labels.backend}", HEATMAP_UID,
+                        {"backend": "${__field.labels.backend}"}, carry=REQUEST_DIMENSIONS)
+_STALLS_GPU = link("Stalls of ${__field.labels.host} GPU ${__field.labels.gpu}", STALLS_UID,
+                   {"host": "${__field.labels.host}", "gpu": "${__field.labels.gpu}"})
+
+
+def _self(column: str) -> dict[str, object]:
+    """Drill down on this board: keep the other selections, set this column's variable."""
+    others = [c for c in ["host", "gpu", "backend", *REQUEST_DIMENSIONS] if c != column]
+    return link(f"Only {column} = ${{__data.fields.{column}}}", UID,
+                {column: f"${{__data.fields.{column}}}"}, carry=others)
+
+
+def board() -> Board:
+    """The fleet-overview dashboard."""
+    variables = [DATABASE, host_var("gpu_samples", "requests", "serving_metrics"), gpu_var(), backend_var(),
+                 *request_vars()]
+    panels = [
+        row("Traffic, memory and tail latency"),
+        stat("Fleet QPS", [sql_target(
+            f"SELECT count() / {_RANGE_S} AS qps FROM {REQ} WHERE $__timeFilter(ts) AND {REQUEST_FILTER}",
+            table=True)], "requests per second over the time range", unit="reqps"),
+        stat("Fleet P99 latency", [sql_target(
+            f"SELECT quantileIf(0.99)(latency_seconds, {_LAT}) AS p99_latency_seconds FROM {REQ} "
+            f"WHERE $__timeFilter(ts) AND {REQUEST_FILTER}", table=True)],
+            "end-to-end latency, all selected requests", unit="s",
+            thresholds=[(None, "green"), (0.8, "orange"), (5.0, "red")]),
+        stat("Error ratio", [sql_target(
+            f"SELECT countIf(status = 'error') / greatest(count(), 1) AS error_ratio FROM {REQ} "
+            f"WHERE $__timeFilter(ts) AND {REQUEST_FILTER}", table=True)],
+            "requests with status = error", unit="percentunit",
+            thresholds=[(None, "green"), (0.01, "orange"), (0.05, "red")]),
+        stat("Peak GPU memory used", [sql_target(
+            "SELECT maxIf(memory_used_bytes / memory_total_bytes, isFinite(memory_used_bytes) "
+            f"AND memory_total_bytes > 0) AS memory_used_ratio FROM {GPU} WHERE $__timeFilter(ts) AND {GPU_FILTER}",
+            table=True)], "highest used/total of any selected GPU", unit="percentunit",
+            thresholds=[(None, "green"), (0.92, "orange"), (0.97, "red")]),
+        timeseries("QPS per backend", [sql_target(
+            f"SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, count() / $__interval_s AS qps "
+            f"FROM {REQ} WHERE $__timeFilter(ts) AND {REQUEST_FILTER} GROUP BY time, backend ORDER BY time, backend")],
+            "request starts per second (requests.ts)", unit="reqps", links=[_HEATMAP_BACKEND]),
+        timeseries("P99 latency per backend", [sql_target(
+            f"SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, "
+            f"quantileIf(0.99)(latency_seconds, {_LAT}) AS p99_latency_seconds "
+            f"FROM {REQ} WHERE $__timeFilter(ts) AND {REQUEST_FILTER} GROUP BY time, backend ORDER BY time, backend")],
+            "end-to-end latency (requests.latency_seconds)", unit="s", links=[_HEATMAP_BACKEND]),
+        timeseries("GPU memory used", [sql_target(
+            "SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(gpu) AS gpu, "
+            "avgIf(memory_used_bytes, isFinite(memory_used_bytes)) AS memory_used_bytes "
+            f"FROM {GPU} WHERE $__timeFilter(ts) AND {GPU_FILTER} GROUP BY time, host, gpu ORDER BY time, host, gpu")],
+            "gpu_samples.memory_used_bytes (NVML / DCGM)", unit="bytes", links=[_STALLS_GPU]),
+        timeseries("GPU memory used / total", [sql_target(
+            "SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(gpu) AS gpu, "
+            "avgIf(memory_used_bytes / memory_total_bytes, isFinite(memory_used_bytes) AND memory_total_bytes > 0) "
+            f"AS memory_used_ratio FROM {GPU} WHERE $__timeFilter(ts) AND {GPU_FILTER} "
+            "GROUP BY time, host, gpu ORDER BY time, host, gpu")],
+            "the weight engine drains a backend at 97% and releases it at 92%", unit="percentunit",
+            thresholds=[(None, "green"), (0.92, "orange"), (0.97, "red")], links=[_STALLS_GPU]),
+        row("Serving engines (vLLM / SGLang / TGI scrapes)"),
+        timeseries("KV-cache usage per backend", [sql_target(
+            "SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, "
+            "avgIf(kv_cache_usage_ratio, isFinite(kv_cache_usage_ratio)) AS kv_cache_usage_ratio "
+            f"FROM {SERVING} WHERE $__timeFilter(ts) AND {BACKEND_FILTER} "
+            "GROUP BY time, backend ORDER BY time, backend")],
+            "scale up at >= 85% for 2 s, down at <= 40% for 5 s", unit="percentunit",
+            thresholds=[(None, "green"), (0.40, "blue"), (0.85, "red")],
+            links=[link("Weights of ${__field.labels.backend}", WEIGHTS_UID, {"backend": "${__field.labels.backend}"})]),
+        timeseries("Queue length per backend", [sql_target(
+            "SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, "
+            "avgIf(queue_length, isFinite(queue_length)) AS queue_length, "
+            "avgIf(running_requests, isFinite(running_requests)) AS running_requests "
+            f"FROM {SERVING} WHERE $__timeFilter(ts) AND {BACKEND_FILTER} "
+            "GROUP BY time, backend ORDER BY time, backend")],
+            "requests waiting and running (serving_metrics)", unit="short"),
+        row("Drill down"),
+        table("Backends", [sql_target(
+            "SELECT toString(backend) AS backend, any(toString(host)) AS host, count() AS requests, "
+            f"count() / {_RANGE_S} AS qps, "
+            f"quantileIf(0.5)(latency_seconds, {_LAT}) AS p50_latency_seconds, "
+            f"quantileIf(0.99)(latency_seconds, {_LAT}) AS p99_latency_seconds, "
+            "countIf(status = 'error') / count() AS error_ratio, "
+            "arrayStringConcat(arraySort(groupUniqArray(toString(model))), ', ') AS models "
+            f"FROM (SELECT * FROM {REQ} WHERE $__timeFilter(ts) AND {REQUEST_FILTER}) "
+            "GROUP BY backend ORDER BY p99_latency_seconds DESC",
+            table=True)],
+            "click a backend for its heatmap, a host for its stall breakdown",
+            column_links={
+                "backend": [link("QPS x memory x latency of ${__data.fields.backend}", HEATMAP_UID,
+                                 {"backend": "${__data.fields.backend}"}, carry=REQUEST_DIMENSIONS)],
+                "host": [link("Stalls on ${__data.fields.host}", STALLS_UID, {"host": "${__data.fields.host}"})],
+            },
+            column_units={"qps": "reqps", "p50_latency_seconds": "s", "p99_latency_seconds": "s",
+                          "error_ratio": "percentunit"}),
+        table("Request mix", [sql_target(
+            "SELECT toString(model_version) AS model_version, toString(modality) AS modality, "
+            "toString(input_resolution) AS input_resolution, toString(request_class) AS request_class, "
+            f"count() AS requests, quantileIf(0.99)(latency_seconds, {_LAT}) AS p99_latency_seconds, "
+            "avg(prompt_tokens) AS mean_prompt_tokens, avg(image_pixels) AS mean_image_pixels "
+            f"FROM {REQ} WHERE $__timeFilter(ts) AND {REQUEST_FILTER} "
+            "GROUP BY model_version, modality, input_resolution, request_class ORDER BY requests DESC LIMIT 200",
+            table=True)],
+            "click a value to keep only it (the other selections stay)",
+            column_links={c: [_self(c)] for c in ("model_version", "modality", "input_resolution", "request_class")},
+            column_units={"p99_latency_seconds": "s"}),
+        row("Pipeline health (Prometheus)"),
+        timeseries("Scrape targets up", [prom_target('up{job=~"triscope.*"}', "{{job}} {{instance}}")],
+                   "Prometheus scrape health of the triscope jobs", unit="bool", w=8),
+        timeseries("Weight updates per second", [prom_target(
+            "rate(triscope_weights_updates_total[$__rate_interval])", "{{instance}}")],
+            "weight feed update loop (triscope_weights_updates_total)", unit="ops", w=8),
+        timeseries("Weight feed age", [
+            prom_target("time() - triscope_weights_last_update_timestamp_seconds", "age {{instance}}"),
+            prom_target("max by (backend) (triscope_backend_input_age_seconds)", "input age {{backend}}", ref="B")],
+            "seconds since the last weight update and since each backend's newest input", unit="s",
+            thresholds=[(None, "green"), (15.0, "red")], w=8),
+    ]
+    return Board(UID, "triscope / fleet overview",
+                 "QPS, GPU memory and P99 latency per backend; drill down by host, GPU, model version, modality, "
+                 "input resolution and request class.", variables, panels, tags=["fleet"])

@@ -1,0 +1,147 @@
+"""The QPS x GPU memory x latency heatmap, in ClickHouse SQL with the analyzer's semantics.
+
+Same definitions as :mod:`triscope.analyzers.heatmap` (default :class:`HeatmapSpec`): a request's
+QPS is its backend's request count in its 100 ms window / 0.1 s (host and backend variables pick
+backends; the model, version, modality, resolution and class variables pick the requests counted,
+not the load); its memory is the mean ``memory_used_bytes`` of its GPU (``requests.gpu`` as index or
+uuid, the host's sum when empty) in the latest sampled window at most 5 s earlier (ASOF join);
+bins of 5 QPS, 200 MB and 10 ms, values past the last bin clamped into it. Requests without a
+memory sample in reach are counted as unmatched and left out.
+"""
+
+from __future__ import annotations
+
+from triscope.analyzers.heatmap import HeatmapSpec
+from triscope.dashboards.common import (
+    BACKEND_FILTER,
+    DATABASE,
+    REQUEST_DIMENSIONS,
+    REQUEST_SELECTED,
+    backend_var,
+    host_var,
+    request_vars,
+    t,
+)
+from triscope.dashboards.model import Board, heatmap, link, row, sql_target, stat, table, text
+
+UID = "triscope-heatmap"
+FLEET_UID = "triscope-fleet"
+SPEC = HeatmapSpec()
+
+
+def _g(x: float) -> str:
+    return repr(float(x))
+
+
+def cells_cte(spec: HeatmapSpec = SPEC) -> str:
+    """CTEs ``wins`` (per backend window), ``mem`` (per GPU / host window) and ``cells`` (joined)."""
+    wns = spec.window_ns
+    max_age_w = int(spec.memory_max_age_s * 1e9) // wns
+    reach_s = int((max_age_w + 1) * wns / 1e9) + 1
+    sel = f"isFinite(latency_seconds) AND {REQUEST_SELECTED}"
+    return f"""
+WITH
+  wins AS (
+    SELECT toString(backend) AS b, intDiv(toUnixTimestamp64Nano(ts), {wns}) AS w,
+           any(toString(host)) AS h, any(toString(gpu)) AS g, count() AS n,
+           groupArrayIf(latency_seconds, {sel}) AS lats,
+           groupArrayIf(toString(modality), {sel}) AS mods,
+           groupArrayIf(toString(request_class), {sel}) AS classes
+    FROM {t('requests')}
+    WHERE $__timeFilter(ts) AND {BACKEND_FILTER}
+    GROUP BY b, w
+  ),
+  per_gpu AS (
+    SELECT toString(host) AS h, gpu, any(toString(gpu_uuid)) AS uuid,
+           intDiv(toUnixTimestamp64Nano(ts), {wns}) AS w, avg(memory_used_bytes) AS used
+    FROM {t('gpu_samples')}
+    WHERE ts >= $__fromTime - INTERVAL {reach_s} SECOND AND ts <= $__toTime AND isFinite(memory_used_bytes)
+    GROUP BY h, gpu, w
+  ),
+  mem AS (
+    SELECT h, toString(gpu) AS g, w, used FROM per_gpu
+    UNION ALL SELECT h, uuid AS g, w, used FROM per_gpu WHERE uuid != ''
+    UNION ALL SELECT h, '' AS g, w, sum(used) AS used FROM per_gpu GROUP BY h, w
+  ),
+  cells AS (
+    SELECT wins.b AS backend, wins.w AS w, wins.lats AS lats, wins.mods AS mods, wins.classes AS classes,
+           mem.w > 0 AND wins.w - mem.w <= {max_age_w} AS matched, mem.used AS used,
+           least(toUInt32(floor(wins.n * 1e9 / {wns} / {_g(spec.qps_bin)})), {spec.qps_bins - 1}) AS qbin,
+           least(toUInt32(floor(greatest(mem.used, 0) / {_g(spec.memory_bin_bytes)})), {spec.memory_bins - 1}) AS mbin
+    FROM wins ASOF LEFT JOIN mem ON wins.h = mem.h AND wins.g = mem.g AND wins.w >= mem.w
+  )
+"""
+
+
+def _lbin(spec: HeatmapSpec = SPEC) -> str:
+    return f"least(toUInt32(floor(greatest(lat, 0) / {_g(spec.latency_bin_s)})), {spec.latency_bins - 1})"
+
+
+def _wtime(spec: HeatmapSpec = SPEC) -> str:
+    """The window's start as DateTime (for time-axis heatmaps)."""
+    return f"toDateTime(intDiv(w * {spec.window_ns}, 1000000000))"
+
+
+def slice_sql(x: str, y: str, spec: HeatmapSpec = SPEC) -> str:
+    """Cells (``xMin``, ``yMin``, ``count``) of the 2-D slice over axes ``x``, ``y`` (qps, memory, latency)."""
+    edge = {"qps": f"qbin * {_g(spec.qps_bin)}", "memory": f"mbin * {_g(spec.memory_bin_bytes)}",
+            "latency": f"{_lbin(spec)} * {_g(spec.latency_bin_s)}",
+            "time": f"$__timeInterval({_wtime(spec)})"}
+    return (cells_cte(spec) + f"SELECT {edge[x]} AS xMin, {edge[y]} AS yMin, count() AS count\n"
+            "FROM cells ARRAY JOIN lats AS lat WHERE matched GROUP BY xMin, yMin ORDER BY xMin, yMin")
+
+
+def board() -> Board:
+    """The heatmap dashboard."""
+    s = SPEC
+    variables = [DATABASE, host_var("requests"), backend_var(), *request_vars()]
+    units = {"qps": "reqps", "memory": "bytes", "latency": "s"}
+    note = (f"Windows of {s.window_ms:g} ms per backend; bins of {s.qps_bin:g} QPS x {s.qps_bins}, "
+            f"{s.memory_bin_bytes / 1e6:g} MB x {s.memory_bins}, {s.latency_bin_s * 1e3:g} ms x {s.latency_bins} "
+            "(values past the last bin are clamped into it). The same tensor as `triscope heatmap`; "
+            "the x and y values are each bin's lower edge.")
+    panels = [
+        text("How to read", note, h=2),
+        row("Slices of the tensor (x = bin of the first axis, y = bin of the second, colour = requests)"),
+        heatmap("QPS x latency", [sql_target(slice_sql("qps", "latency"), table=True)],
+                "requests per (QPS bin, latency bin), memory summed out", y_unit=units["latency"], w=8),
+        heatmap("GPU memory x latency", [sql_target(slice_sql("memory", "latency"), table=True)],
+                "requests per (memory bin, latency bin), QPS summed out", y_unit=units["latency"], w=8),
+        heatmap("QPS x GPU memory", [sql_target(slice_sql("qps", "memory"), table=True)],
+                "requests per (QPS bin, memory bin), latency summed out", y_unit=units["memory"], w=8),
+        row("Over time"),
+        heatmap("Latency over time", [sql_target(slice_sql("time", "latency"), table=True)],
+                "requests per latency bin and time bucket", y_unit=units["latency"], w=8),
+        heatmap("QPS over time", [sql_target(slice_sql("time", "qps"), table=True)],
+                "requests per QPS bin of their backend window", y_unit=units["qps"], w=8),
+        heatmap("GPU memory over time", [sql_target(slice_sql("time", "memory"), table=True)],
+                "requests per GPU-memory bin", y_unit=units["memory"], w=8),
+        row("Load patterns"),
+        table("Busiest (QPS, memory) cells", [sql_target(
+            cells_cte() + f"SELECT qbin * {_g(s.qps_bin)} AS qps_from, mbin * {_g(s.memory_bin_bytes)} AS memory_from_bytes, "
+            "count() AS requests, quantileExactInclusive(0.95)(lat) AS p95_latency_seconds, "
+            "topKWeighted(1)(modality, 1)[1] AS modality, topKWeighted(1)(rclass, 1)[1] AS request_class, "
+            "round(max(used)) AS memory_max_bytes\n"
+            "FROM cells ARRAY JOIN lats AS lat, mods AS modality, classes AS rclass WHERE matched "
+            "GROUP BY qbin, mbin ORDER BY requests DESC, qbin, mbin LIMIT 20", table=True)],
+            "the analyzer's patterns: requests, exact P95 and the dominant modality / class per cell",
+            column_links={
+                "modality": [link("Fleet: modality ${__data.fields.modality}", FLEET_UID,
+                                  {"modality": "${__data.fields.modality}"}, carry=["host", "backend"])],
+                "request_class": [link("Fleet: class ${__data.fields.request_class}", FLEET_UID,
+                                       {"request_class": "${__data.fields.request_class}"},
+                                       carry=["host", "backend"])],
+            },
+            column_units={"qps_from": "reqps", "memory_from_bytes": "bytes", "p95_latency_seconds": "s",
+                          "memory_max_bytes": "bytes"}, w=16),
+        stat("Requests without a memory sample", [sql_target(
+            cells_cte() + "SELECT countIf(NOT matched) AS unmatched_requests FROM cells ARRAY JOIN lats AS lat",
+            table=True)], f"no GPU sample of their GPU within {s.memory_max_age_s:g} s: left out of the tensor",
+            thresholds=[(None, "green"), (1.0, "orange")], w=8, h=8),
+    ]
+    return Board(UID, "triscope / QPS x memory x latency", "The heatmap tensor of request load, GPU memory "
+                 "and latency, sliced by any two axes; drill down by host, backend, model version, modality, "
+                 "input resolution and request class.", variables, panels, tags=["heatmap"])
+
+
+__all__ = ["REQUEST_DIMENSIONS", "SPEC", "UID", "board", "cells_cte", "slice_sql"]

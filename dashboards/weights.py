@@ -1,0 +1,108 @@
+"""Routing weights: the published weights (Prometheus) and the history of their inputs (ClickHouse).
+
+The ``weights_history`` table that docs/weights.md describes (domain ``weights``) is not in
+``triscope.schema`` yet, so the history panels recompute the engine's input factors from the
+tables that exist, with the engine's formulas: memory penalty ``1 / max(0.05, 1 - used/total)``
+per GPU, KV-cache usage per backend, QPS, and the P99 priority weight
+``weight * max(1, p99/sla)^alpha`` per request class (default classes). The weights themselves
+come from the feed's ``/metrics`` (``triscope_backend_*``), scraped by Prometheus.
+"""
+
+from __future__ import annotations
+
+from triscope.dashboards.common import (
+    BACKEND_FILTER,
+    DATABASE,
+    GPU_FILTER,
+    backend_var,
+    cond,
+    gpu_var,
+    host_var,
+    request_var,
+    t,
+)
+from triscope.dashboards.model import Board, link, prom_target, row, sql_target, text, timeseries
+from triscope.exporters.weights import DEFAULT_CLASSES, DEFAULTS
+
+UID = "triscope-weights"
+HEATMAP_UID = "triscope-heatmap"
+PENALTY_FLOOR = 0.05  # headroom_penalty: 1 / max(0.05, 1 - ratio)
+
+
+def _array(values: list[float]) -> str:
+    return "[" + ", ".join(repr(float(v)) for v in values) + "]"
+
+
+def priority_sql() -> str:
+    """P99 priority weight per request class and time bucket, with the default classes' SLA / weight / alpha."""
+    names = sorted(DEFAULT_CLASSES)
+    quoted = "[" + ", ".join(f"'{n}'" for n in names) + "]"
+    sla = _array([DEFAULT_CLASSES[n]["sla_ms"] / 1000.0 for n in names])
+    weight = _array([DEFAULT_CLASSES[n]["weight"] for n in names])
+    alpha = _array([DEFAULT_CLASSES[n]["alpha"] for n in names])
+    return f"""
+SELECT time, request_class,
+       transform(request_class, {quoted}, {weight}, 1.0)
+         * pow(greatest(1.0, p99 / transform(request_class, {quoted}, {sla}, 1.0)),
+               transform(request_class, {quoted}, {alpha}, 1.0)) AS priority_weight
+FROM (
+  SELECT $__timeInterval(ts) AS time, toString(request_class) AS request_class,
+         quantileIf(0.99)(latency_seconds, isFinite(latency_seconds)) AS p99
+  FROM {t('requests')}
+  WHERE $__timeFilter(ts) AND request_class IN {quoted} AND {BACKEND_FILTER}
+    AND {cond('request_class', 'request_class')}
+  GROUP BY time, request_class
+)
+ORDER BY time, request_class"""
+
+
+def board() -> Board:
+    """The routing-weights dashboard."""
+    variables = [DATABASE, host_var("gpu_samples", "requests", "serving_metrics"), gpu_var(), backend_var(),
+                 request_var("request_class", "Request class")]
+    drain, release = DEFAULTS["drain_memory_ratio"], DEFAULTS["release_memory_ratio"]
+    panels = [
+        text("Where the numbers come from", "Top row: the weights the feed published (Prometheus scrape of "
+             "`triscope weights serve` /metrics). Below: the engine's inputs recomputed from the store with its "
+             "formulas. A `weights_history` table (one row per backend per update) is documented in "
+             "docs/weights.md but not in the schema yet; these panels use the tables that exist.", h=2),
+        row("Published weights (Prometheus)"),
+        timeseries("Weight per backend", [prom_target('triscope_backend_weight{backend=~"${backend:regex}"}',
+                                                      "{{backend}}")],
+                   "0..1 after damping; the load balancer gets lb_weight", unit="percentunit", w=8,
+                   links=[link("Heatmap of ${__field.labels.backend}", HEATMAP_UID,
+                               {"backend": "${__field.labels.backend}"})]),
+        timeseries("Weight factors", [prom_target(
+            'triscope_backend_weight_factor{backend=~"${backend:regex}"}', "{{backend}} {{factor}}")],
+            "memory, KV-cache, load and latency penalties per backend", unit="short", w=8),
+        timeseries("Draining backends", [prom_target('triscope_backend_draining{backend=~"${backend:regex}"}',
+                                                     "{{backend}}"),
+                                         prom_target("triscope_kv_cache_scale_recommendation", "{{action}}", ref="B")],
+                   "1 while drained (memory or KV cache past its drain ratio); KV-cache scale action", unit="short",
+                   w=8),
+        row("Inputs history (ClickHouse)"),
+        timeseries("Memory penalty per GPU", [sql_target(f"""
+SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(gpu) AS gpu,
+       1 / greatest({PENALTY_FLOOR!r}, 1 - least(1, greatest(0, avgIf(memory_used_bytes / memory_total_bytes,
+           isFinite(memory_used_bytes) AND memory_total_bytes > 0)))) AS memory_penalty
+FROM {t('gpu_samples')} WHERE $__timeFilter(ts) AND {GPU_FILTER}
+GROUP BY time, host, gpu ORDER BY time, host, gpu""")],
+            f"1 / max(0.05, 1 - used/total); drained at {drain:.0%} used ({1 / max(PENALTY_FLOOR, 1 - drain):.0f}x), "
+            f"released at {release:.0%}", unit="short", w=12),
+        timeseries("KV-cache penalty per backend", [sql_target(f"""
+SELECT $__timeInterval(ts) AS time, toString(backend) AS backend,
+       1 / greatest({PENALTY_FLOOR!r}, 1 - least(1, greatest(0, avgIf(kv_cache_usage_ratio, isFinite(kv_cache_usage_ratio)))))
+         AS kv_cache_penalty
+FROM {t('serving_metrics')} WHERE $__timeFilter(ts) AND {BACKEND_FILTER}
+GROUP BY time, backend ORDER BY time, backend""")], "1 / max(0.05, 1 - KV-cache usage)", unit="short", w=12),
+        timeseries("P99 priority weight per request class", [sql_target(priority_sql())],
+                   "weight x max(1, p99/sla)^alpha: realtime speech 200 ms / 8 / 2.5, interactive image-text "
+                   "800 ms / 4 / 2.0, offline video 5000 ms / 1 / 1.0", unit="short", w=12),
+        timeseries("QPS per backend", [sql_target(f"""
+SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, count() / $__interval_s AS qps
+FROM {t('requests')} WHERE $__timeFilter(ts) AND {BACKEND_FILTER} AND {cond('request_class', 'request_class')}
+GROUP BY time, backend ORDER BY time, backend""")], "the load input (capacity_qps per backend in the config)",
+            unit="reqps", w=12),
+    ]
+    return Board(UID, "triscope / routing weights", "Published load-balancer weights and the history of their "
+                 "inputs; drill down by host, GPU, backend and request class.", variables, panels, tags=["weights"])
