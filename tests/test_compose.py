@@ -182,3 +182,17 @@ def test_vendored_schema_matches_its_provenance_note() -> None:
     digest = hashlib.sha256((folder / "compose-spec.json").read_bytes()).hexdigest()
     assert f"sha256: `{digest}`" in note, "compose-spec.json changed: update README.md (commit, sha256)"
     assert "Apache License" in (folder / "LICENSE").read_text()
+
+
+def test_grafana_gets_every_variable_its_provisioning_uses(stack: dict[str, Any]) -> None:
+    files = sorted((REPO / "dashboards" / "provisioning").rglob("*.y*ml"))
+    assert files, "dashboards/provisioning has no YAML files"
+    used = set()
+    for path in files:
+        text = "\n".join(_strings(yaml.safe_load(path.read_text())))
+        used |= set(re.findall(r"\$(?:__env)?\{([A-Za-z_][A-Za-z0-9_]*)\}", text))
+    env = _env(stack["services"]["grafana"])
+    assert used and used <= set(env), f"not set for grafana: {sorted(used - set(env))}"
+    assert REQUIRED_REF.fullmatch(env["TRISCOPE_CLICKHOUSE_PASSWORD"])
+    assert env["TRISCOPE_CLICKHOUSE_HOST"] in stack["services"]
+    assert env["TRISCOPE_PROMETHEUS_URL"].split("//")[1].split(":")[0] in stack["services"]
