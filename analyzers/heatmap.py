@@ -10,14 +10,17 @@ Every request (a ``requests`` row, by its start time ``ts``) lands in one cell o
   of the window, or the latest earlier window (at most ``memory_max_age_s`` old, ASOF join).
   200 MB (200 * 10^6 bytes) per bin. A request's GPU is ``requests.host`` + ``requests.gpu``
   matched against ``gpu_samples.host`` + the GPU index (``gpu``, as text) or ``gpu_uuid``; a request
-  with an empty ``gpu`` maps to the sum over all GPUs of its host (one backend per host).
+  with an empty ``gpu`` maps to its whole host (one backend per host): in every window where any of
+  the host's GPUs reported, the sum of each GPU's latest window mean (each at most
+  ``memory_max_age_s`` old), so one GPU missing a sample does not make the host look emptier.
   Requests with no memory sample in reach are counted as ``unmatched`` and left out.
 * **Latency**: ``latency_seconds`` (end to end), 10 ms per bin.
 
 Values beyond the last bin are clamped into it. Counts per cell are a ``GROUP BY`` of the flat
 cell index in ClickHouse; the analyzer only reshapes them. ``p95_grid`` is the exact
 (``quantileExactInclusive``, numpy's default ``linear`` method) P95 latency per (QPS, memory) cell;
-``patterns`` lists the busiest (QPS, memory) cells with their P95 and dominant modality/class.
+``patterns`` lists the busiest (QPS, memory) cells with their P95 and dominant modality/class
+(exact counts per cell; ties go to the first name in sort order) and that kind's share of the cell.
 """
 
 from __future__ import annotations
@@ -153,11 +156,29 @@ def _filters(backends: list[str] | None, models: list[str] | None) -> tuple[str,
 _HOST_WIDE = 0x10000  # GPU slot meaning "all GPUs of the host" (requests with an empty gpu)
 
 
-def _windows_sql(store: Store, backend_where: str, payload: str, payload_cols: str) -> str:
+_PER_GPU_MEM = "\n    SELECT slot, w, used FROM per_gpu"
+# Host-wide slots (requests with an empty gpu): in every window where any GPU of the host reported,
+# the sum over the host's GPUs of each one's latest window mean at most max_age_w windows old.
+_HOST_MEM = f"""
+    SELECT slot, w, used FROM per_gpu
+    UNION ALL
+    SELECT x.hslot AS hs, x.w AS hw, sumIf(g.used, g.w > 0 AND x.w - g.w <= {{max_age_w:Int64}})
+    FROM (SELECT hosts_w.hslot AS hslot, hosts_w.w AS w, host_gpus.gslot AS gslot
+          FROM (SELECT DISTINCT bitOr(bitAnd(slot, bitNot(toUInt64(0x1FFFF))), {_HOST_WIDE}) AS hslot, w
+                FROM per_gpu) AS hosts_w
+          INNER JOIN (SELECT DISTINCT bitOr(bitAnd(slot, bitNot(toUInt64(0x1FFFF))), {_HOST_WIDE}) AS hslot,
+                             slot AS gslot FROM per_gpu) AS host_gpus ON hosts_w.hslot = host_gpus.hslot) AS x
+    ASOF LEFT JOIN per_gpu AS g ON x.gslot = g.slot AND x.w >= g.w
+    GROUP BY hs, hw"""
+
+
+def _windows_sql(store: Store, backend_where: str, payload: str, payload_cols: str, host_wide: bool = True) -> str:
     """CTEs: per backend window (``k`` = window << 16 | backend number) the request count and
     ``payload`` arrays, ASOF-joined on the GPU slot (``host number << 17 | GPU index``) with that
-    GPU's (or host's) memory in the latest sampled window (``joined``)."""
+    GPU's (or host's) memory in the latest sampled window (``joined``). Host-wide memory rows are
+    only built when ``host_wide`` (some request has an empty ``gpu``)."""
     req, gpu = qualified(store, "requests"), qualified(store, "gpu_samples")
+    mem_sql = _HOST_MEM if host_wide else _PER_GPU_MEM
     return f"""
 WITH
   wins AS (
@@ -186,11 +207,7 @@ WITH
       AND isFinite(memory_used_bytes)
     GROUP BY slot, w
   ),
-  mem AS (
-    SELECT slot, w, used FROM per_gpu
-    UNION ALL
-    SELECT bitOr(bitAnd(slot, bitNot(toUInt64(0x1FFFF))), {_HOST_WIDE}) AS hslot, w, sum(used)
-    FROM per_gpu GROUP BY hslot, w
+  mem AS ({mem_sql}
   ),
   joined AS (
     SELECT slots.n AS n, {payload_cols}, mem.used AS used,
@@ -206,7 +223,9 @@ def _resolve(store: Store, backends: list[str] | None) -> dict[str, Any]:
     """Numbers for backends and hosts, and GPU uuid -> index, as query parameters.
 
     Taken over the whole tables (a superset of the range is enough and far cheaper to list)."""
-    names = [r[0] for r in store.query(f"SELECT DISTINCT backend FROM {qualified(store, 'requests')}").rows]
+    req = qualified(store, "requests")
+    names = [r[0] for r in store.query(f"SELECT DISTINCT backend FROM {req}").rows]
+    host_wide = bool(store.query(f"SELECT count() FROM (SELECT DISTINCT gpu FROM {req}) WHERE gpu = ''").scalar())
     if backends:
         names = [b for b in names if b in set(backends)]
     if len(names) >= 65535:
@@ -219,11 +238,13 @@ def _resolve(store: Store, backends: list[str] | None) -> dict[str, Any]:
     uuids = [(str(u), int(i)) for _, i, u in gpus if u]
     return {"bl": names, "bid": list(range(1, len(names) + 1)), "hosts": hosts,
             "hid": list(range(1, len(hosts) + 1)), "uuids": [u for u, _ in uuids],
-            "uuid_idx": [i for _, i in uuids]}
+            "uuid_idx": [i for _, i in uuids], "host_wide": host_wide}
 
 
-def _lbin(expr: str) -> str:
-    return f"least(toUInt32(floor(greatest({expr}, 0) / {{lat_bin:Float64}})), {{ln:UInt32}} - 1)"
+def _lbin(expr: str, bins: int) -> str:
+    """Latency bin of ``expr`` (clamped), in the narrowest unsigned type that holds ``bins``."""
+    kind = "UInt8" if bins <= 2**8 else "UInt16" if bins <= 2**16 else "UInt32"
+    return f"to{kind}(least(toUInt32(floor(greatest({expr}, 0) / {{lat_bin:Float64}})), {{ln:UInt32}} - 1))"
 
 
 def _params(spec: HeatmapSpec, start_ns: int, end_ns: int) -> dict[str, Any]:
@@ -253,10 +274,12 @@ def tensor_query(store: Store, spec: HeatmapSpec, start_ns: int, end_ns: int,
     found = _resolve(store, backends)
     if not found["bl"]:
         return np.zeros(spec.shape, dtype=np.uint64), 0, 0
-    payload = f"groupArrayIf({_lbin('latency_seconds')}, isFinite(latency_seconds) AND {selected}) AS lbins"
+    payload = (f"groupArrayIf({_lbin('latency_seconds', spec.latency_bins)}, "
+               f"isFinite(latency_seconds) AND {selected}) AS lbins")
+    host_wide = found.pop("host_wide")
     params.update(found)
-    sql = _windows_sql(store, where, payload, "slots.lbins AS lbins") + """
-SELECT if(matched, (toUInt32(qbin) * {mn:UInt32} + mbin) * {ln:UInt32} + lbin, 4294967295) AS cell,
+    sql = _windows_sql(store, where, payload, "slots.lbins AS lbins", host_wide) + """
+SELECT if(matched, (toUInt32(qbin) * {mn:UInt32} + mbin) * {ln:UInt32} + toUInt32(lbin), 4294967295) AS cell,
        count() AS requests
 FROM joined ARRAY JOIN lbins AS lbin
 GROUP BY cell
@@ -271,30 +294,57 @@ GROUP BY cell
     return tensor, int(counts[~unmatched_mask].sum()), unmatched
 
 
+def _codes(store: Store, column: str) -> list[str]:
+    """Distinct values of a low-cardinality ``requests`` column (code ``i + 1``; 0 = none of them)."""
+    rows = store.query(f"SELECT DISTINCT {column} FROM {qualified(store, 'requests')} ORDER BY {column}").rows
+    return [str(r[0]) for r in rows][: 2**16 - 1]
+
+
+def _dominant(keys: list[int], counts: list[int], names: list[str]) -> tuple[str, float]:
+    """Most frequent coded value (ties: the first name in sort order) and its share of the cell."""
+    if not keys:
+        return "", 0.0
+    best = max(range(len(keys)), key=lambda i: (counts[i], -keys[i]))
+    code = int(keys[best])
+    return (names[code - 1] if 0 < code <= len(names) else ""), counts[best] / sum(counts)
+
+
 def cell_summary_query(store: Store, spec: HeatmapSpec, start_ns: int, end_ns: int,
                        backends: list[str] | None = None, models: list[str] | None = None
                        ) -> list[dict[str, Any]]:
-    """Per (QPS, memory) cell: requests, exact P95 latency, dominant modality and request class."""
+    """Per (QPS, memory) cell: requests, exact P95 latency, dominant modality and request class.
+
+    Modality and class travel as small integer codes; their exact counts per cell come back
+    (``sumMap``) and the most frequent one is named here."""
     where, selected, params = _filters(backends, models)
     found = _resolve(store, backends)
     if not found["bl"]:
         return []
+    mods, classes = _codes(store, "modality"), _codes(store, "request_class")
     cond = f"isFinite(latency_seconds) AND {selected}"
-    payload = (f"groupArrayIf(latency_seconds, {cond}) AS lats, groupArrayIf(modality, {cond}) AS mods, "
-               f"groupArrayIf(request_class, {cond}) AS classes")
+    code = "transform(toString({col}), {{{name}:Array(String)}}, {{{name}_c:Array(UInt16)}}, toUInt16(0))"
+    payload = (f"groupArrayIf(latency_seconds, {cond}) AS lats, "
+               f"groupArrayIf({code.format(col='modality', name='ml')}, {cond}) AS mods, "
+               f"groupArrayIf({code.format(col='request_class', name='cl')}, {cond}) AS classes")
+    host_wide = found.pop("host_wide")
     params.update(found)
-    sql = _windows_sql(store, where, payload, "slots.lats AS lats, slots.mods AS mods, slots.classes AS classes"
-                       ) + """
+    params.update({"ml": mods, "ml_c": list(range(1, len(mods) + 1)),
+                   "cl": classes, "cl_c": list(range(1, len(classes) + 1))})
+    sql = _windows_sql(store, where, payload, "slots.lats AS lats, slots.mods AS mods, slots.classes AS classes",
+                       host_wide) + """
 SELECT qbin, mbin, count() AS requests,
        quantileExactInclusive(0.95)(lat) AS p95_latency_seconds,
-       topKWeighted(1)(modality, 1)[1] AS modality, topKWeighted(1)(rclass, 1)[1] AS request_class,
-       round(max(used)) AS memory_max_bytes
+       sumMap([modality], [toUInt64(1)]) AS mod_counts, sumMap([rclass], [toUInt64(1)]) AS class_counts
 FROM joined ARRAY JOIN lats AS lat, mods AS modality, classes AS rclass
 WHERE matched
 GROUP BY qbin, mbin
 ORDER BY requests DESC, qbin, mbin
 """
-    return store.query(sql, {**_params(spec, start_ns, end_ns), **params}).dicts()
+    cells = store.query(sql, {**_params(spec, start_ns, end_ns), **params}).dicts()
+    for c in cells:
+        c["modality"], c["modality_share"] = _dominant(*c.pop("mod_counts"), mods)
+        c["request_class"], c["request_class_share"] = _dominant(*c.pop("class_counts"), classes)
+    return cells
 
 
 def compute_heatmap(store: Store, spec: HeatmapSpec | None = None, start_ns: int | None = None,
@@ -331,5 +381,6 @@ def _pattern(spec: HeatmapSpec, cell: dict[str, Any], total: int) -> dict[str, A
         "memory_max_bytes": None if last_m else (m + 1) * spec.memory_bin_bytes,
         "requests": int(cell["requests"]), "share": (int(cell["requests"]) / total) if total else 0.0,
         "p95_latency_seconds": float(cell["p95_latency_seconds"]),
-        "modality": cell["modality"] or "", "request_class": cell["request_class"] or "",
+        "modality": cell["modality"], "modality_share": cell["modality_share"],
+        "request_class": cell["request_class"], "request_class_share": cell["request_class_share"],
     }

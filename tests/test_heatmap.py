@@ -21,6 +21,7 @@ from triscope.schema import qualified
 T0 = 1_767_225_600_000_000_000  # 2026-01-01T00:00:00Z, on the 100 ms grid
 WNS = 100_000_000
 MODALITIES = ["text", "image", "audio", "video"]
+CLASSES = ["realtime_speech", "interactive_image_text", "offline_video"]
 
 # backend -> (host, gpu column of its requests)
 BACKENDS = {
@@ -47,6 +48,7 @@ def _seed(store, seed: int = 7, windows: int = 120) -> tuple[list[dict], list[di
                              "gpu": gpu, "model": "m-a" if rng.random() < 0.6 else "m-b",
                              "modality": MODALITIES[int(rng.choice(4, p=[0.6, 0.25, 0.1, 0.05]))],
                              "latency_seconds": lat})
+                reqs[-1]["request_class"] = CLASSES[reqs[-1]["ts"] % 7 % 3]  # 3/7, 2/7, 2/7
     gpus: list[dict] = []
     for host, idx, uuid in GPUS:
         for w in range(-3, windows):
@@ -58,8 +60,8 @@ def _seed(store, seed: int = 7, windows: int = 120) -> tuple[list[dict], list[di
                              "gpu_uuid": uuid, "memory_used_bytes": used})
     store.insert(qualified(store, "requests"), {
         "ts": [ns_text(r["ts"]) for r in reqs], **{k: [r[k] for r in reqs] for k in (
-            "host", "backend", "gpu", "model", "modality", "latency_seconds")},
-        "request_class": ["interactive_image_text"] * len(reqs), "span_name": ["llm_request"] * len(reqs)})
+            "host", "backend", "gpu", "model", "modality", "request_class", "latency_seconds")},
+        "span_name": ["llm_request"] * len(reqs)})
     store.insert(qualified(store, "gpu_samples"), {
         "ts": [ns_text(g["ts"]) for g in gpus], **{k: [g[k] for g in gpus] for k in (
             "host", "gpu", "gpu_uuid", "memory_used_bytes")}, "source": ["nvml"] * len(gpus)})
@@ -68,8 +70,8 @@ def _seed(store, seed: int = 7, windows: int = 120) -> tuple[list[dict], list[di
 
 def _reference(reqs: list[dict], gpus: list[dict], spec: HeatmapSpec, start: int, end: int,
                backends: list[str] | None = None, models: list[str] | None = None
-               ) -> tuple[np.ndarray, int, dict[tuple[int, int], list[tuple[float, str]]]]:
-    """Tensor, unmatched count and per-(qps, memory) cell (latency, modality) lists, in numpy."""
+               ) -> tuple[np.ndarray, int, dict[tuple[int, int], list[tuple[float, str, str]]]]:
+    """Tensor, unmatched count and per-(qps, memory) cell (latency, modality, class) lists, in numpy."""
     wns = spec.window_ns
     max_age = int(spec.memory_max_age_s * 1e9) // wns
     rows = [r for r in reqs if start <= r["ts"] < end and (not backends or r["backend"] in backends)]
@@ -82,18 +84,24 @@ def _reference(reqs: list[dict], gpus: list[dict], spec: HeatmapSpec, start: int
         uuid_idx[(g["host"], g["gpu_uuid"])] = g["gpu"]
     mem: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
     for (host, idx, w), vals in sums.items():
-        mean = sum(vals) / len(vals)
-        mem[(host, str(idx))][w] = mean
-        mem[(host, "")][w] = mem[(host, "")].get(w, 0.0) + mean
+        mem[(host, str(idx))][w] = sum(vals) / len(vals)
 
-    def lookup(host: str, gpu: str, w: int) -> float:
-        if gpu and not gpu.isdigit():
-            gpu = str(uuid_idx.get((host, gpu), -1))
-        series = mem.get((host, gpu), {})
+    def latest(series: dict[int, float], w: int) -> float:
         for back in range(max_age + 1):
             if w - back in series:
                 return series[w - back]
         return math.nan
+
+    # a whole host: in each window where any of its GPUs reported, the sum of every GPU's latest value
+    for host in {h for h, _ in list(mem)}:
+        own = [series for (h, g), series in list(mem.items()) if h == host and g != ""]
+        for w in set().union(*own):
+            mem[(host, "")][w] = sum(v for v in (latest(series, w) for series in own) if not math.isnan(v))
+
+    def lookup(host: str, gpu: str, w: int) -> float:
+        if gpu and not gpu.isdigit():
+            gpu = str(uuid_idx.get((host, gpu), -1))
+        return latest(mem.get((host, gpu), {}), w)
 
     points, cells, unmatched = [], defaultdict(list), 0
     for r in rows:
@@ -108,7 +116,7 @@ def _reference(reqs: list[dict], gpus: list[dict], spec: HeatmapSpec, start: int
         m = min(int(max(used, 0) // spec.memory_bin_bytes), spec.memory_bins - 1)
         lat = min(int(max(r["latency_seconds"], 0) // spec.latency_bin_s), spec.latency_bins - 1)
         points.append((q, m, lat))
-        cells[(q, m)].append((r["latency_seconds"], r["modality"]))
+        cells[(q, m)].append((r["latency_seconds"], r["modality"], r["request_class"]))
     edges = [np.arange(n + 1) - 0.5 for n in spec.shape]
     hist, _ = np.histogramdd(np.array(points, dtype=float).reshape(-1, 3), bins=edges)
     return hist.astype(np.uint64), unmatched, cells
@@ -183,7 +191,7 @@ def test_p95_per_cell_and_patterns(store) -> None:  # noqa: ANN001
     filled = {(int(q), int(m)) for q, m in np.argwhere(np.isfinite(res.p95_grid))}
     assert filled == set(cells)
     for (q, m), items in cells.items():
-        expected = np.percentile([lat for lat, _ in items], 95)  # numpy default: linear
+        expected = np.percentile([item[0] for item in items], 95)  # numpy default: linear
         assert res.p95_grid[q, m] == pytest.approx(expected, rel=1e-12), (q, m)
     ranked = sorted(cells.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:5]
     assert len(res.patterns) == 5
@@ -191,10 +199,14 @@ def test_p95_per_cell_and_patterns(store) -> None:  # noqa: ANN001
         assert pat["requests"] == len(items)
         assert pat["qps_min"] == q * 5.0 and pat["memory_min_bytes"] == m * 200e6
         assert pat["qps_max"] == (None if q == 31 else (q + 1) * 5.0)
-        assert pat["p95_latency_seconds"] == pytest.approx(np.percentile([x for x, _ in items], 95))
-        counts = Counter(mod for _, mod in items)
-        assert counts[pat["modality"]] == max(counts.values())
+        assert pat["p95_latency_seconds"] == pytest.approx(np.percentile([x[0] for x in items], 95))
+        for key, pos in (("modality", 1), ("request_class", 2)):
+            counts = Counter(item[pos] for item in items)
+            top = max(counts.values())
+            assert pat[key] == min(name for name, c in counts.items() if c == top), key  # ties: first name
+            assert pat[f"{key}_share"] == pytest.approx(top / len(items))
         assert pat["share"] == pytest.approx(len(items) / res.requests)
+    assert {p["request_class"] for p in res.patterns} >= {"realtime_speech"}
     doc = res.to_json()
     assert sum(c[3] for c in doc["cells"]) == res.requests
     assert doc["shape"] == [32, 64, 128] and len(doc["patterns"]) == 5
