@@ -209,6 +209,7 @@ class TriscopeCollector:
         self.query_errors: dict[str, int] = dict.fromkeys(QUERIES, 0)
         self.refresh_timeouts = 0
         self._last_batches = -1
+        self._observe_lock = threading.Lock()
         self.last_write_unix: float | None = None
         self._last_warning: dict[str, str] = {}
 
@@ -235,11 +236,12 @@ class TriscopeCollector:
             return {}
         writer = snap.get("writer") or {}
         batches = int(writer.get("batches_written", 0))
-        if "last_write_unix" in writer:
-            self.last_write_unix = writer["last_write_unix"]
-        elif batches > self._last_batches >= 0 or (self._last_batches < 0 and batches > 0):
-            self.last_write_unix = time.time()
-        self._last_batches = batches
+        with self._observe_lock:  # the poller and scrape threads both call this
+            if "last_write_unix" in writer:
+                self.last_write_unix = writer["last_write_unix"]
+            elif batches > max(self._last_batches, 0):
+                self.last_write_unix = time.time()
+            self._last_batches = max(self._last_batches, batches)
         return snap
 
     def _pipeline(self, snap: Mapping[str, Any], store_ok: bool) -> Iterator[Metric]:
