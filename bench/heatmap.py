@@ -139,12 +139,16 @@ def numpy_tensor(spec: HeatmapSpec, req: dict[str, Any], gpu: dict[str, Any]) ->
         if uuid:
             series[(host, uuid)] = (uw, mean)
         host_parts.setdefault(host, []).append((uw, mean))
-    for host, parts in host_parts.items():
-        allw = np.concatenate([p[0] for p in parts])
-        uw, inv = np.unique(allw, return_inverse=True)
-        series[(host, "")] = (uw, np.bincount(inv, weights=np.concatenate([p[1] for p in parts])))
-    mem = np.full(len(w), np.nan)
     max_age_w = int(spec.memory_max_age_s * 1e9) // wns
+    for host, parts in host_parts.items():  # whole host: sum of each GPU's latest value
+        uw = np.unique(np.concatenate([p[0] for p in parts]))
+        total = np.zeros(len(uw))
+        for gw_, mean in parts:
+            pos = np.searchsorted(gw_, uw, side="right") - 1
+            ok = (pos >= 0) & ((uw - gw_[np.maximum(pos, 0)]) <= max_age_w)
+            total[ok] += mean[pos[ok]]
+        series[(host, "")] = (uw, total)
+    mem = np.full(len(w), np.nan)
     for (host, g), sel in _pairs(req["host"], req["gpu"]):
         if (host, g) not in series:
             continue

@@ -230,3 +230,22 @@ def test_empty_range_and_bad_spec(store) -> None:  # noqa: ANN001
         HeatmapSpec.from_config({"heatmap": {"qps_bins": "many"}})
     spec = HeatmapSpec.from_config({"heatmap": {"qps_bins": 16}, "analysis": {"window_ms": 50}})
     assert spec.shape == (16, 64, 128) and spec.window_ns == 50_000_000
+
+
+def test_bench_numpy_baseline_agrees(store) -> None:  # noqa: ANN001
+    """bench/heatmap.py's numpy baseline (load out of the store + histogramdd) gives the same tensor
+    on the seeded rows (GPU by index, by uuid, whole host, missing samples)."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec_ = importlib.util.spec_from_file_location("bench_heatmap", REPO / "bench" / "heatmap.py")
+    assert spec_ is not None and spec_.loader is not None
+    bench = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(bench)
+    _seed(store, seed=9, windows=60)
+    spec = HeatmapSpec()
+    res = compute_heatmap(store, spec, T0, T0 + 60 * WNS, summaries=False)
+    ref, info = bench.numpy_heatmap(store, spec, T0, T0 + 60 * WNS)
+    assert res.requests > 1000 and info["total_s"] >= info["load_s"] > 0
+    np.testing.assert_array_equal(ref, res.tensor)

@@ -218,6 +218,10 @@ def _range(lo: float, hi: float | None, fmt: str) -> str:
     return f">= {fmt.format(lo)}" if hi is None else f"{fmt.format(lo)} - {fmt.format(hi)}"
 
 
+def _kind(name: str, share: float) -> str:
+    return f"{name} ({share * 100:.0f}%)" if name else "-"
+
+
 def render(result: Any, args: argparse.Namespace) -> None:
     """Typical load patterns (the busiest QPS x memory cells) as a rich table."""
     from rich.console import Console
@@ -243,5 +247,6 @@ def render(result: Any, args: argparse.Namespace) -> None:
         table.add_row(_range(p["qps_min"], p["qps_max"], "{:g}"),
                       _range(p["memory_min_bytes"] / 1e9, mem_hi, "{:.1f}"),
                       f"{p['requests']:,}", f"{p['share'] * 100:.1f}%",
-                      f"{p['p95_latency_seconds'] * 1e3:.1f} ms", p["modality"] or "-", p["request_class"] or "-")
+                      f"{p['p95_latency_seconds'] * 1e3:.1f} ms", _kind(p["modality"], p["modality_share"]),
+                      _kind(p["request_class"], p["request_class_share"]))
     console.print(table)
