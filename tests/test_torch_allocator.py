@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from triscope.collectors.torch_allocator import (
+    COLUMNS,
     STAT_KEYS,
     TorchAllocatorCollector,
     install,
@@ -185,3 +186,23 @@ def test_real_torch_without_cuda_is_a_clean_state(store: Any, tmp_path: Any,
     assert handle.state == "unavailable" and not handle._thread.is_alive()
     assert handle.close() is True and handle.rows == 0
     assert store.query(f"SELECT count() FROM {qualified(store, 'allocator_samples')}").scalar() == 0
+
+
+def test_allocator_table_v1_upgrades_with_active_bytes(store: Any) -> None:
+    """A store from before gpu migration 3 gains active_bytes; old rows read 0 there."""
+    from triscope.schema import create_table_sql, migrate, schema_versions
+    from triscope.schema.gpu import _ALLOCATOR_SAMPLES_V1, ALLOCATOR_SAMPLES
+
+    table = qualified(store, "allocator_samples")
+    store.command(f"DROP TABLE {table}")
+    for sql in create_table_sql(_ALLOCATOR_SAMPLES_V1, store.database):
+        store.command(sql)
+    store.insert(table, {"ts": ["2026-01-01 00:00:00"], "host": ["old"], "gpu": [0], "pid": [1],
+                         "reserved_bytes": [2.0 * MIB]})
+    store.command(f"ALTER TABLE {qualified(store, 'schema_migrations')} DELETE WHERE domain = 'gpu' AND version >= 3 "
+                  "SETTINGS mutations_sync = 1")
+    assert schema_versions(store)["gpu"] == 2
+    assert migrate(store)["gpu"] >= 3
+    assert [r[0] for r in store.query(f"DESCRIBE TABLE {table}").rows] == ALLOCATOR_SAMPLES.column_names()
+    assert "active_bytes" in COLUMNS and set(COLUMNS) == set(ALLOCATOR_SAMPLES.column_names())
+    assert store.query(f"SELECT host, reserved_bytes, active_bytes FROM {table}").rows == [("old", 2.0 * MIB, 0.0)]
