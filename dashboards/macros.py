@@ -195,6 +195,8 @@ def _one(name: str, args: list[str], n: int = 1) -> list[str]:
 
 def _backend_macro(name: str, args: list[str] | None, ctx: Context) -> str:
     a = [x.strip() for x in args] if args is not None else []
+    if a == [""]:
+        a = []  # "$__name()" has no arguments
     seconds = int(max(ctx.interval_s, 1))
     millis = int(max(ctx.interval_s * 1000, 1))
     if name == "fromTime":

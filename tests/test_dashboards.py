@@ -9,17 +9,27 @@ Grafana API calls it receives (a stand-in for the Grafana HTTP API, the network 
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import subprocess
+import sys
+import threading
 from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, require_binary
 from triscope.collectors.nccl_common import ns_text
+from triscope.dashboards import macros
 from triscope.dashboards.boards import all_boards
-from triscope.dashboards.macros import ALL, Context, Var, expand
+from triscope.dashboards.generate import DEFAULT_OUT, expected_files, stale_files, write
+from triscope.dashboards.macros import ALL, Context, MacroError, Var, expand
 from triscope.schema import qualified
 
 T0_S = 1_767_225_600  # 2026-01-01T00:00:00Z
@@ -205,3 +215,398 @@ def test_queries_with_a_selection(store, name: str) -> None:  # noqa: ANN001
 
 def store_requests(store) -> list[str]:  # noqa: ANN001
     return [r[0] for r in store.query(f"SELECT backend FROM {qualified(store, 'requests')}").rows]
+
+
+# ---------------------------------------------------------------- agreement with the analyzers
+
+def test_heatmap_panels_match_the_analyzer(store) -> None:  # noqa: ANN001
+    """The heatmap board's slices equal triscope.analyzers.heatmap's tensor over the same range."""
+    from triscope.analyzers.heatmap import HeatmapSpec, compute_heatmap
+    from triscope.dashboards.heatmap import slice_sql
+
+    seed(store)
+    spec = HeatmapSpec()
+    board = BOARDS["heatmap"]
+    variables = resolve_variables(store, board)
+    result = compute_heatmap(store, spec, int(START.timestamp()) * 10**9, int(END.timestamp()) * 10**9 + 1)
+    assert result.requests > 100 and result.unmatched > 0
+    widths = {"qps": spec.qps_bin, "memory": spec.memory_bin_bytes, "latency": spec.latency_bin_s}
+    for x, y in (("qps", "latency"), ("memory", "latency"), ("qps", "memory")):
+        rows = store.query(expand(slice_sql(x, y), _ctx(variables))).rows
+        got = np.zeros(result.slice((x, y)).shape, dtype=np.uint64)
+        for xv, yv, n in rows:
+            got[int(round(xv / widths[x])), int(round(yv / widths[y]))] += n
+        np.testing.assert_array_equal(got, result.slice((x, y)), err_msg=f"{x} x {y}")
+    unmatched = [v for k, v in run_panels(store, board, variables).items() if k.startswith("Requests without")][0]
+    assert unmatched[2].rows[0][0] == result.unmatched
+    # the model variable picks the requests counted, not the backend's load (the analyzer's --model)
+    only_a = resolve_variables(store, board, {"model": ["m-a"]})
+    rows = store.query(expand(slice_sql("qps", "latency"), _ctx(only_a))).rows
+    ref = compute_heatmap(store, spec, result.start_ns, result.end_ns, models=["m-a"]).slice(("qps", "latency"))
+    got = np.zeros(ref.shape, dtype=np.uint64)
+    for xv, yv, n in rows:
+        got[int(round(xv / spec.qps_bin)), int(round(yv / spec.latency_bin_s))] += n
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_stragglers_match_the_analyzer(store) -> None:  # noqa: ANN001
+    from triscope.analyzers.nccl_crossrank import stragglers
+    from triscope.dashboards.nccl import stragglers_sql
+
+    seed(store)
+    variables = resolve_variables(store, BOARDS["nccl"])
+    res = store.query(expand(stragglers_sql(), _ctx(variables)))
+    got = {(r["run_id"], r["rank"]): r for r in res.dicts()}
+    want = stragglers(store, start_ns=int(START.timestamp()) * 10**9,
+                      end_ns=int(END.timestamp()) * 10**9 + 1).by_rank()
+    assert want and len(got) == len(want)
+    for w in want:
+        g = got[(w["run_id"], w["rank"])]
+        assert g["times_last"] == w["times_last"]
+        assert g["total_lateness_seconds"] == pytest.approx(w["total_lateness_seconds"])
+        assert g["max_lateness_seconds"] == pytest.approx(w["max_lateness_seconds"])
+
+
+def test_stall_shares_follow_the_rules(store) -> None:  # noqa: ANN001
+    """Seeded: h1 GPU 0 compute-bound in its first 20 windows; nvme0n1 IO-bound for 2 s; rank 0 90% comm
+    in 10 of its 20 traced windows."""
+    seed(store)
+    board = BOARDS["stalls"]
+    res = [v for k, v in run_panels(store, board, resolve_variables(store, board)).items()
+           if k.startswith("Ranks by comm")][0][2].dicts()
+    by_rank = {r["rank"]: r for r in res}
+    assert by_rank[0]["comm_bound_share"] == pytest.approx(0.5)
+    assert by_rank[1]["comm_bound_share"] == 0
+    assert by_rank[0]["mean_comm_share"] == pytest.approx((10 * 0.9 + 10 * 0.2) / 20)
+    gpus = [v for k, v in run_panels(store, board, resolve_variables(store, board, {"host": ["h1"], "gpu": ["0"]})
+                                     ).items() if k.startswith("GPUs by")][0][2].dicts()
+    assert [(g["host"], g["gpu"]) for g in gpus] == [("h1", "0")]
+    windows = store.query(f"SELECT uniqExact(intDiv(toUnixTimestamp64Nano(ts), {WNS})) FROM "
+                          f"{qualified(store, 'gpu_samples')} WHERE host = 'h1' AND gpu = 0").scalar()
+    busy = store.query(f"SELECT uniqExact(intDiv(toUnixTimestamp64Nano(ts), {WNS})) FROM "
+                       f"{qualified(store, 'gpu_samples')} WHERE host = 'h1' AND gpu = 0 AND sm_active_ratio > 0.95"
+                       ).scalar()
+    assert gpus[0]["compute_bound_share"] == pytest.approx(busy / windows)
+    # IO: h1's GPU windows in [T0, T0 + 2 s) are IO-bound, later ones are not
+    io = [v for k, v in run_panels(store, board, resolve_variables(store, board, {"host": ["h1"]})).items()
+          if k.startswith("IO-bound share")][0][2].rows
+    assert [r[2] for r in io if r[1] == "h1"][:4] == [1, 1, 0, 0]
+
+
+# ---------------------------------------------------------------- the macro expander
+
+def test_macros_expand_like_the_plugin() -> None:
+    start, end = datetime(2026, 1, 1, 0, 0, 0, tzinfo=UTC), datetime(2026, 1, 1, 1, 0, 0, 500000, tzinfo=UTC)
+    ctx = Context(start, end, interval_s=0.2, variables={
+        "host": Var(["a", "o'b"], ["a", "o'b", "c"]), "gpu": Var([ALL], ["0", "1"]),
+        "one": Var("x", ["x"], multi=False), "database": Var("db", ["db"], multi=False)})
+    assert expand("$__timeFilter(ts)", ctx) == "ts >= toDateTime(1767225600) AND ts <= toDateTime(1767229200)"
+    assert expand("$__timeFilter_ms(ts)", ctx) == ("ts >= fromUnixTimestamp64Milli(1767225600000) AND "
+                                                   "ts <= fromUnixTimestamp64Milli(1767229200500)")
+    assert expand("$__fromTime|$__toTime|$__interval_s", ctx) == "toDateTime(1767225600)|toDateTime(1767229200)|1"
+    assert expand("$__timeInterval(ts)", ctx) == "toStartOfInterval(toDateTime(ts), INTERVAL 1 second)"
+    assert expand("$__timeInterval_ms(ts)", ctx) == "toStartOfInterval(toDateTime64(ts, 3), INTERVAL 200 millisecond)"
+    assert expand("$__dateFilter(d)", ctx) == "d >= toDate('2026-01-01') AND d <= toDate('2026-01-01')"
+    assert expand("${host:singlequote}|$host|${host:sqlstring}|$one|${database}.t", ctx) == \
+        "'a','o\\'b'|'a','o'b'|'a','o''b'|x|db.t"
+    # All without a custom all-value stands for every option; conditionalAll drops the condition
+    assert expand("${gpu:singlequote}", ctx) == "'0','1'"
+    assert expand("$__conditionalAll(gpu IN (${gpu:singlequote}), $gpu) AND "
+                  "$__conditionalAll(host IN (${host:singlequote}), $host)", ctx) == "1=1 AND host IN ('a','o\\'b')"
+    assert expand("$__conditionalAll(f(a, g(b, c)), ${gpu})", ctx) == "1=1"
+    assert expand("${host:regex}", ctx) == "(a|o'b)"
+    assert expand("$__from $__to $unknown_var", ctx) == "1767225600000 1767229200500 $unknown_var"
+    assert macros.referenced_variables("$__timeFilter(ts) AND ${host:singlequote} $gpu [[one]]") == {
+        "host", "gpu", "one"}
+    for bad in ("$__timeFilter()", "$__timeFilter(a, b)", "$__nosuchmacro(ts)", "$__conditionalAll(x)",
+                "$__timeInterval(ts"):
+        with pytest.raises(MacroError):
+            expand(bad, ctx)
+
+
+def test_macro_output_runs_in_clickhouse(store) -> None:  # noqa: ANN001
+    """Time filters of the plugin's forms select exactly the rows in [from, to] (second resolution)."""
+    seed(store)
+    ctx = Context(datetime.fromtimestamp(T0_S, UTC), datetime.fromtimestamp(T0_S + 2, UTC), interval_s=1.0,
+                  variables={"database": Var(store.database, multi=False)})
+    n = store.query(expand("SELECT count() FROM ${database}.io_latency WHERE $__timeFilter(ts)", ctx)).scalar()
+    assert n == 9  # rows at T0, T0 + 1 s and T0 + 2 s (3 per second)
+    n_ms = store.query(expand("SELECT count() FROM ${database}.io_latency WHERE $__timeFilter_ms(ts)", ctx)).scalar()
+    assert n_ms == n
+    buckets = store.query(expand("SELECT $__timeInterval(ts) AS t, count() FROM ${database}.io_latency "
+                                 "WHERE $__timeFilter(ts) GROUP BY t ORDER BY t", ctx)).rows
+    assert [c for _, c in buckets] == [3, 3, 3]
+
+
+# ---------------------------------------------------------------- dashboard JSON
+
+def _provisioned() -> dict[str, str]:
+    doc = yaml.safe_load((PROVISIONING / "datasources" / "triscope.yaml").read_text())
+    return {d["uid"]: d["type"] for d in doc["datasources"]}
+
+
+def _datasource_refs(node: Any) -> list[dict[str, Any]]:
+    out = []
+    if isinstance(node, dict):
+        ds = node.get("datasource")
+        if isinstance(ds, dict):
+            out.append(ds)
+        for v in node.values():
+            out += _datasource_refs(v)
+    elif isinstance(node, list):
+        for v in node:
+            out += _datasource_refs(v)
+    return out
+
+
+def _queries(board: dict[str, Any]) -> list[str]:
+    out = [tg.get("rawSql") or tg.get("expr", "") for p in board["panels"] for tg in p.get("targets", [])]
+    return out + [v["query"]["rawSql"] for v in board["templating"]["list"] if v["type"] == "query"]
+
+
+@pytest.mark.parametrize("name", sorted(BOARDS))
+def test_board_json_is_valid(name: str) -> None:
+    board = BOARDS[name]
+    assert board["schemaVersion"] >= 36 and board["uid"].startswith("triscope-") and len(board["uid"]) <= 40
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids)) and all(isinstance(i, int) for i in ids)
+    cells: set[tuple[int, int]] = set()
+    for p in board["panels"]:
+        g = p["gridPos"]
+        assert set(g) == {"h", "w", "x", "y"} and g["w"] > 0 and g["h"] > 0 and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not (cells & mine), f"{p['title']} overlaps another panel"
+        cells |= mine
+        if p["type"] not in ("row", "text"):
+            assert p["targets"] and p.get("description"), p["title"]
+            assert {t["refId"] for t in p["targets"]} == {chr(65 + i) for i in range(len(p["targets"]))}
+    provisioned = _provisioned()
+    for ds in _datasource_refs(board):
+        if ds.get("type") == "grafana":
+            continue
+        assert provisioned.get(ds["uid"]) == ds["type"], f"datasource {ds} is not provisioned"
+    names = {v["name"] for v in board["templating"]["list"]}
+    multi = {v["name"] for v in board["templating"]["list"] if v.get("multi")}
+    order = [v["name"] for v in board["templating"]["list"]]
+    for q in _queries(board):
+        used = macros.referenced_variables(q)
+        assert used <= names, f"undefined variables {used - names} in {q[:80]}"
+        for m in re.finditer(r"\$\{?(\w+)(?::(\w+))?\}?", q):
+            if m.group(1) in multi and not q[max(0, m.start() - 2):m.start()].endswith(", "):
+                assert m.group(2) in ("singlequote", "regex"), f"${m.group(1)} unquoted in {q[:100]}"
+    for i, v in enumerate(board["templating"]["list"]):  # a variable only depends on earlier ones
+        if v["type"] == "query":
+            assert macros.referenced_variables(v["query"]["rawSql"]) <= set(order[:i]), v["name"]
+    for target in sql_targets(board):
+        assert target[1]["editorType"] == "sql" and target[1]["format"] in (0, 1)
+
+
+def test_links_point_at_existing_boards_and_variables() -> None:
+    by_uid = {b["uid"]: b for b in BOARDS.values()}
+    found = 0
+    for board in BOARDS.values():
+        for link in _links(board):
+            m = re.fullmatch(r"/d/([\w-]+)\?(.*)", link["url"])
+            assert m, link
+            target = by_uid[m.group(1)]
+            names = {v["name"] for v in target["templating"]["list"]}
+            for var in re.findall(r"var-(\w+)=", m.group(2)) + re.findall(r"\$\{(\w+):queryparam\}", m.group(2)):
+                assert var in names, f"{board['uid']} links to {target['uid']} with unknown variable {var}"
+            assert "${__url_time_range}" in link["url"]
+            found += 1
+    assert found >= 20
+    wanted = {"host", "gpu", "model_version", "modality", "input_resolution", "request_class"}
+    linked = {v for b in BOARDS.values() for lk in _links(b) for v in re.findall(r"var-(\w+)=", lk["url"])}
+    assert wanted <= linked
+
+
+def _links(node: Any) -> list[dict[str, Any]]:
+    out = []
+    if isinstance(node, dict):
+        for key, v in node.items():
+            if key == "links" and isinstance(v, list):
+                out += [lk for lk in v if isinstance(lk, dict) and "url" in lk]
+            elif key == "value" and isinstance(v, list) and v and isinstance(v[0], dict) and "url" in v[0]:
+                out += v
+            else:
+                out += _links(v)
+    elif isinstance(node, list):
+        for v in node:
+            out += _links(v)
+    return out
+
+
+def test_boards_cover_the_issue() -> None:
+    kinds = {name: {p["type"] for p in b["panels"]} for name, b in BOARDS.items()}
+    assert "heatmap" in kinds["heatmap"] and "bargauge" in kinds["stalls"]
+    titles = {p["title"] for b in BOARDS.values() for p in b["panels"]}
+    for t in ("QPS per backend", "GPU memory used", "P99 latency per backend", "QPS x latency", "Stall shares over the range",
+              "Bus bandwidth by collective", "Straggler ranks", "Read p99", "Write p99", "Queue depth",
+              "Weight per backend", "P99 priority weight per request class"):
+        assert t in titles
+    prom = [tg for b in BOARDS.values() for p in b["panels"] for tg in p.get("targets", []) if "expr" in tg]
+    assert len(prom) >= 6
+
+
+def test_prometheus_expressions_parse(tmp_path: Path) -> None:
+    """Every PromQL target, with Grafana's variables filled in, passes ``promtool check rules``."""
+    promtool = require_binary("promtool")
+    ctx = Context(START, END, variables={"backend": Var([ALL], ["h1:8000", "h2:8000"])})
+    exprs = [tg["expr"] for b in BOARDS.values() for p in b["panels"] for tg in p.get("targets", []) if "expr" in tg]
+    rules = {"groups": [{"name": "dashboards", "rules": [
+        {"record": f"triscope:dashboard_expr_{i}", "expr": macros.interpolate(e, ctx).replace("$__rate_interval", "1m")}
+        for i, e in enumerate(exprs)]}]}
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    proc = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- generated files and provisioning
+
+def test_generated_json_is_up_to_date() -> None:
+    """dashboards/json is what the generator writes (run `triscope dashboards build` after a change)."""
+    assert stale_files(DEFAULT_OUT) == []
+    assert sorted(p.name for p in DEFAULT_OUT.glob("*.json")) == sorted(expected_files())
+    for name, text in expected_files().items():
+        assert json.loads(text)["uid"] == "triscope-" + name.removesuffix(".json")
+
+
+def test_build_command_writes_and_checks(tmp_path: Path) -> None:
+    out = tmp_path / "boards"
+    cmd = [sys.executable, "-m", "triscope", "dashboards", "build", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.glob("*.json")) == sorted(expected_files())
+    assert subprocess.run(cmd + ["--check"], capture_output=True, timeout=120).returncode == 0
+    (out / "io.json").write_text("{}")
+    (out / "old.json").write_text("{}")
+    proc = subprocess.run(cmd + ["--check", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["stale"] == ["io.json", "old.json"]
+    write(out)
+    assert stale_files(out) == [] and not (out / "old.json").exists()
+
+
+def test_provisioning_yaml() -> None:
+    ds = yaml.safe_load((PROVISIONING / "datasources" / "triscope.yaml").read_text())
+    assert ds["apiVersion"] == 1
+    types = {d["type"] for d in ds["datasources"]}
+    assert types == {"grafana-clickhouse-datasource", "prometheus"}
+    for d in ds["datasources"]:
+        for key, value in (d.get("secureJsonData") or {}).items():
+            assert re.fullmatch(r"\$\{[A-Z_]+\}", str(value)), f"{d['name']}.{key} must come from the environment"
+        assert "password" not in d and "basicAuthPassword" not in d
+    prov = yaml.safe_load((PROVISIONING / "dashboards" / "triscope.yaml").read_text())
+    (provider,) = prov["providers"]
+    assert provider["type"] == "file" and provider["folder"] == "triscope" and provider["folderUid"] == "triscope"
+    # compose mounts dashboards/json at this path
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert DEFAULT_OUT == REPO / "dashboards" / "json"
+
+
+# ---------------------------------------------------------------- push
+
+class _Grafana(BaseHTTPRequestHandler):
+    """Records Grafana HTTP API calls; knows folders it was asked to create (not a Grafana)."""
+
+    calls: list[dict[str, Any]] = []
+    folders: set[str] = set()
+    status = 200
+
+    def _reply(self, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _record(self) -> dict[str, Any]:
+        length = min(int(self.headers.get("Content-Length") or 0), 8 << 20)
+        body = json.loads(self.rfile.read(length)) if length else None
+        call = {"method": self.command, "path": self.path, "auth": self.headers.get("Authorization"), "body": body}
+        self.calls.append(call)
+        return call
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._record()
+        if self.status != 200:
+            return self._reply(self.status, {"message": "invalid API key"})
+        uid = self.path.rsplit("/", 1)[-1]
+        if self.path.startswith("/api/folders/") and uid in self.folders:
+            return self._reply(200, {"uid": uid, "title": "triscope", "id": 7})
+        return self._reply(404, {"message": "folder not found"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        call = self._record()
+        if self.status != 200:
+            return self._reply(self.status, {"message": "invalid API key"})
+        if self.path == "/api/folders":
+            self.folders.add(call["body"]["uid"])
+            return self._reply(200, {"uid": call["body"]["uid"], "title": call["body"]["title"], "id": 7})
+        if self.path == "/api/dashboards/db":
+            uid = call["body"]["dashboard"]["uid"]
+            return self._reply(200, {"uid": uid, "url": f"/d/{uid}/x", "version": 1, "status": "success", "id": 1})
+        return self._reply(404, {"message": "not found"})
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture()
+def grafana():  # noqa: ANN201
+    _Grafana.calls, _Grafana.folders, _Grafana.status = [], set(), 200
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Grafana)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_push_creates_the_folder_and_saves_every_board(grafana: str) -> None:
+    from triscope.dashboards.push import push
+
+    pushed = push(grafana, "tok-123")
+    calls = _Grafana.calls
+    assert [(c["method"], c["path"]) for c in calls[:2]] == [("GET", "/api/folders/triscope"), ("POST", "/api/folders")]
+    assert calls[1]["body"] == {"title": "triscope", "uid": "triscope"}
+    saves = [c for c in calls if c["path"] == "/api/dashboards/db"]
+    assert len(saves) == len(BOARDS) == len(pushed)
+    for c in saves:
+        assert c["method"] == "POST" and c["auth"] == "Bearer tok-123"
+        body = c["body"]
+        assert body["overwrite"] is True and body["folderUid"] == "triscope" and body["dashboard"]["id"] is None
+        want = BOARDS[body["dashboard"]["uid"].removeprefix("triscope-")]
+        assert body["dashboard"] == want
+    assert {p.uid for p in pushed} == {b["uid"] for b in BOARDS.values()} and all(p.version == 1 for p in pushed)
+    # second push: the folder exists, nothing is created again
+    _Grafana.calls.clear()
+    push(grafana, ("admin", "s3cret"), boards={"io": BOARDS["io"]})
+    assert [(c["method"], c["path"]) for c in _Grafana.calls] == [("GET", "/api/folders/triscope"),
+                                                                   ("POST", "/api/dashboards/db")]
+    assert _Grafana.calls[0]["auth"].startswith("Basic ")
+
+
+def test_push_cli_errors_are_one_line(grafana: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # noqa: ANN001
+    from triscope.cli import main
+
+    monkeypatch.delenv("GRAFANA_TOKEN", raising=False)
+    monkeypatch.delenv("GRAFANA_BASIC_AUTH", raising=False)
+    assert main(["dashboards", "push", "--url", grafana]) == 2
+    assert "no Grafana credentials" in capsys.readouterr().err and not _Grafana.calls
+    monkeypatch.setenv("GRAFANA_TOKEN", "bad")
+    _Grafana.status = 401
+    assert main(["dashboards", "push", "--url", grafana]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("triscope: error: Grafana at") and "Unauthorized" in err and "\n" not in err
+    assert main(["dashboards", "push", "--url", "http://u:p@127.0.0.1:1"]) == 2
+    assert "must not carry credentials" in capsys.readouterr().err
+    _Grafana.status = 200
+    assert main(["dashboards", "push", "--url", grafana, "--folder", "GPU fleet", "--folder-uid", "gpu-fleet",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["folder_uid"] == "gpu-fleet" and len(out["dashboards"]) == len(BOARDS)
+    assert _Grafana.calls[-1]["body"]["folderUid"] == "gpu-fleet"
