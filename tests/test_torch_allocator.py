@@ -206,3 +206,20 @@ def test_allocator_table_v1_upgrades_with_active_bytes(store: Any) -> None:
     assert [r[0] for r in store.query(f"DESCRIBE TABLE {table}").rows] == ALLOCATOR_SAMPLES.column_names()
     assert "active_bytes" in COLUMNS and set(COLUMNS) == set(ALLOCATOR_SAMPLES.column_names())
     assert store.query(f"SELECT host, reserved_bytes, active_bytes FROM {table}").rows == [("old", 2.0 * MIB, 0.0)]
+
+
+def test_install_from_a_config_mapping(store: Any, tmp_path: Any) -> None:
+    """install(config): the hook opens (and on close flushes and closes) a writer and store of its own."""
+    config = {"store": {"backend": "embedded", "path": store.path, "database": store.database},
+              "writer": {"flush_interval_s": 0.05}}
+    cuda = FakeCuda([memory_stats_dict(3 * MIB, 8 * MIB, 3 * MIB, MIB, retries=1)])
+    handle = install(config, interval_s=0.02, spool_dir=str(tmp_path / "spool"), cuda=cuda)
+    time.sleep(0.15)
+    assert handle.owns_writer and handle.close() is True
+    res = store.query(f"SELECT count(), max(fragmentation_ratio), max(alloc_retries_total) "
+                      f"FROM {qualified(store, 'allocator_samples')}")
+    n, frag, retries = res.rows[0]
+    assert n == handle.rows >= 3 and frag == pytest.approx(1 - 3 / 8) and retries == 1
+    assert list((tmp_path / "spool").glob("*.batch")) == []
+    with pytest.raises(ConfigError, match="need a Writer, Store or config mapping"):
+        install(42)
