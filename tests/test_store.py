@@ -112,6 +112,15 @@ def test_config_file_and_environment_overrides(tmp_path):
         load_config(tmp_path / "missing.toml", environ={})
 
 
+def test_credentials_from_the_environment_arrive_verbatim():
+    env = {"TRISCOPE_STORE__PASSWORD": "123456", "TRISCOPE_STORE__USERNAME": '"ops"',
+           "TRISCOPE_WEIGHTS__FEED__BEARER_TOKEN": "0x1f", "TRISCOPE_STORE__CLUSTER": "42"}
+    config = load_config(None, environ=env)
+    assert config["store"]["password"] == "123456" and config["store"]["username"] == '"ops"'
+    assert config["weights"]["feed"]["bearer_token"] == "0x1f"
+    assert config["store"]["cluster"] == 42  # other keys still parse as TOML scalars
+
+
 def test_unknown_backend_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown store.backend"):
         open_store({"store": {"backend": "sqlite"}})

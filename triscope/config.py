@@ -3,7 +3,8 @@
 Override keys map to dotted paths with ``__`` as the separator, e.g.
 ``TRISCOPE_STORE__URL=http://127.0.0.1:8123`` sets ``[store] url``.
 Values are parsed as TOML scalars when possible (``10`` is an int, ``true`` a bool),
-otherwise kept as strings.
+otherwise kept as strings; credentials and names (``password``, ``username``, ``token``, ...)
+are always taken verbatim, so a password such as ``123456`` or ``"x"`` arrives unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from triscope.errors import ConfigError
 ENV_PREFIX = "TRISCOPE_"
 # Variables with the prefix that are flags for the test-suite, not configuration.
 _NON_CONFIG_ENV = {"TRISCOPE_REQUIRE_ALL", "TRISCOPE_CONFIG"}
+# Keys whose override value is never parsed as TOML.
+VERBATIM_KEYS = {"password", "username", "user", "token", "bearer_token", "secret", "api_key", "database"}
 
 DEFAULTS: dict[str, Any] = {
     "store": {
@@ -70,7 +73,7 @@ def env_overrides(environ: dict[str, str] | None = None) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"environment variable {name} conflicts with another override")
-        node[path[-1]] = _parse_scalar(raw)
+        node[path[-1]] = raw if path[-1] in VERBATIM_KEYS else _parse_scalar(raw)
     return tree
 
 
