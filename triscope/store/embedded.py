@@ -33,6 +33,44 @@ def _to_insertable(values: Sequence[Any]) -> Any:
     return values if isinstance(values, list) else list(values)
 
 
+def _column_to_numpy(column: Any) -> Any:
+    """An Arrow column as a numpy array; strings become an object array.
+
+    Primitive columns are copied straight out of the Arrow buffer and strings are decoded
+    through a dictionary (an index array plus the few distinct values of the low-cardinality
+    text columns the analyzers read): pyarrow's own ``to_numpy`` imports pandas on first use,
+    half a second of a short CLI run.
+    """
+    import numpy as np
+    import pyarrow as pa
+
+    if column.num_chunks == 0:
+        return np.array([], dtype=_NUMPY_KIND.get(str(column.type), object))
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
+        encoded = array.dictionary_encode()
+        values = np.array(encoded.dictionary.to_pylist(), dtype=object)
+        indices = _primitive(encoded.indices)
+        return values[indices if indices is not None else encoded.indices.to_numpy(zero_copy_only=False)]
+    out = _primitive(array)
+    return out if out is not None else array.to_numpy(zero_copy_only=False)
+
+
+def _primitive(array: Any) -> Any:
+    """A copy of a null-free fixed-width numeric Arrow array as numpy, or None for other arrays."""
+    import numpy as np
+
+    dtype = _NUMPY_KIND.get(str(array.type))
+    if dtype is None or array.null_count:
+        return None
+    width = np.dtype(dtype).itemsize
+    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * width).copy()
+
+
+_NUMPY_KIND = {"int8": "i1", "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint8": "u1", "uint16": "<u2",
+               "uint32": "<u4", "uint64": "<u8", "float": "<f4", "double": "<f8", "float32": "<f4", "float64": "<f8"}
+
+
 class EmbeddedStore(Store):
     """Store backed by chDB on a local directory."""
 
@@ -112,7 +150,7 @@ class EmbeddedStore(Store):
         if len(res) == 0:
             return {}
         table = pa.ipc.open_file(pa.py_buffer(res.get_memview().view())).read_all()
-        return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+        return {name: _column_to_numpy(table.column(name)) for name in table.column_names}
 
     def insert(self, table: str, columns: Mapping[str, Sequence[Any]],
                settings: Mapping[str, str | int] | None = None) -> int:
