@@ -17,6 +17,7 @@ Target: SQL <= 1 s on the embedded store for 10M requests.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -83,7 +84,7 @@ WHERE cityHash64(w, b, 11) % 100 >= 5
 
 def numpy_heatmap(store: Store, spec: HeatmapSpec, start_ns: int, end_ns: int) -> tuple[np.ndarray, dict]:
     """The same tensor computed in numpy, loading the raw columns out of the store first."""
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     p = {"t0": start_ns, "t1": end_ns}
     req = store.query_columns(
         f"SELECT backend, host, gpu, toUnixTimestamp64Nano(ts) AS ts_ns, latency_seconds "
@@ -95,7 +96,7 @@ def numpy_heatmap(store: Store, spec: HeatmapSpec, start_ns: int, end_ns: int) -
         "WHERE ts < fromUnixTimestamp64Nano({t1:Int64}) AND isFinite(memory_used_bytes)", p)
     load_s = time.perf_counter() - t
     tensor = numpy_tensor(spec, req, gpu)
-    return tensor, {"load_s": load_s, "total_s": time.perf_counter() - t}
+    return tensor, {"load_s": load_s, "total_s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu}
 
 
 def _pairs(a: Any, b: Any) -> list[tuple[tuple[str, str], np.ndarray]]:
@@ -186,16 +187,18 @@ def main(argv: list[str] | None = None) -> int:
         g = store.query(f"SELECT count() FROM {qualified(store, 'gpu_samples')}").scalar()
         print(f"generated {int(n):,} requests and {int(g):,} GPU samples over {(end - start) / 1e9:,.0f} s "
               f"in {time.perf_counter() - t:.1f}s")
-        sql_times, np_times, np_loads = [], [], []
+        sql_times, sql_cpu, np_times, np_loads, np_cpu = [], [], [], [], []
         tensor = ref = None
         for _ in range(args.repeat):
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()  # chDB runs in this process: its threads count
             tensor, counted, unmatched = tensor_query(store, spec, start, end)
             sql_times.append(time.perf_counter() - t)
+            sql_cpu.append(time.process_time() - cpu)
         for _ in range(max(1, args.repeat - 1)):
             ref, info = numpy_heatmap(store, spec, start, end)
             np_times.append(info["total_s"])
             np_loads.append(info["load_s"])
+            np_cpu.append(info["cpu_s"])
         t = time.perf_counter()
         cells = cell_summary_query(store, spec, start, end)
         summary_s = time.perf_counter() - t
@@ -205,12 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tensor {list(tensor.shape)}: {counted:,} requests counted, {unmatched:,} without a memory sample, "
               f"{int(np.count_nonzero(tensor)):,} non-empty cells; |SQL - numpy| = {diff} requests")
         print(f"SQL heatmap (embedded chDB):      best {sql_best:.3f}s  median {statistics.median(sql_times):.3f}s "
-              f"of {len(sql_times)}  (target <= 1 s: {'met' if sql_best <= 1.0 else 'NOT met'})")
+              f"of {len(sql_times)}  (target <= 1 s: {'met' if sql_best <= 1.0 else 'NOT met'}); "
+              f"CPU {min(sql_cpu):.3f}s")
         print(f"numpy histogramdd incl. load:      best {np_best:.3f}s  (load {min(np_loads):.3f}s, "
-              f"compute {np_best - min(np_loads):.3f}s)")
+              f"compute {np_best - min(np_loads):.3f}s); CPU {min(np_cpu):.3f}s")
         print(f"ratio numpy/SQL: {np_best / sql_best:.2f}x  (compute-only numpy/SQL: "
-              f"{(np_best - min(np_loads)) / sql_best:.2f}x)")
+              f"{(np_best - min(np_loads)) / sql_best:.2f}x; CPU time numpy/SQL: {min(np_cpu) / min(sql_cpu):.2f}x)")
         print(f"P95 + patterns query ({len(cells)} cells): {summary_s:.3f}s")
+        print(f"machine: {os.cpu_count()} CPUs, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
+              "(other processes share these cores)")
         return 0 if diff == 0 else 1
     finally:
         store.close()
