@@ -98,4 +98,7 @@ def push(url: str, credential: str | tuple[str, str], folder_title: str = FOLDER
                               int(answer.get("version", 0) or 0), str(answer.get("status", ""))))
     except GrafanaException as exc:
         raise PushError(f"Grafana at {url}: {exc.message or exc}".splitlines()[0]) from None
+    except OSError as exc:  # the HTTP client's connection errors (refused, DNS, TLS) are OSErrors
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PushError(f"Grafana at {url} is unreachable: {reason}") from None
     return out

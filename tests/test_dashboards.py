@@ -205,8 +205,17 @@ def test_queries_with_a_selection(store, name: str) -> None:  # noqa: ANN001
     board = BOARDS[name]
     everything = run_panels(store, board, resolve_variables(store, board))
     chosen = resolve_variables(store, board, {k: v for k, v in SELECTION.items()})
+    names = {v["name"] for v in board["templating"]["list"]}
+    checked = 0
     for key, (panel, _target, res) in run_panels(store, board, chosen).items():
         assert len(res.rows) <= len(everything[key][2].rows) or panel["type"] in ("stat", "bargauge"), key
+        for col, values in SELECTION.items():  # a column named like a variable holds only selected values
+            if col in names and col in res.columns:
+                i = res.columns.index(col)
+                seen = {str(r[i]) for r in res.rows}
+                assert seen <= set(values), f"{name} / {key}: {col} {seen - set(values)} not selected"
+                checked += bool(seen)
+    assert checked >= 2, f"{name}: no panel shows a filtered column"
     fleet_qps = [v for k, v in run_panels(store, BOARDS["fleet"], resolve_variables(
         store, BOARDS["fleet"], {"backend": ["h2:8000"]})).items() if k.startswith("Fleet QPS")][0][2]
     assert fleet_qps.rows[0][0] == pytest.approx(
@@ -553,6 +562,14 @@ class _Grafana(BaseHTTPRequestHandler):
         pass
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture()
 def grafana():  # noqa: ANN201
     _Grafana.calls, _Grafana.folders, _Grafana.status = [], set(), 200
@@ -602,6 +619,10 @@ def test_push_cli_errors_are_one_line(grafana: str, monkeypatch: pytest.MonkeyPa
     assert main(["dashboards", "push", "--url", grafana]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("triscope: error: Grafana at") and "Unauthorized" in err and "\n" not in err
+    port = _free_port()
+    assert main(["dashboards", "push", "--url", f"http://127.0.0.1:{port}", "--timeout", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"triscope: error: Grafana at http://127.0.0.1:{port} is unreachable") and "\n" not in err
     assert main(["dashboards", "push", "--url", "http://u:p@127.0.0.1:1"]) == 2
     assert "must not carry credentials" in capsys.readouterr().err
     _Grafana.status = 200
