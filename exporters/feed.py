@@ -41,6 +41,8 @@ from triscope.exporters.weights import (
 log = logging.getLogger(__name__)
 
 JSON_TYPE = "application/json"
+HISTORY_MAX_ROWS = 200_000
+"""History rows kept in memory while the store refuses them; the oldest are dropped beyond this."""
 InputsFn = Callable[[], Sequence[BackendInputs]]
 
 
@@ -93,6 +95,10 @@ class WeightFeed:
         self.update_errors_total = 0
         self.last_update = 0.0
         self.last_error = ""
+        self._history: list[dict[str, Any]] = []
+        self._history_flushed_at = 0.0
+        self.history_rows_written = 0
+        self.history_rows_dropped = 0
 
     # ------------------------------------------------------------------ engine
 
@@ -127,7 +133,32 @@ class WeightFeed:
                 self._result, self._state, self._weights_body = result, state, body
                 self.updates_total += 1
                 self.last_update = now
+            if self._records_history():
+                self._history.extend(history_rows(result))
+                overflow = len(self._history) - HISTORY_MAX_ROWS
+                if overflow > 0:
+                    del self._history[:overflow]
+                    self.history_rows_dropped += overflow
             return result
+
+    def _records_history(self) -> bool:
+        return bool(self.params.history) and self.inputs_fn is None
+
+    def flush_history(self) -> int:
+        """Write buffered ``weights_history`` rows to the store; returns the rows written."""
+        if not self._history or self._store is None:
+            return 0
+        from triscope.schema import qualified
+
+        rows, self._history = self._history, []
+        columns = {k: [r[k] for r in rows] for k in rows[0]}
+        try:
+            self._store.insert(qualified(self._store, "weights_history"), columns)
+        except Exception:
+            self._history = rows + self._history  # retried at the next flush
+            raise
+        self.history_rows_written += len(rows)
+        return len(rows)
 
     def inputs_age_seconds(self) -> float:
         """Age of the oldest backend input at the last update (NaN before one)."""
@@ -147,6 +178,15 @@ class WeightFeed:
             if self._stop.wait(deadline - now):
                 return
             self._safe_update()
+            if self._records_history() and time.monotonic() - self._history_flushed_at >= self.params.history_flush_s:
+                self._history_flushed_at = time.monotonic()
+                self._safe_flush()
+
+    def _safe_flush(self) -> None:
+        try:
+            self.flush_history()
+        except Exception as exc:  # noqa: BLE001 - the store may be down; rows stay buffered
+            log.warning("weights history not written (%d rows buffered): %s", len(self._history), _one_line(exc))
 
     def _safe_update(self) -> None:
         try:
@@ -217,6 +257,8 @@ class WeightFeed:
         if self._loop is not None:
             self._loop.join(timeout=5.0)
             self._loop = None
+        if self._records_history():
+            self._safe_flush()
         if self._http is not None:
             if self._http_thread is not None:
                 with contextlib.suppress(Exception):
@@ -287,6 +329,28 @@ class WeightFeed:
             return 200, "text/plain; charset=utf-8", b"ok\n"
         why = self.last_error or "no recent update"
         return 503, "text/plain; charset=utf-8", f"unhealthy: {why}\n".encode()
+
+
+def _ns_text(t: float) -> str:
+    ns = int(round(t * 1e9))
+    return f"{ns // 1_000_000_000}.{ns % 1_000_000_000:09d}"
+
+
+def history_rows(result: WeightsResult) -> list[dict[str, Any]]:
+    """``weights_history`` rows (one per backend) of one engine result."""
+    ts = _ns_text(result.computed_at)
+    rows = []
+    for name, b in sorted(result.backends.items()):
+        f = b.factors
+        rows.append({"ts": ts, "backend": name, "weight": float(b.weight), "target": float(b.target),
+                     "lb_weight": int(b.lb_weight), "state": b.state, "reasons": ",".join(b.reasons),
+                     "factor_memory": float(f.get("memory", 1.0)), "factor_kv_cache": float(f.get("kv_cache", 1.0)),
+                     "factor_load": float(f.get("load", 1.0)), "factor_latency": float(f.get("latency", 1.0)),
+                     "memory_used_ratio": float(b.inputs.memory_used_ratio),
+                     "kv_cache_usage_ratio": float(b.inputs.kv_cache_usage_ratio), "qps": float(b.inputs.qps),
+                     "input_age_seconds": float(b.age_seconds), "stale": int(result.stale),
+                     "version": int(result.version)})
+    return rows
 
 
 def _make_http_server(feed: WeightFeed, bind: str, port: int) -> ThreadingHTTPServer:

@@ -391,6 +391,18 @@ def test_store_reader_and_feed(store) -> None:  # noqa: ANN001
         assert doc["backends"]["gpu-b:8000"]["reasons"] == ["health"]
         assert doc["backends"]["gpu-a:8000"]["factors"]["memory"] == pytest.approx(10.0)
         assert agent(feed.agent_port, b"gpu-b:8000\n") == b"drain\n"
+        updates = feed.updates_total
+    # close() flushed the history: one row per backend per update
+    from triscope.schema import qualified
+
+    rows = store.query(f"SELECT backend, state, reasons, lb_weight, factor_memory, version, "
+                       f"toUnixTimestamp64Nano(ts) FROM {qualified(store, 'weights_history')} ORDER BY ts, backend"
+                       ).rows
+    assert len(rows) >= 2 * updates - 2 and len(rows) % 2 == 0  # an update may race the flush at close
+    assert tuple(rows[0][:4]) == ("gpu-a:8000", "ready", "", 100)  # the only ready backend
+    assert tuple(rows[1][1:4]) == ("drain", "health", 0)
+    assert rows[0][4] == pytest.approx(10.0) and rows[0][5] >= 1
+    assert abs(rows[0][6] / 1e9 - now) < 30
     # a store opener (what `triscope run` passes) works too
     with WeightFeed(p, store=lambda: store).start() as feed:
         assert weights(feed)["backends"]["gpu-a:8000"]["state"] == "ready"
