@@ -140,17 +140,35 @@ def board() -> Board:
             "click a value to keep only it (the other selections stay)",
             column_links={c: [_self(c)] for c in ("model_version", "modality", "input_resolution", "request_class")},
             column_units={"p99_latency_seconds": "s"}),
-        row("Pipeline health (Prometheus)"),
-        timeseries("Scrape targets up", [prom_target('up{job=~"triscope.*"}', "{{job}} {{instance}}")],
-                   "Prometheus scrape health of the triscope jobs", unit="bool", w=8),
-        timeseries("Weight updates per second", [prom_target(
-            "rate(triscope_weights_updates_total[$__rate_interval])", "{{instance}}")],
-            "weight feed update loop (triscope_weights_updates_total)", unit="ops", w=8),
-        timeseries("Weight feed age", [
-            prom_target("time() - triscope_weights_last_update_timestamp_seconds", "age {{instance}}"),
-            prom_target("max by (backend) (triscope_backend_input_age_seconds)", "input age {{backend}}", ref="B")],
-            "seconds since the last weight update and since each backend's newest input", unit="s",
-            thresholds=[(None, "green"), (15.0, "red")], w=8),
+        row("Pipeline health (Prometheus: triscope run /metrics)"),
+        timeseries("Store and scrape targets up", [
+            prom_target("triscope_store_up", "store {{instance}}"),
+            prom_target('up{job=~"triscope.*"}', "scrape {{job}} {{instance}}", ref="B"),
+            prom_target("triscope_collector_up", "collector {{collector}}", ref="C")],
+            "1 = up: the store takes writes, Prometheus reaches the daemon, each collector runs", unit="bool", w=8),
+        timeseries("Writer rows per second", [
+            prom_target("rate(triscope_writer_rows_written_total[$__rate_interval])", "written"),
+            prom_target("rate(triscope_writer_rows_submitted_total[$__rate_interval])", "submitted", ref="B"),
+            prom_target("rate(triscope_writer_rows_dropped_total[$__rate_interval])", "dropped (spool full)", ref="C"),
+            prom_target("rate(triscope_writer_rows_rejected_total[$__rate_interval])", "rejected", ref="D")],
+            "rows through the batching writer; dropped or rejected rows are data lost", unit="cps", w=8),
+        timeseries("Writer backlog", [
+            prom_target("triscope_writer_pending_rows", "pending rows"),
+            prom_target("time() - triscope_writer_last_write_timestamp_seconds", "seconds since last write",
+                        ref="B")],
+            "rows spooled but not yet in the store, and the age of the last insert", unit="short", w=8),
+        timeseries("Spool on disk", [prom_target("triscope_writer_spool_bytes", "spool {{instance}}")],
+                   "bytes waiting in the local spool (grows while the store is unreachable)", unit="bytes", w=8),
+        timeseries("Collector rows per second", [
+            prom_target("sum by (collector, table) (rate(triscope_collector_rows_total[$__rate_interval]))",
+                        "{{collector}} -> {{table}}")],
+            "rows each collector hands to the writer", unit="cps", w=8),
+        timeseries("Collector and exporter errors", [
+            prom_target("sum by (collector) (increase(triscope_collector_errors_total[$__rate_interval]))",
+                        "collector {{collector}}"),
+            prom_target("increase(triscope_exporter_store_query_errors_total[$__rate_interval])",
+                        "exporter store queries", ref="B")],
+            "failed collect() calls and failed /metrics store queries", unit="short", w=8),
     ]
     return Board(UID, "triscope / fleet overview",
                  "QPS, GPU memory and P99 latency per backend; drill down by host, GPU, model version, modality, "

@@ -80,6 +80,15 @@ def board() -> Board:
                                          prom_target("triscope_kv_cache_scale_recommendation", "{{action}}", ref="B")],
                    "1 while drained (memory or KV cache past its drain ratio); KV-cache scale action", unit="short",
                    w=8),
+        timeseries("Weight updates per second", [prom_target(
+            "rate(triscope_weights_updates_total[$__rate_interval])", "{{instance}}")],
+            "the feed's update loop (triscope_weights_updates_total)", unit="ops", w=12),
+        timeseries("Weight feed age", [
+            prom_target("time() - triscope_weights_last_update_timestamp_seconds", "since last update"),
+            prom_target('max by (backend) (triscope_backend_input_age_seconds{backend=~"${backend:regex}"})',
+                        "input age {{backend}}", ref="B")],
+            "seconds since the last weight update and since each backend's newest input (stale after 15 s)",
+            unit="s", thresholds=[(None, "green"), (float(DEFAULTS["stale_after_s"]), "red")], w=12),
         row("Inputs history (ClickHouse)"),
         timeseries("Memory penalty per GPU", [sql_target(f"""
 SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(gpu) AS gpu,
