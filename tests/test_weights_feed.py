@@ -467,3 +467,84 @@ def test_cli_serve_runs_until_sigterm(tmp_path) -> None:  # noqa: ANN001
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# --------------------------------------------------------------------------- triscope run
+
+
+def test_triscope_run_serves_weights_from_scraped_metrics(tmp_path) -> None:  # noqa: ANN001
+    """``triscope run`` (own chDB dir): serving_metrics scrapes a vLLM-style /metrics into the store,
+    the ``weights_feed`` exporter reads it back and publishes the backend's weight."""
+    import os
+    import signal
+
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+    registry = CollectorRegistry()
+    kv = Gauge("vllm:kv_cache_usage_perc", "kv", ["model_name", "engine"], registry=registry)
+    kv.labels("llama", "0").set(0.75)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    server, _ = start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        feed_port = s.getsockname()[1]
+    cfg = tmp_path / "triscope.toml"
+    cfg.write_text(f"""
+[store]
+path = "{tmp_path / 'chdb'}"
+database = "feedrun"
+[run]
+collectors = ["serving_metrics"]
+exporters = ["weights_feed"]
+[writer]
+spool_dir = "{tmp_path / 'spool'}"
+flush_interval_s = 0.2
+[serving_metrics]
+interval_s = 0.2
+targets = ["http://127.0.0.1:{metrics_port}/metrics"]
+[weights]
+interval_s = 0.2
+[weights.feed]
+port = {feed_port}
+agent_port = -1
+""")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRISCOPE_") or k == "TRISCOPE_REQUIRE_ALL"}
+    proc = subprocess.Popen([sys.executable, "-m", "triscope", "run", "--config", str(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    backend = f"127.0.0.1:{metrics_port}"
+    try:
+        deadline = time.monotonic() + 60
+        doc: dict = {}
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{feed_port}/v1/weights", timeout=2) as resp:
+                    doc = json.load(resp)
+            except (OSError, ValueError):
+                doc = {}
+            b = doc.get("backends", {}).get(backend)
+            if b and b["inputs"]["kv_cache_usage_ratio"] == 0.75:
+                break
+            time.sleep(0.2)
+        b = doc["backends"][backend]
+        assert b["factors"]["kv_cache"] == pytest.approx(4.0) and b["state"] == "ready"
+        assert b["address"] == backend and doc["stale"] is False
+        kv.labels("llama", "0").set(0.99)  # >= drain_kv_ratio: the next scrape drains it (sole backend:
+        deadline = time.monotonic() + 30  # drain suppressed, stays ready at the floor, flagged)
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"http://127.0.0.1:{feed_port}/v1/weights", timeout=2) as resp:
+                doc = json.load(resp)
+            if doc["drain_suppressed"]:
+                break
+            time.sleep(0.2)
+        assert doc["drain_suppressed"] and doc["backends"][backend]["reasons"] == ["kv_cache"]
+        assert doc["backends"][backend]["lb_weight"] == 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        server.shutdown()
