@@ -1,11 +1,11 @@
-"""Routing weights: the published weights (Prometheus) and the history of their inputs (ClickHouse).
+"""Routing weights: their history (``weights_history``), the live feed (Prometheus) and the inputs.
 
-The ``weights_history`` table that docs/weights.md describes (domain ``weights``) is not in
-``triscope.schema`` yet, so the history panels recompute the engine's input factors from the
-tables that exist, with the engine's formulas: memory penalty ``1 / max(0.05, 1 - used/total)``
-per GPU, KV-cache usage per backend, QPS, and the P99 priority weight
-``weight * max(1, p99/sla)^alpha`` per request class (default classes). The weights themselves
-come from the feed's ``/metrics`` (``triscope_backend_*``), scraped by Prometheus.
+``weights_history`` (domain ``weights``) holds one row per backend per engine update: weight,
+target, lb_weight, state, reasons and the four factors. The live values come from the feed's
+``/metrics`` (``triscope_backend_*``). The inputs are recomputed from the store with the engine's
+formulas, per GPU and per request class (finer than the history's per-backend factors): memory
+penalty ``1 / max(0.05, 1 - used/total)``, KV-cache penalty, QPS and the P99 priority weight
+``weight * max(1, p99/sla)^alpha`` (default classes).
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from triscope.dashboards.common import (
     request_var,
     t,
 )
-from triscope.dashboards.model import Board, link, prom_target, row, sql_target, text, timeseries
+from triscope.dashboards.model import Board, link, prom_target, row, sql_target, table, text, timeseries
 from triscope.exporters.weights import DEFAULT_CLASSES, DEFAULTS
 
 UID = "triscope-weights"
 HEATMAP_UID = "triscope-heatmap"
+FLEET_UID = "triscope-fleet"
+HISTORY = t("weights_history")
 PENALTY_FLOOR = 0.05  # headroom_penalty: 1 / max(0.05, 1 - ratio)
 
 
@@ -62,11 +64,37 @@ def board() -> Board:
                  request_var("request_class", "Request class")]
     drain, release = DEFAULTS["drain_memory_ratio"], DEFAULTS["release_memory_ratio"]
     panels = [
-        text("Where the numbers come from", "Top row: the weights the feed published (Prometheus scrape of "
-             "`triscope weights serve` /metrics). Below: the engine's inputs recomputed from the store with its "
-             "formulas. A `weights_history` table (one row per backend per update) is documented in "
-             "docs/weights.md but not in the schema yet; these panels use the tables that exist.", h=2),
-        row("Published weights (Prometheus)"),
+        text("Where the numbers come from", "History: `weights_history`, one row per backend per engine update "
+             "(written by `triscope weights serve` when `[weights] history = true`). Live: the feed's /metrics "
+             "scraped by Prometheus. Inputs: recomputed from the store with the engine's formulas.", h=2),
+        row("History (weights_history)"),
+        timeseries("Weight and target per backend", [sql_target(f"""
+SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, avg(weight) AS weight, avg(target) AS target
+FROM {HISTORY} WHERE $__timeFilter(ts) AND {cond('backend', 'backend')}
+GROUP BY time, backend ORDER BY time, backend""")],
+            "damped weight (0 = drained) and the undamped target it moves toward", unit="percentunit", w=12,
+            links=[link("Heatmap of ${__field.labels.backend}", HEATMAP_UID, {"backend": "${__field.labels.backend}"})]),
+        timeseries("Weight factors per backend", [sql_target(f"""
+SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, avg(factor_memory) AS memory,
+       avg(factor_kv_cache) AS kv_cache, avg(factor_load) AS load, avg(factor_latency) AS latency
+FROM {HISTORY} WHERE $__timeFilter(ts) AND {cond('backend', 'backend')}
+GROUP BY time, backend ORDER BY time, backend""")],
+            "the penalties the weight divides by (1 = no penalty)", unit="short", w=12),
+        timeseries("Load-balancer weight", [sql_target(f"""
+SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, max(lb_weight) AS lb_weight
+FROM {HISTORY} WHERE $__timeFilter(ts) AND {cond('backend', 'backend')}
+GROUP BY time, backend ORDER BY time, backend""")],
+            f"the integer weight HAProxy / Envoy / Traefik received (scale {DEFAULTS['lb_scale']})", unit="short",
+            w=12),
+        table("Drains and stale fallbacks", [sql_target(f"""
+SELECT toString(backend) AS backend, toString(state) AS state, reasons, stale, count() AS updates,
+       min(ts) AS first_seen, max(ts) AS last_seen, max(version) AS last_version
+FROM {HISTORY} WHERE $__timeFilter(ts) AND {cond('backend', 'backend')} AND (state != 'ready' OR stale = 1)
+GROUP BY backend, state, reasons, stale ORDER BY last_seen DESC LIMIT 100""", table=True)],
+            "updates in which a backend was drained, or the fleet fell back to equal weights",
+            column_links={"backend": [link("Fleet view of ${__data.fields.backend}", FLEET_UID,
+                                           {"backend": "${__data.fields.backend}"})]}, w=12),
+        row("Live (Prometheus: the feed's /metrics)"),
         timeseries("Weight per backend", [prom_target('triscope_backend_weight{backend=~"${backend:regex}"}',
                                                       "{{backend}}")],
                    "0..1 after damping; the load balancer gets lb_weight", unit="percentunit", w=8,
@@ -113,5 +141,5 @@ FROM {t('requests')} WHERE $__timeFilter(ts) AND {BACKEND_FILTER} AND {cond('req
 GROUP BY time, backend ORDER BY time, backend""")], "the load input (capacity_qps per backend in the config)",
             unit="reqps", w=12),
     ]
-    return Board(UID, "triscope / routing weights", "Published load-balancer weights and the history of their "
-                 "inputs; drill down by host, GPU, backend and request class.", variables, panels, tags=["weights"])
+    return Board(UID, "triscope / routing weights", "Load-balancer weights over time, live, and their inputs; "
+                 "drill down by host, GPU, backend and request class.", variables, panels, tags=["weights"])

@@ -131,6 +131,18 @@ def seed(store, seed: int = 3) -> dict[str, list[dict[str, Any]]]:  # noqa: ANN0
                     "is_p2p": 0, "nranks": 2, "msg_bytes": 4e6, "device": r, "duration_seconds": nan,
                     "algbw_bytes_per_second": nan, "busbw_bytes_per_second": nan, "state": state})
     _ins(store, "nccl_ops", ops)
+    history = []
+    for k in range(20):
+        for b in BACKENDS:
+            drained = b == "h2:8000" and 5 <= k < 10
+            history.append({"ts": T0 + k * 200_000_000, "backend": b, "weight": 0.0 if drained else 0.5 + 0.02 * k,
+                            "target": 0.0 if drained else 0.6, "lb_weight": 0 if drained else 50 + 2 * k,
+                            "state": "drain" if drained else "ready", "reasons": "memory" if drained else "",
+                            "factor_memory": 20.0 if drained else 1.5, "factor_kv_cache": 1.1, "factor_load": 1.0,
+                            "factor_latency": 2.0, "memory_used_ratio": 0.98 if drained else 0.4,
+                            "kv_cache_usage_ratio": 0.3, "qps": 40.0, "input_age_seconds": 0.5, "stale": 0,
+                            "version": k + 1})
+    _ins(store, "weights_history", history)
     return {"requests": reqs, "gpu_samples": gpus, "nccl_ops": ops}
 
 
@@ -631,3 +643,16 @@ def test_push_cli_errors_are_one_line(grafana: str, monkeypatch: pytest.MonkeyPa
     out = json.loads(capsys.readouterr().out)
     assert out["folder_uid"] == "gpu-fleet" and len(out["dashboards"]) == len(BOARDS)
     assert _Grafana.calls[-1]["body"]["folderUid"] == "gpu-fleet"
+
+
+def test_weights_history_panels(store) -> None:  # noqa: ANN001
+    seed(store)
+    board = BOARDS["weights"]
+    results = run_panels(store, board, resolve_variables(store, board))
+    drains = [v for k, v in results.items() if k.startswith("Drains")][0][2].dicts()
+    assert [(d["backend"], d["state"], d["reasons"], d["updates"], d["last_version"]) for d in drains] == [
+        ("h2:8000", "drain", "memory", 5, 10)]
+    weights = [v for k, v in results.items() if k.startswith("Weight and target")][0][2].dicts()
+    h2 = {str(r["time"]): r["weight"] for r in weights if r["backend"] == "h2:8000"}
+    assert h2["2026-01-01 00:00:01"] == 0.0  # updates 5..9 (T0 + 1.0 s .. 1.8 s): drained
+    assert h2["2026-01-01 00:00:02"] == pytest.approx(0.5 + 0.02 * 12, abs=1e-9)
