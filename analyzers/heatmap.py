@@ -309,17 +309,21 @@ def _dominant(keys: list[int], counts: list[int], names: list[str]) -> tuple[str
     return (names[code - 1] if 0 < code <= len(names) else ""), counts[best] / sum(counts)
 
 
-def cell_summary_query(store: Store, spec: HeatmapSpec, start_ns: int, end_ns: int,
-                       backends: list[str] | None = None, models: list[str] | None = None
-                       ) -> list[dict[str, Any]]:
-    """Per (QPS, memory) cell: requests, exact P95 latency, dominant modality and request class.
+_UNMATCHED = 4294967295  # QPS bin of the row that counts requests without a memory sample
 
-    Modality and class travel as small integer codes; their exact counts per cell come back
-    (``sumMap``) and the most frequent one is named here."""
+
+def summary_query(store: Store, spec: HeatmapSpec, start_ns: int, end_ns: int,
+                  backends: list[str] | None = None, models: list[str] | None = None
+                  ) -> tuple[np.ndarray, int, int, list[dict[str, Any]]]:
+    """Tensor, counted and unmatched requests, and per (QPS, memory) cell: requests, exact P95
+    latency, dominant modality and request class, all in one pass.
+
+    Per cell, ``sumMap`` returns the latency-bin counts (the tensor's third axis) and exact counts of
+    the modality and class codes (small integers on the way; the most frequent is named here)."""
     where, selected, params = _filters(backends, models)
     found = _resolve(store, backends)
     if not found["bl"]:
-        return []
+        return np.zeros(spec.shape, dtype=np.uint64), 0, 0, []
     mods, classes = _codes(store, "modality"), _codes(store, "request_class")
     cond = f"isFinite(latency_seconds) AND {selected}"
     code = "transform(toString({col}), {{{name}:Array(String)}}, {{{name}_c:Array(UInt16)}}, toUInt16(0))"
@@ -331,26 +335,45 @@ def cell_summary_query(store: Store, spec: HeatmapSpec, start_ns: int, end_ns: i
     params.update({"ml": mods, "ml_c": list(range(1, len(mods) + 1)),
                    "cl": classes, "cl_c": list(range(1, len(classes) + 1))})
     sql = _windows_sql(store, where, payload, "slots.lats AS lats, slots.mods AS mods, slots.classes AS classes",
-                       host_wide) + """
-SELECT qbin, mbin, count() AS requests,
+                       host_wide) + f"""
+SELECT if(matched, qbin, {_UNMATCHED}) AS qbin_, if(matched, mbin, 0) AS mbin_, count() AS requests,
        quantileExactInclusive(0.95)(lat) AS p95_latency_seconds,
+       sumMap([{_lbin('lat', spec.latency_bins)}], [toUInt64(1)]) AS lat_counts,
        sumMap([modality], [toUInt64(1)]) AS mod_counts, sumMap([rclass], [toUInt64(1)]) AS class_counts
 FROM joined ARRAY JOIN lats AS lat, mods AS modality, classes AS rclass
-WHERE matched
-GROUP BY qbin, mbin
-ORDER BY requests DESC, qbin, mbin
+GROUP BY qbin_, mbin_
+ORDER BY requests DESC, qbin_, mbin_
 """
-    cells = store.query(sql, {**_params(spec, start_ns, end_ns), **params}).dicts()
-    for c in cells:
+    rows = store.query(sql, {**_params(spec, start_ns, end_ns), **params}).dicts()
+    tensor = np.zeros(spec.shape, dtype=np.uint64)
+    cells, unmatched = [], 0
+    for c in rows:
+        if int(c["qbin_"]) == _UNMATCHED:
+            unmatched = int(c["requests"])
+            continue
+        q, m = int(c.pop("qbin_")), int(c.pop("mbin_"))
+        lbins, counts = c.pop("lat_counts")
+        tensor[q, m, np.asarray(lbins, dtype=np.int64)] = np.asarray(counts, dtype=np.uint64)
+        c["qbin"], c["mbin"] = q, m
         c["modality"], c["modality_share"] = _dominant(*c.pop("mod_counts"), mods)
         c["request_class"], c["request_class_share"] = _dominant(*c.pop("class_counts"), classes)
-    return cells
+        cells.append(c)
+    return tensor, int(tensor.sum()), unmatched, cells
+
+
+def cell_summary_query(store: Store, spec: HeatmapSpec, start_ns: int, end_ns: int,
+                       backends: list[str] | None = None, models: list[str] | None = None
+                       ) -> list[dict[str, Any]]:
+    """Per (QPS, memory) cell: requests, exact P95 latency, dominant modality and request class."""
+    return summary_query(store, spec, start_ns, end_ns, backends, models)[3]
 
 
 def compute_heatmap(store: Store, spec: HeatmapSpec | None = None, start_ns: int | None = None,
                     end_ns: int | None = None, backends: list[str] | None = None,
                     models: list[str] | None = None, summaries: bool = True, top: int = 10) -> HeatmapResult:
-    """Tensor, P95 grid and typical load patterns for ``[start_ns, end_ns)``."""
+    """Tensor, P95 grid and typical load patterns for ``[start_ns, end_ns)``.
+
+    With ``summaries`` one query yields all of them; without, the leaner :func:`tensor_query` runs."""
     spec = (spec or HeatmapSpec()).validate()
     t0 = time.perf_counter()
     bounded = start_ns is not None and end_ns is not None
@@ -359,13 +382,15 @@ def compute_heatmap(store: Store, spec: HeatmapSpec | None = None, start_ns: int
         raise InputError("empty time range: the store has no requests")
     if end_ns <= start_ns:
         raise InputError(f"empty time range: from {start_ns} to {end_ns} (ns)")
-    tensor, counted, unmatched = tensor_query(store, spec, start_ns, end_ns, backends, models)
-    result = HeatmapResult(spec, tensor, start_ns, end_ns, counted, unmatched)
-    if summaries:
-        cells = cell_summary_query(store, spec, start_ns, end_ns, backends, models)
+    if not summaries:
+        tensor, counted, unmatched = tensor_query(store, spec, start_ns, end_ns, backends, models)
+        result = HeatmapResult(spec, tensor, start_ns, end_ns, counted, unmatched)
+    else:
+        tensor, counted, unmatched, cells = summary_query(store, spec, start_ns, end_ns, backends, models)
+        result = HeatmapResult(spec, tensor, start_ns, end_ns, counted, unmatched)
         grid = np.full(spec.shape[:2], np.nan)
         for c in cells:
-            grid[int(c["qbin"]), int(c["mbin"])] = float(c["p95_latency_seconds"])
+            grid[c["qbin"], c["mbin"]] = float(c["p95_latency_seconds"])
         result.p95_grid = grid
         result.patterns = [_pattern(spec, c, counted) for c in cells[:top]]
     result.seconds = time.perf_counter() - t0

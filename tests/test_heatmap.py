@@ -128,7 +128,10 @@ def test_tensor_matches_numpy_histogramdd(store) -> None:  # noqa: ANN001
     res = compute_heatmap(store, spec, T0, T0 + 120 * WNS)
     ref, unmatched, _ = _reference(reqs, gpus, spec, T0, T0 + 120 * WNS)
     assert res.tensor.shape == (32, 64, 128)
-    np.testing.assert_array_equal(res.tensor, ref)
+    np.testing.assert_array_equal(res.tensor, ref)  # from the one-pass summary query
+    lean = compute_heatmap(store, spec, T0, T0 + 120 * WNS, summaries=False)  # tensor_query
+    np.testing.assert_array_equal(lean.tensor, ref)
+    assert (lean.requests, lean.unmatched) == (res.requests, res.unmatched) and lean.patterns == []
     # every seeded row is accounted for: in the tensor, unmatched (h3 has no GPU samples; only rows
     # with a finite latency count there), or left out for a NaN latency
     finite = [r for r in reqs if math.isfinite(r["latency_seconds"])]
@@ -152,11 +155,12 @@ def test_filters_range_and_custom_spec(store) -> None:  # noqa: ANN001
     start, end = T0 + 10 * WNS, T0 + 90 * WNS
     for backends, models in ((None, None), (["h1:8000", "h2:8000"], None), (None, ["m-b"]),
                              (["h1:8001"], ["m-a"])):
-        res = compute_heatmap(store, spec, start, end, backends=backends, models=models, summaries=False)
         ref, unmatched, _ = _reference(reqs, gpus, spec, start, end, backends, models)
-        assert res.tensor.shape == (8, 10, 16)
-        np.testing.assert_array_equal(res.tensor, ref, err_msg=f"{backends} {models}")
-        assert res.unmatched == unmatched
+        for summaries in (False, True):
+            res = compute_heatmap(store, spec, start, end, backends=backends, models=models, summaries=summaries)
+            assert res.tensor.shape == (8, 10, 16)
+            np.testing.assert_array_equal(res.tensor, ref, err_msg=f"{backends} {models} {summaries}")
+            assert res.unmatched == unmatched
     # an unknown backend selects nothing
     assert compute_heatmap(store, spec, start, end, backends=["nope"]).tensor.sum() == 0
 
