@@ -146,6 +146,26 @@ def seed(store, seed: int = 3) -> dict[str, list[dict[str, Any]]]:  # noqa: ANN0
     return {"requests": reqs, "gpu_samples": gpus, "nccl_ops": ops}
 
 
+@pytest.fixture(scope="module")
+def seeded(store_path: Path):  # noqa: ANN201
+    """One seeded database for the read-only tests of this module (in the session's chDB directory,
+    like the ``store`` fixture; seeding once keeps the file fast)."""
+    import os
+
+    from triscope.store import open_store
+
+    database = f"dash{os.getpid()}"
+    s = open_store({"store": {"backend": "embedded", "path": str(store_path), "database": database}})
+    try:
+        seed(s)
+        yield s
+    finally:
+        try:
+            s.command(f"DROP DATABASE IF EXISTS {database}")
+        finally:
+            s.close()
+
+
 # ---------------------------------------------------------------- running a board's queries
 
 def _ctx(variables: dict[str, Var]) -> Context:
@@ -189,8 +209,8 @@ BOARDS = all_boards()
 
 
 @pytest.mark.parametrize("name", sorted(BOARDS))
-def test_every_query_returns_rows(store, name: str) -> None:  # noqa: ANN001
-    seed(store)
+def test_every_query_returns_rows(seeded, name: str) -> None:  # noqa: ANN001
+    store = seeded
     board = BOARDS[name]
     variables = resolve_variables(store, board)
     results = run_panels(store, board, variables)
@@ -211,9 +231,9 @@ SELECTION = {"host": ["h1"], "gpu": ["0"], "backend": ["h1:8000", "h1:8001"], "m
 
 
 @pytest.mark.parametrize("name", sorted(BOARDS))
-def test_queries_with_a_selection(store, name: str) -> None:  # noqa: ANN001
+def test_queries_with_a_selection(seeded, name: str) -> None:  # noqa: ANN001
     """Specific values (the ``IN (...)`` branch of every filter) still run and narrow the result."""
-    seed(store)
+    store = seeded
     board = BOARDS[name]
     everything = run_panels(store, board, resolve_variables(store, board))
     chosen = resolve_variables(store, board, {k: v for k, v in SELECTION.items()})
@@ -240,12 +260,12 @@ def store_requests(store) -> list[str]:  # noqa: ANN001
 
 # ---------------------------------------------------------------- agreement with the analyzers
 
-def test_heatmap_panels_match_the_analyzer(store) -> None:  # noqa: ANN001
+def test_heatmap_panels_match_the_analyzer(seeded) -> None:  # noqa: ANN001
     """The heatmap board's slices equal triscope.analyzers.heatmap's tensor over the same range."""
     from triscope.analyzers.heatmap import HeatmapSpec, compute_heatmap
     from triscope.dashboards.heatmap import slice_sql
 
-    seed(store)
+    store = seeded
     spec = HeatmapSpec()
     board = BOARDS["heatmap"]
     variables = resolve_variables(store, board)
@@ -270,11 +290,11 @@ def test_heatmap_panels_match_the_analyzer(store) -> None:  # noqa: ANN001
     np.testing.assert_array_equal(got, ref)
 
 
-def test_stragglers_match_the_analyzer(store) -> None:  # noqa: ANN001
+def test_stragglers_match_the_analyzer(seeded) -> None:  # noqa: ANN001
     from triscope.analyzers.nccl_crossrank import stragglers
     from triscope.dashboards.nccl import stragglers_sql
 
-    seed(store)
+    store = seeded
     variables = resolve_variables(store, BOARDS["nccl"])
     res = store.query(expand(stragglers_sql(), _ctx(variables)))
     got = {(r["run_id"], r["rank"]): r for r in res.dicts()}
@@ -288,10 +308,10 @@ def test_stragglers_match_the_analyzer(store) -> None:  # noqa: ANN001
         assert g["max_lateness_seconds"] == pytest.approx(w["max_lateness_seconds"])
 
 
-def test_stall_shares_follow_the_rules(store) -> None:  # noqa: ANN001
+def test_stall_shares_follow_the_rules(seeded) -> None:  # noqa: ANN001
     """Seeded: h1 GPU 0 compute-bound in its first 20 windows; nvme0n1 IO-bound for 2 s; rank 0 90% comm
     in 10 of its 20 traced windows."""
-    seed(store)
+    store = seeded
     board = BOARDS["stalls"]
     res = [v for k, v in run_panels(store, board, resolve_variables(store, board)).items()
            if k.startswith("Ranks by comm")][0][2].dicts()
@@ -645,8 +665,8 @@ def test_push_cli_errors_are_one_line(grafana: str, monkeypatch: pytest.MonkeyPa
     assert _Grafana.calls[-1]["body"]["folderUid"] == "gpu-fleet"
 
 
-def test_weights_history_panels(store) -> None:  # noqa: ANN001
-    seed(store)
+def test_weights_history_panels(seeded) -> None:  # noqa: ANN001
+    store = seeded
     board = BOARDS["weights"]
     results = run_panels(store, board, resolve_variables(store, board))
     drains = [v for k, v in results.items() if k.startswith("Drains")][0][2].dicts()
