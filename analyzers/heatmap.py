@@ -78,10 +78,22 @@ class HeatmapSpec:
         unknown = set(section) - known
         if unknown:
             raise ConfigError(f"[heatmap] has unknown keys: {', '.join(sorted(unknown))}")
-        try:
-            return cls(**{k: type(getattr(cls, k))(v) for k, v in section.items()}).validate()
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"[heatmap] has a bad value: {exc}") from None
+        return cls(**{k: _number(k, v, type(getattr(cls, k))) for k, v in section.items()}).validate()
+
+
+def _number(key: str, value: Any, kind: type) -> int | float:
+    """``value`` as the field's type; an int field takes only whole numbers."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError("a boolean")
+        number = float(value)
+        if kind is int:
+            if not number.is_integer():
+                raise ValueError("not a whole number")
+            return int(number)
+        return number
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[heatmap] has a bad value for {key}: {value!r} ({exc})") from None
 
 
 @dataclass

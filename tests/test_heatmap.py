@@ -230,8 +230,10 @@ def test_empty_range_and_bad_spec(store) -> None:  # noqa: ANN001
             HeatmapSpec(**bad).validate()
     with pytest.raises(ConfigError, match="unknown keys: bogus"):
         HeatmapSpec.from_config({"heatmap": {"bogus": 1}})
-    with pytest.raises(ConfigError, match="bad value"):
-        HeatmapSpec.from_config({"heatmap": {"qps_bins": "many"}})
+    for bad in ({"qps_bins": "many"}, {"qps_bins": 16.5}, {"latency_bins": True}, {"qps_bin": [5]}):
+        with pytest.raises(ConfigError, match=f"bad value for {next(iter(bad))}"):
+            HeatmapSpec.from_config({"heatmap": bad})
+    assert HeatmapSpec.from_config({"heatmap": {"qps_bins": 16.0, "qps_bin": 2}}).qps_bins == 16
     spec = HeatmapSpec.from_config({"heatmap": {"qps_bins": 16}, "analysis": {"window_ms": 50}})
     assert spec.shape == (16, 64, 128) and spec.window_ns == 50_000_000
 
