@@ -101,7 +101,8 @@ def test_table_filters_and_bins(store, cli, capsys) -> None:  # noqa: ANN001
     assert doc["spec"]["qps_bin"] == 10 and doc["spec"]["latency_bin_s"] == pytest.approx(0.05)
 
 
-def test_config_env_and_since(store, cli, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_config_env_and_since(store, cli, capsys, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                              tmp_path: Path) -> None:
     """``[heatmap]`` keys via environment overrides; ``--since`` ends now, so rows are inserted at now."""
     now = time.time_ns() // WNS * WNS
     store.insert(qualified(store, "requests"), {
@@ -111,8 +112,10 @@ def test_config_env_and_since(store, cli, capsys, monkeypatch: pytest.MonkeyPatc
         "ts": [ns_text(now - 31 * WNS)], "host": ["h1"], "gpu": [0], "memory_used_bytes": [3.3e9]})
     monkeypatch.setenv("TRISCOPE_HEATMAP__LATENCY_BIN_S", "0.1")
     monkeypatch.setenv("TRISCOPE_HEATMAP__LATENCY_BINS", "8")
-    code, out, err = cli(capsys, "--since", "1m", "--json")
+    png = tmp_path / "tiny.png"
+    code, out, err = cli(capsys, "--since", "1m", "--json", "--png", str(png))
     assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # every cell holds 1 request: a flat colour scale
     doc = json.loads(out)
     # 3 requests in one window = 30 QPS -> bin 6; 3.3 GB -> bin 16; 0.05 s, 0.25 s, 9 s (clamped) -> 0, 2, 7
     assert sorted(doc["cells"]) == [[6, 16, 0, 1], [6, 16, 2, 1], [6, 16, 7, 1]]
@@ -150,3 +153,29 @@ def test_empty_store_and_bad_config(store, cli, capsys, monkeypatch: pytest.Monk
     monkeypatch.setenv("TRISCOPE_HEATMAP__QPS_BINZ", "4")
     code, _, err = cli(capsys, "--all")
     assert code == 2 and "[heatmap] has unknown keys: qps_binz" in err and err.count("\n") == 1
+
+
+def test_entry_point_subprocess(tmp_path: Path) -> None:
+    """``python -m triscope heatmap`` in fresh processes on their own data path (no display)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "TRISCOPE_STORE__PATH": str(tmp_path / "db"), "TRISCOPE_STORE__DATABASE": "hm",
+           "PYTHONPATH": str(REPO / "tests"), "COLUMNS": "200"}
+    env.pop("TRISCOPE_CONFIG", None)
+    env.pop("DISPLAY", None)
+    env.pop("MPLBACKEND", None)
+    seed = ("from triscope.config import load_config; from triscope.store import open_store; "
+            "from test_heatmap import _seed; s = open_store(load_config()); _seed(s, windows=30); s.close()")
+    assert subprocess.run([sys.executable, "-c", seed], env=env, cwd=REPO, timeout=120).returncode == 0
+    png = tmp_path / "out.png"
+    run = subprocess.run([sys.executable, "-m", "triscope", "heatmap", "--all", "--png", str(png), "--top", "2"],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "typical load patterns" in run.stdout and png.stat().st_size > 10_000
+    bad = subprocess.run([sys.executable, "-m", "triscope", "heatmap", "--from", "2020-01-01", "--to", "2020-01-02"],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("triscope: error: no requests") and bad.stdout == ""
