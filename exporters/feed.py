@@ -22,11 +22,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 from triscope.errors import ConfigError
 from triscope.exporters import prometheus_text
+from triscope.exporters._servers import BoundedThreadingMixIn
 from triscope.exporters.haproxy_agent import AgentServer
 from triscope.exporters.weights import (
     BackendInputs,
@@ -77,6 +78,9 @@ class WeightFeed:
         self.max_body_bytes = int(feed_cfg.get("max_body_bytes", 1 << 20))
         if self.max_body_bytes < 0:
             raise ConfigError("[weights.feed] max_body_bytes must be >= 0")
+        self.max_connections = int(feed_cfg.get("max_connections", 512))
+        if self.max_connections < 1:
+            raise ConfigError("[weights.feed] max_connections must be >= 1")
         self._store_arg = store
         self._store: Any = None
         self._owns_store = False
@@ -88,7 +92,7 @@ class WeightFeed:
         self._update_lock = threading.Lock()
         self._stop = threading.Event()
         self._loop: threading.Thread | None = None
-        self._http: ThreadingHTTPServer | None = None
+        self._http: HTTPServer | None = None
         self._http_thread: threading.Thread | None = None
         self._agent: AgentServer | None = None
         self.updates_total = 0
@@ -236,12 +240,13 @@ class WeightFeed:
         self._safe_update()
         try:
             if self._port_cfg >= 0:
-                self._http = _make_http_server(self, self.bind, self._port_cfg)
+                self._http = _make_http_server(self, self.bind, self._port_cfg, self.max_connections)
                 self._http_thread = threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.2},
                                                      name="triscope-feed-http", daemon=True)
                 self._http_thread.start()
             if self._agent_port_cfg >= 0:
-                self._agent = AgentServer(lambda: self._result, self.bind, self._agent_port_cfg).start()
+                self._agent = AgentServer(lambda: self._result, self.bind, self._agent_port_cfg,
+                                          max_connections=self.max_connections).start()
         except OSError as exc:
             self.close()
             raise ConfigError(f"weight feed cannot listen on {self.bind}: {_one_line(exc)}") from None
@@ -353,7 +358,7 @@ def history_rows(result: WeightsResult) -> list[dict[str, Any]]:
     return rows
 
 
-def _make_http_server(feed: WeightFeed, bind: str, port: int) -> ThreadingHTTPServer:
+def _make_http_server(feed: WeightFeed, bind: str, port: int, max_connections: int) -> HTTPServer:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "triscope-feed"
@@ -434,11 +439,11 @@ def _make_http_server(feed: WeightFeed, bind: str, port: int) -> ThreadingHTTPSe
         def do_POST(self) -> None:  # noqa: N802
             self._route("POST")
 
-    class Server(ThreadingHTTPServer):
-        daemon_threads = True
+    class Server(BoundedThreadingMixIn, HTTPServer):
         allow_reuse_address = True
         request_queue_size = 128
 
+    Server.max_connections = max_connections
     return Server((bind, port), Handler)
 
 

@@ -25,6 +25,7 @@ import socketserver
 import threading
 from collections.abc import Callable
 
+from triscope.exporters._servers import DEFAULT_MAX_CONNECTIONS, BoundedThreadingMixIn
 from triscope.exporters.weights import DRAIN, WeightsResult
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class AgentServer:
     """Threaded TCP agent-check server; ``result_fn`` returns the current :class:`WeightsResult`."""
 
     def __init__(self, result_fn: Callable[[], WeightsResult | None], bind: str = "127.0.0.1",
-                 port: int = 0, max_line: int = MAX_LINE, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+                 port: int = 0, max_line: int = MAX_LINE, read_timeout_s: float = READ_TIMEOUT_S,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self.result_fn = result_fn
         self.max_line = max_line
         self.read_timeout_s = read_timeout_s
@@ -80,10 +82,10 @@ class AgentServer:
             def handle(self) -> None:
                 agent._handle(self.request)
 
-        class Server(socketserver.ThreadingTCPServer):
+        class Server(BoundedThreadingMixIn, socketserver.TCPServer):
             allow_reuse_address = True
-            daemon_threads = True
 
+        Server.max_connections = max_connections
         self._server = Server((bind, port), Handler)
         self.port = int(self._server.server_address[1])
         self._thread: threading.Thread | None = None

@@ -59,6 +59,7 @@ DEFAULTS: dict[str, Any] = {
         "port": 9470,
         "agent_port": 9471,
         "max_body_bytes": 1 << 20,  # Envoy 1.40 REST DiscoveryRequests are ~77 KB (node metadata)
+        "max_connections": 512,
         "envoy_cluster": "triscope",
         "traefik_service": "triscope",
         "traefik_entrypoints": ["web"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -548,3 +549,26 @@ agent_port = -1
             proc.kill()
             proc.wait()
         server.shutdown()
+
+
+def test_connection_cap_closes_extra_connections(fleet: Fleet) -> None:
+    p = WeightParams.from_config({"weights": {"interval_s": 0.1,
+                                              "feed": {"port": 0, "agent_port": 0, "max_connections": 2}}})
+    with WeightFeed(p, inputs_fn=fleet).start() as feed:
+        for port in (feed.agent_port, feed.http_port):
+            idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+            try:
+                time.sleep(0.1)  # both accepted and holding a thread
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+                    extra.sendall(b"GET /v1/weights HTTP/1.1\r\nHost: x\r\n\r\n" if port == feed.http_port
+                                  else name(0).encode() + b"\n")
+                    with contextlib.suppress(ConnectionResetError):  # closed without an answer
+                        assert extra.recv(100) == b""
+            finally:
+                for s in idle:
+                    s.close()
+        time.sleep(0.2)  # slots freed
+        assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
+        assert weights(feed)["backends"]
+        with pytest.raises(ConfigError):
+            WeightFeed(WeightParams.from_config({"weights": {"feed": {"max_connections": 0}}}), inputs_fn=fleet)

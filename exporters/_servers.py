@@ -1,0 +1,36 @@
+"""Threaded socket servers with a cap on concurrent connections (one thread each)."""
+
+from __future__ import annotations
+
+import socketserver
+import threading
+from typing import Any
+
+DEFAULT_MAX_CONNECTIONS = 512
+
+
+class BoundedThreadingMixIn(socketserver.ThreadingMixIn):
+    """Thread per connection, at most ``max_connections`` at once; extra connections are closed."""
+
+    daemon_threads = True
+    block_on_close = False
+    max_connections = DEFAULT_MAX_CONNECTIONS
+    refused_total = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        slots = self.__dict__.setdefault("_slots", threading.BoundedSemaphore(self.max_connections))
+        if not slots.acquire(blocking=False):
+            self.refused_total += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.__dict__["_slots"].release()
