@@ -69,6 +69,8 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
              per_backend(lambda b: b.lb_weight))
     w.family("triscope_backend_drained", "gauge", "1 when the backend is drained, else 0.",
              per_backend(lambda b: 1.0 if b.state == "drain" else 0.0))
+    w.family("triscope_backend_draining", "gauge", "Same as triscope_backend_drained (name of the first contract).",
+             per_backend(lambda b: 1.0 if b.state == "drain" else 0.0))
     w.family("triscope_backend_weight_factor", "gauge", "Penalty factor (>= 1) of the weight formula.",
              [({"backend": n, "factor": f}, float(v)) for n, b in backends for f, v in sorted(b.factors.items())])
     w.family("triscope_backend_memory_used_ratio", "gauge", "GPU memory used/total (worst GPU of the backend).",

@@ -162,6 +162,7 @@ def test_metrics_exposition(feed: WeightFeed, fleet: Fleet) -> None:
     by = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in fams.values() for s in fam.samples}
     assert by[("triscope_backend_drained", (("backend", name(0)),))] == 1
     assert by[("triscope_backend_drained", (("backend", name(1)),))] == 0
+    assert by[("triscope_backend_draining", (("backend", name(0)),))] == 1
     assert by[("triscope_backend_weight", (("backend", name(0)),))] == 0
     assert by[("triscope_backend_lb_weight", (("backend", name(1)),))] >= 1
     assert by[("triscope_backend_kv_cache_usage_ratio", (("backend", name(1)),))] == 0.5
