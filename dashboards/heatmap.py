@@ -83,12 +83,26 @@ def _wtime(spec: HeatmapSpec = SPEC) -> str:
 
 
 def slice_sql(x: str, y: str, spec: HeatmapSpec = SPEC) -> str:
-    """Cells (``xMin``, ``yMin``, ``count``) of the 2-D slice over axes ``x``, ``y`` (qps, memory, latency)."""
-    edge = {"qps": f"qbin * {_g(spec.qps_bin)}", "memory": f"mbin * {_g(spec.memory_bin_bytes)}",
-            "latency": f"{_lbin(spec)} * {_g(spec.latency_bin_s)}",
-            "time": f"$__timeInterval({_wtime(spec)})"}
-    return (cells_cte(spec) + f"SELECT {edge[x]} AS xMin, {edge[y]} AS yMin, count() AS count\n"
-            "FROM cells ARRAY JOIN lats AS lat WHERE matched GROUP BY xMin, yMin ORDER BY xMin, yMin")
+    """Cells (``xMin``, ``yMin``, ``count``) of the 2-D slice over axes ``x``, ``y`` (qps, memory,
+    latency; ``x`` may also be time), ordered by x then y. Numeric slices return the complete grid
+    (zero counts included), which the heatmap panel's grouping-to-matrix pivot needs."""
+    bins = {"qps": ("qbin", spec.qps_bin, spec.qps_bins), "memory": ("mbin", spec.memory_bin_bytes, spec.memory_bins),
+            "latency": (_lbin(spec), spec.latency_bin_s, spec.latency_bins)}
+    ycol, ywidth, yn = bins[y]
+    if x == "time":
+        return (cells_cte(spec) + f"SELECT $__timeInterval({_wtime(spec)}) AS xMin, round({ycol} * {_g(ywidth)}, 6) "
+                "AS yMin, count() AS count\nFROM cells ARRAY JOIN lats AS lat WHERE matched "
+                "GROUP BY xMin, yMin ORDER BY xMin, yMin")
+    xcol, xwidth, xn = bins[x]
+    return (cells_cte(spec) + f""",
+  counts AS (
+    SELECT toUInt32({xcol}) AS xb, toUInt32({ycol}) AS yb, count() AS n
+    FROM cells ARRAY JOIN lats AS lat WHERE matched GROUP BY xb, yb
+  )
+SELECT round(g.xb * {_g(xwidth)}, 6) AS xMin, round(g.yb * {_g(ywidth)}, 6) AS yMin, counts.n AS count
+FROM (SELECT toUInt32(x.number) AS xb, toUInt32(y.number) AS yb FROM numbers({xn}) AS x CROSS JOIN numbers({yn}) AS y) AS g
+LEFT JOIN counts ON g.xb = counts.xb AND g.yb = counts.yb
+ORDER BY xMin, yMin""")
 
 
 def board() -> Board:

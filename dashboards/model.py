@@ -140,7 +140,13 @@ def bargauge(title: str, targets: list[dict[str, Any]], description: str = "", u
 
 def heatmap(title: str, targets: list[dict[str, Any]], description: str = "", y_unit: str = "",
             w: int = 12, h: int = 9) -> Panel:
-    """A heatmap of buckets computed in ClickHouse (cells: ``time``/``xMin``, ``yMin``, ``count``)."""
+    """A heatmap of buckets computed in ClickHouse.
+
+    The query returns long rows ``xMin`` (time or number), ``yMin``, ``count`` ordered by x then y;
+    Grafana's *grouping to matrix* transformation pivots them into the heatmap's rows frame (x,
+    then one count field per y bucket, named by its lower edge). With a numeric x, Grafana keeps
+    the fields in order of first appearance, so such queries return the complete grid (zeros
+    included) so that the first x row lists every y bucket in ascending order."""
     options = {
         "calculate": False,
         "cellGap": 1,
@@ -154,10 +160,12 @@ def heatmap(title: str, targets: list[dict[str, Any]], description: str = "", y_
         "filterValues": {"le": 1e-9},
         "exemplars": {"color": "rgba(255,0,255,0.7)"},
     }
+    matrix = {"id": "groupingToMatrix", "options": {"columnField": "yMin", "rowField": "xMin",
+                                                    "valueField": "count", "emptyValue": "zero"}}
     return _panel("heatmap", title, targets, description, "", options,
                   {"scaleDistribution": {"type": "linear"}, "hideFrom": {"legend": False, "tooltip": False,
                                                                           "viz": False}},
-                  (), None, None, w, h)
+                  (), None, None, w, h, extra={"transformations": [matrix]})
 
 
 def text(title: str, markdown: str, w: int = 24, h: int = 3) -> Panel:

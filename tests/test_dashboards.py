@@ -676,3 +676,38 @@ def test_weights_history_panels(seeded) -> None:  # noqa: ANN001
     h2 = {str(r["time"]): r["weight"] for r in weights if r["backend"] == "h2:8000"}
     assert h2["2026-01-01 00:00:01"] == 0.0  # updates 5..9 (T0 + 1.0 s .. 1.8 s): drained
     assert h2["2026-01-01 00:00:02"] == pytest.approx(0.5 + 0.02 * 12, abs=1e-9)
+
+
+def _grouping_to_matrix(rows: list[tuple[Any, ...]]) -> tuple[list[Any], list[Any], dict[tuple[Any, Any], Any]]:
+    """Grafana's 'grouping to matrix' (row field xMin, column field yMin): both in first-appearance order."""
+    xs, ys, cells = list(dict.fromkeys(r[0] for r in rows)), list(dict.fromkeys(r[1] for r in rows)), {}
+    for x, y, n in rows:
+        cells[(x, y)] = n
+    return xs, ys, cells
+
+
+def test_heatmap_panels_give_grafana_a_rows_frame(seeded) -> None:  # noqa: ANN001
+    """What the heatmap panel needs after the pivot: x ascending; with a numeric x the y fields already in
+    ascending order (Grafana sorts them only when x is time); bucket names without float noise."""
+    store = seeded
+    board = BOARDS["heatmap"]
+    variables = resolve_variables(store, board)
+    panels = [p for p in board["panels"] if p["type"] == "heatmap"]
+    assert len(panels) == 6
+    for p in panels:
+        assert p["transformations"] == [{"id": "groupingToMatrix", "options": {
+            "columnField": "yMin", "rowField": "xMin", "valueField": "count", "emptyValue": "zero"}}]
+        assert p["options"]["calculate"] is False and p["options"]["rowsFrame"]["layout"] == "ge"
+        res = store.query(expand(p["targets"][0]["rawSql"], _ctx(variables)))
+        assert res.columns == ["xMin", "yMin", "count"], p["title"]
+        xs, ys, cells = _grouping_to_matrix(res.rows)
+        assert xs == sorted(xs) and len(xs) > 1, p["title"]
+        assert all(len(str(float(y))) <= 14 for y in ys), f"{p['title']}: noisy bucket names {ys[:5]}"
+        if isinstance(xs[0], (int, float)):
+            assert ys == sorted(ys), f"{p['title']}: y buckets out of order"
+            assert len(cells) == len(xs) * len(ys), f"{p['title']}: not a complete grid"
+            assert len(ys) in (SPEC_BINS["latency"], SPEC_BINS["memory"]), p["title"]
+        assert sum(n for n in cells.values()) > 0
+
+
+SPEC_BINS = {"latency": 128, "memory": 64, "qps": 32}
