@@ -543,6 +543,14 @@ def test_provisioning_yaml() -> None:
     # compose mounts dashboards/json at this path
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
     assert DEFAULT_OUT == REPO / "dashboards" / "json"
+    # and the compose stack mounts the generated folder and the provisioning folder there
+    compose = yaml.safe_load((REPO / "compose" / "compose.yaml").read_text())
+    mounts = {}
+    for vol in compose["services"]["grafana"]["volumes"]:
+        src, _, rest = vol.partition(":")
+        mounts[rest.split(":")[0]] = (REPO / "compose" / src).resolve()
+    assert mounts["/var/lib/grafana/dashboards"] == DEFAULT_OUT
+    assert mounts["/etc/grafana/provisioning"] == PROVISIONING
 
 
 # ---------------------------------------------------------------- push
