@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from conftest import REPO, require_binary
 
-from tests.conftest import REPO, require_binary
 from triscope.collectors.nccl_common import ns_text
 from triscope.dashboards import macros
 from triscope.dashboards.boards import all_boards
