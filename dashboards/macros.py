@@ -144,12 +144,23 @@ def _format(name: str, value: list[str] | str, fmt: str | None) -> str:
     raise MacroError(f"unsupported variable format ${{{name}:{fmt}}}")
 
 
+def _hms(ms: int) -> str:
+    """Grafana's interval text: 200ms, 30s, 5m, 2h, 1d (the largest unit that divides it)."""
+    if ms % 1000:
+        return f"{ms}ms"
+    seconds = ms // 1000
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
 def _globals(ctx: Context) -> dict[str, str]:
     from_ms = int(ctx.start.timestamp() * 1000)
     to_ms = int(ctx.end.timestamp() * 1000)
     interval_ms = max(1, int(ctx.interval_s * 1000))
     return {"__from": str(from_ms), "__to": str(to_ms), "__interval_ms": str(interval_ms),
-            "__interval": f"{interval_ms // 1000}s" if interval_ms % 1000 == 0 else f"{interval_ms}ms",
+            "__interval": _hms(interval_ms),
             "__range_s": str((to_ms - from_ms) // 1000), "__range_ms": str(to_ms - from_ms)}
 
 

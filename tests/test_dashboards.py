@@ -357,6 +357,8 @@ def test_macros_expand_like_the_plugin() -> None:
     assert expand("$__conditionalAll(f(a, g(b, c)), ${gpu})", ctx) == "1=1"
     assert expand("${host:regex}", ctx) == "(a|o'b)"
     assert expand("$__from $__to $unknown_var", ctx) == "1767225600000 1767229200500 $unknown_var"
+    assert expand("$__interval|$__interval_ms", ctx) == "200ms|200"
+    assert expand("$__interval", Context(start, end, interval_s=120)) == "2m"
     assert macros.referenced_variables("$__timeFilter(ts) AND ${host:singlequote} $gpu [[one]]") == {
         "host", "gpu", "one"}
     for bad in ("$__timeFilter()", "$__timeFilter(a, b)", "$__nosuchmacro(ts)", "$__conditionalAll(x)",
