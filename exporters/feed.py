@@ -154,15 +154,16 @@ class WeightFeed:
             return 0
         from triscope.schema import qualified
 
-        rows, self._history = self._history, []
-        columns = {k: [r[k] for r in rows] for k in rows[0]}
-        try:
-            self._store.insert(qualified(self._store, "weights_history"), columns)
-        except Exception:
-            self._history = rows + self._history  # retried at the next flush
-            raise
-        self.history_rows_written += len(rows)
-        return len(rows)
+        with self._update_lock:
+            rows, self._history = self._history, []
+            columns = {k: [r[k] for r in rows] for k in rows[0]}
+            try:
+                self._store.insert(qualified(self._store, "weights_history"), columns)
+            except Exception:
+                self._history = rows + self._history  # retried at the next flush
+                raise
+            self.history_rows_written += len(rows)
+            return len(rows)
 
     def inputs_age_seconds(self) -> float:
         """Age of the oldest backend input at the last update (NaN before one)."""

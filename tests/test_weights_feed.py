@@ -573,3 +573,25 @@ def test_connection_cap_closes_extra_connections(fleet: Fleet) -> None:
         assert weights(feed)["backends"]
         with pytest.raises(ConfigError):
             WeightFeed(WeightParams.from_config({"weights": {"feed": {"max_connections": 0}}}), inputs_fn=fleet)
+
+
+def test_history_rows_survive_a_refusing_store(store) -> None:  # noqa: ANN001
+    from triscope.schema import create_table_sql, qualified
+    from triscope.schema.weights import WEIGHTS_HISTORY
+
+    now = time.time()
+    _seed(store, now)
+    p = WeightParams.from_config({"weights": {"history_flush_s": 3600, "feed": {"port": -1, "agent_port": -1}}})
+    feed = WeightFeed(p, store=store)
+    feed.update()
+    feed.update()
+    store.command(f"DROP TABLE {qualified(store, 'weights_history')}")
+    with pytest.raises(Exception):  # noqa: B017 - whatever the store raises for a missing table
+        feed.flush_history()
+    assert len(feed._history) == 4 and feed.history_rows_written == 0  # kept for the next flush
+    for sql in create_table_sql(WEIGHTS_HISTORY, store.database):
+        store.command(sql)
+    feed.update()
+    assert feed.flush_history() == 6 and not feed._history
+    versions = store.query(f"SELECT count(), uniqExact(ts) FROM {qualified(store, 'weights_history')}").rows[0]
+    assert tuple(versions) == (6, 3)
