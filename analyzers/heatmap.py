@@ -185,8 +185,9 @@ _HOST_MEM = f"""
 
 
 def _windows_sql(store: Store, backend_where: str, payload: str, payload_cols: str, host_wide: bool = True) -> str:
-    """CTEs: per backend window (``k`` = window << 16 | backend number) the request count and
-    ``payload`` arrays, ASOF-joined on the GPU slot (``host number << 17 | GPU index``) with that
+    """CTEs: per backend window (``k`` = window << 16 | backend number) the request count, the GPU
+    slot (``host number << 17 | GPU index``, from one row's host and gpu; the string lookups run on
+    the low-cardinality dictionaries) and ``payload`` arrays, ASOF-joined on the slot with that
     GPU's (or host's) memory in the latest sampled window (``joined``). Host-wide memory rows are
     only built when ``host_wide`` (some request has an empty ``gpu``)."""
     req, gpu = qualified(store, "requests"), qualified(store, "gpu_samples")
@@ -197,18 +198,15 @@ WITH
     SELECT bitOr(bitShiftLeft(toUInt64(intDiv(toUnixTimestamp64Nano(ts), {{wns:Int64}})), 16),
                  transform(toString(backend), {{bl:Array(String)}}, {{bid:Array(UInt16)}}, toUInt16(0))) AS k,
            toInt64(bitShiftRight(k, 16)) AS w,
-           any(host) AS host, any(gpu) AS g, count() AS n, {payload}
+           any(bitOr(bitShiftLeft(toUInt64(transform(toString(host), {{hosts:Array(String)}}, {{hid:Array(UInt32)}},
+                                                     toUInt32(0))), 17),
+                     toUInt64(multiIf(gpu = '', {_HOST_WIDE}, match(gpu, '^[0-9]+$'), toUInt32OrZero(toString(gpu)),
+                                      transform(toString(gpu), {{uuids:Array(String)}}, {{uuid_idx:Array(UInt32)}},
+                                                toUInt32(65535)))))) AS slot,
+           count() AS n, {payload}
     FROM {req}
     WHERE ts >= fromUnixTimestamp64Nano({{t0:Int64}}) AND ts < fromUnixTimestamp64Nano({{t1:Int64}}){backend_where}
     GROUP BY k
-  ),
-  slots AS (
-    SELECT *, bitOr(bitShiftLeft(toUInt64(transform(toString(host), {{hosts:Array(String)}}, {{hid:Array(UInt32)}},
-                                                    toUInt32(0))), 17),
-                    toUInt64(multiIf(g = '', {_HOST_WIDE}, match(g, '^[0-9]+$'), toUInt32OrZero(toString(g)),
-                                     transform(toString(g), {{uuids:Array(String)}}, {{uuid_idx:Array(UInt32)}},
-                                               toUInt32(65535))))) AS slot
-    FROM wins
   ),
   per_gpu AS (
     SELECT bitOr(bitShiftLeft(toUInt64(transform(toString(host), {{hosts:Array(String)}}, {{hid:Array(UInt32)}},
@@ -226,7 +224,7 @@ WITH
            mem.w > 0 AND slots.w - mem.w <= {{max_age_w:Int64}} AS matched,
            least(toUInt32(floor(slots.n * 1e9 / {{wns:Int64}} / {{qps_bin:Float64}})), {{qn:UInt32}} - 1) AS qbin,
            least(toUInt32(floor(greatest(mem.used, 0) / {{mem_bin:Float64}})), {{mn:UInt32}} - 1) AS mbin
-    FROM slots ASOF LEFT JOIN mem ON slots.slot = mem.slot AND slots.w >= mem.w
+    FROM wins AS slots ASOF LEFT JOIN mem ON slots.slot = mem.slot AND slots.w >= mem.w
   )
 """
 
