@@ -68,8 +68,12 @@ def request_vars() -> list[Variable]:
 
 
 REQUEST_DIMENSIONS = ["model", "model_version", "modality", "input_resolution", "request_class"]
-REQUEST_FILTER = conds([("host", "host"), ("gpu", "gpu"), ("backend", "backend")]
-                       + [(c, c) for c in REQUEST_DIMENSIONS])
+# requests.gpu holds an index or a uuid: a selected index also matches its GPU's uuid
+REQUEST_GPU = ("$__conditionalAll((gpu IN (${gpu:singlequote}) OR gpu IN (SELECT gpu_uuid FROM "
+               f"{t('gpu_samples')} WHERE toString(gpu) IN (${{gpu:singlequote}}) AND "
+               "$__conditionalAll(host IN (${host:singlequote}), $host) AND $__timeFilter(ts))), $gpu)")
+REQUEST_FILTER = " AND ".join([conds([("host", "host"), ("backend", "backend")]
+                                     + [(c, c) for c in REQUEST_DIMENSIONS]), REQUEST_GPU])
 REQUEST_SELECTED = conds([(c, c) for c in REQUEST_DIMENSIONS])
 BACKEND_FILTER = conds([("host", "host"), ("backend", "backend")])
 GPU_FILTER = conds([("host", "host"), ("toString(gpu)", "gpu")])

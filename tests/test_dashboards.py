@@ -252,6 +252,10 @@ def test_queries_with_a_selection(seeded, name: str) -> None:  # noqa: ANN001
         store, BOARDS["fleet"], {"backend": ["h2:8000"]})).items() if k.startswith("Fleet QPS")][0][2]
     assert fleet_qps.rows[0][0] == pytest.approx(
         sum(1 for r in store_requests(store) if r == "h2:8000") / 11)
+    # GPU 1 of h1 is named by uuid in its requests (backend h1:8001): the index selects them too
+    by_gpu = [v for k, v in run_panels(store, BOARDS["fleet"], resolve_variables(
+        store, BOARDS["fleet"], {"host": ["h1"], "gpu": ["1"]})).items() if k.startswith("Backends")][0][2]
+    assert [r[0] for r in by_gpu.rows] == ["h1:8001"]
 
 
 def store_requests(store) -> list[str]:  # noqa: ANN001
