@@ -116,14 +116,13 @@ class HeatmapResult:
 
     def edges(self, axis: str) -> np.ndarray:
         """Lower bin edges of an axis in its unit (QPS, bytes, seconds)."""
-        s = self.spec
-        width, n = {"qps": (s.qps_bin, s.qps_bins), "memory": (s.memory_bin_bytes, s.memory_bins),
-                    "latency": (s.latency_bin_s, s.latency_bins)}[axis]
-        return np.arange(n) * width
+        return self.bin_edges(axis)[:-1]
 
     def bin_edges(self, axis: str) -> np.ndarray:
         """The ``n + 1`` bin edges of an axis (the last bin also holds every value above its lower edge)."""
         s = self.spec
+        if axis not in AXES:
+            raise InputError(f"unknown axis {axis!r}; use one of {', '.join(AXES)}")
         width, n = {"qps": (s.qps_bin, s.qps_bins), "memory": (s.memory_bin_bytes, s.memory_bins),
                     "latency": (s.latency_bin_s, s.latency_bins)}[axis]
         return np.arange(n + 1) * width
@@ -148,7 +147,11 @@ def slice_axes(tensor: np.ndarray, keep: tuple[str, str], where: dict[str, tuple
         raise InputError(f"slice needs two different axes of {', '.join(AXES)}, got {keep}")
     (other,) = [a for a in AXES if a not in keep]
     axis = AXES.index(other)
+    if set(where or {}) - {other}:
+        raise InputError(f"slice over {keep[0]} x {keep[1]} can only restrict {other}, got {sorted(where or {})}")
     lo, hi = (where or {}).get(other, (0, tensor.shape[axis]))
+    if not 0 <= lo <= hi <= tensor.shape[axis]:
+        raise InputError(f"{other} range [{lo}, {hi}) is outside its bins [0, {tensor.shape[axis]})")
     view = np.take(tensor, np.arange(lo, hi), axis=axis).sum(axis=axis)
     rest = [a for a in AXES if a != other]
     return view if list(keep) == rest else view.T

@@ -182,6 +182,11 @@ def test_slices_by_any_two_axes(store) -> None:  # noqa: ANN001
     for bad in (("qps", "qps"), ("qps",), ("qps", "gpu")):
         with pytest.raises(InputError, match="two different axes"):
             slice_axes(t, bad)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="outside its bins"):
+        res.slice(("qps", "latency"), where={"memory": (10, 65)})
+    with pytest.raises(InputError, match="can only restrict memory"):
+        res.slice(("qps", "latency"), where={"qps": (0, 3)})
+    assert res.slice(("qps", "latency"), where={"memory": (5, 5)}).sum() == 0
     assert len(res.edges("memory")) == 64 and res.edges("latency")[3] == pytest.approx(0.03)
     assert set(AXES) == {"qps", "memory", "latency"}
 
