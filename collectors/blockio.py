@@ -3,6 +3,7 @@
 Load from ``triscope run`` as ``triscope.collectors.blockio:bpftrace_factory`` (falls back to
 diskstats when bpftrace is missing or we are not root), ``:ebpf_exporter_factory`` or
 ``:diskstats_factory``. Config section ``[blockio]``: interval_s, format ("text"|"json"), url, host.
+What each source measures (queue depth semantics, window bounds) and how it is checked: docs/blockio.md.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -41,10 +43,13 @@ COLUMNS = ["ts", "host", "device", "source", "op", "window_seconds", "ios", "p50
 DEFAULTS: dict[str, Any] = {"interval_s": 1.0, "format": "json", "url": "http://127.0.0.1:9435/metrics",
                             "host": "", "max_body_bytes": 16 << 20}
 WINDOW_MARK = "triscope-window-end"
-
+"""printf of the interval probe: ``triscope-window-end <nsecs>`` (kernel CLOCK_MONOTONIC)."""
 WINDOW_START_MARK = "triscope-window-start"
+"""printf of BEGIN: ``triscope-window-start <nsecs>``, when the probes went live."""
+BUFFERS = 4
+"""Map sets the completion probe rotates through, one per window (see :data:`PROGRAM_DOC`)."""
 
-BPFTRACE_PROGRAM = r"""
+_PROGRAM_HEAD = r"""
 BEGIN
 {
   printf("triscope-window-start %llu\n", nsecs);
@@ -69,17 +74,19 @@ tracepoint:block:block_rq_complete
 /@start[args->dev, args->sector] > 0/
 {
   $d = args->dev;
+  $ma = $d >> 20;
+  $mi = $d & 0xfffff;
   $n = nsecs;
   $s = @start[$d, args->sector];
   $lat = $n - $s;
-  @usecs[$d >> 20, $d & 0xfffff, args->rwbs] = hist($lat / 1000);
-  @lat_ns[$d >> 20, $d & 0xfffff, args->rwbs] = sum($lat);
   $q = $s;
   $a = @acct[$d, args->sector];  // acct
   if ($a > 0 && $a <= $s) { $q = $a; }  // acct
   delete(@acct[$d, args->sector]);  // acct
-  @qd_ns[$d >> 20, $d & 0xfffff] = sum($n - $q);
   delete(@start[$d, args->sector]);
+  $w = $n / __WINDOW_NS__;
+  $b = $w % __BUFFERS__;
+__STORES__
 }
 
 tracepoint:block:block_rq_requeue
@@ -87,40 +94,51 @@ tracepoint:block:block_rq_requeue
   delete(@start[args->dev, args->sector]);
 }
 
-interval:s:__INTERVAL__
+interval:ms:__INTERVAL_MS__
 {
-  print(@usecs);
-  print(@lat_ns);
-  print(@qd_ns);
-  clear(@usecs);
-  clear(@lat_ns);
-  clear(@qd_ns);
+  $cur = (nsecs / __WINDOW_NS__) % __BUFFERS__;
+__FLUSHES__
   printf("triscope-window-end %llu\n", nsecs);
 }
 
 END
 {
-  clear(@start); clear(@usecs); clear(@lat_ns); clear(@qd_ns);
+  clear(@start);
   clear(@acct);  // acct
+__CLEARS__
 }
 """
-"""Per window (``nsecs`` is CLOCK_MONOTONIC; the marks carry the window bounds):
 
-- ``@usecs[major, minor, rwbs]``: log2 histogram of device latency, driver issue -> completion
-  (``block_rq_issue`` -> ``block_rq_complete``), and ``@lat_ns`` its exact sum (mean latency).
-- ``@qd_ns[major, minor]``: summed queue residence of the requests completing in the window, from
-  the kernel's IO-accounting start (``block_io_start``, kernel >= 6.5) to completion. By Little's
-  law ``qd_ns / window`` is the mean number of requests queued or in flight: the same quantity as
-  /proc/diskstats' weighted time (iostat ``aqu-sz``), which counts from the request's
-  ``start_time_ns``, so the bpftrace and diskstats collectors report one ``queue_depth``. Without
-  ``block_io_start`` (older kernels) residence counts from driver issue: in-flight depth only.
-  (Not a counter incremented in the probes: ``@n = @n + 1`` is not atomic across CPUs, lost
-  updates make it drift; ``hist()``/``sum()`` are per-CPU aggregations.)
+_STORE = ("  if ($b == {i}) {{ @usecs_{i}[$w, $ma, $mi, args->rwbs] = hist($lat / 1000);"
+          " @lat_ns_{i}[$w, $ma, $mi, args->rwbs] = sum($lat); @qd_ns_{i}[$w, $ma, $mi] = sum($n - $q); }}")
+_FLUSH = ("  if ($cur != {i}) {{ print(@usecs_{i}); print(@lat_ns_{i}); print(@qd_ns_{i});"
+          " clear(@usecs_{i}); clear(@lat_ns_{i}); clear(@qd_ns_{i}); }}")
+_CLEAR = "  clear(@usecs_{i}); clear(@lat_ns_{i}); clear(@qd_ns_{i});"
+
+PROGRAM_DOC = """What the program measures, per window ``w = nsecs // window`` of the kernel clock:
+
+- ``@usecs_B[w, major, minor, rwbs]``: log2 histogram of device latency, driver issue ->
+  completion (``block_rq_issue`` -> ``block_rq_complete``), and ``@lat_ns_B`` its exact sum.
+- ``@qd_ns_B[w, major, minor]``: summed queue residence of the requests completing in ``w``,
+  from the kernel's IO-accounting start (``block_io_start``, kernel >= 6.5) to completion. By
+  Little's law ``qd_ns / window`` is the mean number of requests queued or in flight: the same
+  quantity as /proc/diskstats' weighted time (iostat ``aqu-sz``), which counts from the request's
+  ``start_time_ns``. Without ``block_io_start`` (older kernels) residence counts from driver
+  issue: in-flight depth only. (Not a counter updated in the probes: ``@n = @n + 1`` is not
+  atomic across CPUs; ``hist()``/``sum()`` are per-CPU aggregations.)
+
+Windows are fixed by the kernel clock, not by when output is read: bpftrace runs ``print()``
+and ``clear()`` in user space, so on a busy machine a map printed "at the interval" holds
+whatever arrived until bpftrace got the CPU. Here a completion writes to map set
+``B = w % BUFFERS`` with ``w`` in the key; each interval prints and clears every set but the
+current one. Each window is printed once, whole, as long as bpftrace is less than
+``BUFFERS - 1`` intervals late; a missed timer tick only delays it.
 
 Requests are keyed by (dev, sector). Two requests in flight on the same sector at once (rare:
 concurrent flushes, the same block read twice) collide: the first completion takes the later
 start and the second is not counted, so ``ios`` can only undercount. A requeued request restarts
 its device latency at re-issue; a request merged into another is dropped from ``@acct``."""
+
 
 
 def device_name(major: int, minor: int) -> str:
@@ -162,22 +180,38 @@ def hist_row(rows: dict[str, list[Any]], ts_ns: int, host: str, source: str, dev
             p99_seconds=percentile(buckets, 0.99) / 1e6, mean_seconds=mean_s, queue_depth=qd)
 
 
-class WindowAssembler:
-    """Turns the bpftrace program's per-window output (text or json lines) into io_latency rows.
+class _Window:
+    """One window's maps: histograms and latency sums per (major, minor, rwbs), residence per device."""
 
-    Feed lines with :meth:`feed`; a window closes at the ``triscope-window-end`` marker. A bad line
-    is logged (one line) and counted in ``errors``; the rest of the window is kept."""
+    def __init__(self) -> None:
+        self.hists: dict[tuple[int, int, str], list[Bucket]] = defaultdict(list)
+        self.lat: dict[tuple[int, int, str], int] = defaultdict(int)
+        self.qd: dict[tuple[int, int], int] = defaultdict(int)
+
+
+_MAP = re.compile(r"@(usecs|lat_ns|qd_ns)(?:_\d+)?")
+_KEY_WIDTH = {"usecs": 3, "lat_ns": 3, "qd_ns": 2}
+
+
+class WindowAssembler:
+    """Turns the bpftrace program's output (text or json lines) into io_latency rows.
+
+    The program's maps carry the kernel-clock window index as the first key part; a window
+    becomes rows at the first ``triscope-window-end <nsecs>`` mark past its end (its maps are
+    printed by then, see :data:`PROGRAM_DOC`). Maps without the index (older programs, and a bare
+    mark) make one window ending at the mark. A bad line is logged (one line) and counted in
+    ``errors``; the rest of the window is kept."""
 
     def __init__(self, host: str, fmt: str, interval_s: float) -> None:
         self.host, self.fmt, self.interval_s = host, fmt, interval_s
+        self.window_ns = max(100, round(interval_s * 1000)) * 1_000_000
         self.rows = _rows()
         self.errors = 0
-        self._hists: dict[tuple[int, int, str], list[Bucket]] = defaultdict(list)
-        self._lat: dict[tuple[int, int, str], int] = defaultdict(int)
-        self._qd: dict[tuple[int, int], int] = defaultdict(int)
-        self._cur: tuple[int, int, str] | None = None
+        self._wins: dict[int | None, _Window] = defaultdict(_Window)  # None: maps without a window key
+        self._cur: tuple[int | None, int, int, str] | None = None
         self._window_start = time.time_ns()
-        self._mark_start: int | None = None  # wall ns of the window start, from the program's marks
+        self._mark_start: int | None = None  # wall ns of the previous mark (or of BEGIN)
+        self._live_from: int | None = None  # wall ns when the probes went live (clips the first window)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()  # bpftrace nsecs -> wall clock
 
     def _bad(self, msg: str) -> None:
@@ -207,15 +241,31 @@ class WindowAssembler:
             return
         for name, keyed in maps.items():
             for key, value in keyed.items():
-                self._store(name, [int(p) if p.lstrip("-").isdigit() else p for p in key.split(",")], value)
+                self._store(name, [p.strip() for p in key.split(",")], value)
 
-    def _store(self, name: str, key: list[Any], value: Any) -> None:
-        if name == "@usecs":
-            self._hists[(int(key[0]), int(key[1]), str(key[2]))].extend(value)
-        elif name == "@lat_ns":
-            self._lat[(int(key[0]), int(key[1]), str(key[2]))] += int(value)
-        elif name == "@qd_ns":
-            self._qd[(int(key[0]), int(key[1]))] += int(value)
+    def _split_key(self, name: str, key: list[str]) -> tuple[str, int | None, list[str]] | None:
+        m = _MAP.fullmatch(name)
+        if m is None:
+            return None
+        width = _KEY_WIDTH[m[1]]
+        if len(key) == width + 1:
+            return m[1], int(key[0]), key[1:]
+        if len(key) == width:
+            return m[1], None, key
+        raise InputError(f"{name}: key {key} has {len(key)} parts")
+
+    def _store(self, name: str, key: list[str], value: Any) -> None:
+        split = self._split_key(name, key)
+        if split is None:
+            return
+        base, w, k = split
+        win = self._wins[w]
+        if base == "usecs":
+            win.hists[(int(k[0]), int(k[1]), k[2])].extend(value)
+        elif base == "lat_ns":
+            win.lat[(int(k[0]), int(k[1]), k[2])] += int(value)
+        else:
+            win.qd[(int(k[0]), int(k[1]))] += int(value)
 
     def _feed_text(self, line: str, now_ns: int | None) -> None:
         from triscope.collectors.blockio_parse import _BT_HEAD, _BT_SCALAR, bpftrace_text_bucket
@@ -228,16 +278,18 @@ class WindowAssembler:
             self._mark(s, now_ns)
             return
         if self._cur is not None and (b := bpftrace_text_bucket(s)) is not None:
-            self._hists[self._cur].append(b)
+            w, ma, mi, rwbs = self._cur
+            self._wins[w].hists[(ma, mi, rwbs)].append(b)
             return
         self._cur = None
-        if (m := _BT_HEAD.match(s)) and m["name"] == "usecs":
-            k = [p.strip() for p in (m["key"] or "").split(",")]
-            self._cur = (int(k[0]), int(k[1]), k[2])
-            self._hists[self._cur]  # noqa: B018 - create the entry
-            return
+        if (m := _BT_HEAD.match(s)) and (split := self._split_key("@" + m["name"], _text_key(m["key"]))):
+            base, w, k = split
+            if base == "usecs":
+                self._cur = (w, int(k[0]), int(k[1]), k[2])
+                self._wins[w].hists[(int(k[0]), int(k[1]), k[2])]  # noqa: B018 - create the entry
+                return
         if m := _BT_SCALAR.match(s):
-            self._store("@" + m["name"], [p.strip() for p in (m["key"] or "").split(",")], int(m["v"]))
+            self._store("@" + m["name"], _text_key(m["key"]), int(m["v"]))
             return
         if s.startswith(("Attaching", "ERROR: Unknown error -1: couldn't set RLIMIT_MEMLOCK")):
             return
@@ -248,52 +300,71 @@ class WindowAssembler:
         name, _, value = text.partition(" ")
         mono = int(value) if value.strip() else None
         if name == WINDOW_START_MARK and mono is not None:
-            self._mark_start = mono + self.clock_offset_ns
+            self._mark_start = self._live_from = mono + self.clock_offset_ns
         elif name == WINDOW_MARK:
-            self._close(now_ns, None if mono is None else mono + self.clock_offset_ns)
+            self._close(now_ns, mono)
         else:
             raise InputError(f"unexpected printf {text[:60]!r}")
 
-    def _close(self, now_ns: int | None, end_ns: int | None = None) -> None:
-        """Rows for the window ending now. With the program's marks the window is exactly
-        [previous mark, this mark] on the kernel clock; a bare mark means one interval ending now."""
+    def _close(self, now_ns: int | None, mono: int | None) -> None:
+        """Rows for every window that is complete at this mark."""
         now = now_ns if now_ns is not None else time.time_ns()
-        window = self.interval_s
-        if end_ns is not None:
-            start = self._mark_start if self._mark_start is not None else end_ns - round(window * 1e9)
-            if end_ns > start:
-                window = (end_ns - start) / 1e9
-            self._window_start, self._mark_start, now = start, end_ns, end_ns
+        end = now if mono is None else mono + self.clock_offset_ns
+        cur = None if mono is None else mono // self.window_ns
+        for w in sorted(k for k in self._wins if k is not None and (cur is None or k < cur)):
+            start = w * self.window_ns + self.clock_offset_ns
+            stop = start + self.window_ns
+            if self._live_from is not None and self._live_from > start:
+                start = min(self._live_from, stop - 1)  # the first window: only since the probes went live
+            self._emit(self._wins.pop(w), start, (stop - start) / 1e9)
+        legacy = self._wins.pop(None, None)
+        if legacy is not None:  # maps without a window key: one window ending at this mark
+            if mono is None:
+                start, window = self._window_start, self.interval_s
+            else:
+                start = self._mark_start if self._mark_start is not None else end - round(self.interval_s * 1e9)
+                window = (end - start) / 1e9 if end > start else self.interval_s
+            self._emit(legacy, start, window)
+        self._cur = None
+        self._window_start = now if mono is None else end
+        self._mark_start = end
+
+    def _emit(self, win: _Window, start_ns: int, window_s: float) -> None:
         per: dict[tuple[int, int, str], list[Bucket]] = defaultdict(list)
         lat: dict[tuple[int, int, str], int] = defaultdict(int)
-        for (ma, mi, rwbs), bs in self._hists.items():
+        for (ma, mi, rwbs), bs in win.hists.items():
             op = op_from_rwbs(rwbs)
             if op in ("read", "write"):
                 per[(ma, mi, op)].extend(bs)
-                lat[(ma, mi, op)] += self._lat.get((ma, mi, rwbs), 0)
+                lat[(ma, mi, op)] += win.lat.get((ma, mi, rwbs), 0)
         for (ma, mi, op), bs in sorted(per.items()):
             n = sum(b.count for b in bs)
             mean = lat[(ma, mi, op)] / n / 1e9 if n and lat[(ma, mi, op)] else math.nan
-            if (ma, mi) in self._qd:
-                qd = self._qd[(ma, mi)] / 1e9 / window
+            if (ma, mi) in win.qd:
+                qd = win.qd[(ma, mi)] / 1e9 / window_s
             else:  # Little's law over every request type of the device (flushes occupy the queue too)
-                qd = sum(v for (a, b, _), v in self._lat.items() if (a, b) == (ma, mi)) / 1e9 / window
-            hist_row(self.rows, self._window_start, self.host, "bpftrace", device_name(ma, mi), op, window,
-                     bs, mean, qd)
-        self._hists.clear()
-        self._lat.clear()
-        self._qd.clear()
-        self._cur = None
-        self._window_start = now
+                qd = sum(v for (a, b, _), v in win.lat.items() if (a, b) == (ma, mi)) / 1e9 / window_s
+            hist_row(self.rows, start_ns, self.host, "bpftrace", device_name(ma, mi), op, window_s, bs, mean, qd)
 
     def drain(self) -> dict[str, list[Any]]:
         rows, self.rows = self.rows, _rows()
         return rows
 
 
-def bpftrace_program(interval_s: float, accounting: bool) -> str:
-    """The program with a whole-second interval; lines tagged ``// acct`` only with ``accounting``."""
-    lines = BPFTRACE_PROGRAM.replace("__INTERVAL__", str(max(1, round(interval_s)))).splitlines()
+def _text_key(key: str | None) -> list[str]:
+    return [p.strip() for p in (key or "").split(",")]
+
+
+def bpftrace_program(interval_s: float, accounting: bool, buffers: int = BUFFERS) -> str:
+    """The program for windows of ``interval_s`` (whole ms, at least 100); the IO-accounting
+    probes (lines tagged ``// acct``) only with ``accounting``."""
+    ms = max(100, round(interval_s * 1000))
+    text = (_PROGRAM_HEAD.replace("__STORES__", "\n".join(_STORE.format(i=i) for i in range(buffers)))
+            .replace("__FLUSHES__", "\n".join(_FLUSH.format(i=i) for i in range(buffers)))
+            .replace("__CLEARS__", "\n".join(_CLEAR.format(i=i) for i in range(buffers)))
+            .replace("__WINDOW_NS__", str(ms * 1_000_000)).replace("__BUFFERS__", str(buffers))
+            .replace("__INTERVAL_MS__", str(ms)))
+    lines = text.splitlines()
     return "\n".join(ln.split("  // acct")[0] for ln in lines if accounting or "// acct" not in ln) + "\n"
 
 

@@ -1,16 +1,21 @@
 """The bpftrace block-IO collector against real disk IO (root, tracefs tracepoints, fio O_DIRECT reads).
 
-Every reference measures the same requests over the same windows as the collector (the windows
-are the collector's own rows: [ts, ts + window_seconds], bounded by kernel timestamps):
+Every reference measures the same requests over the same windows as the collector. Its windows
+are fixed on the kernel clock ([w, w+1) x interval of CLOCK_MONOTONIC, the window index is in
+the map keys), so a row covers exactly [ts, ts + window_seconds] however late bpftrace prints.
 
-- Queue depth: /proc/diskstats' weighted time (field 11, iostat's ``aqu-sz`` numerator), sampled
-  every 10 ms by a thread and interpolated at each window's bounds. Both count a request from the
-  kernel's IO-accounting start (diskstats: ``rq->start_time_ns``; bpftrace: ``block_io_start``)
-  to completion and add it when it completes (Little's law), so they agree up to the ms
-  truncation of diskstats, the 10 ms interpolation and requests whose accounting start bpftrace
-  missed (then counted from issue): measured within 1 %, asserted within 5 % + 0.5. (Comparing
-  one whole-run aqu-sz with every window, as an earlier version did, failed at 0.6x: a window
-  overlapping fio's start or end by 60 % held enough reads to count as "full".)
+- Queue depth and reads per window: /proc/diskstats, sampled every ~10 ms by a thread. Its
+  weighted time (iostat's ``aqu-sz`` numerator) and completed reads only grow, so over a window
+  they changed by no less than between the samples just inside it and no more than between the
+  samples just outside it: the collector's figures must lie in that bracket (queue depth: +2 ms
+  for diskstats' ms truncation at both ends, -2 % for requests whose accounting start bpftrace
+  missed and counts from issue; reads: -5 for same-sector collisions). Both sides count a
+  request from the kernel's IO-accounting start (diskstats ``rq->start_time_ns``, bpftrace
+  ``block_io_start``) to completion and add it when it completes (Little's law). Measured: inside
+  the bracket, which is 1-3 % wide. (An earlier version compared one whole-run aqu-sz with every
+  window and failed at 0.6x: a window overlapping fio's start or end by 60 % held enough reads to
+  count as "full". Its windows were also bounded by when bpftrace printed, not by the kernel:
+  under CPU load they drifted from the diskstats windows by hundreds of ms.)
 - Latency: an independent trace of the same tracepoints through ftrace (a private tracefs
   instance, CLOCK_MONOTONIC like bpftrace's ``nsecs``), sampling requests whose 4 KiB block
   number is a multiple of 8 (filter ``!(sector & 56)``, same sector at issue and completion).
@@ -18,10 +23,10 @@ are the collector's own rows: [ts, ts + window_seconds], bounded by kernel times
   5 % (same requests, 1/8 sample), and p50/p99 must fall within the log2 bucket bound (the
   interpolated estimate and the true quantile share a power-of-two bucket, ratio < 2),
   widened by the order-statistic uncertainty of the sampled quantile (rank +/- 4 sigma).
-- fio: its completed-IO count bounds the reads counted. fio's clat is not a latency reference:
-  it runs from io_submit to fio reaping the event in user space, so on a busy 2-CPU machine its
-  p99 carries scheduling delay (1.8 ms measured vs 0.5 ms device latency); device latency is a
-  part of it, so only ``p50 <= 2 * fio p50`` is asserted.
+- fio: its completed reads are a lower bound of the reads counted (other processes read the same
+  disk). fio's clat is not a latency reference: it runs from io_submit to fio reaping the event
+  in user space, so on a busy 2-CPU machine its p99 carries scheduling delay (1.8 ms measured vs
+  0.5 ms device latency); device latency is a part of it, so only ``p50 <= 2 * fio p50``.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ _EVENT = re.compile(r"\s(\d+\.\d+): (block_rq_issue|block_rq_complete): (\d+),(\
 
 
 class DiskstatsSampler(threading.Thread):
-    """(wall ns, weighted ms) of one device every 10 ms."""
+    """(wall ns, reads completed, weighted ms) of one device every ~10 ms."""
 
     def __init__(self, device: str) -> None:
         super().__init__(daemon=True)
@@ -60,15 +65,19 @@ class DiskstatsSampler(threading.Thread):
             for line in Path("/proc/diskstats").read_text().splitlines():
                 f = line.split()
                 if f[2] == self.device:
-                    self.samples.append((time.time_ns(), float(f[13])))
+                    self.samples.append((time.time_ns(), float(f[3]), float(f[13])))
             time.sleep(0.01)
 
-    def weighted_ms_at(self, t_ns: int) -> float:
+    def bracket(self, t0: int, t1: int) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Bounds of the change of (reads completed, weighted ms) over [t0, t1]: both counters only
+        grow, so the change lies between the samples just inside and just outside the window."""
         s = self.samples
-        assert s[0][0] <= t_ns <= s[-1][0], "window outside the sampled span"
-        i = next(k for k in range(1, len(s)) if s[k][0] >= t_ns)
-        (t0, v0), (t1, v1) = s[i - 1], s[i]
-        return v0 + (v1 - v0) * (t_ns - t0) / max(t1 - t0, 1)
+        assert s[0][0] <= t0 < t1 <= s[-1][0], "window outside the sampled span"
+        before0 = max(x for x in s if x[0] <= t0)
+        after0 = min((x for x in s if x[0] >= t0), key=lambda x: x[0])
+        before1 = max(x for x in s if x[0] <= t1)
+        after1 = min((x for x in s if x[0] >= t1), key=lambda x: x[0])
+        return tuple((before1[i] - after0[i], after1[i] - before0[i]) for i in (1, 2))  # type: ignore[return-value]
 
 
 class FtraceRequests:
@@ -138,8 +147,8 @@ def _wait_live(collector: BpftraceCollector, probe: Path) -> None:
     pytest.fail(f"bpftrace produced no window in 30 s: {collector.stderr[-500:]}")
 
 
-@pytest.mark.parametrize("fmt", ["json", "text"])
-def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("fmt", "interval_s"), [("json", 1.0), ("text", 0.5)])
+def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, tmp_path: Path) -> None:
     require_binary("bpftrace")
     require_binary("fio")
     require(os.geteuid() == 0, "bpftrace needs root")
@@ -151,7 +160,7 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, tmp_path: Path) -> 
     require(fill.returncode == 0, f"fio cannot write with O_DIRECT here: {fill.stderr[-200:]}")
     device = device_for_path(data)
     major, minor = (int(x) for x in Path(f"/sys/class/block/{device}/dev").read_text().split(":"))
-    collector = BpftraceCollector({"blockio": {"interval_s": 1, "format": fmt, "host": "bt"}})
+    collector = BpftraceCollector({"blockio": {"interval_s": interval_s, "format": fmt, "host": "bt"}})
     sampler = DiskstatsSampler(device)
     sampler.start()
     collector.start()
@@ -180,19 +189,22 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, tmp_path: Path) -> 
     reads = [r for r in reads if r["device"] == device and r["op"] == "read"]
     assert reads and {r["source"] for r in reads} == {"bpftrace"} and {r["host"] for r in reads} == {"bt"}
     seen = sum(r["ios"] for r in reads)
-    assert 0.99 * fio_ios <= seen <= 1.05 * fio_ios + 500, (seen, fio_ios)
+    assert seen >= 0.99 * fio_ios, (seen, fio_ios)
 
-    busy = [r for r in reads if r["ios"] >= 5000]
+    busy = [r for r in reads if r["ios"] >= 5000 * interval_s]
     assert len(busy) >= 3, reads
     depths = []
     for r in busy:
         t0 = _ts_ns(r["ts"])
         t1 = t0 + round(r["window_seconds"] * 1e9)
         assert t0 >= traced_from, (r, traced_from)
-        assert 0.9 <= r["window_seconds"] <= 1.1, r
-        aqu_sz = (sampler.weighted_ms_at(t1) - sampler.weighted_ms_at(t0)) / (r["window_seconds"] * 1e3)
-        depths.append(aqu_sz)
-        assert abs(r["queue_depth"] - aqu_sz) <= 0.05 * aqu_sz + 0.5, (r["queue_depth"], aqu_sz, r)
+        assert r["window_seconds"] == pytest.approx(interval_s, abs=1e-6), r  # kernel-clock window
+        (reads_lo, reads_hi), (wq_lo, wq_hi) = sampler.bracket(t0, t1)
+        assert reads_lo - 5 <= r["ios"] <= reads_hi, (r["ios"], reads_lo, reads_hi)
+        window_ms = r["window_seconds"] * 1e3
+        lo, hi = (wq_lo - 2) / window_ms, (wq_hi + 2) / window_ms  # + the ms truncation at both ends
+        assert 0.98 * lo <= r["queue_depth"] <= hi, (r["queue_depth"], lo, hi)
+        depths.append(r["queue_depth"])
 
         lat = sorted(s for t, s in traced if t0 <= t < t1)
         assert len(lat) >= r["ios"] / 8 * 0.8, (len(lat), r["ios"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 
@@ -252,6 +253,63 @@ def test_program_without_accounting_tracepoint() -> None:
     from triscope.collectors.blockio import bpftrace_program
 
     full, bare = bpftrace_program(2.4, True), bpftrace_program(2.4, False)
-    assert "block_io_start" in full and "@acct" in full and "interval:s:2\n" in full
+    assert "block_io_start" in full and "@acct" in full and "interval:ms:2400\n" in full
+    assert "interval:ms:100\n" in bpftrace_program(0.01, False)
     assert "block_io_start" not in bare and "@acct" not in bare and "// acct" not in full + bare
-    assert bare.count("{") == bare.count("}") and "@qd_ns[$d >> 20, $d & 0xfffff] = sum($n - $q);" in bare
+    assert bare.count("{") == bare.count("}") == full.count("{") - 3 == full.count("}") - 3
+    for i in range(4):  # each window's maps go to set w % 4; the interval prints every other set
+        assert f"if ($b == {i}) {{ @usecs_{i}[$w, $ma, $mi, args->rwbs] = hist($lat / 1000);" in bare
+        assert f"if ($cur != {i}) {{ print(@usecs_{i}); print(@lat_ns_{i}); print(@qd_ns_{i});" in bare
+    assert "$w = $n / 2400000000;" in full
+
+
+def _render(fmt: str, events: list[tuple]) -> list[str]:
+    """bpftrace output lines for ("mark", name, nsecs) / ("hist", map, key, [(lo, hi, n)]) / ("map", ...)."""
+    out = []
+    for ev in events:
+        if ev[0] == "mark":
+            out.append(f"{ev[1]} {ev[2]}" if fmt == "text" else
+                       json.dumps({"type": "printf", "data": f"{ev[1]} {ev[2]}\n"}))
+        elif ev[0] == "hist":
+            _, name, key, buckets = ev
+            if fmt == "text":
+                out += [f"@{name}[{', '.join(map(str, key))}]: "] + [f"[{lo}, {hi})  {n} |@@|" for lo, hi, n in buckets] + [""]
+            else:
+                out.append(json.dumps({"type": "hist", "data": {f"@{name}": {",".join(map(str, key)): [
+                    {"min": lo, "max": hi - 1, "count": n} for lo, hi, n in buckets]}}}))
+        else:
+            _, name, key, value = ev
+            out.append(f"@{name}[{', '.join(map(str, key))}]: {value}" if fmt == "text" else
+                       json.dumps({"type": "map", "data": {f"@{name}": {",".join(map(str, key)): value}}}))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_kernel_clock_windows_from_window_keys(fmt: str) -> None:
+    """Maps keyed by window index become one row per window with exact kernel-clock bounds: the first
+    clipped to when the probes went live, two windows printed at one (late) tick kept apart, and a
+    window not yet over at a mark held until a later one."""
+    events = [("mark", "triscope-window-start", 1_200_000_000),
+              ("hist", "usecs_2", [2, 254, 0, "R"], [(128, 256, 6)]), ("map", "lat_ns_2", [2, 254, 0, "R"], 1_200_000),
+              ("map", "qd_ns_2", [2, 254, 0], 300_000_000),
+              ("mark", "triscope-window-end", 1_510_000_000),                      # w = 3 current: emits 2
+              ("hist", "usecs_3", [3, 254, 0, "W"], [(64, 128, 2)]), ("map", "qd_ns_3", [3, 254, 0], 1_000_000_000),
+              ("hist", "usecs_0", [4, 254, 0, "R"], [(256, 512, 4)]), ("map", "qd_ns_0", [4, 254, 0], 250_000_000),
+              ("mark", "triscope-window-end", 2_505_000_000),                      # a tick late: emits 3 and 4
+              ("hist", "usecs_2", [6, 254, 0, "R"], [(32, 64, 1)]),                # printed before its end
+              ("mark", "triscope-window-end", 3_001_000_000),                      # w = 6 current: held
+              ("mark", "triscope-window-end", 3_501_000_000)]                      # now it is over
+    a = WindowAssembler("h", fmt, 0.5)
+    a.clock_offset_ns = 1_796_000_000_000_000_000
+    seen = []
+    for line in _render(fmt, events):
+        a.feed(line + "\n", now_ns=123)
+        seen.append(len(a.rows["ts"]))
+    assert a.errors == 0
+    rows = a.drain()
+    assert rows["op"] == ["read", "write", "read", "read"] and seen[-2] == 3 and seen[-1] == 4
+    assert rows["ts"] == ["2026-11-30 00:53:21.200000000", "2026-11-30 00:53:21.500000000",
+                          "2026-11-30 00:53:22.000000000", "2026-11-30 00:53:23.000000000"]
+    assert rows["window_seconds"] == [pytest.approx(0.3), 0.5, 0.5, 0.5]
+    assert rows["queue_depth"][:3] == [pytest.approx(1.0), pytest.approx(2.0), pytest.approx(0.5)]
+    assert rows["ios"] == [6.0, 2.0, 4.0, 1.0] and rows["mean_seconds"][0] == pytest.approx(200e-6)
