@@ -42,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "drain_kv_ratio": 0.98,
     "release_kv_ratio": 0.90,
     "latency_penalty_cap": 100.0,
+    "sharpness": 1.0,
     "default_capacity_qps": 0.0,
     "default_class": "interactive_image_text",
     "lb_scale": 100,
@@ -119,6 +120,7 @@ class WeightParams:
     drain_kv_ratio: float = 0.98
     release_kv_ratio: float = 0.90
     latency_penalty_cap: float = 100.0
+    sharpness: float = 1.0
     default_capacity_qps: float = 0.0
     default_class: str = "interactive_image_text"
     lb_scale: int = 100
@@ -167,6 +169,7 @@ class WeightParams:
             (self.release_memory_ratio <= self.drain_memory_ratio, "release_memory_ratio > drain_memory_ratio"),
             (self.release_kv_ratio <= self.drain_kv_ratio, "release_kv_ratio > drain_kv_ratio"),
             (self.lb_scale >= 1, "lb_scale must be >= 1"),
+            (0 < self.sharpness <= 4, "sharpness must be in (0, 4]"),
             (self.default_class in self.classes, f"default_class {self.default_class!r} is not a class"),
         ]
         for ok, message in checks:
@@ -488,7 +491,7 @@ def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | Non
                 results[n] = BackendWeight(n, 0.0, 0.0, 0, DRAIN, reasons[n], fac[n], by_name[n], ages[n])
                 states[n] = BackendState(0.0, True, first_seen[n])
                 continue
-            target = raw[n] / best
+            target = (raw[n] / best) ** params.sharpness
             old = prev.backends.get(n)
             if suppressed and reasons[n]:
                 weight = params.floor

@@ -345,3 +345,12 @@ def test_missing_inputs_count_as_stale() -> None:
     assert all(b.state == "ready" and b.lb_weight == P.lb_scale for b in r.backends.values())
     r, _ = compute_weights([], None, P, NOW)
     assert r.stale and r.backends == {}
+
+
+def test_sharpness_compresses_targets() -> None:
+    soft = WeightParams.from_config({"weights": {"sharpness": 0.5}})
+    inputs = [mk("a:1", mem=0.0), mk("b:2", mem=0.75)]
+    assert compute_weights(inputs, None, P, NOW)[0].backends["b:2"].target == pytest.approx(0.25)
+    assert compute_weights(inputs, None, soft, NOW)[0].backends["b:2"].target == pytest.approx(0.5)
+    with pytest.raises(ConfigError):
+        WeightParams.from_config({"weights": {"sharpness": 0}})
