@@ -190,9 +190,9 @@ _HOST_MEM = f"""
 def _windows_sql(store: Store, backend_where: str, payload: str, payload_cols: str, host_wide: bool = True) -> str:
     """CTEs: per backend window (``k`` = window << 16 | backend number) the request count, the GPU
     slot (``host number << 17 | GPU index``, from one row's host and gpu) and ``payload`` arrays,
-    ASOF-joined on the slot with that
-    GPU's (or host's) memory in the latest sampled window (``joined``). Host-wide memory rows are
-    only built when ``host_wide`` (some request has an empty ``gpu``)."""
+    ASOF-joined on the slot with that GPU's (or host's) memory in the latest sampled window
+    (``joined``). Host-wide memory rows are only built when ``host_wide`` (some request has an
+    empty ``gpu``)."""
     req, gpu = qualified(store, "requests"), qualified(store, "gpu_samples")
     mem_sql = _HOST_MEM if host_wide else _PER_GPU_MEM
     return f"""
