@@ -46,6 +46,8 @@ WINDOW_MARK = "triscope-window-end"
 """printf of the interval probe: ``triscope-window-end <nsecs>`` (kernel CLOCK_MONOTONIC)."""
 WINDOW_START_MARK = "triscope-window-start"
 """printf of BEGIN: ``triscope-window-start <nsecs>``, when the probes went live."""
+WINDOW_FINAL_MARK = "triscope-window-final"
+"""printf of END (bpftrace stopping): ``triscope-window-final <nsecs>``, after every map set."""
 BUFFERS = 4
 """Map sets the completion probe rotates through, one per window (see :data:`PROGRAM_DOC`)."""
 
@@ -103,9 +105,10 @@ __FLUSHES__
 
 END
 {
+__FINAL__
   clear(@start);
   clear(@acct);  // acct
-__CLEARS__
+  printf("triscope-window-final %llu\n", nsecs);
 }
 """
 
@@ -113,7 +116,8 @@ _STORE = ("  if ($b == {i}) {{ @usecs_{i}[$w, $ma, $mi, args->rwbs] = hist($lat 
           " @lat_ns_{i}[$w, $ma, $mi, args->rwbs] = sum($lat); @qd_ns_{i}[$w, $ma, $mi] = sum($n - $q); }}")
 _FLUSH = ("  if ($cur != {i}) {{ print(@usecs_{i}); print(@lat_ns_{i}); print(@qd_ns_{i});"
           " clear(@usecs_{i}); clear(@lat_ns_{i}); clear(@qd_ns_{i}); }}")
-_CLEAR = "  clear(@usecs_{i}); clear(@lat_ns_{i}); clear(@qd_ns_{i});"
+_FINAL = ("  print(@usecs_{i}); print(@lat_ns_{i}); print(@qd_ns_{i});"
+          " clear(@usecs_{i}); clear(@lat_ns_{i}); clear(@qd_ns_{i});")
 
 PROGRAM_DOC = """What the program measures, per window ``w = nsecs // window`` of the kernel clock:
 
@@ -132,7 +136,8 @@ and ``clear()`` in user space, so on a busy machine a map printed "at the interv
 whatever arrived until bpftrace got the CPU. Here a completion writes to map set
 ``B = w % BUFFERS`` with ``w`` in the key; each interval prints and clears every set but the
 current one. Each window is printed once, whole, as long as bpftrace is less than
-``BUFFERS - 1`` intervals late; a missed timer tick only delays it.
+``BUFFERS - 1`` intervals late; a missed timer tick only delays it. When bpftrace stops, END
+prints every set and the last window ends at ``triscope-window-final``.
 
 Requests are keyed by (dev, sector). Two requests in flight on the same sector at once (rare:
 concurrent flushes, the same block read twice) collide: the first completion takes the later
@@ -274,7 +279,7 @@ class WindowAssembler:
         if not s:
             self._cur = None
             return
-        if s.startswith((WINDOW_MARK, WINDOW_START_MARK)):
+        if s.startswith((WINDOW_MARK, WINDOW_START_MARK, WINDOW_FINAL_MARK)):
             self._mark(s, now_ns)
             return
         if self._cur is not None and (b := bpftrace_text_bucket(s)) is not None:
@@ -303,17 +308,22 @@ class WindowAssembler:
             self._mark_start = self._live_from = mono + self.clock_offset_ns
         elif name == WINDOW_MARK:
             self._close(now_ns, mono)
+        elif name == WINDOW_FINAL_MARK and mono is not None:
+            self._close(now_ns, mono, final=True)
         else:
             raise InputError(f"unexpected printf {text[:60]!r}")
 
-    def _close(self, now_ns: int | None, mono: int | None) -> None:
-        """Rows for every window that is complete at this mark."""
+    def _close(self, now_ns: int | None, mono: int | None, final: bool = False) -> None:
+        """Rows for every window that is complete at this mark (``final``: every window, the last
+        one ending at the mark)."""
         now = now_ns if now_ns is not None else time.time_ns()
         end = now if mono is None else mono + self.clock_offset_ns
-        cur = None if mono is None else mono // self.window_ns
+        cur = None if mono is None or final else mono // self.window_ns
         for w in sorted(k for k in self._wins if k is not None and (cur is None or k < cur)):
             start = w * self.window_ns + self.clock_offset_ns
             stop = start + self.window_ns
+            if final and end < stop:
+                stop = max(end, start + 1)
             if self._live_from is not None and self._live_from > start:
                 start = min(self._live_from, stop - 1)  # the first window: only since the probes went live
             self._emit(self._wins.pop(w), start, (stop - start) / 1e9)
@@ -361,7 +371,7 @@ def bpftrace_program(interval_s: float, accounting: bool, buffers: int = BUFFERS
     ms = max(100, round(interval_s * 1000))
     text = (_PROGRAM_HEAD.replace("__STORES__", "\n".join(_STORE.format(i=i) for i in range(buffers)))
             .replace("__FLUSHES__", "\n".join(_FLUSH.format(i=i) for i in range(buffers)))
-            .replace("__CLEARS__", "\n".join(_CLEAR.format(i=i) for i in range(buffers)))
+            .replace("__FINAL__", "\n".join(_FINAL.format(i=i) for i in range(buffers)))
             .replace("__WINDOW_NS__", str(ms * 1_000_000)).replace("__BUFFERS__", str(buffers))
             .replace("__INTERVAL_MS__", str(ms)))
     lines = text.splitlines()
@@ -428,6 +438,11 @@ class BpftraceCollector:
         for line in self._proc.stderr:
             if "RLIMIT_MEMLOCK" not in line:
                 self.stderr = (self.stderr + line)[-4000:]
+
+    @property
+    def buffer(self) -> WindowAssembler:
+        """Rows arrive after close() too (END prints the last windows): the daemon collects once more."""
+        return self.asm
 
     def collect(self) -> dict[str, dict[str, list[Any]]]:
         if self._proc is not None and self._proc.poll() is not None and self.stderr:

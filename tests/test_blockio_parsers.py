@@ -298,18 +298,25 @@ def test_kernel_clock_windows_from_window_keys(fmt: str) -> None:
               ("mark", "triscope-window-end", 2_505_000_000),                      # a tick late: emits 3 and 4
               ("hist", "usecs_2", [6, 254, 0, "R"], [(32, 64, 1)]),                # printed before its end
               ("mark", "triscope-window-end", 3_001_000_000),                      # w = 6 current: held
-              ("mark", "triscope-window-end", 3_501_000_000)]                      # now it is over
+              ("mark", "triscope-window-end", 3_501_000_000),                      # now it is over
+              ("hist", "usecs_3", [7, 254, 0, "W"], [(64, 128, 3)]), ("map", "qd_ns_3", [7, 254, 0], 50_000_000),
+              ("mark", "triscope-window-final", 3_600_000_000)]                    # END: w = 7 so far
     a = WindowAssembler("h", fmt, 0.5)
     a.clock_offset_ns = 1_796_000_000_000_000_000
-    seen = []
-    for line in _render(fmt, events):
-        a.feed(line + "\n", now_ns=123)
-        seen.append(len(a.rows["ts"]))
+    seen = []  # rows made so far, after each mark
+    for ev in events:
+        for line in _render(fmt, [ev]):
+            a.feed(line + "\n", now_ns=123)
+        if ev[0] == "mark":
+            seen.append(len(a.rows["ts"]))
     assert a.errors == 0
     rows = a.drain()
-    assert rows["op"] == ["read", "write", "read", "read"] and seen[-2] == 3 and seen[-1] == 4
+    assert rows["op"] == ["read", "write", "read", "read", "write"]
+    assert seen == [0, 1, 3, 3, 4, 5]
     assert rows["ts"] == ["2026-11-30 00:53:21.200000000", "2026-11-30 00:53:21.500000000",
-                          "2026-11-30 00:53:22.000000000", "2026-11-30 00:53:23.000000000"]
-    assert rows["window_seconds"] == [pytest.approx(0.3), 0.5, 0.5, 0.5]
+                          "2026-11-30 00:53:22.000000000", "2026-11-30 00:53:23.000000000",
+                          "2026-11-30 00:53:23.500000000"]
+    assert rows["window_seconds"] == [pytest.approx(0.3), 0.5, 0.5, 0.5, pytest.approx(0.1)]
     assert rows["queue_depth"][:3] == [pytest.approx(1.0), pytest.approx(2.0), pytest.approx(0.5)]
-    assert rows["ios"] == [6.0, 2.0, 4.0, 1.0] and rows["mean_seconds"][0] == pytest.approx(200e-6)
+    assert rows["queue_depth"][4] == pytest.approx(0.5)
+    assert rows["ios"] == [6.0, 2.0, 4.0, 1.0, 3.0] and rows["mean_seconds"][0] == pytest.approx(200e-6)
