@@ -278,7 +278,8 @@ class BackendWeight:
         i = self.inputs
         return {
             "weight": _num(self.weight), "target": _num(self.target), "lb_weight": self.lb_weight,
-            "state": self.state, "reasons": list(self.reasons), "address": i.address,
+            "state": self.state, "drained": self.state == DRAIN, "reasons": list(self.reasons),
+            "address": i.address,
             "age_seconds": _num(self.age_seconds), "drain_suppressed": self.drain_suppressed,
             "factors": {k: _num(v) for k, v in self.factors.items()},
             "inputs": {

@@ -128,6 +128,7 @@ def test_weights_document_follows_inputs_and_versions(feed: WeightFeed, fleet: F
     doc = wait_for(lambda: (d := weights(feed))["backends"][name(0)]["state"] == "drain" and d)
     assert doc["backends"][name(0)]["reasons"] == ["memory"] and doc["backends"][name(0)]["lb_weight"] == 0
     assert doc["backends"][name(0)]["weight"] == 0 and doc["version"] > v0
+    assert doc["backends"][name(0)]["drained"] is True and doc["backends"][name(1)]["drained"] is False
     assert doc["backends"][name(1)]["target"] == 1.0
 
     # converged inputs stop changing the version
