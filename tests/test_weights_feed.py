@@ -596,3 +596,21 @@ def test_history_rows_survive_a_refusing_store(store) -> None:  # noqa: ANN001
     assert feed.flush_history() == 6 and not feed._history
     versions = store.query(f"SELECT count(), uniqExact(ts) FROM {qualified(store, 'weights_history')}").rows[0]
     assert tuple(versions) == (6, 3)
+
+
+def test_store_reader_counter_rate_and_lookback(store) -> None:  # noqa: ANN001
+    from triscope.exporters.weights import read_inputs
+    from triscope.schema import qualified
+
+    now = time.time()
+    sm = [("c:1", now - 8, 1000.0), ("c:1", now - 3, 1100.0), ("c:1", now - 1, 1180.0),
+          ("old:1", now - 400, 5.0)]  # outside lookback_s (300 s): not discovered
+    store.insert(qualified(store, "serving_metrics"), {
+        "ts": [_ts(r[1]) for r in sm], "backend": [r[0] for r in sm], "requests_total": [r[2] for r in sm],
+        "kv_cache_usage_ratio": [0.5] * len(sm), "latency_p99_seconds": [float("nan")] * len(sm)})
+    inputs = read_inputs(store, WeightParams(), now)
+    assert [i.backend for i in inputs] == ["c:1"]
+    c = inputs[0]
+    assert c.qps == pytest.approx(180.0 / 7.0, rel=1e-6)  # counter rate over the 10 s window
+    assert c.p99_seconds == {}  # NaN P99 = not measured
+    assert c.memory_used_ratio != c.memory_used_ratio and c.sources["serving"] == pytest.approx(now - 1, abs=1e-3)
