@@ -154,3 +154,79 @@ def test_unknown_collector_is_a_one_line_error(tmp_path: Path) -> None:
                          text=True, timeout=60)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1].startswith("triscope: error: unknown collector 'nope'")
+
+
+def test_run_bpftrace_blockio_flushes_last_window_on_sigterm(tmp_path: Path) -> None:
+    """``blockio`` as root under ``triscope run``: bpftrace rows reach the store, and the window still
+    open at SIGTERM (printed by bpftrace's END probe, collected after close) is written too."""
+    import shutil
+
+    from conftest import require, require_binary
+
+    require_binary("bpftrace")
+    require(os.geteuid() == 0, "bpftrace needs root")
+    cfg = tmp_path / "bt.toml"
+    cfg.write_text(f"""
+[store]
+path = "{tmp_path / 'chdb'}"
+database = "runtest"
+[run]
+collectors = ["blockio"]
+status_interval_s = 0.3
+[writer]
+spool_dir = "{tmp_path / 'spool'}"
+flush_interval_s = 0.2
+[blockio]
+interval_s = 0.5
+""")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRISCOPE_") or k == "TRISCOPE_REQUIRE_ALL"}
+    proc = subprocess.Popen([sys.executable, "-m", "triscope", "run", "--config", str(cfg), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    log_lines: list[str] = []
+    reader = threading.Thread(target=lambda: log_lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
+
+    def synced_write() -> None:
+        with open(tmp_path / "io.bin", "wb") as fh:
+            fh.write(os.urandom(256 << 10))
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "".join(log_lines)
+            synced_write()
+            written = [int(x.split("written ")[1].split(",")[0]) for x in log_lines if "status: written" in x]
+            if written and written[-1] >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("no bpftrace rows written in 60 s:\n" + "".join(log_lines))
+        synced_write()  # inside the open window: only END reports it
+        stop_wall = time.time()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=5)
+    assert proc.returncode == 0, "".join(log_lines)
+    summary = json.loads(out)
+    w = summary["writer"]
+    assert summary["flushed"] and w["rows_written"] == w["rows_submitted"] == summary["collectors"][
+        "blockio_bpftrace"]["rows"] > 0
+    assert shutil.which("bpftrace") and "falling back" not in "".join(log_lines)
+    query = tmp_path / "q.py"
+    query.write_text(
+        "import json, sys\nfrom triscope.store import open_store\n"
+        "s = open_store({'store': {'backend': 'embedded', 'path': sys.argv[1], 'database': 'runtest'}})\n"
+        "print(json.dumps(s.query(\"SELECT count(), groupUniqArray(source), "
+        "max(toUnixTimestamp64Nano(ts)) / 1e9 + argMax(window_seconds, ts) FROM runtest.io_latency "
+        "WHERE op = 'write'\").rows[0]))\n")
+    res = subprocess.run([sys.executable, str(query), str(tmp_path / "chdb")], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    count, sources, last_end = json.loads(res.stdout)
+    assert count > 0 and sources == ["bpftrace"]
+    assert last_end >= stop_wall - 0.05, (last_end, stop_wall)  # the window open at SIGTERM is there
