@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import socketserver
+import sys
 import threading
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONNECTIONS = 512
 
@@ -28,6 +32,14 @@ class BoundedThreadingMixIn(socketserver.ThreadingMixIn):
         except BaseException:
             slots.release()
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that resets or hangs up is routine: one debug line, not a traceback on stderr."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError | TimeoutError):
+            log.debug("client %s: %s", client_address, exc)
+            return
+        log.warning("connection from %s failed: %r", client_address, exc)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
