@@ -4,7 +4,9 @@ Same definitions as :mod:`triscope.analyzers.heatmap` (default :class:`HeatmapSp
 QPS is its backend's request count in its 100 ms window / 0.1 s (host and backend variables pick
 backends; the model, version, modality, resolution and class variables pick the requests counted,
 not the load); its memory is the mean ``memory_used_bytes`` of its GPU (``requests.gpu`` as index or
-uuid, the host's sum when empty) in the latest sampled window at most 5 s earlier (ASOF join);
+uuid) in the latest sampled window at most 5 s earlier (ASOF join); a request with an empty
+``gpu`` gets its whole host: in every window where one of the host's GPUs reported, the sum of each
+GPU's latest window mean (each at most 5 s old), as in the analyzer;
 bins of 5 QPS, 200 MB and 10 ms, values past the last bin clamped into it. Requests without a
 memory sample in reach are counted as unmatched and left out.
 """
@@ -61,7 +63,13 @@ WITH
   mem AS (
     SELECT h, toString(gpu) AS g, w, used FROM per_gpu
     UNION ALL SELECT h, uuid AS g, w, used FROM per_gpu WHERE uuid != ''
-    UNION ALL SELECT h, '' AS g, w, sum(used) AS used FROM per_gpu GROUP BY h, w
+    UNION ALL
+    SELECT x.hh AS h, '' AS g, x.ww AS w, sumIf(p.used, p.w > 0 AND x.ww - p.w <= {max_age_w}) AS used
+    FROM (SELECT hw.h AS hh, hw.w AS ww, hg.gpu AS gg
+          FROM (SELECT DISTINCT h, w FROM per_gpu) AS hw
+          INNER JOIN (SELECT DISTINCT h, gpu FROM per_gpu) AS hg ON hw.h = hg.h) AS x
+    ASOF LEFT JOIN per_gpu AS p ON x.hh = p.h AND x.gg = p.gpu AND x.ww >= p.w
+    GROUP BY x.hh, x.ww
   ),
   cells AS (
     SELECT wins.b AS backend, wins.w AS w, wins.lats AS lats, wins.mods AS mods, wins.classes AS classes,

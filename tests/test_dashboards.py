@@ -40,7 +40,8 @@ END = datetime.fromtimestamp(T0_S + 10, UTC)
 PROVISIONING = REPO / "dashboards" / "provisioning"
 
 BACKENDS = {"h1:8000": ("h1", "0"), "h1:8001": ("h1", "GPU-h1-1"), "h2:8000": ("h2", ""), "h3:8000": ("h3", "0")}
-GPUS = [("h1", 0, "GPU-h1-0"), ("h1", 1, "GPU-h1-1"), ("h2", 0, "GPU-h2-0")]
+GPUS = [("h1", 0, "GPU-h1-0"), ("h1", 1, "GPU-h1-1"), ("h2", 0, "GPU-h2-0"), ("h2", 1, "GPU-h2-1")]
+H2_GPU1_GAPS = 3  # GPU 1 of h2 (a whole-host backend) misses every third window
 CLASSES = ["realtime_speech", "interactive_image_text", "offline_video"]
 MODALITIES = {"realtime_speech": "speech", "interactive_image_text": "image", "offline_video": "video"}
 
@@ -73,7 +74,7 @@ def seed(store, seed: int = 3) -> dict[str, list[dict[str, Any]]]:  # noqa: ANN0
     gpus = []
     for host, idx, uuid in GPUS:
         for w in range(-2, 40):
-            if rng.random() < 0.1:
+            if rng.random() < 0.1 or (host == "h2" and idx == 1 and w % H2_GPU1_GAPS == 1):
                 continue
             busy = host == "h1" and idx == 0 and w < 20
             gpus.append({"ts": T0 + w * WNS + int(rng.integers(0, WNS)), "host": host, "gpu": idx, "gpu_uuid": uuid,
@@ -275,6 +276,7 @@ def test_heatmap_panels_match_the_analyzer(seeded) -> None:  # noqa: ANN001
     variables = resolve_variables(store, board)
     result = compute_heatmap(store, spec, int(START.timestamp()) * 10**9, int(END.timestamp()) * 10**9 + 1)
     assert result.requests > 100 and result.unmatched > 0
+    assert _whole_host_rules_differ(store, spec) > 0
     widths = {"qps": spec.qps_bin, "memory": spec.memory_bin_bytes, "latency": spec.latency_bin_s}
     for x, y in (("qps", "latency"), ("memory", "latency"), ("qps", "memory")):
         rows = store.query(expand(slice_sql(x, y), _ctx(variables))).rows
@@ -292,6 +294,31 @@ def test_heatmap_panels_match_the_analyzer(seeded) -> None:  # noqa: ANN001
     for xv, yv, n in rows:
         got[int(round(xv / spec.qps_bin)), int(round(yv / spec.latency_bin_s))] += n
     np.testing.assert_array_equal(got, ref)
+
+
+def _whole_host_rules_differ(store, spec) -> int:  # noqa: ANN001
+    """Windows of h2:8000 (empty ``gpu``: the whole host) whose memory bin under the analyzer's rule
+    (each GPU's latest window mean within ``memory_max_age_s``) differs from the old rule (the sum
+    over the GPUs that reported in that window): the seed must tell the two apart."""
+    means: dict[int, dict[int, float]] = {}
+    for gpu, w, used in store.query(
+            f"SELECT gpu, intDiv(toUnixTimestamp64Nano(ts), {WNS}) AS w, avg(memory_used_bytes) "
+            f"FROM {qualified(store, 'gpu_samples')} WHERE host = 'h2' GROUP BY gpu, w").rows:
+        means.setdefault(int(gpu), {})[int(w)] = float(used)
+    windows = {int(r[0]) for r in store.query(
+        f"SELECT DISTINCT intDiv(toUnixTimestamp64Nano(ts), {WNS}) FROM {qualified(store, 'requests')} "
+        "WHERE backend = 'h2:8000'").rows}
+    max_age_w = int(spec.memory_max_age_s * 1e9) // WNS
+    mbin = lambda used: min(int(used // spec.memory_bin_bytes), spec.memory_bins - 1)  # noqa: E731
+    differ = 0
+    for w in windows:
+        if not any(w in by_w for by_w in means.values()):
+            continue  # no window of its own: both rules take an earlier one
+        old = sum(by_w[w] for by_w in means.values() if w in by_w)
+        new = sum(by_w[max(k for k in by_w if k <= w)] for by_w in means.values()
+                  if any(w - max_age_w <= k <= w for k in by_w))
+        differ += mbin(old) != mbin(new)
+    return differ
 
 
 def test_stragglers_match_the_analyzer(seeded) -> None:  # noqa: ANN001
