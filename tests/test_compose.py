@@ -8,6 +8,7 @@ file with a real Compose implementation, interpolation included. No Docker daemo
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -22,7 +23,9 @@ import yaml
 from tests.conftest import REPO, require, require_binary
 from triscope.config import load_config
 from triscope.daemon import COLLECTORS, EXPORTERS, resolve
+from triscope.exporters.feed import WeightFeed
 from triscope.exporters.prometheus import prometheus_config
+from triscope.exporters.weights import WeightParams
 
 COMPOSE = REPO / "compose"
 FILES = ("compose.yaml", "compose.gpu.yaml")
@@ -156,11 +159,15 @@ def test_triscope_config_matches_the_stack(stack: dict[str, Any]) -> None:
     assert config["store"]["url"] == "http://clickhouse:8123" and "clickhouse" in stack["services"]
     for name in config["run"]["collectors"]:
         resolve(name, COLLECTORS, "collector")
-    assert config["run"]["exporters"] == ["prometheus"]
-    resolve("prometheus", EXPORTERS, "exporter")
+    assert config["run"]["exporters"] == ["prometheus", "weights_feed"]
+    for name in config["run"]["exporters"]:
+        resolve(name, EXPORTERS, "exporter")
     prom = prometheus_config(config)
+    feed = WeightParams.from_config(config).feed
+    assert feed["bind"] == "0.0.0.0" and feed["port"] > 0 and feed["agent_port"] > 0
     service = stack["services"]["triscope"]
-    assert f"127.0.0.1:{prom['port']}:{prom['port']}" in service["ports"]
+    for port in (prom["port"], feed["port"], feed["agent_port"]):
+        assert f"127.0.0.1:{port}:{port}" in service["ports"]
     assert f"127.0.0.1:{config['otlp']['port']}:{config['otlp']['port']}" in service["ports"]
     mounted = {str(v).split(":")[1] for v in service["volumes"] if str(v).startswith("./triscope.toml")}
     command = service["command"]
@@ -170,9 +177,31 @@ def test_triscope_config_matches_the_stack(stack: dict[str, Any]) -> None:
     env = _env(service)  # the password reaches the store through the TRISCOPE_* override
     overridden = load_config(COMPOSE / "triscope.toml", environ={"TRISCOPE_STORE__PASSWORD": "s3cr-t"})
     assert overridden["store"]["password"] == "s3cr-t" and "TRISCOPE_STORE__PASSWORD" in env
-    targets = [t for job in yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"]
-               if job["job_name"] == "triscope" for sc in job["static_configs"] for t in sc["targets"]]
-    assert targets == [f"triscope:{prom['port']}"]
+    jobs = {job["job_name"]: job for job in yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"]}
+    targets = {name: [t for sc in jobs[name]["static_configs"] for t in sc["targets"]]
+               for name in ("triscope", "triscope_weights")}
+    assert targets == {"triscope": [f"triscope:{prom['port']}"], "triscope_weights": [f"triscope:{feed['port']}"]}
+    assert jobs["triscope_weights"].get("metrics_path", "/metrics") == "/metrics"
+
+
+def test_weight_feed_serves_what_prometheus_scrapes() -> None:
+    """The feed as compose configures it (but on 127.0.0.1 and ephemeral ports here) answers the
+    scrape path of the ``triscope_weights`` job with its metric families."""
+    config = load_config(COMPOSE / "triscope.toml", environ={})
+    job = next(j for j in yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"]
+               if j["job_name"] == "triscope_weights")
+    feed = WeightFeed(WeightParams.from_config(config), inputs_fn=list, bind="127.0.0.1", port=0,
+                      agent_port=0).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", feed.http_port, timeout=5)
+        conn.request("GET", job.get("metrics_path", "/metrics"))
+        resp = conn.getresponse()
+        body = resp.read().decode()
+        conn.close()
+    finally:
+        feed.close()
+    assert resp.status == 200 and resp.getheader("Content-Type", "").startswith("text/plain")
+    assert "# TYPE triscope_weights_updates_total counter" in body
 
 
 def test_prometheus_config_passes_promtool() -> None:
