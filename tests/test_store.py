@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from triscope.config import env_overrides, load_config
+from triscope.config import _deep_merge, deep_merge, env_overrides, load_config
 from triscope.errors import ConfigError, StoreError
 from triscope.schema import domains, migrate, qualified, schema_versions
 from triscope.schema.model import Column, Table, add_column_sql, create_table_sql
@@ -110,6 +110,19 @@ def test_config_file_and_environment_overrides(tmp_path):
         load_config(bad, environ={})
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml", environ={})
+
+
+def test_deep_merge_merges_tables_and_copies():
+    from types import MappingProxyType
+
+    base = {"a": {"x": 1, "y": [1]}, "b": 2}
+    extra = {"a": MappingProxyType({"y": [2], "z": {"k": 1}}), "b": {"c": 3}}
+    out = deep_merge(base, extra)
+    assert out == {"a": {"x": 1, "y": [2], "z": {"k": 1}}, "b": {"c": 3}}
+    out["a"]["z"]["k"] = 9
+    out["a"]["y"].append(3)
+    assert base == {"a": {"x": 1, "y": [1]}, "b": 2} and extra["a"]["z"] == {"k": 1} and extra["a"]["y"] == [2]
+    assert _deep_merge is deep_merge
 
 
 def test_credentials_from_the_environment_arrive_verbatim():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +42,19 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``base`` with ``extra`` laid over it: nested tables merge key by key, any
+    other value (lists included) replaces the base's. Neither argument is modified."""
     out = copy.deepcopy(base)
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
         else:
-            out[key] = value
+            out[key] = copy.deepcopy(value)
     return out
+
+
+_deep_merge = deep_merge  # the former private name
 
 
 def _parse_scalar(text: str) -> Any:
@@ -91,5 +97,5 @@ def load_config(path: str | os.PathLike[str] | None = None,
             raise ConfigError(f"config file not found: {file}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
-        config = _deep_merge(config, data)
-    return _deep_merge(config, env_overrides(dict(env)))
+        config = deep_merge(config, data)
+    return deep_merge(config, env_overrides(dict(env)))
