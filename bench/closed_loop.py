@@ -77,6 +77,7 @@ class StepStats:
     oom_rate: float
     p99_s: dict[str, float]
     held: bool
+    p99_all_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,6 +100,10 @@ class PolicyReport:
     weights_min: dict[str, int]
     send_lag_s: float
     wall_s: float
+    lb_reject_rate: float = 0.0
+    p99_all_s: dict[str, float] = field(default_factory=dict)
+    repetitions: int = 1
+    drain_check: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -221,33 +226,101 @@ class FeedWorker:
 
 
 async def _sample_weights(hap: HAProxy, stop: asyncio.Event, out: list[tuple[float, dict[str, int]]],
+                          feed: FeedWorker | None = None, feed_out: list | None = None,
                           period_s: float = 0.5) -> None:
+    """Every ``period_s``: HAProxy's effective weights and, for triscope, the feed's verdicts."""
     loop = asyncio.get_running_loop()
     t0 = time.monotonic()
     while not stop.is_set():
         with contextlib.suppress(OSError, ValueError):
             w = await loop.run_in_executor(None, hap.weights)
             out.append((time.monotonic() - t0, w))
+        if feed is not None and feed_out is not None:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                doc = await loop.run_in_executor(None, feed.weights_doc)
+                feed_out.append((time.monotonic() - t0, {
+                    b: (v["lb_weight"], v["state"], v["inputs"].get("kv_cache_usage_ratio"))
+                    for b, v in doc["backends"].items()}))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), period_s)
 
 
-async def _drive_with_sampler(hap: HAProxy, schedule, timeout_factor: float):
+async def _drive_with_sampler(hap: HAProxy, schedule, timeout_factor: float, feed: FeedWorker | None = None):
     samples: list[tuple[float, dict[str, int]]] = []
+    feed_samples: list[tuple[float, dict[str, tuple]]] = []
     stop = asyncio.Event()
-    sampler = asyncio.create_task(_sample_weights(hap, stop, samples))
+    sampler = asyncio.create_task(_sample_weights(hap, stop, samples, feed, feed_samples))
     try:
         results, lag = await drive("127.0.0.1", hap.port, schedule, timeout_factor=timeout_factor)
     finally:
         stop.set()
         await sampler
-    return results, lag, samples
+    return results, lag, samples, feed_samples
 
 
-def summarize(policy: Policy, results: list[Result], shape: LoadShape, max_error: float,
-              states: dict[str, dict[str, Any]], samples: list[tuple[float, dict[str, int]]],
-              lag: float, wall: float) -> PolicyReport:
-    """Turn raw results into the policy's report."""
+def is_oom(r: Result) -> bool:
+    """A 503 from a backend (its KV pool was full); HAProxy's own 503s carry no X-Backend."""
+    return r.status == 503 and bool(r.backend)
+
+
+def is_lb_reject(r: Result) -> bool:
+    """A 503 from HAProxy itself (``timeout queue`` expired, or no server usable)."""
+    return r.status == 503 and not r.backend
+
+
+def p99_all(results: list[Result], cls: str) -> float:
+    """P99 over every offered request of ``cls``, a failed request counting as infinitely slow."""
+    return percentile([r.latency_s if r.status == 200 else math.inf for r in results if r.cls == cls], 99)
+
+
+def drain_check(results: list[Result], feed_samples: list[tuple[float, dict[str, tuple]]]) -> dict[str, Any]:
+    """Did the feed drain a backend before it refused requests? Feed state at each backend 503."""
+    if not feed_samples:
+        return {}
+    times = [t for t, _ in feed_samples]
+    out = {"oom_while_drained": 0, "oom_while_ready": 0, "oom_no_sample": 0, "kv_at_oom": [],
+           "drained_samples": {}, "max_kv_seen": {}}
+    for _, doc in feed_samples:
+        for b, (_w, state, kv) in doc.items():
+            out["drained_samples"][b] = out["drained_samples"].get(b, 0) + (state == "drain")
+            if kv is not None:
+                out["max_kv_seen"][b] = round(max(out["max_kv_seen"].get(b, 0.0), kv), 3)
+    import bisect
+
+    for r in results:
+        if not is_oom(r):
+            continue
+        k = bisect.bisect_right(times, r.t) - 1
+        entry = feed_samples[k][1].get(r.backend) if k >= 0 else None
+        if entry is None:
+            out["oom_no_sample"] += 1
+            continue
+        out["oom_while_drained" if entry[1] == "drain" else "oom_while_ready"] += 1
+        if entry[2] is not None:
+            out["kv_at_oom"].append(entry[2])
+    kv = out.pop("kv_at_oom")
+    out["feed_kv_at_oom_mean"] = round(sum(kv) / len(kv), 3) if kv else None
+    out["feed_samples"] = len(feed_samples)
+    return out
+
+
+@dataclass
+class RawRun:
+    """Everything one replay of the schedule under one policy produced."""
+
+    results: list[Result]
+    lag: float
+    samples: list[tuple[float, dict[str, int]]]
+    feed_samples: list[tuple[float, dict[str, tuple]]]
+    states: dict[str, dict[str, Any]]
+    wall: float
+    feed_kind: str = ""
+
+
+def summarize(policy: Policy, runs: list[RawRun], shape: LoadShape, max_error: float) -> PolicyReport:
+    """Turn the raw results of one or more repetitions (pooled) into the policy's report."""
+    results = [r for run in runs for r in run.results]
+    samples = [s for run in runs for s in run.samples]
     n = len(results)
     ok = [r for r in results if r.status == 200]
     steps: list[StepStats] = []
@@ -255,40 +328,52 @@ def summarize(policy: Policy, results: list[Result], shape: LoadShape, max_error
         rs = [r for r in results if r.step == k]
         p99 = {c: percentile([r.latency_s for r in rs if r.cls == c and r.status == 200], 99) for c in CLASSES}
         err = sum(r.status != 200 for r in rs) / len(rs) if rs else math.nan
-        oom = sum(r.status == 503 for r in rs) / len(rs) if rs else math.nan
+        oom = sum(is_oom(r) for r in rs) / len(rs) if rs else math.nan
         held = bool(rs) and err <= max_error and all(
             math.isfinite(p99[c]) and p99[c] <= CLASSES[c].sla_s for c in CLASSES
             if any(r.cls == c for r in rs))
-        steps.append(StepStats(k, round(shape.step_qps(k), 2), len(rs), err, oom, p99, held))
+        steps.append(StepStats(k, round(shape.step_qps(k), 2), len(rs), err, oom, p99, held,
+                               {c: p99_all(rs, c) for c in CLASSES}))
     peak = 0.0
     for s in steps:
         if not s.held:
             break
         peak = s.offered_qps
-    served = {}
+    served: dict[str, int] = {}
     for r in ok:
         served[r.backend] = served.get(r.backend, 0) + 1
-    names = sorted(states)
+    names = sorted(runs[0].states)
     w_mean = {b: (sum(w.get(b, 0) for _, w in samples) / len(samples)) if samples else math.nan for b in names}
     w_min = {b: min((w.get(b, 0) for _, w in samples), default=-1) for b in names}
     within = sum(1 for r in ok if r.latency_s <= CLASSES[r.cls].sla_s)
+    drains = [drain_check(run.results, run.feed_samples) for run in runs]
+    drain: dict[str, Any] = {}
+    for d in drains:
+        for key, value in d.items():
+            if isinstance(value, int):
+                drain[key] = drain.get(key, 0) + value
+    if drains and drains[0]:
+        drain["max_kv_seen"] = {b: max(d["max_kv_seen"].get(b, 0.0) for d in drains) for b in names}
+        drain["drained_samples"] = {b: sum(d["drained_samples"].get(b, 0) for d in drains) for b in names}
     return PolicyReport(
         policy=policy.name, balance=policy.balance, requests=n, ok=len(ok),
         error_rate=(n - len(ok)) / n if n else math.nan,
-        oom_rate=sum(r.status == 503 for r in results) / n if n else math.nan,
+        oom_rate=sum(is_oom(r) for r in results) / n if n else math.nan,
         timeout_rate=sum(r.status == 0 for r in results) / n if n else math.nan,
         p99_s={c: percentile([r.latency_s for r in ok if r.cls == c], 99) for c in CLASSES},
         sla_attainment=within / n if n else math.nan,
         peak_qps_held=peak, steps=steps,
         backend_share={b: served.get(b, 0) / len(ok) if ok else 0.0 for b in names},
-        backend_oom={b: sum(states[b]["oom"].values()) for b in names},
-        backend_peak_kv={b: round(states[b]["peak_kv_ratio"], 3) for b in names},
+        backend_oom={b: sum(sum(run.states[b]["oom"].values()) for run in runs) for b in names},
+        backend_peak_kv={b: round(max(run.states[b]["peak_kv_ratio"] for run in runs), 3) for b in names},
         weights_mean={b: round(v, 1) for b, v in w_mean.items()}, weights_min=w_min,
-        send_lag_s=lag, wall_s=wall)
+        send_lag_s=max(run.lag for run in runs), wall_s=sum(run.wall for run in runs),
+        lb_reject_rate=sum(is_lb_reject(r) for r in results) / n if n else math.nan,
+        p99_all_s={c: p99_all(results, c) for c in CLASSES},
+        repetitions=len(runs), drain_check=drain)
 
 
-def run_policy(policy: Policy, fleet: SimFleet, schedule, shape: LoadShape, args: argparse.Namespace,
-               workdir: Path) -> PolicyReport:
+def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespace, workdir: Path) -> RawRun:
     """Replay ``schedule`` through HAProxy under ``policy``."""
     fleet.wait_idle()
     fleet.reset()
@@ -303,21 +388,25 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, shape: LoadShape, args
             feed = FeedWorker({s.name: fleet.url(s) for s in fleet.specs}, weights_overrides(args),
                               args.feed_window_s).start()
             agent_port = feed.agent_port
-        servers = [Server(s.name, s.port) for s in fleet.specs]
+        servers = [Server(s.name, s.port, maxconn=server_maxconn(s, args.maxconn_per_slot)) for s in fleet.specs]
         with HAProxy(workdir / policy.name, servers, balance=policy.balance, agent_port=agent_port,
-                     agent_inter_ms=args.agent_inter_ms) as hap:
+                     agent_inter_ms=args.agent_inter_ms, timeout_queue_ms=args.timeout_queue_ms) as hap:
             if policy.triscope:
                 time.sleep(max(0.5, 3 * args.agent_inter_ms / 1000))
-            results, lag, samples = asyncio.run(_drive_with_sampler(hap, schedule, args.timeout_factor))
+            results, lag, samples, feed_samples = asyncio.run(
+                _drive_with_sampler(hap, schedule, args.timeout_factor, feed))
         fleet.wait_idle()
         states = fleet.states()
     finally:
         if feed is not None:
             feed.stop()
-    report = summarize(policy, results, shape, args.max_error, states, samples, lag, time.monotonic() - t0)
-    if feed is not None:
-        report.extra["feed"] = feed.info.get("feed", "")
-    return report
+    return RawRun(results, lag, samples, feed_samples, states, time.monotonic() - t0,
+                  feed.info.get("feed", "") if feed is not None else "")
+
+
+def server_maxconn(spec: BackendSpec, per_slot: float) -> int:
+    """HAProxy ``maxconn`` of a server: ``per_slot`` x its batch slots (0 = unlimited)."""
+    return max(1, math.ceil(per_slot * spec.slots)) if per_slot > 0 else 0
 
 
 def parse_pressure(items: list[str]) -> dict[str, float]:
@@ -346,23 +435,47 @@ def _fmt_s(x: float) -> str:
     return f"{x * 1000:.0f}ms" if x < 10 else f"{x:.1f}s"
 
 
+def _fmt_inf(x: float) -> str:
+    return "inf" if x == math.inf else _fmt_s(x)
+
+
 def _ratio(a: float, b: float) -> float:
-    if not (math.isfinite(a) and math.isfinite(b)):
+    """``a / b``; an infinite P99 (over 1 % failed) only compares against a finite one."""
+    if math.isnan(a) or math.isnan(b) or (math.isinf(a) and math.isinf(b)):
         return math.nan
+    if math.isinf(a):
+        return math.inf
+    if math.isinf(b):
+        return 0.0
     if b == 0:
         return math.inf if a > 0 else 1.0
     return a / b
 
 
+def common_success_p99(base: list[RawRun], cand: list[RawRun], step: int | None = None) -> dict[str, float]:
+    """Per class P99 of each policy over the requests that succeeded under *both* (same arrivals)."""
+    out: dict[str, float] = {}
+    keyed = []
+    for runs in (base, cand):
+        keyed.append({(rep, r.idx): r for rep, run in enumerate(runs) for r in run.results
+                      if r.status == 200 and (step is None or r.step == step)})
+    both = keyed[0].keys() & keyed[1].keys()
+    for c in CLASSES:
+        for side, rows in zip(("baseline", "candidate"), keyed, strict=True):
+            out[f"{side}:{c}"] = percentile([rows[k].latency_s for k in both if rows[k].cls == c], 99)
+    return out
+
+
 def comparison(reports: dict[str, PolicyReport], baseline: str = "leastconn",
-               candidate: str = "triscope") -> dict[str, Any]:
+               candidate: str = "triscope", raw: dict[str, list[RawRun]] | None = None) -> dict[str, Any]:
     """Baseline/candidate ratios (> 1 means the candidate is better)."""
     if baseline not in reports or candidate not in reports:
         return {}
     b, c = reports[baseline], reports[candidate]
-    return {
+    out = {
         "baseline": baseline, "candidate": candidate,
         "p99_ratio": {k: _ratio(b.p99_s[k], c.p99_s[k]) for k in CLASSES},
+        "p99_all_ratio": {k: _ratio(b.p99_all_s[k], c.p99_all_s[k]) for k in CLASSES},
         "error_rate_ratio": _ratio(b.error_rate, c.error_rate),
         "peak_qps_ratio": _ratio(c.peak_qps_held, b.peak_qps_held),
         "sla_attainment_delta": c.sla_attainment - b.sla_attainment,
@@ -370,6 +483,14 @@ def comparison(reports: dict[str, PolicyReport], baseline: str = "leastconn",
                               for sb, sc in zip(b.steps, c.steps, strict=True)],
         "error_ratio_by_step": [_ratio(sb.error_rate, sc.error_rate) for sb, sc in zip(b.steps, c.steps, strict=True)],
     }
+    if raw is not None and raw.get(baseline) and raw.get(candidate):
+        cs = common_success_p99(raw[baseline], raw[candidate])
+        out["p99_common_ratio"] = {k: _ratio(cs[f"baseline:{k}"], cs[f"candidate:{k}"]) for k in CLASSES}
+        out["p99_common_s"] = cs
+        by_step = [common_success_p99(raw[baseline], raw[candidate], k) for k in range(len(b.steps))]
+        out["p99_common_ratio_by_step"] = [{k: _ratio(cs_k[f"baseline:{k}"], cs_k[f"candidate:{k}"])
+                                            for k in CLASSES} for cs_k in by_step]
+    return out
 
 
 def print_report(reports: dict[str, PolicyReport], comps: list[dict[str, Any]], shape: LoadShape,
@@ -381,15 +502,24 @@ def print_report(reports: dict[str, PolicyReport], comps: list[dict[str, Any]], 
     con.print(f"backends: {', '.join(f'{s.name}({s.kv_gib:g}GiB KV, {s.slots} slots, x{s.speed:g})' for s in specs)}")
     con.print(f"load: {shape.steps} steps x {shape.step_s:g}s from {shape.base_qps:g} QPS, x{shape.step_factor:g}/step, "
               f"bursts x{shape.burst_factor:g} for {shape.burst_s:g}s every {shape.burst_period_s:g}s")
-    t = Table(title="closed loop: per policy (P99 of successful requests; SLA speech 200ms / image 800ms / video 5s)")
+    t = Table(title="closed loop: per policy (P99 of successful requests [P99 of all offered, failures = inf]; "
+                    "SLA speech 200ms / image 800ms / video 5s)")
     for col in ("policy", "peak QPS held", "P99 speech", "P99 image-text", "P99 video", "errors", "OOM 503",
-                "timeouts", "within SLA"):
+                "LB 503", "timeouts", "within SLA"):
         t.add_column(col)
     for r in reports.values():
         t.add_row(f"{r.policy} ({r.balance})", f"{r.peak_qps_held:g}",
-                  *[_fmt_s(r.p99_s[c]) for c in CLASSES],
-                  f"{r.error_rate:.2%}", f"{r.oom_rate:.2%}", f"{r.timeout_rate:.2%}", f"{r.sla_attainment:.1%}")
+                  *[f"{_fmt_s(r.p99_s[c])} [{_fmt_inf(r.p99_all_s.get(c, math.nan))}]" for c in CLASSES],
+                  f"{r.error_rate:.2%}", f"{r.oom_rate:.2%}", f"{r.lb_reject_rate:.2%}", f"{r.timeout_rate:.2%}",
+                  f"{r.sla_attainment:.1%}")
     con.print(t)
+    for r in reports.values():
+        if r.drain_check:
+            d = r.drain_check
+            con.print(f"{r.policy} drain check: backend 503s while the feed had that backend drained "
+                      f"{d.get('oom_while_drained', 0)}, ready {d.get('oom_while_ready', 0)} "
+                      f"(feed KV at those 503s: mean {d.get('feed_kv_at_oom_mean')}); max KV seen by the feed "
+                      f"{d.get('max_kv_seen')}; drained samples {d.get('drained_samples')}")
     b = Table(title="per backend: share of served requests | OOM 503s | peak memory ratio | HAProxy weight mean (min)")
     b.add_column("policy")
     for spec in specs:
@@ -419,9 +549,19 @@ def print_report(reports: dict[str, PolicyReport], comps: list[dict[str, Any]], 
                   f"image-text x{p['interactive_image_text']:.2f}, video x{p['offline_video']:.2f}; "
                   f"errors x{comp['error_rate_ratio']:.2f}; peak QPS held x{comp['peak_qps_ratio']:.2f} "
                   f"(candidate/baseline); within-SLA {comp['sla_attainment_delta']:+.1%}")
-        for k, (pr, er) in enumerate(zip(comp["p99_ratio_by_step"], comp["error_ratio_by_step"], strict=True)):
-            con.print(f"  step {shape.step_qps(k):6.1f} QPS: P99 x{pr['realtime_speech']:.2f} / "
-                      f"x{pr['interactive_image_text']:.2f} / x{pr['offline_video']:.2f}, errors x{er:.2f}")
+        if "p99_common_ratio" in comp:
+            q = comp["p99_common_ratio"]
+            con.print(f"  over requests that succeeded under both: P99 x{q['realtime_speech']:.2f} / "
+                      f"x{q['interactive_image_text']:.2f} / x{q['offline_video']:.2f}")
+        common = comp.get("p99_common_ratio_by_step") or [None] * len(comp["p99_ratio_by_step"])
+        for k, (pr, er, cr) in enumerate(zip(comp["p99_ratio_by_step"], comp["error_ratio_by_step"], common,
+                                             strict=True)):
+            line = (f"  step {shape.step_qps(k):6.1f} QPS: P99 x{pr['realtime_speech']:.2f} / "
+                    f"x{pr['interactive_image_text']:.2f} / x{pr['offline_video']:.2f}, errors x{er:.2f}")
+            if cr:
+                line += (f"; common successes x{cr['realtime_speech']:.2f} / x{cr['interactive_image_text']:.2f}"
+                         f" / x{cr['offline_video']:.2f}")
+            con.print(line)
     lag = max(r.send_lag_s for r in reports.values())
     if lag > 0.05:
         con.print(f"[yellow]load generator fell up to {lag * 1000:.0f} ms behind schedule (CPU-bound machine)")
@@ -460,6 +600,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", default="roundrobin,leastconn,triscope")
     p.add_argument("--triscope-balance", default="leastconn", choices=["leastconn", "roundrobin"])
     p.add_argument("--agent-inter-ms", type=int, default=250)
+    p.add_argument("--maxconn-per-slot", type=float, default=0.0,
+                   help="HAProxy server maxconn = this x the server's batch slots, every policy (0 = unlimited)")
+    p.add_argument("--timeout-queue-ms", type=int, default=0,
+                   help="HAProxy 'timeout queue' (503 after waiting this long for a server slot; 0 = HAProxy default)")
+    p.add_argument("--repeat", type=int, default=1, help="repetitions with seeds seed..seed+N-1, results pooled")
     p.add_argument("--feed-window-s", type=float, default=5.0, help="P99/QPS window of the metrics adapter")
     p.add_argument("--weights", default="", help="JSON object of [weights] overrides for the triscope feed")
     p.add_argument("--max-error", type=float, default=0.01, help="error rate a held step may have")
@@ -479,22 +624,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = LoadShape(base_qps=args.base_qps, step_factor=args.step_factor, steps=args.steps,
                       step_s=args.step_s, burst_period_s=args.burst_period_s, burst_s=args.burst_s,
                       burst_factor=args.burst_factor)
-    schedule = shape.schedule(args.seed)
+    seeds = [args.seed + k for k in range(max(1, args.repeat))]
+    schedules = [shape.schedule(seed) for seed in seeds]
     catalog = {"roundrobin": Policy("roundrobin", "roundrobin"), "leastconn": Policy("leastconn", "leastconn"),
                "triscope": Policy("triscope", args.triscope_balance, triscope=True)}
     policies = [catalog[p.strip()] for p in args.policies.split(",") if p.strip()]
-    reports: dict[str, PolicyReport] = {}
+    raw: dict[str, list[RawRun]] = {p.name: [] for p in policies}
     with tempfile.TemporaryDirectory(prefix="triscope-closed-loop-", dir=args.workdir or None) as tmp:
         fleet = SimFleet(specs, args.batch_slowdown).start()
         try:
-            for policy in policies:
-                if not args.json:
-                    print(f"running {policy.name} ({policy.balance}) ...", file=sys.stderr, flush=True)
-                reports[policy.name] = run_policy(policy, fleet, schedule, shape, args, Path(tmp))
+            for rep, schedule in enumerate(schedules):  # policies interleaved: machine-load drift hits all
+                for policy in policies:
+                    if not args.json:
+                        print(f"running {policy.name} ({policy.balance}), seed {seeds[rep]} ...", file=sys.stderr,
+                              flush=True)
+                    raw[policy.name].append(run_policy(policy, fleet, schedule, args, Path(tmp)))
         finally:
             fleet.stop()
-    comps = [comparison(reports, "leastconn", "triscope"), comparison(reports, "roundrobin", "triscope")]
-    doc = {"backends": [asdict(s) for s in specs], "load": asdict(shape), "arrivals": len(schedule),
+    reports = {name: summarize(catalog[name], runs, shape, args.max_error) for name, runs in raw.items()}
+    for name, runs in raw.items():
+        if runs[0].feed_kind:
+            reports[name].extra["feed"] = runs[0].feed_kind
+    comps = [comparison(reports, "leastconn", "triscope", raw), comparison(reports, "roundrobin", "triscope", raw)]
+    doc = {"backends": [asdict(s) for s in specs], "load": asdict(shape), "arrivals": len(schedules[0]),
+           "arrivals_total": sum(len(x) for x in schedules), "seeds": seeds,
+           "haproxy": {"maxconn_per_slot": args.maxconn_per_slot, "timeout_queue_ms": args.timeout_queue_ms,
+                       "agent_inter_ms": args.agent_inter_ms},
            "weights_overrides": weights_overrides(args) if "triscope" in reports else {},
            "policies": {k: asdict(v) for k, v in reports.items()}, "comparisons": [c for c in comps if c]}
     if args.json:

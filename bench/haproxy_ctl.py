@@ -40,6 +40,8 @@ class Server:
     name: str
     port: int
     host: str = "127.0.0.1"
+    maxconn: int = 0
+    """Per-server connection limit (0 = none); beyond it HAProxy queues in the backend."""
 
 
 class HAProxy:
@@ -51,12 +53,13 @@ class HAProxy:
 
     def __init__(self, workdir: Path, servers: list[Server], balance: str = "roundrobin",
                  agent_port: int | None = None, agent_inter_ms: int = 250, port: int | None = None,
-                 binary: str | None = None) -> None:
+                 binary: str | None = None, timeout_queue_ms: int = 0) -> None:
         self.workdir = Path(workdir)
         self.servers = servers
         self.balance = balance
         self.agent_port = agent_port
         self.agent_inter_ms = agent_inter_ms
+        self.timeout_queue_ms = timeout_queue_ms
         self.port = port or free_port()
         self.binary = binary or shutil.which("haproxy") or "haproxy"
         self.socket_path = self.workdir / "haproxy.sock"
@@ -81,8 +84,12 @@ class HAProxy:
             "backend gpus",
             f"    balance {self.balance}",
         ]
+        if self.timeout_queue_ms > 0:
+            lines.append(f"    timeout queue {self.timeout_queue_ms}ms")
         for s in self.servers:
             line = f"    server {s.name} {s.host}:{s.port} weight 100"
+            if s.maxconn > 0:
+                line += f" maxconn {s.maxconn}"
             if self.agent_port is not None:
                 line += (f" agent-check agent-addr 127.0.0.1 agent-port {self.agent_port}"
                          f" agent-inter {self.agent_inter_ms}ms agent-send \"{s.name}\\n\"")

@@ -85,6 +85,8 @@ class Result:
     status: int
     latency_s: float
     backend: str
+    idx: int = -1
+    """Position of the arrival in the schedule (the same request across policies)."""
 
 
 class _Conn:
@@ -117,6 +119,10 @@ class HttpPool:
                     conn.writer.close()
                 if attempt:
                     raise
+            except asyncio.CancelledError:  # client timeout: hang up, as a real client would
+                with contextlib.suppress(Exception):
+                    conn.writer.close()
+                raise
         raise ConnectionError("unreachable")
 
     async def _exchange(self, conn: _Conn, path: str) -> tuple[int, dict[str, str], bytes]:
@@ -144,7 +150,8 @@ class HttpPool:
         self.idle.clear()
 
 
-async def _one(pool: HttpPool, a: Arrival, t_start: float, timeout_s: float, out: list[Result]) -> None:
+async def _one(pool: HttpPool, a: Arrival, t_start: float, timeout_s: float, out: list[Result],
+               idx: int = -1) -> None:
     sent = time.monotonic()
     try:
         status, headers, _ = await asyncio.wait_for(pool.get(f"/v1/infer/{a.cls}"), timeout_s)
@@ -153,7 +160,7 @@ async def _one(pool: HttpPool, a: Arrival, t_start: float, timeout_s: float, out
         status, backend = 0, ""
     except (ConnectionError, OSError, asyncio.IncompleteReadError, ValueError):
         status, backend = -1, ""
-    out.append(Result(sent - t_start, a.cls, a.step, status, time.monotonic() - sent, backend))
+    out.append(Result(sent - t_start, a.cls, a.step, status, time.monotonic() - sent, backend, idx))
 
 
 async def drive(host: str, port: int, schedule: list[Arrival], timeout_factor: float = 6.0,
@@ -171,7 +178,7 @@ async def drive(host: str, port: int, schedule: list[Arrival], timeout_factor: f
         else:
             worst_lag = max(worst_lag, -delay)
         cls: RequestClass = CLASSES[a.cls]
-        task = asyncio.create_task(_one(pool, a, t_start, max(2.0, cls.sla_s * timeout_factor), results))
+        task = asyncio.create_task(_one(pool, a, t_start, max(2.0, cls.sla_s * timeout_factor), results, i))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         if progress is not None and i % 50 == 0:
