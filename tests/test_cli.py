@@ -8,8 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import shared_data
 from kineto_helpers import kernel, write_trace
+
+from triscope.commands._common import parse_when, since_start, utc_text
+from triscope.errors import InputError
 
 
 def _triscope(args: list[str], store: Path) -> subprocess.CompletedProcess:
@@ -45,3 +49,19 @@ def test_bad_input_exits_non_zero_with_one_line_and_keeps_good_files(tmp_path: P
     missing = _triscope(["diagnose", "--trace-run", "nope"], store)
     assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0
     assert "no trace run 'nope'" in missing.stderr and "good" in missing.stderr
+
+
+def test_time_arguments_shared_by_heatmap_and_diagnose() -> None:
+    """``parse_when``: ISO-8601 (UTC unless an offset is given), a duration ago, and a bare number as
+    epoch seconds (``heatmap --from``) or as seconds ago (``diagnose --until``)."""
+    now = 1_767_225_600 * 10**9  # 2026-01-01T00:00:00Z
+    assert parse_when("2026-01-01T00:00:00", now) == parse_when("2026-01-01T01:00:00+01:00", now) == now
+    assert parse_when(" 90s ", now) == now - 90 * 10**9
+    assert parse_when("1767225500.5", now) == now - 99_500_000_000
+    assert parse_when("100", now, epoch_seconds=False) == now - 100 * 10**9
+    assert since_start(None, now) == now - 600 * 10**9 and since_start("2h", now) == now - 7200 * 10**9
+    assert utc_text(now + 1_500_000) == "2026-01-01 00:00:00.001"
+    with pytest.raises(InputError, match=r"^not an ISO-8601 time, epoch seconds or duration: 'soon'$"):
+        parse_when("soon", now)
+    with pytest.raises(InputError, match=r"^--until: not a duration or ISO-8601 time: 'soon'$"):
+        parse_when("soon", now, epoch_seconds=False, flag="--until")

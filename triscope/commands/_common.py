@@ -1,13 +1,15 @@
-"""Helpers shared by subcommands: config and store from parsed arguments, JSON output."""
+"""Helpers shared by subcommands: config and store from parsed arguments, JSON output, times."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from datetime import UTC, datetime
 from typing import Any
 
 from triscope.config import load_config
+from triscope.errors import InputError
 from triscope.store import Store, open_store
 
 
@@ -36,3 +38,39 @@ def add_common(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
                         help="TOML config file (default: $TRISCOPE_CONFIG)")
     if json_flag:
         add_json_flag(parser)
+
+
+def parse_when(text: str, now_ns: int, epoch_seconds: bool = True, flag: str = "") -> int:
+    """Epoch ns of an ISO-8601 time (UTC unless it has an offset) or a duration ago (``10m``).
+
+    A bare number is epoch seconds with ``epoch_seconds``, else seconds ago (a duration). ``flag``
+    prefixes the error message (``--until: ...``)."""
+    from triscope.analyzers.stalls import parse_duration
+
+    t = text.strip()
+    try:
+        if epoch_seconds and t.replace(".", "", 1).isdigit():
+            return int(float(t) * 1e9)
+        return now_ns - int(parse_duration(t) * 1e9)
+    except InputError:
+        pass
+    try:
+        moment = datetime.fromisoformat(t.replace("Z", "+00:00"))
+    except ValueError:
+        forms = "an ISO-8601 time, epoch seconds or duration" if epoch_seconds else "a duration or ISO-8601 time"
+        raise InputError(f"{flag + ': ' if flag else ''}not {forms}: {text!r}") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1e9)
+
+
+def since_start(since: str | None, end_ns: int, default: str = "10m") -> int:
+    """Start of the last ``since`` (a duration, ``default`` when not given) before ``end_ns``."""
+    from triscope.analyzers.stalls import parse_duration
+
+    return end_ns - int(parse_duration(since or default) * 1e9)
+
+
+def utc_text(ns: int) -> str:
+    """``YYYY-MM-DD HH:MM:SS.mmm`` (UTC) of epoch ns, for tables and messages."""
+    return datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from datetime import UTC, datetime
 
-from triscope.commands._common import add_common
+from triscope.commands._common import add_common, parse_when, since_start, utc_text
 
 EXIT_BREACH = 3
 
@@ -51,25 +50,8 @@ def run(args: argparse.Namespace) -> int:
     return run_stalls(args)
 
 
-def _when(text: str, now_ns: int) -> int:
-    from triscope.analyzers.stalls import parse_duration
-    from triscope.errors import InputError
-
-    try:
-        return now_ns - int(parse_duration(text) * 1e9)
-    except InputError:
-        pass
-    try:
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise InputError(f"--until: not a duration or ISO-8601 time: {text!r}") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return int(moment.timestamp() * 1e9)
-
-
 def run_stalls(args: argparse.Namespace) -> int:
-    from triscope.analyzers.stalls import diagnose_stalls, parse_duration, trace_span
+    from triscope.analyzers.stalls import diagnose_stalls, trace_span
     from triscope.commands._common import config_from, print_json
     from triscope.store import open_store
 
@@ -84,8 +66,8 @@ def run_stalls(args: argparse.Namespace) -> int:
         if args.run_id and not args.since:
             start_ns, end_ns = trace_span(store, args.run_id)
         else:
-            end_ns = _when(args.until, now_ns) if args.until else now_ns
-            start_ns = end_ns - int(parse_duration(args.since or "10m") * 1e9)
+            end_ns = parse_when(args.until, now_ns, epoch_seconds=False, flag="--until") if args.until else now_ns
+            start_ns = since_start(args.since, end_ns)
         report = diagnose_stalls(store, start_ns, end_ns, config, hosts=args.host, gpus=args.gpu,
                                  model=args.model, run_ids=args.run_id, by=args.by)
     finally:
@@ -97,10 +79,6 @@ def run_stalls(args: argparse.Namespace) -> int:
     return EXIT_BREACH if report.breaches() else 0
 
 
-def _t(ns: int) -> str:
-    return datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
 def render(report) -> None:  # noqa: ANN001 - StallReport, imported lazily
     """Rich tables: shares per unit, worst windows with evidence, stragglers, actions."""
     from rich.console import Console
@@ -109,7 +87,7 @@ def render(report) -> None:  # noqa: ANN001 - StallReport, imported lazily
     from triscope.analyzers.stalls import ACTIONS
 
     console = Console()
-    console.print(f"[bold]stalls[/] {_t(report.start_ns)} .. {_t(report.end_ns)} UTC, "
+    console.print(f"[bold]stalls[/] {utc_text(report.start_ns)} .. {utc_text(report.end_ns)} UTC, "
                   f"{'profiler steps' if report.by == 'step' else f'{report.window_ms:g} ms windows'}")
     if not report.windows:
         console.print("no GPU samples, traces or IO data in this range")
@@ -128,7 +106,7 @@ def render(report) -> None:  # noqa: ANN001 - StallReport, imported lazily
                 worst.add_column(col)
             for w in top:
                 evidence = "; ".join(e.text() for e in w.evidence.get(w.verdict, []) if e.met)
-                worst.add_row(w.unit, _t(w.start_ns) + (f" {w.label}" if w.label else ""),
+                worst.add_row(w.unit, utc_text(w.start_ns) + (f" {w.label}" if w.label else ""),
                               f"{w.seconds * 1e3:.0f} ms", w.verdict, evidence, ",".join(w.matched[1:]))
             console.print(worst)
     strag = report.stragglers.get("by_rank") or []

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from triscope.commands._common import add_common
+from triscope.commands._common import add_common, parse_when, since_start, utc_text
 from triscope.errors import InputError
 
 AXIS_UNITS = {"qps": "QPS", "memory": "GPU memory (GB)", "latency": "latency (ms)"}
@@ -48,28 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def parse_when(text: str, now_ns: int) -> int:
-    """Epoch ns of an ISO-8601 time, epoch seconds, or a duration ago (``10m``)."""
-    from triscope.analyzers.stalls import parse_duration
-
-    t = text.strip()
-    try:
-        return int(float(t) * 1e9) if t.replace(".", "", 1).isdigit() else now_ns - int(parse_duration(t) * 1e9)
-    except InputError:
-        pass
-    try:
-        moment = datetime.fromisoformat(t.replace("Z", "+00:00"))
-    except ValueError:
-        raise InputError(f"not an ISO-8601 time, epoch seconds or duration: {text!r}") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return int(moment.timestamp() * 1e9)
-
-
 def time_bounds(args: argparse.Namespace, now_ns: int) -> tuple[int | None, int | None]:
     """``[start, end)`` from the range flags; ``(None, None)`` for ``--all``."""
-    from triscope.analyzers.stalls import parse_duration
-
     if args.all:
         if args.since or args.start or args.end:
             raise InputError("--all cannot be combined with --since/--from/--to")
@@ -77,9 +56,9 @@ def time_bounds(args: argparse.Namespace, now_ns: int) -> tuple[int | None, int 
     if args.since and args.start:
         raise InputError("use either --since or --from, not both")
     end = parse_when(args.end, now_ns) if args.end else now_ns
-    start = parse_when(args.start, now_ns) if args.start else end - int(parse_duration(args.since or "10m") * 1e9)
+    start = parse_when(args.start, now_ns) if args.start else since_start(args.since, end)
     if end <= start:
-        raise InputError(f"empty time range: {_t(start)} .. {_t(end)} UTC (--to must be after --from)")
+        raise InputError(f"empty time range: {utc_text(start)} .. {utc_text(end)} UTC (--to must be after --from)")
     return start, end
 
 
@@ -132,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         store.close()
     if result.requests == 0:
-        what = f"{_t(result.start_ns)} .. {_t(result.end_ns)} UTC" if result.end_ns else "the store"
+        what = f"{utc_text(result.start_ns)} .. {utc_text(result.end_ns)} UTC" if result.end_ns else "the store"
         why = (f"; {result.unmatched} had no GPU memory sample within {spec.memory_max_age_s:g} s"
                if result.unmatched else "")
         raise InputError(f"no requests with a latency in {what}{_filter_text(args)}{why}")
@@ -204,14 +183,10 @@ def write_png(result: Any, path: str, keep: tuple[str, str] | None) -> None:
     ax.set_xlabel(AXIS_UNITS["qps"])
     ax.set_ylabel(AXIS_UNITS["memory"])
     ax.set_title("P95 latency per (QPS, memory) cell")
-    fig.suptitle(f"triscope heatmap {_t(result.start_ns)} .. {_t(result.end_ns)} UTC, "
+    fig.suptitle(f"triscope heatmap {utc_text(result.start_ns)} .. {utc_text(result.end_ns)} UTC, "
                  f"{result.requests:,} requests, {result.spec.window_ms:g} ms windows")
     fig.savefig(path, format="png", dpi=90)
     plt.close(fig)
-
-
-def _t(ns: int) -> str:
-    return datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
 
 
 def _range(lo: float, hi: float | None, fmt: str) -> str:
@@ -229,7 +204,7 @@ def render(result: Any, args: argparse.Namespace) -> None:
 
     console = Console()
     s = result.spec
-    console.print(f"[bold]heatmap[/] {_t(result.start_ns)} .. {_t(result.end_ns)} UTC{_filter_text(args)}: "
+    console.print(f"[bold]heatmap[/] {utc_text(result.start_ns)} .. {utc_text(result.end_ns)} UTC{_filter_text(args)}: "
                   f"{result.requests:,} requests in {int((result.tensor > 0).sum()):,} of "
                   f"{result.tensor.size:,} cells {list(result.tensor.shape)} "
                   f"({s.window_ms:g} ms windows; {s.qps_bin:g} QPS, {s.memory_bin_bytes / 1e6:g} MB, "
