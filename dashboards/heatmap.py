@@ -24,7 +24,7 @@ from triscope.dashboards.common import (
     request_vars,
     t,
 )
-from triscope.dashboards.model import Board, heatmap, link, row, sql_target, stat, table, text
+from triscope.dashboards.model import Board, Panel, heatmap, link, row, sql_target, stat, table, text
 
 UID = "triscope-heatmap"
 FLEET_UID = "triscope-fleet"
@@ -113,11 +113,18 @@ LEFT JOIN counts ON g.xb = counts.xb AND g.yb = counts.yb
 ORDER BY xMin, yMin""")
 
 
+_UNITS = {"qps": "reqps", "memory": "bytes", "latency": "s"}
+
+
+def _slice_panel(title: str, x: str, y: str, description: str) -> Panel:
+    """A heatmap panel of the 2-D slice over ``x`` (an axis or time) and ``y``."""
+    return heatmap(title, [sql_target(slice_sql(x, y), table=True)], description, y_unit=_UNITS[y], w=8)
+
+
 def board() -> Board:
     """The heatmap dashboard."""
     s = SPEC
     variables = [DATABASE, host_var("requests"), backend_var(), *request_vars()]
-    units = {"qps": "reqps", "memory": "bytes", "latency": "s"}
     note = (f"Windows of {s.window_ms:g} ms per backend; bins of {s.qps_bin:g} QPS x {s.qps_bins}, "
             f"{s.memory_bin_bytes / 1e6:g} MB x {s.memory_bins}, {s.latency_bin_s * 1e3:g} ms x {s.latency_bins} "
             "(values past the last bin are clamped into it). The same tensor as `triscope heatmap`; "
@@ -125,19 +132,14 @@ def board() -> Board:
     panels = [
         text("How to read", note, h=2),
         row("Slices of the tensor (x = bin of the first axis, y = bin of the second, colour = requests)"),
-        heatmap("QPS x latency", [sql_target(slice_sql("qps", "latency"), table=True)],
-                "requests per (QPS bin, latency bin), memory summed out", y_unit=units["latency"], w=8),
-        heatmap("GPU memory x latency", [sql_target(slice_sql("memory", "latency"), table=True)],
-                "requests per (memory bin, latency bin), QPS summed out", y_unit=units["latency"], w=8),
-        heatmap("QPS x GPU memory", [sql_target(slice_sql("qps", "memory"), table=True)],
-                "requests per (QPS bin, memory bin), latency summed out", y_unit=units["memory"], w=8),
+        _slice_panel("QPS x latency", "qps", "latency", "requests per (QPS bin, latency bin), memory summed out"),
+        _slice_panel("GPU memory x latency", "memory", "latency",
+                     "requests per (memory bin, latency bin), QPS summed out"),
+        _slice_panel("QPS x GPU memory", "qps", "memory", "requests per (QPS bin, memory bin), latency summed out"),
         row("Over time"),
-        heatmap("Latency over time", [sql_target(slice_sql("time", "latency"), table=True)],
-                "requests per latency bin and time bucket", y_unit=units["latency"], w=8),
-        heatmap("QPS over time", [sql_target(slice_sql("time", "qps"), table=True)],
-                "requests per QPS bin of their backend window", y_unit=units["qps"], w=8),
-        heatmap("GPU memory over time", [sql_target(slice_sql("time", "memory"), table=True)],
-                "requests per GPU-memory bin", y_unit=units["memory"], w=8),
+        _slice_panel("Latency over time", "time", "latency", "requests per latency bin and time bucket"),
+        _slice_panel("QPS over time", "time", "qps", "requests per QPS bin of their backend window"),
+        _slice_panel("GPU memory over time", "time", "memory", "requests per GPU-memory bin"),
         row("Load patterns"),
         table("Busiest (QPS, memory) cells", [sql_target(
             cells_cte() + f"SELECT qbin * {_g(s.qps_bin)} AS qps_from, mbin * {_g(s.memory_bin_bytes)} AS memory_from_bytes, "
