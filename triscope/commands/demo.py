@@ -5,9 +5,15 @@
    (plus any ``--traces`` paths) into the configured store (default: embedded chDB in
    ``var/triscope-data``),
 3. prints the per-rank / per-step trace breakdown of every run and the stall verdicts
-   (compute / IO / comm / launch-bound / idle) over the runs' own time span.
+   (compute / IO / comm / launch-bound / idle) over the runs' own time span,
+4. unless ``--no-fleet``: runs three *simulated* vLLM-style backends in-process, drives bursty load
+   at them, stores every request as an OpenTelemetry span, scrapes their ``/metrics`` with the real
+   collector, writes their simulated GPU memory, and prints the heatmap's typical load patterns
+   (PNG in ``var/demo/heatmap.png``) and the weight engine's verdict per backend
+   (:mod:`triscope.demo_fleet_run`; docs/demo.md says what is real and what is simulated).
 
-Re-running replaces the demo runs (same run ids), it never duplicates rows.
+Re-running replaces the demo runs (same run ids), it never duplicates rows; fleet rows are time
+series and accumulate (each run analyses only its own window and backends).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 from triscope.commands._common import add_common, config_from, print_json
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "traces"
+FLEET_PNG = Path("var") / "demo" / "heatmap.png"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,6 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--traces", nargs="*", default=None, metavar="PATH",
                         help=f"trace files or directories to ingest (default: {EXAMPLES})")
     parser.add_argument("--no-capture", action="store_true", help="do not profile a torch model on this machine")
+    parser.add_argument("--no-fleet", action="store_true",
+                        help="skip the simulated serving fleet (load, spans, metrics, heatmap, weights)")
+    parser.add_argument("--fleet-png", default=str(FLEET_PNG), metavar="PATH",
+                        help=f"where the fleet heatmap PNG goes (default: {FLEET_PNG})")
+    parser.add_argument("--fleet-seconds", type=float, default=12.0, help=argparse.SUPPRESS)
     add_common(parser)
     parser.set_defaults(func=run)
 
@@ -69,10 +81,12 @@ def run(args: argparse.Namespace) -> int:
     from triscope.analyzers.trace_breakdown import analyze_run
     from triscope.analyzers.trace_report import print_report, report_dict
     from triscope.collectors.kineto.ingest import ingest_trace
-    from triscope.errors import TriscopeError
+    from triscope.errors import InputError, TriscopeError
     from triscope.store import open_store
 
     console = Console(stderr=True)
+    if not 0 < args.fleet_seconds <= 600:
+        raise InputError(f"--fleet-seconds must be in (0, 600], got {args.fleet_seconds:g}")
     config = config_from(args)
     files = _trace_files(args.traces)
     with tempfile.TemporaryDirectory(prefix="triscope-demo-") as tmp:
@@ -109,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
                     print_report(entry["run_id"], ranks)
             if not args.json:
                 _print_summary(report["runs"])
+            report["fleet"] = None if args.no_fleet else _fleet(store, config, args, report, console)
         finally:
             store.close()
     if args.json:
@@ -117,6 +132,30 @@ def run(args: argparse.Namespace) -> int:
         print("\nnext: triscope diagnose --trace-run RUN_ID [--json] · triscope ingest trace YOUR_TRACE.json.gz",
               file=sys.stderr)
     return 1 if report["errors"] else 0
+
+
+def _fleet(store: Any, config: dict[str, Any], args: argparse.Namespace, report: dict[str, Any],
+           console: Any) -> dict[str, Any] | None:
+    """The simulated-fleet part; a failure is one line in ``report["errors"]``."""
+    from triscope.demo_fleet_run import FleetOptions, run_fleet
+    from triscope.errors import TriscopeError
+
+    options = FleetOptions(seconds=args.fleet_seconds, png=Path(args.fleet_png) if args.fleet_png else None)
+    try:
+        with console.status("fleet: starting simulated backends") as status:
+            doc, heatmap = run_fleet(store, config, options, status)
+    except (TriscopeError, OSError, ValueError) as exc:
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        report["errors"].append(f"fleet: {line}")
+        console.print(f"[red]error:[/] fleet: {line}", highlight=False)
+        return None
+    if doc["spans_stored"] != doc["requests_sent"]:
+        report["errors"].append(f"fleet: {doc['requests_sent']} requests sent but {doc['spans_stored']} spans stored")
+    if not args.json:
+        from triscope.demo_fleet_report import print_fleet
+
+        print_fleet(doc, heatmap)
+    return doc
 
 
 def _unique_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
