@@ -39,13 +39,13 @@ import os
 import re
 import statistics
 import subprocess
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from conftest import require, require_binary
+from disk_helpers import DiskstatsSampler
 
 from triscope.collectors.blockio import BpftraceCollector, device_for_path, has_tracepoint
 
@@ -53,33 +53,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 TRACEFS = Path("/sys/kernel/tracing")
 _EVENT = re.compile(r"\s(\d+\.\d+): (block_rq_issue|block_rq_complete): (\d+),(\d+) (\S+) .*?\) (\d+) \+ (\d+)")
-
-
-class DiskstatsSampler(threading.Thread):
-    """(wall ns, reads completed, weighted ms) of one device every ~10 ms."""
-
-    def __init__(self, device: str) -> None:
-        super().__init__(daemon=True)
-        self.device, self.samples, self.stop = device, [], threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            for line in Path("/proc/diskstats").read_text().splitlines():
-                f = line.split()
-                if f[2] == self.device:
-                    self.samples.append((time.time_ns(), float(f[3]), float(f[13])))
-            time.sleep(0.01)
-
-    def bracket(self, t0: int, t1: int) -> tuple[tuple[float, float], tuple[float, float]]:
-        """Bounds of the change of (reads completed, weighted ms) over [t0, t1]: both counters only
-        grow, so the change lies between the samples just inside and just outside the window."""
-        s = self.samples
-        assert s[0][0] <= t0 < t1 <= s[-1][0], "window outside the sampled span"
-        before0 = max(x for x in s if x[0] <= t0)
-        after0 = min((x for x in s if x[0] >= t0), key=lambda x: x[0])
-        before1 = max(x for x in s if x[0] <= t1)
-        after1 = min((x for x in s if x[0] >= t1), key=lambda x: x[0])
-        return tuple((before1[i] - after0[i], after1[i] - before0[i]) for i in (1, 2))  # type: ignore[return-value]
 
 
 class FtraceRequests:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import require_binary
+from disk_helpers import DiskstatsSampler
 
 from triscope.analyzers.stalls import diagnose_stalls, trace_span
 from triscope.collectors.kineto.ingest import ingest_trace
@@ -61,22 +61,6 @@ def _device_of(path: Path) -> str:
     raise AssertionError
 
 
-class _DiskSampler(threading.Thread):
-    """Samples /proc/diskstats: (epoch ns, weighted ms doing I/O) every 10 ms."""
-
-    def __init__(self, device: str) -> None:
-        super().__init__(daemon=True)
-        self.device, self.samples, self.stop = device, [], threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            for line in Path("/proc/diskstats").read_text().splitlines():
-                f = line.split()
-                if f[2] == self.device:
-                    self.samples.append((time.time_ns(), float(f[13])))
-            time.sleep(0.01)
-
-
 def _fio(path: Path, log: Path, depth: int, seconds: int) -> list[tuple[int, float]]:
     """(completion epoch ns, latency seconds) for every read of one fio run."""
     out = subprocess.run(
@@ -94,13 +78,13 @@ def _fio(path: Path, log: Path, depth: int, seconds: int) -> list[tuple[int, flo
     return rows
 
 
-def _io_rows(device: str, reads: list[tuple[int, float]], disk: list[tuple[int, float]], start: int, end: int,
-             w: int) -> dict[str, list]:
+def _io_rows(device: str, reads: list[tuple[int, float]], disk: list[tuple[int, float, float]], start: int,
+             end: int, w: int) -> dict[str, list]:
     """100 ms io_latency rows: p99 of the real per-read latencies, queue depth from diskstats."""
     ts = np.array([r[0] for r in reads])
     lat = np.array([r[1] for r in reads])
     dt = np.array([d[0] for d in disk])
-    weighted = np.array([d[1] for d in disk])
+    weighted = np.array([d[2] for d in disk])  # (ns, reads completed, weighted ms)
     cols: dict[str, list] = {k: [] for k in ("ts", "p99", "qd", "ios")}
     for a in range(start, end, w):
         sel = lat[(ts >= a) & (ts < a + w)]
@@ -123,7 +107,7 @@ def test_real_disk_reads_are_io(store, tmp_path: Path) -> None:  # noqa: ANN001
     subprocess.run(["fio", "--name=fill", f"--filename={data}", "--size=128M", "--rw=write", "--bs=1M",
                     "--direct=1", "--output-format=terse"], capture_output=True, timeout=120, check=False)
     device = _device_of(data)
-    sampler = _DiskSampler(device)
+    sampler = DiskstatsSampler(device)
     sampler.start()
     light = _fio(data, tmp_path / "light", 1, 1)
     heavy = _fio(data, tmp_path / "heavy", 128, 2)
