@@ -305,7 +305,8 @@ def _heatmap(store: Store, config: dict[str, Any], names: list[str], t0_ns: int,
     result = compute_heatmap(store, HeatmapSpec.from_config(config), t0_ns, end_ns + 1, backends=names)
     doc = {"requests": result.requests, "unmatched_requests": result.unmatched,
            "tensor_sum": int(result.tensor.sum()), "shape": list(result.tensor.shape),
-           "nonzero_cells": int((result.tensor > 0).sum()), "patterns": result.patterns,
+           "nonzero_cells": int((result.tensor > 0).sum()),
+           "latency_marginal": result.tensor.sum(axis=(0, 1)).tolist(), "patterns": result.patterns,
            "seconds": result.seconds, "png": None}
     if png is not None and result.requests:
         from triscope.commands.heatmap import write_png

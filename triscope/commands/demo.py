@@ -142,6 +142,8 @@ def _fleet(store: Any, config: dict[str, Any], args: argparse.Namespace, report:
 
     options = FleetOptions(seconds=args.fleet_seconds, png=Path(args.fleet_png) if args.fleet_png else None)
     try:
+        if options.png is not None:  # fail before the load, not after it
+            options.png.parent.mkdir(parents=True, exist_ok=True)
         with console.status("fleet: starting simulated backends") as status:
             doc, heatmap = run_fleet(store, config, options, status)
     except (TriscopeError, OSError, ValueError) as exc:
