@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from triscope.exporters.feed import WeightFeed
 from triscope.exporters.weights import BackendInputs, WeightParams
 
 GIB = 1024**3
@@ -97,6 +98,30 @@ def fast_params(**feed: Any) -> WeightParams:
         "feed": {"port": 0, "agent_port": -1, "max_body_bytes": ENVOY_MAX_BODY_BYTES, **feed}}})
 
 
+@contextlib.contextmanager
+def fed_backends(names: tuple[str, ...] = ("a", "b", "c")) -> Iterator[tuple[dict[str, int], Fleet, WeightFeed]]:
+    """Backends answering their names, the :class:`Fleet` over them and a started :func:`fast_params`
+    feed reading it (no store); all closed on exit."""
+    with backends(list(names)) as ports:
+        fleet = Fleet(ports)
+        feed = WeightFeed(fast_params(), inputs_fn=fleet).start()
+        try:
+            yield ports, fleet, feed
+        finally:
+            feed.close()
+
+
+@contextlib.contextmanager
+def logged_process(argv: list[str], log: Path, cwd: Path | None = None) -> Iterator[subprocess.Popen]:
+    """Run ``argv`` with stdout and stderr in ``log``; :func:`stop` it on exit."""
+    with log.open("wb") as log_file:
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd)
+    try:
+        yield proc
+    finally:
+        stop(proc)
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, proc: subprocess.Popen | None = None,
              log: Path | None = None) -> Any:
     """Poll ``predicate`` until it returns a truthy value; fail with ``what`` (and the log tail)."""
@@ -144,6 +169,20 @@ def split(port: int, n: int) -> collections.Counter:
     finally:
         conn.close()
     return counts
+
+
+def assert_even_split(port: int) -> None:
+    """300 requests through the balancer at ``port`` spread evenly over backends a, b and c."""
+    even = split(port, 300)
+    assert all(80 <= even[n] <= 120 for n in "abc"), even
+
+
+def assert_split_100_50_25(port: int, balancer: str, lag: float) -> None:
+    """350 requests through ``port`` follow weights 100:50:25 of a, b, c (200, 100, 50)."""
+    counts = split(port, 350)
+    print(f"{balancer}: weights applied {lag:.2f}s after the change; split {dict(counts)}")
+    assert sum(counts.values()) == 350 and set(counts) <= {"a", "b", "c"}, counts
+    assert abs(counts["a"] - 200) <= 25 and abs(counts["b"] - 100) <= 20 and abs(counts["c"] - 50) <= 15, counts
 
 
 def stop(proc: subprocess.Popen) -> None:

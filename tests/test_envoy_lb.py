@@ -8,14 +8,22 @@ the observed traffic split; a drained backend must be ``DRAINING`` in Envoy and 
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import require
-from lb_helpers import Fleet, backends, fast_params, free_port, http_get, split, stop, wait_for
+from lb_helpers import (
+    assert_even_split,
+    assert_split_100_50_25,
+    fed_backends,
+    free_port,
+    http_get,
+    logged_process,
+    split,
+    wait_for,
+)
 
 from triscope.exporters.envoy_eds import CLA_TYPE
 
@@ -89,28 +97,18 @@ def envoy_hosts(admin_port: int) -> dict[int, dict]:
 
 @pytest.fixture()
 def lb(tmp_path: Path) -> Iterator[dict]:
-    from triscope.exporters.feed import WeightFeed
-
     binary = envoy_binary()
-    with backends(["a", "b", "c"]) as ports:
-        fleet = Fleet(ports)
-        feed = WeightFeed(fast_params(), inputs_fn=fleet).start()
+    with fed_backends() as (ports, fleet, feed):
         admin_port, listen_port = free_port(), free_port()
         config = tmp_path / "envoy.json"
         config.write_text(json.dumps(bootstrap(admin_port, listen_port, feed.http_port)))
         log = tmp_path / "envoy.log"
-        with log.open("wb") as log_file:
-            proc = subprocess.Popen([str(binary), "-c", str(config), "--concurrency", "1",
-                                     "--disable-hot-restart", "--log-level", "warn",
-                                     "--log-path", str(tmp_path / "envoy-internal.log")],
-                                    stdout=log_file, stderr=subprocess.STDOUT)
-        try:
+        argv = [str(binary), "-c", str(config), "--concurrency", "1", "--disable-hot-restart", "--log-level", "warn",
+                "--log-path", str(tmp_path / "envoy-internal.log")]
+        with logged_process(argv, log) as proc:
             wait_for(lambda: len(envoy_hosts(admin_port)) == 3, 20, "Envoy to load 3 EDS endpoints", proc, log)
             yield {"fleet": fleet, "feed": feed, "ports": ports, "admin": admin_port, "listen": listen_port,
                    "proc": proc, "log": log}
-        finally:
-            stop(proc)
-            feed.close()
 
 
 def test_feed_answers_envoy_shaped_request(lb: dict) -> None:
@@ -132,8 +130,7 @@ def test_memory_change_moves_envoy_weights_and_traffic(lb: dict) -> None:
     ports, admin = lb["ports"], lb["admin"]
     hosts = envoy_hosts(admin)
     assert {h["weight"] for h in hosts.values()} == {100}
-    even = split(lb["listen"], 300)
-    assert all(80 <= even[n] <= 120 for n in "abc"), even
+    assert_even_split(lb["listen"])
 
     t0 = time.monotonic()
     lb["fleet"].set(b=0.5, c=0.75)  # memory penalties 1, 2, 4 -> lb weights 100, 50, 25
@@ -143,11 +140,7 @@ def test_memory_change_moves_envoy_weights_and_traffic(lb: dict) -> None:
     lag = time.monotonic() - t0
     # feed interval 0.2 s + refresh_delay 0.2 s: the weight lands within a few intervals
     assert lag < 2.0, f"Envoy took {lag:.2f}s to apply the new weights"
-
-    counts = split(lb["listen"], 350)  # 100:50:25 of 350 = 200, 100, 50
-    print(f"envoy: weights applied {lag:.2f}s after the change; split {dict(counts)}")
-    assert sum(counts.values()) == 350 and set(counts) <= {"a", "b", "c"}, counts
-    assert abs(counts["a"] - 200) <= 25 and abs(counts["b"] - 100) <= 20 and abs(counts["c"] - 50) <= 15, counts
+    assert_split_100_50_25(lb["listen"], "envoy", lag)
 
 
 def test_drained_backend_is_draining_and_gets_no_traffic(lb: dict) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -17,7 +16,16 @@ from pathlib import Path
 
 import pytest
 from conftest import require
-from lb_helpers import Fleet, backends, fast_params, free_port, http_get, split, stop, wait_for
+from lb_helpers import (
+    assert_even_split,
+    assert_split_100_50_25,
+    fed_backends,
+    free_port,
+    http_get,
+    logged_process,
+    split,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -47,12 +55,8 @@ def weighted_children(api_port: int) -> dict[str, int]:
 
 @pytest.fixture()
 def lb(tmp_path: Path) -> Iterator[dict]:
-    from triscope.exporters.feed import WeightFeed
-
     binary = traefik_binary()
-    with backends(["a", "b", "c"]) as ports:
-        fleet = Fleet(ports)
-        feed = WeightFeed(fast_params(), inputs_fn=fleet).start()
+    with fed_backends() as (ports, fleet, feed):
         web, api = free_port(), free_port()
         log = tmp_path / "traefik.log"
         args = [binary, f"--entryPoints.web.address=127.0.0.1:{web}",
@@ -62,23 +66,17 @@ def lb(tmp_path: Path) -> Iterator[dict]:
                 f"--providers.providersThrottleDuration={THROTTLE_S:g}s",
                 "--global.checkNewVersion=false", "--global.sendAnonymousUsage=false", "--log.level=WARN",
                 "--log.noColor=true"]
-        with log.open("wb") as log_file:
-            proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=tmp_path)
-        try:
+        with logged_process(args, log, cwd=tmp_path) as proc:
             wait_for(lambda: len(weighted_children(api)) == 3, 20, "Traefik to load the weighted service",
                      proc, log)
             wait_for(lambda: http_get(web, "/")[0] == 200, 5, "Traefik to route", proc, log)
             yield {"fleet": fleet, "feed": feed, "ports": ports, "api": api, "web": web, "proc": proc, "log": log}
-        finally:
-            stop(proc)
-            feed.close()
 
 
 def test_memory_change_moves_traefik_weights_and_traffic(lb: dict) -> None:
     api = lb["api"]
     assert weighted_children(api) == {"b-a": 100, "b-b": 100, "b-c": 100}
-    even = split(lb["web"], 300)
-    assert all(80 <= even[n] <= 120 for n in "abc"), even
+    assert_even_split(lb["web"])
 
     t0 = time.monotonic()
     lb["fleet"].set(b=0.5, c=0.75)  # memory penalties 1, 2, 4 -> weights 100, 50, 25
@@ -87,11 +85,7 @@ def test_memory_change_moves_traefik_weights_and_traffic(lb: dict) -> None:
     lag = time.monotonic() - t0
     # feed interval 0.2 s + pollInterval 1 s + throttle 0.2 s (+ Traefik's reload)
     assert lag < 4.0, f"Traefik took {lag:.2f}s to apply the new weights"
-
-    counts = split(lb["web"], 350)  # 100:50:25 of 350 = 200, 100, 50
-    print(f"traefik: weights applied {lag:.2f}s after the change; split {dict(counts)}")
-    assert sum(counts.values()) == 350 and set(counts) <= {"a", "b", "c"}, counts
-    assert abs(counts["a"] - 200) <= 25 and abs(counts["b"] - 100) <= 20 and abs(counts["c"] - 50) <= 15, counts
+    assert_split_100_50_25(lb["web"], "traefik", lag)
 
 
 def test_drained_backend_leaves_weighted_service(lb: dict) -> None:
