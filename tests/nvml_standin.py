@@ -149,13 +149,25 @@ def standin(gpus: list[FakeGpu], clock: Clock | None = None, init_error: int | N
             raise real.NVMLError(real.NVML_ERROR_GPU_IS_LOST)
         return handles[index]
 
-    @api
-    def nvmlDeviceGetUUID(handle: Any) -> str:
-        return gpu_of(handle, "nvmlDeviceGetUUID").uuid
+    def reading(name: str, attr: str, extra: tuple[int, int] = (0, 0)) -> None:
+        """Entry point ``name(handle, *args)`` returning the GPU's ``attr``; ``extra`` bounds how many
+        arguments follow the handle (they are accepted and ignored, like a sensor id)."""
+        def fn(handle: Any, *args: Any) -> Any:
+            if not extra[0] <= len(args) <= extra[1]:
+                raise TypeError(f"{name}() takes {1 + extra[0]} to {1 + extra[1]} arguments, got {1 + len(args)}")
+            return getattr(gpu_of(handle, name), attr)
+        fn.__name__ = name
+        api(fn)
 
-    @api
-    def nvmlDeviceGetName(handle: Any) -> str:
-        return gpu_of(handle, "nvmlDeviceGetName").name
+    for name, attr, extra in (
+            ("nvmlDeviceGetUUID", "uuid", (0, 0)),
+            ("nvmlDeviceGetName", "name", (0, 0)),
+            ("nvmlDeviceGetTemperatureV", "temp_c", (1, 2)),  # (handle, sensor, version=v1)
+            ("nvmlDeviceGetTemperature", "temp_c", (1, 1)),  # (handle, sensor)
+            ("nvmlDeviceGetCurrentClocksEventReasons", "reasons", (0, 0)),
+            ("nvmlDeviceGetCurrentClocksThrottleReasons", "reasons", (0, 0)),
+            ("nvmlDeviceGetPowerUsage", "power_mw", (0, 0))):
+        reading(name, attr, extra)
 
     @api
     def nvmlDeviceGetMemoryInfo(handle: Any, version: int | None = None) -> Any:
@@ -187,26 +199,6 @@ def standin(gpus: list[FakeGpu], clock: Clock | None = None, init_error: int | N
         if clock_type != real.NVML_CLOCK_SM:
             raise real.NVMLError(real.NVML_ERROR_INVALID_ARGUMENT)
         return g.sm_mhz
-
-    @api
-    def nvmlDeviceGetTemperatureV(handle: Any, sensor: int, version: int = real.nvmlTemperature_v1) -> int:
-        return gpu_of(handle, "nvmlDeviceGetTemperatureV").temp_c
-
-    @api
-    def nvmlDeviceGetTemperature(handle: Any, sensor: int) -> int:
-        return gpu_of(handle, "nvmlDeviceGetTemperature").temp_c
-
-    @api
-    def nvmlDeviceGetCurrentClocksEventReasons(handle: Any) -> int:
-        return gpu_of(handle, "nvmlDeviceGetCurrentClocksEventReasons").reasons
-
-    @api
-    def nvmlDeviceGetCurrentClocksThrottleReasons(handle: Any) -> int:
-        return gpu_of(handle, "nvmlDeviceGetCurrentClocksThrottleReasons").reasons
-
-    @api
-    def nvmlDeviceGetPowerUsage(handle: Any) -> int:
-        return gpu_of(handle, "nvmlDeviceGetPowerUsage").power_mw
 
     @api
     def nvmlDeviceGetFieldValues(handle: Any, field_ids: list[Any]) -> Any:
