@@ -8,6 +8,7 @@ when ``TRISCOPE_REQUIRE_ALL=1`` (set by CI) so a missing tool cannot pass unnoti
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -53,12 +54,12 @@ def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("chdb-store")
 
 
-@pytest.fixture()
-def store(store_path: Path) -> Iterator:
-    """A migrated embedded store in a fresh database of the session's chDB directory."""
+@contextlib.contextmanager
+def fresh_database(store_path: Path, database: str) -> Iterator:
+    """A migrated embedded store on database ``database`` of the session's chDB directory; the
+    database is dropped and the store closed on exit."""
     from triscope.store import open_store
 
-    database = f"t{os.getpid()}_{next(_db_counter)}"
     s = open_store({"store": {"backend": "embedded", "path": str(store_path), "database": database}})
     try:
         yield s
@@ -67,3 +68,10 @@ def store(store_path: Path) -> Iterator:
             s.command(f"DROP DATABASE IF EXISTS {database}")
         finally:
             s.close()
+
+
+@pytest.fixture()
+def store(store_path: Path) -> Iterator:
+    """A migrated embedded store in a fresh database of the session's chDB directory."""
+    with fresh_database(store_path, f"t{os.getpid()}_{next(_db_counter)}") as s:
+        yield s

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, require_binary
+from conftest import REPO, fresh_database, require_binary
 
 from triscope.collectors.nccl_common import ns_text
 from triscope.dashboards import macros
@@ -153,18 +153,9 @@ def seeded(store_path: Path):  # noqa: ANN201
     like the ``store`` fixture; seeding once keeps the file fast)."""
     import os
 
-    from triscope.store import open_store
-
-    database = f"dash{os.getpid()}"
-    s = open_store({"store": {"backend": "embedded", "path": str(store_path), "database": database}})
-    try:
+    with fresh_database(store_path, f"dash{os.getpid()}") as s:
         seed(s)
         yield s
-    finally:
-        try:
-            s.command(f"DROP DATABASE IF EXISTS {database}")
-        finally:
-            s.close()
 
 
 # ---------------------------------------------------------------- running a board's queries
