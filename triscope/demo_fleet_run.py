@@ -126,16 +126,19 @@ def _request(tracer: Any, backend: SimBackend, cls: DemoClass, request_id: str, 
         "host.name": host_of(backend.spec), "triscope.gpu": "0",
     }
     if status == 200:
-        t = doc.get("timings", {})
-        attrs.update({
-            "gen_ai.response.model": doc.get("model", MODEL),
-            "gen_ai.usage.input_tokens": int(doc["usage"]["prompt_tokens"]),
-            "gen_ai.usage.output_tokens": int(doc["usage"]["completion_tokens"]),
-            "gen_ai.latency.e2e": float(t["e2e_s"]), "gen_ai.latency.time_to_first_token": float(t["ttft_s"]),
-            "gen_ai.latency.time_in_queue": float(t["queue_s"]),
-            "gen_ai.latency.time_in_model_prefill": float(t["prefill_s"]),
-            "gen_ai.latency.time_in_model_decode": float(t["decode_s"]),
-        })
+        try:
+            t, usage = doc["timings"], doc["usage"]
+            attrs.update({
+                "gen_ai.response.model": str(doc.get("model", MODEL)),
+                "gen_ai.usage.input_tokens": int(usage["prompt_tokens"]),
+                "gen_ai.usage.output_tokens": int(usage["completion_tokens"]),
+                "gen_ai.latency.e2e": float(t["e2e_s"]), "gen_ai.latency.time_to_first_token": float(t["ttft_s"]),
+                "gen_ai.latency.time_in_queue": float(t["queue_s"]),
+                "gen_ai.latency.time_in_model_prefill": float(t["prefill_s"]),
+                "gen_ai.latency.time_in_model_decode": float(t["decode_s"]),
+            })
+        except (KeyError, TypeError, ValueError):
+            status, doc = 0, {"error": "reply without usage/timings"}
     span = tracer.start_span(f"chat {MODEL}", kind=SpanKind.CLIENT, start_time=start, attributes=attrs)
     if status != 200:
         span.set_status(Status(StatusCode.ERROR, f"HTTP {status}: {doc.get('error', '')}"))
@@ -219,6 +222,7 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
             threads = [_every(options.scrape_interval_s, stop, scrape), _every(options.gpu_interval_s, stop, sample_gpus)]
             say(f"fleet: {len(offsets)} requests over {options.seconds:g}s to {len(backends)} simulated backends")
             t0 = time.monotonic()
+            futures = []
             with ThreadPoolExecutor(max_workers=256, thread_name_prefix="demo-load") as pool:
                 for i, offset in enumerate(offsets):
                     delay = t0 + offset - time.monotonic()
@@ -228,10 +232,11 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
                     cls = rng.choices(CLASSES, weights=[c.share for c in CLASSES])[0]
                     tokens = (max(1, round(cls.prompt_tokens * rng.uniform(0.8, 1.2))),
                               max(1, round(cls.completion_tokens * rng.uniform(0.8, 1.2))))
-                    pool.submit(_request, tracer, backend, cls, f"demo-{t0_ns}-{i}", tokens, tally)
+                    futures.append(pool.submit(_request, tracer, backend, cls, f"demo-{t0_ns}-{i}", tokens, tally))
                 load_end_ns = t0_ns + int(options.seconds * 1e9)
                 say("fleet: waiting for the last requests")
             end_ns = time.time_ns()
+            client_errors = sorted({_one_line(f.exception()) for f in futures if f.exception() is not None})
             stop.set()
             for thread in threads:
                 thread.join(timeout=10)
@@ -257,10 +262,11 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
         "window": {"start_ns": t0_ns, "load_end_ns": load_end_ns, "end_ns": end_ns},
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(options).items()},
         "writer": writer_stats, "scrape_errors": scrape_errors, "span_rejected": exporter.rejected,
+        "client_errors": client_errors,
     }
     names = {b.address: b for b in backends}
     out["backends"] = _backend_counts(store, backends, tally, t0_ns, end_ns)
-    out["requests_sent"] = sum(tally.sent.values())
+    out["requests_sent"] = len(offsets)
     out["spans_stored"] = sum(r["spans_stored"] for r in out["backends"])
     out["heatmap"], heatmap = _heatmap(store, config, list(names), t0_ns, end_ns, options.png)
     out["weights"] = _weights(store, config, backends, t0_ns, load_end_ns)
@@ -355,6 +361,10 @@ def _weights(store: Store, config: dict[str, Any], backends: list[SimBackend], t
     doc["updates"] = len(timeline)
     doc["timeline"] = timeline
     return doc
+
+
+def _one_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _num(x: Any) -> float | None:

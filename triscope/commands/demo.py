@@ -151,6 +151,8 @@ def _fleet(store: Any, config: dict[str, Any], args: argparse.Namespace, report:
         report["errors"].append(f"fleet: {line}")
         console.print(f"[red]error:[/] fleet: {line}", highlight=False)
         return None
+    for line in doc["client_errors"]:
+        report["errors"].append(f"fleet: load generator: {line}")
     if doc["spans_stored"] != doc["requests_sent"]:
         report["errors"].append(f"fleet: {doc['requests_sent']} requests sent but {doc['spans_stored']} spans stored")
     if not args.json:
