@@ -31,7 +31,7 @@ FLEET_PNG = Path("var") / "demo" / "heatmap.png"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="capture, ingest and diagnose sample traces on the embedded store")
+    parser = subparsers.add_parser("demo", help="the whole pipeline on the embedded store: sample traces, then a simulated serving fleet")
     parser.add_argument("--traces", nargs="*", default=None, metavar="PATH",
                         help=f"trace files or directories to ingest (default: {EXAMPLES})")
     parser.add_argument("--no-capture", action="store_true", help="do not profile a torch model on this machine")
@@ -129,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
     else:
-        print("\nnext: triscope diagnose --trace-run RUN_ID [--json] · triscope ingest trace YOUR_TRACE.json.gz",
-              file=sys.stderr)
+        print("\nnext: triscope diagnose --trace-run RUN_ID [--json] · triscope ingest trace YOUR_TRACE.json.gz"
+              + ("" if args.no_fleet else " · triscope heatmap --since 5m"), file=sys.stderr)
     return 1 if report["errors"] else 0
 
 
