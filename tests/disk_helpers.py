@@ -1,7 +1,8 @@
-"""Shared pieces of the real-disk tests (bpftrace block IO, IO stalls): a /proc/diskstats sampler."""
+"""Shared pieces of the real-disk tests (block IO, IO stalls, the daemon): a /proc/diskstats sampler, synced writes."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -34,3 +35,11 @@ class DiskstatsSampler(threading.Thread):
         before1 = max(x for x in s if x[0] <= t1)
         after1 = min((x for x in s if x[0] >= t1), key=lambda x: x[0])
         return tuple((before1[i] - after0[i], after1[i] - before0[i]) for i in (1, 2))  # type: ignore[return-value]
+
+
+def synced_write(path: Path, size: int) -> None:
+    """Write ``size`` random bytes to ``path`` and fsync: real disk IO for block-IO collectors to see."""
+    with path.open("wb") as fh:
+        fh.write(os.urandom(size))
+        fh.flush()
+        os.fsync(fh.fileno())

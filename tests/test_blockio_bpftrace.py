@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 from conftest import require, require_binary
-from disk_helpers import DiskstatsSampler
+from disk_helpers import DiskstatsSampler, synced_write
 
 from triscope.collectors.blockio import BpftraceCollector, device_for_path, has_tracepoint
 
@@ -107,18 +107,11 @@ def _ts_ns(text: str) -> int:
     return int(base.timestamp()) * 1_000_000_000 + int((frac or "0").ljust(9, "0")[:9])
 
 
-def _synced_write(path: Path) -> None:
-    with path.open("wb") as fh:
-        fh.write(os.urandom(64 << 10))
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def _wait_live(collector: BpftraceCollector, probe: Path) -> None:
     """Do small synced writes until bpftrace reports them: its probes are attached."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        _synced_write(probe)
+        synced_write(probe, 64 << 10)
         time.sleep(0.3)
         if collector.collect():
             return
@@ -157,7 +150,7 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
             time.sleep(2.3)  # let the window holding the last reads close
             rows = collector.collect()["io_latency"]
             traced = ftrace.stop()
-        _synced_write(tmp_path / "last.bin")  # in the open window: only END can report it
+        synced_write(tmp_path / "last.bin", 64 << 10)  # in the open window: only END can report it
     finally:
         collector.close()
         sampler.stop.set()

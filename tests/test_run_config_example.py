@@ -12,19 +12,19 @@ the torch_allocator collector must start cleanly, log one line and write nothing
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import tomllib
 import urllib.request
 from pathlib import Path
 
 import pytest
+from disk_helpers import synced_write
+from run_helpers import clean_env, start_run, written_counts
 
 pytestmark = pytest.mark.slow
 
@@ -66,28 +66,20 @@ def test_docs_example_config_runs(tmp_path: Path) -> None:
     assert cfg["run"]["collectors"] == ["blockio_diskstats", "torch_allocator"]
     (tmp_path / "triscope.toml").write_text(toml)
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRISCOPE_") or k == "TRISCOPE_REQUIRE_ALL"}
-    env.update({"TRISCOPE_PROMETHEUS__PORT": str(port), "TRISCOPE_RUN__STATUS_INTERVAL_S": "0.3"})
-    proc = subprocess.Popen([sys.executable, "-m", "triscope", "run", "--config", "triscope.toml", "--json"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    log_lines: list[str] = []
-    reader = threading.Thread(target=lambda: log_lines.extend(iter(proc.stderr.readline, "")), daemon=True)
-    reader.start()
+    env = clean_env(TRISCOPE_PROMETHEUS__PORT=str(port), TRISCOPE_RUN__STATUS_INTERVAL_S="0.3")
+    proc, log_lines, reader = start_run("triscope.toml", env, cwd=tmp_path)
     metrics = ""
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert proc.poll() is None, "".join(log_lines)
-            with open(tmp_path / "io.bin", "wb") as fh:  # real disk writes for diskstats to see
-                fh.write(os.urandom(1 << 20))
-                fh.flush()
-                os.fsync(fh.fileno())
+            synced_write(tmp_path / "io.bin", 1 << 20)  # real disk writes for diskstats to see
             try:
                 metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
             except OSError:
                 metrics = ""
             rows = _metric(metrics, "triscope_collector_rows_total", 'collector="blockio_diskstats",table="io_latency"')
-            written = [int(x.split("written ")[1].split(",")[0]) for x in log_lines if "status: written" in x]
+            written = written_counts(log_lines)
             if rows and rows >= 2 and written and written[-1] >= 2:
                 break
             time.sleep(0.3)

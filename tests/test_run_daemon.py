@@ -12,13 +12,14 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from disk_helpers import synced_write
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from run_helpers import clean_env, start_run, written_counts
 
 pytestmark = pytest.mark.slow
 
@@ -92,21 +93,13 @@ targets = ["http://127.0.0.1:{metrics_port}/metrics"]
 [otlp]
 port = {otlp_port}
 """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRISCOPE_") or k == "TRISCOPE_REQUIRE_ALL"}
-    proc = subprocess.Popen([sys.executable, "-m", "triscope", "run", "--config", str(cfg), "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    log_lines: list[str] = []
-    reader = threading.Thread(target=lambda: log_lines.extend(iter(proc.stderr.readline, "")), daemon=True)
-    reader.start()
+    proc, log_lines, reader = start_run(cfg, clean_env())
     try:
         deadline = time.monotonic() + 60
         posted = False
         while time.monotonic() < deadline:
             assert proc.poll() is None, "".join(log_lines)
-            with open(tmp_path / "io.bin", "wb") as fh:  # real disk writes for diskstats to see
-                fh.write(os.urandom(1 << 20))
-                fh.flush()
-                os.fsync(fh.fileno())
+            synced_write(tmp_path / "io.bin", 1 << 20)  # real disk writes for diskstats to see
             if not posted:
                 try:
                     req = urllib.request.Request(f"http://127.0.0.1:{otlp_port}/v1/traces", data=_span_doc(),
@@ -114,7 +107,7 @@ port = {otlp_port}
                     posted = urllib.request.urlopen(req, timeout=2).status == 200
                 except OSError:
                     pass
-            written = [int(x.split("written ")[1].split(",")[0]) for x in log_lines if "status: written" in x]
+            written = written_counts(log_lines)
             if posted and written and written[-1] >= 10:
                 break
             time.sleep(0.2)
@@ -179,31 +172,20 @@ flush_interval_s = 0.2
 [blockio]
 interval_s = 0.5
 """)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRISCOPE_") or k == "TRISCOPE_REQUIRE_ALL"}
-    proc = subprocess.Popen([sys.executable, "-m", "triscope", "run", "--config", str(cfg), "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    log_lines: list[str] = []
-    reader = threading.Thread(target=lambda: log_lines.extend(iter(proc.stderr.readline, "")), daemon=True)
-    reader.start()
-
-    def synced_write() -> None:
-        with open(tmp_path / "io.bin", "wb") as fh:
-            fh.write(os.urandom(256 << 10))
-            fh.flush()
-            os.fsync(fh.fileno())
+    proc, log_lines, reader = start_run(cfg, clean_env())
 
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert proc.poll() is None, "".join(log_lines)
-            synced_write()
-            written = [int(x.split("written ")[1].split(",")[0]) for x in log_lines if "status: written" in x]
+            synced_write(tmp_path / "io.bin", 256 << 10)
+            written = written_counts(log_lines)
             if written and written[-1] >= 2:
                 break
             time.sleep(0.2)
         else:
             pytest.fail("no bpftrace rows written in 60 s:\n" + "".join(log_lines))
-        synced_write()  # inside the open window: only END reports it
+        synced_write(tmp_path / "io.bin", 256 << 10)  # inside the open window: only END reports it
         stop_wall = time.time()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
