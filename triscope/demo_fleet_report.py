@@ -9,10 +9,9 @@ from triscope.exporters.weights import DEFAULT_CLASSES
 
 
 def _console() -> Any:
-    from rich.console import Console
+    from triscope.console import report_console
 
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
+    return report_console()
 
 
 def _gb(x: float | None) -> str:

@@ -176,7 +176,6 @@ def _unique_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _print_summary(runs: list[dict[str, Any]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="demo runs: where the time goes", title_justify="left")
@@ -190,9 +189,9 @@ def _print_summary(runs: list[dict[str, Any]]) -> None:
         table.add_row(entry["run_id"], f"{entry['events']:,}", f"{entry['gpu_events']:,}",
                       f"{compute:.1f}" if entry["gpu_events"] else "-", f"{idle:.1f}" if entry["gpu_events"] else "-",
                       entry["stall_shares"] or "-")
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
+    from triscope.console import report_console
+
+    console = report_console()
     console.print(table)
 
 

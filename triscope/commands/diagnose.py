@@ -81,12 +81,12 @@ def run_stalls(args: argparse.Namespace) -> int:
 
 def render(report) -> None:  # noqa: ANN001 - StallReport, imported lazily
     """Rich tables: shares per unit, worst windows with evidence, stragglers, actions."""
-    from rich.console import Console
     from rich.table import Table
 
     from triscope.analyzers.stalls import ACTIONS
+    from triscope.console import report_console
 
-    console = Console()
+    console = report_console()
     console.print(f"[bold]stalls[/] {utc_text(report.start_ns)} .. {utc_text(report.end_ns)} UTC, "
                   f"{'profiler steps' if report.by == 'step' else f'{report.window_ms:g} ms windows'}")
     if not report.windows:

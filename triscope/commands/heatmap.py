@@ -199,10 +199,11 @@ def _kind(name: str, share: float) -> str:
 
 def render(result: Any, args: argparse.Namespace) -> None:
     """Typical load patterns (the busiest QPS x memory cells) as a rich table."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from triscope.console import report_console
+
+    console = report_console()
     s = result.spec
     console.print(f"[bold]heatmap[/] {utc_text(result.start_ns)} .. {utc_text(result.end_ns)} UTC{_filter_text(args)}: "
                   f"{result.requests:,} requests in {int((result.tensor > 0).sum()):,} of "

@@ -51,7 +51,6 @@ def _print(result: Any, as_json: bool) -> None:
     if as_json:
         print_json(doc)
         return
-    from rich.console import Console
     from rich.table import Table
 
     def fmt(x: float | None, spec: str = ".2f") -> str:
@@ -65,7 +64,9 @@ def _print(result: Any, as_json: bool) -> None:
         table.add_row(name, b["state"], fmt(b["weight"]), fmt(b["target"]), str(b["lb_weight"]),
                       fmt(i["memory_used_ratio"], ".0%"), fmt(i["kv_cache_usage_ratio"], ".0%"), fmt(i["qps"], ".1f"),
                       fmt(b["age_seconds"], ".1f"), ", ".join(b["reasons"]))
-    console = Console()
+    from triscope.console import report_console
+
+    console = report_console()
     console.print(table)
     if not doc["backends"]:
         console.print("no backends: configure [weights.backends] or write serving_metrics / requests rows")

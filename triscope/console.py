@@ -1,0 +1,14 @@
+"""The rich console reports print to: full width on a terminal, 160 columns when piped."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+PIPED_WIDTH = 160
+"""Columns used when stdout is not a terminal (rich would assume 80 and wrap every table)."""
+
+
+def report_console() -> Console:
+    """A console for human-readable reports on stdout."""
+    console = Console()
+    return console if console.is_terminal else Console(width=PIPED_WIDTH)
