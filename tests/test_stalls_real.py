@@ -140,3 +140,77 @@ def test_real_disk_reads_are_io(store, tmp_path: Path) -> None:  # noqa: ANN001
     if crossed == 0:
         pytest.skip(f"this disk stays under 1.2 ms p99 at queue depth 128 (max p99 {max(cols['p99']) * 1e3:.2f} ms)")
     assert crossed >= 1  # the deep queue drove at least one window past both seed thresholds
+
+
+def test_bpftrace_collector_rows_make_the_io_verdict(store, tmp_path: Path) -> None:  # noqa: ANN001
+    """The whole IO path for real: fio reads at depth 1 then 128, the bpftrace collector measures them
+    on the block tracepoints, its io_latency rows go into the store, and the classifier calls exactly the
+    windows whose measured read p99 and queue depth pass the seed thresholds IO."""
+    from conftest import require
+    from disk_helpers import synced_write
+
+    from triscope.collectors.blockio import BpftraceCollector, device_for_path, has_tracepoint
+
+    require_binary("bpftrace")
+    require_binary("fio")
+    require(os.geteuid() == 0, "bpftrace needs root")
+    require(Path("/sys/kernel/tracing/events/block").is_dir() or has_tracepoint("block", "block_rq_issue"),
+            "tracefs is not mounted (.ci/setup-system)")
+    data = tmp_path / "reads.bin"
+    fill = subprocess.run(["fio", "--name=fill", f"--filename={data}", "--size=64M", "--rw=write", "--bs=1M",
+                           "--direct=1", "--output-format=terse"], capture_output=True, text=True, timeout=120)
+    require(fill.returncode == 0, f"fio cannot write with O_DIRECT here: {fill.stderr[-200:]}")
+    device = device_for_path(data)
+    collector = BpftraceCollector({"blockio": {"interval_s": 0.1, "format": "json", "host": "bthost"}})
+    collector.start()
+    rows: dict[str, list] = {}
+
+    def keep(batch: dict) -> None:
+        for k, v in batch.get("io_latency", {}).items():
+            rows.setdefault(k, []).extend(v)
+
+    try:
+        deadline = time.monotonic() + 30
+        while not collector.collect():  # probes attached once a synced write shows up
+            assert time.monotonic() < deadline, collector.stderr[-500:]
+            synced_write(tmp_path / "probe.bin", 64 << 10)
+            time.sleep(0.3)
+        light_from = time.time_ns()
+        _fio(data, tmp_path / "light", 1, 1)
+        light_to = heavy_from = time.time_ns()
+        _fio(data, tmp_path / "heavy", 128, 2)
+        heavy_to = time.time_ns()
+        time.sleep(0.4)
+        keep(collector.collect())
+    finally:
+        collector.close()
+    keep(collector.collect())
+    n = len(rows.get("ts", []))
+    assert n, "the collector reported no window"
+    store.insert(qualified(store, "io_latency"), rows)
+    start = (light_from // 100_000_000) * 100_000_000
+    report = diagnose_stalls(store, start, heavy_to + 100_000_000, {})
+    windows = [w for w in report.windows if w.host == "bthost"]
+    reads = [(int(np.datetime64(t, "ns").astype(np.int64)), int(round(ws * 1e6)) * 1000, p99, qd)
+             for t, op, ws, p99, qd, ios in zip(rows["ts"], rows["op"], rows["window_seconds"], rows["p99_seconds"],
+                                                rows["queue_depth"], rows["ios"], strict=True)
+             if op == "read" and ios > 0]
+    assert any(d == device for d, op in zip(rows["device"], rows["op"], strict=True) if op == "read"), \
+        f"no read windows for {device}: {sorted(set(zip(rows['device'], rows['op'], strict=True)))}"
+    crossed = 0
+    for window in windows:
+        # The classifier takes the worst collector row overlapping each 100 ms window.
+        over = [(p99, qd) for t, span, p99, qd in reads if t < window.end_ns and t + span > window.start_ns]
+        if not over:
+            continue
+        expected = any(p99 > 0.0012 and qd > 64 for p99, qd in over)
+        assert (window.verdict == "io") == expected, (over, window.verdict, window.metrics)
+        if light_from + 200_000_000 <= window.start_ns and window.end_ns + 200_000_000 <= light_to:
+            assert window.verdict != "io" and max(qd for _, qd in over) < 4, over  # depth 1 is never IO-bound
+        if heavy_from <= window.start_ns < heavy_to and expected:
+            crossed += 1
+    if crossed == 0:
+        heavy = [r for r in reads if heavy_from <= r[0] < heavy_to]
+        pytest.skip("this disk stays under the seed thresholds at depth 128 (max p99 "
+                    f"{max((r[2] for r in heavy), default=0) * 1e3:.2f} ms, max queue depth "
+                    f"{max((r[3] for r in heavy), default=0):.0f})")
