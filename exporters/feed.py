@@ -246,8 +246,10 @@ class WeightFeed:
                                                      name="triscope-feed-http", daemon=True)
                 self._http_thread.start()
             if self._agent_port_cfg >= 0:
+                inflight = {key: b.max_inflight for n, b in self.params.backends.items() if b.max_inflight > 0
+                            for key in (n, b.address) if key}
                 self._agent = AgentServer(lambda: self._result, self.bind, self._agent_port_cfg,
-                                          max_connections=self.max_connections).start()
+                                          max_connections=self.max_connections, max_inflight=inflight).start()
         except OSError as exc:
             self.close()
             raise ConfigError(f"weight feed cannot listen on {self.bind}: {_one_line(exc)}") from None

@@ -7,6 +7,9 @@ first newline; the line names the backend (``gpu-a:8000``). Answers:
 * ``ready NN%\n`` for a ready backend, ``NN`` = its integer LB weight (1..100 with ``lb_scale`` 100),
   a percentage of the server's configured ``weight`` (configure ``weight 100``); ``ready`` also
   lifts a drain set by a previous answer;
+  followed by `` maxconn:M`` when the backend has ``max_inflight`` configured: ``M = max(1,
+  round(max_inflight * weight))``, so HAProxy caps the server's concurrency as its weight falls and
+  queues the rest in the backend (admission control; ``timeout queue`` bounds the wait);
 * ``drain\n`` for a drained backend;
 * ``ready 100%\n`` for a name the feed does not know, or an empty line: fail open, so a typo in
   ``agent-send`` leaves HAProxy balancing as if the feed were absent rather than starving a server;
@@ -23,7 +26,7 @@ import logging
 import socket
 import socketserver
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from triscope.exporters._servers import DEFAULT_MAX_CONNECTIONS, BoundedThreadingMixIn
 from triscope.exporters.weights import DRAIN, WeightsResult
@@ -37,14 +40,20 @@ READ_TIMEOUT_S = 1.0
 UNKNOWN_REPLY = "ready 100%\n"
 
 
-def agent_reply(result: WeightsResult | None, name: str) -> str:
-    """The agent-check answer for backend ``name`` given the latest engine result."""
+def agent_reply(result: WeightsResult | None, name: str, max_inflight: int = 0) -> str:
+    """The agent-check answer for backend ``name`` given the latest engine result.
+
+    ``max_inflight`` > 0 adds ``maxconn:N`` scaled by the backend's weight.
+    """
     bw = result.backends.get(name) if result is not None else None
     if bw is None:
         return UNKNOWN_REPLY
     if bw.state == DRAIN:
         return "drain\n"
-    return f"ready {max(1, int(bw.lb_weight))}%\n"
+    reply = f"ready {max(1, int(bw.lb_weight))}%"
+    if max_inflight > 0:
+        reply += f" maxconn:{max(1, round(max_inflight * bw.weight))}"
+    return reply + "\n"
 
 
 def read_line(sock: socket.socket, limit: int = MAX_LINE) -> str | None:
@@ -71,8 +80,10 @@ class AgentServer:
 
     def __init__(self, result_fn: Callable[[], WeightsResult | None], bind: str = "127.0.0.1",
                  port: int = 0, max_line: int = MAX_LINE, read_timeout_s: float = READ_TIMEOUT_S,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_inflight: Mapping[str, int] | None = None) -> None:
         self.result_fn = result_fn
+        self.max_inflight = dict(max_inflight or {})
         self.max_line = max_line
         self.read_timeout_s = read_timeout_s
         self.requests_total = 0
@@ -97,7 +108,7 @@ class AgentServer:
             if name is None:
                 return
             self.requests_total += 1
-            sock.sendall(agent_reply(self.result_fn(), name).encode())
+            sock.sendall(agent_reply(self.result_fn(), name, self.max_inflight.get(name, 0)).encode())
         except OSError as exc:
             log.debug("agent connection: %s", exc)
 

@@ -98,6 +98,9 @@ class BackendConfig:
     gpus: tuple[int, ...] = ()
     address: str = ""
     capacity_qps: float = 0.0
+    max_inflight: int = 0
+    """Concurrency the backend takes at full weight (0 = unset); the HAProxy agent sends
+    ``maxconn:round(max_inflight * weight)`` (admission control, see docs/weights.md)."""
 
 
 @dataclass(frozen=True)
@@ -198,9 +201,13 @@ def _backends(raw: Mapping[str, Any]) -> dict[str, BackendConfig]:
         try:
             out[name] = BackendConfig(name, str(spec.get("host", "")),
                                       tuple(int(g) for g in spec.get("gpus", ())),
-                                      str(spec.get("address", "")), float(spec.get("capacity_qps", 0.0)))
+                                      str(spec.get("address", "")), float(spec.get("capacity_qps", 0.0)),
+                                      int(spec.get("max_inflight", 0)))
         except (TypeError, ValueError):
-            raise ConfigError(f"[weights.backends.{name}]: gpus must be integers, capacity_qps a number") from None
+            raise ConfigError(f"[weights.backends.{name}]: gpus and max_inflight must be integers, "
+                              "capacity_qps a number") from None
+        if out[name].max_inflight < 0:
+            raise ConfigError(f"[weights.backends.{name}] max_inflight must be >= 0")
     return out
 
 

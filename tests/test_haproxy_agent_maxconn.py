@@ -1,0 +1,84 @@
+"""HAProxy agent admission control: ``maxconn:N`` scaled by weight when ``max_inflight`` is set.
+
+Unit checks of the reply and the config key, then a real HAProxy 2.6 whose server ``maxconn``
+(``show stat`` column ``slim``) must follow what triscope's feed answers on agent-check.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import require_binary
+
+from triscope.errors import ConfigError
+from triscope.exporters.feed import WeightFeed
+from triscope.exporters.haproxy_agent import agent_reply
+from triscope.exporters.weights import BackendInputs, WeightParams, compute_weights
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+
+def params(backends: dict | None = None, **weights: object) -> WeightParams:
+    cfg = {"interval_s": 0.1, "feed": {"port": 0, "agent_port": 0}, "backends": backends or {}, **weights}
+    return WeightParams.from_config({"weights": cfg})
+
+
+def result_for(kv: dict[str, float], p: WeightParams):  # noqa: ANN201
+    now = time.time()
+    inputs = [BackendInputs(n, kv_cache_usage_ratio=v, sources={"serving": now}) for n, v in kv.items()]
+    return compute_weights(inputs, None, p, now)[0]
+
+
+def test_reply_adds_maxconn_scaled_by_weight() -> None:
+    p = params()
+    res = result_for({"a": 0.0, "b": 0.5, "c": 0.99}, p)  # c: drained (kv >= 0.98)
+    wb = res.backends["b"].weight
+    assert 0.4 < wb < 0.6
+    assert agent_reply(res, "a", 16) == "ready 100% maxconn:16\n"
+    assert agent_reply(res, "b", 16) == f"ready {res.backends['b'].lb_weight}% maxconn:{round(16 * wb)}\n"
+    assert agent_reply(res, "b", 0) == f"ready {res.backends['b'].lb_weight}%\n", "unset: weight only"
+    assert agent_reply(res, "b", 1) == f"ready {res.backends['b'].lb_weight}% maxconn:1\n", "never below 1"
+    assert agent_reply(res, "c", 16) == "drain\n"
+    assert agent_reply(res, "nobody", 16) == "ready 100%\n"
+
+
+def test_max_inflight_config_is_validated() -> None:
+    assert params({"a": {"max_inflight": 12}}).backends["a"].max_inflight == 12
+    assert params({"a": {}}).backends["a"].max_inflight == 0
+    with pytest.raises(ConfigError, match="max_inflight"):
+        params({"a": {"max_inflight": -1}})
+    with pytest.raises(ConfigError, match="max_inflight"):
+        params({"a": {"max_inflight": "many"}})
+
+
+def test_haproxy_applies_agent_maxconn(tmp_path: Path) -> None:
+    require_binary("haproxy")
+    from haproxy_ctl import HAProxy, Server, free_port
+
+    kv = {"s0": 0.0, "s1": 0.75}
+    p = params({"s0": {"max_inflight": 20}, "s1": {"max_inflight": 20}})
+
+    def inputs() -> list[BackendInputs]:
+        now = time.time()
+        return [BackendInputs(n, kv_cache_usage_ratio=v, sources={"serving": now}) for n, v in kv.items()]
+
+    servers = [Server(n, free_port(), maxconn=20) for n in kv]
+    with WeightFeed(p, inputs_fn=inputs).start() as feed, \
+            HAProxy(tmp_path, servers, balance="leastconn", agent_port=feed.agent_port, agent_inter_ms=100) as hap:
+        want = {"s0": 20, "s1": round(20 * feed.result.backends["s1"].weight)}
+        assert want["s1"] < 10  # kv 0.75: penalty 4 -> weight 0.25
+        deadline = time.monotonic() + 10
+        while True:
+            slim = {r["svname"]: int(r["slim"] or 0) for r in hap.stats()}
+            if slim == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert slim == want
+        kv["s1"] = 0.0  # headroom back: the cap rises again with the weight (damped)
+        deadline = time.monotonic() + 10
+        while int(next(r for r in hap.stats() if r["svname"] == "s1")["slim"]) <= want["s1"]:
+            assert time.monotonic() < deadline, "maxconn did not rise with the weight"
+            time.sleep(0.1)
