@@ -299,7 +299,7 @@ def drain_check(results: list[Result], feed_samples: list[tuple[float, dict[str,
         if entry[2] is not None:
             out["kv_at_oom"].append(entry[2])
     kv = out.pop("kv_at_oom")
-    out["feed_kv_at_oom_mean"] = round(sum(kv) / len(kv), 3) if kv else None
+    out["feed_kv_at_oom_sum"] = sum(kv)
     out["feed_samples"] = len(feed_samples)
     return out
 
@@ -353,6 +353,9 @@ def summarize(policy: Policy, runs: list[RawRun], shape: LoadShape, max_error: f
             if isinstance(value, int):
                 drain[key] = drain.get(key, 0) + value
     if drains and drains[0]:
+        kv_n = drain.get("oom_while_drained", 0) + drain.get("oom_while_ready", 0)
+        kv_sum = sum(d.get("feed_kv_at_oom_sum", 0.0) for d in drains)
+        drain["feed_kv_at_oom_mean"] = round(kv_sum / kv_n, 3) if kv_n else None
         drain["max_kv_seen"] = {b: max(d["max_kv_seen"].get(b, 0.0) for d in drains) for b in names}
         drain["drained_samples"] = {b: sum(d["drained_samples"].get(b, 0) for d in drains) for b in names}
     return PolicyReport(
@@ -385,8 +388,13 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
     try:
         agent_port = None
         if policy.triscope:
-            feed = FeedWorker({s.name: fleet.url(s) for s in fleet.specs}, weights_overrides(args),
-                              args.feed_window_s).start()
+            overrides = weights_overrides(args)
+            if args.agent_maxconn:
+                backends = {k: dict(v) for k, v in overrides.get("backends", {}).items()}
+                for s in fleet.specs:
+                    backends.setdefault(s.name, {})["max_inflight"] = server_maxconn(s, args.maxconn_per_slot)
+                overrides["backends"] = backends
+            feed = FeedWorker({s.name: fleet.url(s) for s in fleet.specs}, overrides, args.feed_window_s).start()
             agent_port = feed.agent_port
         servers = [Server(s.name, s.port, maxconn=server_maxconn(s, args.maxconn_per_slot)) for s in fleet.specs]
         with HAProxy(workdir / policy.name, servers, balance=policy.balance, agent_port=agent_port,
@@ -604,6 +612,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="HAProxy server maxconn = this x the server's batch slots, every policy (0 = unlimited)")
     p.add_argument("--timeout-queue-ms", type=int, default=0,
                    help="HAProxy 'timeout queue' (503 after waiting this long for a server slot; 0 = HAProxy default)")
+    p.add_argument("--agent-maxconn", action="store_true",
+                   help="triscope: the agent also sends maxconn:round(server maxconn x weight) "
+                        "(needs --maxconn-per-slot)")
     p.add_argument("--repeat", type=int, default=1, help="repetitions with seeds seed..seed+N-1, results pooled")
     p.add_argument("--feed-window-s", type=float, default=5.0, help="P99/QPS window of the metrics adapter")
     p.add_argument("--weights", default="", help="JSON object of [weights] overrides for the triscope feed")
@@ -624,6 +635,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = LoadShape(base_qps=args.base_qps, step_factor=args.step_factor, steps=args.steps,
                       step_s=args.step_s, burst_period_s=args.burst_period_s, burst_s=args.burst_s,
                       burst_factor=args.burst_factor)
+    if args.agent_maxconn and args.maxconn_per_slot <= 0:
+        raise SystemExit("--agent-maxconn needs --maxconn-per-slot (the static maxconn it scales)")
     seeds = [args.seed + k for k in range(max(1, args.repeat))]
     schedules = [shape.schedule(seed) for seed in seeds]
     catalog = {"roundrobin": Policy("roundrobin", "roundrobin"), "leastconn": Policy("leastconn", "leastconn"),
@@ -649,7 +662,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     doc = {"backends": [asdict(s) for s in specs], "load": asdict(shape), "arrivals": len(schedules[0]),
            "arrivals_total": sum(len(x) for x in schedules), "seeds": seeds,
            "haproxy": {"maxconn_per_slot": args.maxconn_per_slot, "timeout_queue_ms": args.timeout_queue_ms,
-                       "agent_inter_ms": args.agent_inter_ms},
+                       "agent_inter_ms": args.agent_inter_ms, "agent_maxconn": args.agent_maxconn},
            "weights_overrides": weights_overrides(args) if "triscope" in reports else {},
            "policies": {k: asdict(v) for k, v in reports.items()}, "comparisons": [c for c in comps if c]}
     if args.json:
