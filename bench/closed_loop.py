@@ -621,6 +621,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-error", type=float, default=0.01, help="error rate a held step may have")
     p.add_argument("--timeout-factor", type=float, default=6.0, help="client timeout = max(2s, SLA x this)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--dump-results", default="", help="write every request's outcome to this JSON-lines file")
     p.add_argument("--workdir", default="")
     # internal: the feed worker process
     p.add_argument("--feed-worker", action="store_true", help=argparse.SUPPRESS)
@@ -654,6 +655,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     raw[policy.name].append(run_policy(policy, fleet, schedule, args, Path(tmp)))
         finally:
             fleet.stop()
+    if args.dump_results:
+        with open(args.dump_results, "w") as fh:
+            for name, runs in raw.items():
+                for rep, one in enumerate(runs):
+                    for r in one.results:
+                        fh.write(json.dumps({"policy": name, "rep": rep, **asdict(r)}) + "\n")
     reports = {name: summarize(catalog[name], runs, shape, args.max_error) for name, runs in raw.items()}
     for name, runs in raw.items():
         if runs[0].feed_kind:

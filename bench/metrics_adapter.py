@@ -134,6 +134,7 @@ class BackendProbe:
         qps = (success - old_success) / (now - t0) if now > t0 and not math.isnan(success) else NAN
         self.last = {"kv": kv, "running": running, "waiting": waiting}
         return {"backend": self.name, "kv_cache_usage_ratio": kv, "qps": qps, "p99_seconds": p99,
+                "queue_length": waiting, "running_requests": running,
                 "healthy": True, "sources": {"serving": now}}
 
 

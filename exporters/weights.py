@@ -43,6 +43,7 @@ DEFAULTS: dict[str, Any] = {
     "release_kv_ratio": 0.90,
     "latency_penalty_cap": 100.0,
     "sharpness": 1.0,
+    "queue_weight": 0.0,
     "default_capacity_qps": 0.0,
     "default_class": "interactive_image_text",
     "lb_scale": 100,
@@ -124,6 +125,7 @@ class WeightParams:
     release_kv_ratio: float = 0.90
     latency_penalty_cap: float = 100.0
     sharpness: float = 1.0
+    queue_weight: float = 0.0
     default_capacity_qps: float = 0.0
     default_class: str = "interactive_image_text"
     lb_scale: int = 100
@@ -173,6 +175,7 @@ class WeightParams:
             (self.release_kv_ratio <= self.drain_kv_ratio, "release_kv_ratio > drain_kv_ratio"),
             (self.lb_scale >= 1, "lb_scale must be >= 1"),
             (0 < self.sharpness <= 4, "sharpness must be in (0, 4]"),
+            (self.queue_weight >= 0, "queue_weight must be >= 0"),
             (self.default_class in self.classes, f"default_class {self.default_class!r} is not a class"),
         ]
         for ok, message in checks:
@@ -228,6 +231,10 @@ class BackendInputs:
     healthy: bool = True
     sources: Mapping[str, float] = field(default_factory=dict)
     address: str = ""
+    queue_length: float = NAN
+    """Requests waiting in the engine's scheduler (``vllm:num_requests_waiting``)."""
+    running_requests: float = NAN
+    """Requests in the running batch (``vllm:num_requests_running``)."""
 
     @property
     def memory_used_ratio(self) -> float:
@@ -368,8 +375,20 @@ def class_of(name: str, params: WeightParams) -> RequestClass:
     return params.classes.get(name) or params.classes[params.default_class]
 
 
+def queue_penalty(queue_length: float, running: float, params: WeightParams) -> float:
+    """``1 + queue_weight * waiting / max(1, running)``, at most ``1 / floor``; 1 when not measured.
+
+    Waiting requests that outnumber the running batch mean the scheduler is blocked (KV cache full,
+    head-of-line): new requests would queue there however few connections it holds.
+    """
+    if params.queue_weight <= 0 or not math.isfinite(queue_length) or queue_length <= 0:
+        return 1.0
+    run = running if math.isfinite(running) else 0.0
+    return min(1.0 / params.floor, 1.0 + params.queue_weight * queue_length / max(1.0, run))
+
+
 def factors(inputs: BackendInputs, params: WeightParams) -> dict[str, float]:
-    """The four multiplicative penalties of a backend (each >= 1)."""
+    """The multiplicative penalties of a backend (each >= 1); ``queue`` only when ``queue_weight`` > 0."""
     capacity = inputs.capacity_qps if math.isfinite(inputs.capacity_qps) else params.default_capacity_qps
     load = 1.0
     if capacity > 0 and math.isfinite(inputs.qps):
@@ -377,12 +396,15 @@ def factors(inputs: BackendInputs, params: WeightParams) -> dict[str, float]:
     latency = 1.0
     for name, p99 in inputs.p99_seconds.items():
         latency = max(latency, latency_penalty(p99, class_of(name, params)))
-    return {
+    out = {
         "memory": headroom_penalty(inputs.memory_used_ratio),
         "kv_cache": headroom_penalty(inputs.kv_cache_usage_ratio),
         "load": load,
         "latency": min(latency, params.latency_penalty_cap),
     }
+    if params.queue_weight > 0:
+        out["queue"] = queue_penalty(inputs.queue_length, inputs.running_requests, params)
+    return out
 
 
 def drain_reasons(inputs: BackendInputs, was_drained: bool, params: WeightParams) -> tuple[str, ...]:
@@ -565,4 +587,5 @@ def read_inputs(store: Any, params: WeightParams, now: float) -> list[BackendInp
 __all__ = ["BackendConfig", "BackendInputs", "BackendState", "BackendWeight", "EngineState", "READY", "DRAIN",
            "RequestClass", "ScaleDecision", "WeightParams", "WeightsResult", "class_priorities",
            "compute_weights", "damp", "drain_reasons", "factors", "headroom_penalty", "latency_penalty",
+           "queue_penalty",
            "lb_weight", "read_inputs", "scale_decision", "split_address", "with_address"]

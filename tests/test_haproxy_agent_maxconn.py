@@ -82,3 +82,23 @@ def test_haproxy_applies_agent_maxconn(tmp_path: Path) -> None:
         while int(next(r for r in hap.stats() if r["svname"] == "s1")["slim"]) <= want["s1"]:
             assert time.monotonic() < deadline, "maxconn did not rise with the weight"
             time.sleep(0.1)
+
+
+def test_queue_penalty_off_by_default_and_steers_from_blocked_queues() -> None:
+    """``queue_weight`` > 0 adds a ``queue`` factor from vLLM's waiting/running gauges."""
+    now = time.time()
+    blocked = BackendInputs("a", queue_length=12, running_requests=4, sources={"serving": now})
+    flowing = BackendInputs("b", queue_length=1, running_requests=16, sources={"serving": now})
+    off = params()
+    assert "queue" not in compute_weights([blocked, flowing], None, off, now)[0].backends["a"].factors
+    on = params(queue_weight=0.5)
+    res = compute_weights([blocked, flowing], None, on, now)[0]
+    assert res.backends["a"].factors["queue"] == pytest.approx(1 + 0.5 * 12 / 4)
+    assert res.backends["b"].factors["queue"] == pytest.approx(1 + 0.5 / 16)
+    assert res.backends["a"].target < res.backends["b"].target
+    unknown = BackendInputs("c", sources={"serving": now})
+    assert compute_weights([unknown], None, on, now)[0].backends["c"].factors["queue"] == 1.0
+    huge = BackendInputs("d", queue_length=10_000, running_requests=0, sources={"serving": now})
+    assert compute_weights([huge], None, on, now)[0].backends["d"].factors["queue"] == pytest.approx(20.0)
+    with pytest.raises(ConfigError, match="queue_weight"):
+        params(queue_weight=-1)
