@@ -61,6 +61,10 @@ BENCH_WEIGHTS: dict[str, Any] = {
 }
 
 
+# HAProxy priority classes for --class-priority (lower leaves the queue first).
+CLASS_PRIORITY = {"realtime_speech": -10, "interactive_image_text": 0, "offline_video": 10}
+
+
 @dataclass
 class Policy:
     name: str
@@ -398,7 +402,8 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
             agent_port = feed.agent_port
         servers = [Server(s.name, s.port, maxconn=server_maxconn(s, args.maxconn_per_slot)) for s in fleet.specs]
         with HAProxy(workdir / policy.name, servers, balance=policy.balance, agent_port=agent_port,
-                     agent_inter_ms=args.agent_inter_ms, timeout_queue_ms=args.timeout_queue_ms) as hap:
+                     agent_inter_ms=args.agent_inter_ms, timeout_queue_ms=args.timeout_queue_ms,
+                     queue_priority=CLASS_PRIORITY if args.class_priority else None) as hap:
             if policy.triscope:
                 time.sleep(max(0.5, 3 * args.agent_inter_ms / 1000))
             results, lag, samples, feed_samples = asyncio.run(
@@ -612,6 +617,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="HAProxy server maxconn = this x the server's batch slots, every policy (0 = unlimited)")
     p.add_argument("--timeout-queue-ms", type=int, default=0,
                    help="HAProxy 'timeout queue' (503 after waiting this long for a server slot; 0 = HAProxy default)")
+    p.add_argument("--class-priority", action="store_true",
+                   help="HAProxy queue priority by class (speech, then image-text, then video), every policy")
     p.add_argument("--agent-maxconn", action="store_true",
                    help="triscope: the agent also sends maxconn:round(server maxconn x weight) "
                         "(needs --maxconn-per-slot)")
@@ -669,7 +676,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     doc = {"backends": [asdict(s) for s in specs], "load": asdict(shape), "arrivals": len(schedules[0]),
            "arrivals_total": sum(len(x) for x in schedules), "seeds": seeds,
            "haproxy": {"maxconn_per_slot": args.maxconn_per_slot, "timeout_queue_ms": args.timeout_queue_ms,
-                       "agent_inter_ms": args.agent_inter_ms, "agent_maxconn": args.agent_maxconn},
+                       "agent_inter_ms": args.agent_inter_ms, "agent_maxconn": args.agent_maxconn,
+                       "class_priority": args.class_priority},
            "weights_overrides": weights_overrides(args) if "triscope" in reports else {},
            "policies": {k: asdict(v) for k, v in reports.items()}, "comparisons": [c for c in comps if c]}
     if args.json:

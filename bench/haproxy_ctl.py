@@ -48,18 +48,23 @@ class HAProxy:
     """One HAProxy process: an HTTP frontend, one backend pool, an admin stats socket.
 
     ``agent_port`` set: every server gets ``agent-check`` against that port with
-    ``agent-send "<name>\\n"`` (the triscope feed's HAProxy agent protocol).
+    ``agent-send "<name>\\n"`` (the triscope feed's HAProxy agent protocol). ``Server.maxconn``,
+    ``timeout_queue_ms`` and ``queue_priority`` ({path suffix: priority class}) are admission
+    control: requests beyond a server's maxconn wait in the backend queue, leave it by priority
+    class, and get HAProxy's 503 after ``timeout queue``.
     """
 
     def __init__(self, workdir: Path, servers: list[Server], balance: str = "roundrobin",
                  agent_port: int | None = None, agent_inter_ms: int = 250, port: int | None = None,
-                 binary: str | None = None, timeout_queue_ms: int = 0) -> None:
+                 binary: str | None = None, timeout_queue_ms: int = 0,
+                 queue_priority: dict[str, int] | None = None) -> None:
         self.workdir = Path(workdir)
         self.servers = servers
         self.balance = balance
         self.agent_port = agent_port
         self.agent_inter_ms = agent_inter_ms
         self.timeout_queue_ms = timeout_queue_ms
+        self.queue_priority = dict(queue_priority or {})
         self.port = port or free_port()
         self.binary = binary or shutil.which("haproxy") or "haproxy"
         self.socket_path = self.workdir / "haproxy.sock"
@@ -86,6 +91,8 @@ class HAProxy:
         ]
         if self.timeout_queue_ms > 0:
             lines.append(f"    timeout queue {self.timeout_queue_ms}ms")
+        for suffix, prio in self.queue_priority.items():  # lower class leaves HAProxy's queue first
+            lines.append(f"    http-request set-priority-class int({prio}) if {{ path_end /{suffix} }}")
         for s in self.servers:
             line = f"    server {s.name} {s.host}:{s.port} weight 100"
             if s.maxconn > 0:
