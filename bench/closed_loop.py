@@ -50,8 +50,11 @@ PYTHON = sys.executable
 # window (documented in docs/closed_loop.md; every key is a regular [weights] config key).
 # Damping made symmetric (the default cuts fast and raises slowly, which ratchets every
 # backend down to the floor under bursty load); values chosen by the runs in docs/closed_loop.md.
+# 2026-12-03: interval 0.1 s (with agent-inter 100 ms) and the queue factor (queue_weight 1) cut
+# errors in both pairings tried (docs/closed_loop.md, "Past saturation").
 BENCH_WEIGHTS: dict[str, Any] = {
-    "interval_s": 0.25,
+    "interval_s": 0.1,
+    "queue_weight": 1.0,
     "window_s": 5.0,
     "stale_after_s": 5.0,
     "ewma_down": 0.3,
@@ -612,7 +615,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="NAME=RATIO: pin that share of a backend's memory for the run (a leak, a big tenant)")
     p.add_argument("--policies", default="roundrobin,leastconn,triscope")
     p.add_argument("--triscope-balance", default="leastconn", choices=["leastconn", "roundrobin"])
-    p.add_argument("--agent-inter-ms", type=int, default=250)
+    p.add_argument("--agent-inter-ms", type=int, default=100)
     p.add_argument("--maxconn-per-slot", type=float, default=0.0,
                    help="HAProxy server maxconn = this x the server's batch slots, every policy (0 = unlimited)")
     p.add_argument("--timeout-queue-ms", type=int, default=0,
