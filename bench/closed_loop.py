@@ -1,8 +1,9 @@
 """Closed-loop bench: simulated GPU backends behind real HAProxy, three balancing policies.
 
-    .venv/bin/python bench/closed_loop.py            # default: ~3 minutes on 2 cores
+    .venv/bin/python bench/closed_loop.py            # default: 3 policies, one seed, ~2 min 10 s on 2 cores
+    .venv/bin/python bench/closed_loop.py --repeat 4 # seeds 1-4 pooled (docs/closed_loop.md table), ~9 min
     .venv/bin/python bench/closed_loop.py --steps 8 --step-s 20   # longer
-    .venv/bin/python bench/closed_loop.py --json
+    .venv/bin/python bench/closed_loop.py --json --dump-results out.jsonl
 
 N simulated vLLM-like backends (bench/sim_backend.py, heterogeneous KV capacity) sit behind one
 HAProxy. The same seeded, bursty, multimodal arrival schedule (bench/loadgen.py; +30% QPS per
@@ -15,8 +16,12 @@ step) is replayed against three policies in turn:
   on live scrapes of the backends' ``/metrics`` (bench/metrics_adapter.py).
 
 It prints, per policy: peak QPS held (highest step, counted from the first, where every class
-meets its P99 SLA and errors stay under ``--max-error``), P99 per class, error and OOM rates,
-request share per backend; then the leastconn/triscope ratios. See docs/closed_loop.md.
+meets its P99 SLA and errors stay under ``--max-error``), P99 per class (of successes, and of all
+offered requests with failures counted as infinitely slow), error, OOM and HAProxy-503 rates,
+request share per backend, whether the feed had drained a backend before its 503s; then the
+leastconn/triscope ratios, also over the requests that succeeded under both. HAProxy admission
+control (``--maxconn-per-slot``, ``--timeout-queue-ms``, ``--class-priority``) is written the same
+for every policy. See docs/closed_loop.md.
 """
 
 from __future__ import annotations
