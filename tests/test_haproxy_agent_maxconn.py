@@ -67,7 +67,10 @@ def test_haproxy_applies_agent_maxconn(tmp_path: Path) -> None:
 
     servers = [Server(n, free_port(), maxconn=20) for n in kv]
     with WeightFeed(p, inputs_fn=inputs).start() as feed, \
-            HAProxy(tmp_path, servers, balance="leastconn", agent_port=feed.agent_port, agent_inter_ms=100) as hap:
+            HAProxy(tmp_path, servers, balance="leastconn", agent_port=feed.agent_port, agent_inter_ms=100,
+                    timeout_queue_ms=500, queue_priority={"realtime_speech": -10}) as hap:
+        cfg = hap.config_text()  # the bench's admission recipe, accepted by the real binary at start
+        assert "timeout queue 500ms" in cfg and "set-priority-class int(-10)" in cfg
         want = {"s0": 20, "s1": round(20 * feed.result.backends["s1"].weight)}
         assert want["s1"] < 10  # kv 0.75: penalty 4 -> weight 0.25
         deadline = time.monotonic() + 10
