@@ -7,12 +7,12 @@ The core, :func:`compute_weights`, is a pure function of the inputs, the previou
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from triscope.config import deep_merge
 from triscope.errors import ConfigError
 
 NAN = float("nan")
@@ -68,16 +68,6 @@ DEFAULTS: dict[str, Any] = {
         "traefik_rule": "PathPrefix(`/`)",
     },
 }
-
-
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 @dataclass(frozen=True)
@@ -143,7 +133,7 @@ class WeightParams:
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None = None) -> WeightParams:
         """Parameters from the ``[weights]`` section of a loaded config (defaults for missing keys)."""
-        section = _merge(DEFAULTS, (config or {}).get("weights", {}) or {})
+        section = deep_merge(DEFAULTS, (config or {}).get("weights", {}) or {})
         unknown = set(section) - set(DEFAULTS)
         if unknown:
             raise ConfigError(f"[weights]: unknown key(s) {', '.join(sorted(unknown))}")
