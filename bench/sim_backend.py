@@ -35,6 +35,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit
 
+from triscope.demo_fleet import Histogram  # the cumulative Prometheus histogram the demo simulator uses too
+
 GIB = 1024**3
 MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
@@ -71,37 +73,6 @@ QUEUE_BUCKETS = E2E_BUCKETS
 # Finer buckets for the per-class latency histogram (stands in for request spans, see metrics_text).
 CLASS_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4, 0.5, 0.65, 0.8, 1.0,
                  1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.5, 8.0, 10.0, 15.0, 20.0, 30.0, 60.0)
-
-
-class Histogram:
-    """A cumulative Prometheus histogram."""
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, value: float) -> None:
-        for i, upper in enumerate(self.buckets):
-            if value <= upper:
-                self.counts[i] += 1
-                break
-        else:
-            self.counts[-1] += 1
-        self.total += value
-        self.n += 1
-
-    def render(self, name: str, labels: str) -> list[str]:
-        out = []
-        cumulative = 0
-        for upper, count in zip(self.buckets, self.counts, strict=False):
-            cumulative += count
-            out.append(f'{name}_bucket{{{labels},le="{upper}"}} {float(cumulative)}')
-        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(self.n)}')
-        out.append(f"{name}_count{{{labels}}} {float(self.n)}")
-        out.append(f"{name}_sum{{{labels}}} {self.total}")
-        return out
 
 
 @dataclass
