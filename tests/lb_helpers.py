@@ -1,4 +1,4 @@
-"""Shared pieces of the real-load-balancer tests (Envoy, Traefik): backends, inputs, polling.
+"""Shared pieces of the real-load-balancer tests (HAProxy, Envoy, Traefik): backends, inputs, polling.
 
 Backends are tiny HTTP servers on 127.0.0.1 answering their own name; the weight feed gets its
 engine inputs from :class:`Fleet` (a mutable memory ratio per backend) instead of a store.

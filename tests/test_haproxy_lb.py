@@ -13,15 +13,14 @@ import http.client
 import io
 import socket
 import subprocess
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from conftest import require_binary
+from lb_helpers import backends, free_port, stop
 
 from triscope.exporters.feed import WeightFeed
 from triscope.exporters.weights import BackendInputs, WeightParams
@@ -31,50 +30,17 @@ AGENT_INTER_MS = 200
 NAMES = ("s0", "s1", "s2")
 
 
-class Backend:
-    """An HTTP server answering its own name."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                body = name.encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class HAProxy:
-    def __init__(self, workdir: Path, backends: list[Backend], agent_port: int) -> None:
+    def __init__(self, workdir: Path, ports: dict[str, int], agent_port: int) -> None:
         self.sock = workdir / "admin.sock"
         self.port = free_port()
         lines = ["global", f"    stats socket {self.sock} mode 600 level admin", "    nbthread 1",
                  "defaults", "    mode http", "    timeout connect 1s", "    timeout client 5s",
                  "    timeout server 5s", "frontend fe", f"    bind 127.0.0.1:{self.port}",
                  "    default_backend pool", "backend pool", "    balance roundrobin"]
-        for b in backends:
-            lines.append(f"    server {b.name} 127.0.0.1:{b.port} weight 100 agent-check agent-addr 127.0.0.1 "
-                         f"agent-port {agent_port} agent-inter {AGENT_INTER_MS}ms agent-send \"{b.name}\\n\"")
+        for name, port in ports.items():
+            lines.append(f"    server {name} 127.0.0.1:{port} weight 100 agent-check agent-addr 127.0.0.1 "
+                         f"agent-port {agent_port} agent-inter {AGENT_INTER_MS}ms agent-send \"{name}\\n\"")
         cfg = workdir / "haproxy.cfg"
         cfg.write_text("\n".join(lines) + "\n")
         binary = require_binary("haproxy")
@@ -122,12 +88,7 @@ class HAProxy:
         return {n: int(r["weight"]) for n, r in self.stat().items()}
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)
 
 
 class Inputs:
@@ -143,21 +104,21 @@ class Inputs:
 @pytest.fixture()
 def stack(tmp_path: Path) -> Iterator[tuple[HAProxy, Inputs, WeightFeed]]:
     require_binary("haproxy")
-    backends = [Backend(n) for n in NAMES]
     inputs = Inputs()
     # fast damping so a change reaches its target within one update (the bounds are tested elsewhere)
     params = WeightParams.from_config({"weights": {"interval_s": INTERVAL_S, "ewma_up": 1.0, "ewma_down": 1.0,
                                                    "max_step_up": 1.0, "max_step_down": 1.0, "slow_start": False,
                                                    "feed": {"port": 0, "agent_port": 0}}})
-    feed = WeightFeed(params, inputs_fn=inputs).start()
-    hap = HAProxy(tmp_path, backends, feed.agent_port)
-    try:
-        yield hap, inputs, feed
-    finally:
-        hap.close()
-        feed.close()
-        for b in backends:
-            b.close()
+    with backends(list(NAMES)) as ports:
+        feed = WeightFeed(params, inputs_fn=inputs).start()
+        try:
+            hap = HAProxy(tmp_path, ports, feed.agent_port)
+            try:
+                yield hap, inputs, feed
+            finally:
+                hap.close()
+        finally:
+            feed.close()
 
 
 def wait_weights(hap: HAProxy, want: dict[str, int], timeout_s: float = 5.0) -> float:
