@@ -103,8 +103,10 @@ class Writer:
         self._memory_rows = 0
         self._spool_bytes = 0
         self._in_flight: _Queued | None = None
+        self._condemned: _Queued | None = None  # the in-flight batch the spool cap drops if its insert fails
         self._dedup_ready: set[str] = set()
         self._lock = threading.Lock()
+        self._seal_lock = threading.Lock()
         self._wake = threading.Event()
         self._idle = threading.Condition(self._lock)
         self._stop = threading.Event()
@@ -194,19 +196,23 @@ class Writer:
         return max(wait, 0.005)
 
     def _seal_due(self, force: bool) -> None:
-        now = time.monotonic()
-        with self._lock:
-            for key, building in list(self._building.items()):
-                if force or now - building.batch.created >= self.flush_interval_s:
-                    del self._building[key]
-                    self._to_seal.append(building)
-            sealing, self._to_seal = self._to_seal, []
-        for building in sealing:
-            item = building.batch.seal(self.fsync)
+        # One sealer at a time (the writer thread, flush, close): batches reach the queue in the
+        # order they filled, which the spool cap relies on, and a flush that returns has seen every
+        # batch sealed, none still on its way into the queue.
+        with self._seal_lock:
+            now = time.monotonic()
             with self._lock:
-                self._queue.append(_Queued(item, building.columns))
-                self._spill_memory()
-                self._enforce_spool_cap()
+                for key, building in list(self._building.items()):
+                    if force or now - building.batch.created >= self.flush_interval_s:
+                        del self._building[key]
+                        self._to_seal.append(building)
+                sealing, self._to_seal = self._to_seal, []
+            for building in sealing:
+                item = building.batch.seal(self.fsync)
+                with self._lock:
+                    self._queue.append(_Queued(item, building.columns))
+                    self._spill_memory()
+                    self._enforce_spool_cap()
 
     def _spill_memory(self) -> None:
         """Keep at most max_memory_rows in memory: newest queued batches live only on disk (lock held)."""
@@ -220,18 +226,32 @@ class Writer:
                 self._memory_rows -= queued.file.rows
 
     def _enforce_spool_cap(self) -> None:
-        """Delete the oldest batches while the spool is over its byte cap (lock held)."""
-        while self._spool_bytes > self.spool_max_bytes:
-            victim = next((q for q in self._queue if q is not self._in_flight), None)
-            if victim is None:
-                break
-            self._queue.remove(victim)
-            self._forget(victim)
-            self.spool.remove(victim.file)
-            self.stats["rows_dropped"] += victim.file.rows
-            log.warning("writer: spool over %d bytes; dropped oldest batch %s (%d rows of %s), %d rows lost so far",
-                        self.spool_max_bytes, victim.file.batch_id, victim.file.rows, victim.file.table,
-                        self.stats["rows_dropped"])
+        """Delete the oldest batches while the spool is over its byte cap (lock held).
+
+        The batch being inserted cannot be deleted under its insert: when it is among the oldest
+        it is marked instead, dropped if that attempt fails (kept if it succeeds), and its bytes
+        count as freed meanwhile, so no newer batch is deleted in its place.
+        """
+        for victim in list(self._queue):
+            marked = self._condemned.file.size if self._condemned is not None else 0
+            if self._spool_bytes - marked <= self.spool_max_bytes:
+                return
+            if victim is self._condemned:
+                continue
+            if victim is self._in_flight:
+                self._condemned = victim
+                continue
+            self._drop(victim)
+
+    def _drop(self, victim: _Queued) -> None:
+        """Delete a queued batch from the queue and the spool, counting its rows as lost (lock held)."""
+        self._queue.remove(victim)
+        self._forget(victim)
+        self.spool.remove(victim.file)
+        self.stats["rows_dropped"] += victim.file.rows
+        log.warning("writer: spool over %d bytes; dropped oldest batch %s (%d rows of %s), %d rows lost so far",
+                    self.spool_max_bytes, victim.file.batch_id, victim.file.rows, victim.file.table,
+                    self.stats["rows_dropped"])
 
     def _forget(self, queued: _Queued) -> None:
         """Account a batch leaving the queue (lock held)."""
@@ -273,7 +293,10 @@ class Writer:
             ok = self._write(queued)
             with self._lock:
                 self._in_flight = None
-                if ok is None:  # store down: retry later
+                condemned, self._condemned = self._condemned is queued, None
+                if ok is None:  # store down: retry later (unless the spool cap marked this batch)
+                    if condemned:
+                        self._drop(queued)
                     self._idle.notify_all()
                     return
                 if self._queue and self._queue[0] is queued:
