@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +41,13 @@ def require_binary(name: str) -> str:
     require(path is not None, f"{name} is not installed (see .ci/apt-packages.txt / README)")
     assert path is not None
     return path
+
+
+def free_port() -> int:
+    """A 127.0.0.1 TCP port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def shared_data(*parts: str) -> Path:

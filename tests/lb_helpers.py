@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import http.client
-import socket
 import subprocess
 import threading
 import time
@@ -18,16 +17,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from conftest import free_port  # noqa: F401 - re-exported for the LB tests
+
 from triscope.exporters.feed import WeightFeed
 from triscope.exporters.weights import BackendInputs, WeightParams
 
 GIB = 1024**3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _NameHandler(BaseHTTPRequestHandler):

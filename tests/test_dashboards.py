@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, fresh_database, require_binary
+from conftest import REPO, free_port, fresh_database, require_binary
 
 from triscope.collectors.nccl_common import ns_text
 from triscope.dashboards import macros
@@ -626,14 +626,6 @@ class _Grafana(BaseHTTPRequestHandler):
         pass
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture()
 def grafana():  # noqa: ANN201
     _Grafana.calls, _Grafana.folders, _Grafana.status = [], set(), 200
@@ -683,7 +675,7 @@ def test_push_cli_errors_are_one_line(grafana: str, monkeypatch: pytest.MonkeyPa
     assert main(["dashboards", "push", "--url", grafana]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("triscope: error: Grafana at") and "Unauthorized" in err and "\n" not in err
-    port = _free_port()
+    port = free_port()
     assert main(["dashboards", "push", "--url", f"http://127.0.0.1:{port}", "--timeout", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"triscope: error: Grafana at http://127.0.0.1:{port} is unreachable") and "\n" not in err

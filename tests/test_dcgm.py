@@ -11,7 +11,6 @@ import contextlib
 import http.server
 import math
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import shared_data
+from conftest import free_port, shared_data
 from prometheus_client.parser import text_string_to_metric_families
 
 from triscope.collectors.dcgm import (
@@ -223,16 +222,10 @@ def server() -> Iterator[tuple[str, dict[str, bytes]]]:
         httpd.server_close()
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_scrape_real_http_targets_into_the_store(server: tuple[str, dict[str, bytes]], store: Any,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     base, routes = server
-    dead = f"http://127.0.0.1:{closed_port()}/metrics"
+    dead = f"http://127.0.0.1:{free_port()}/metrics"
     urls = [f"{base}/{SYNTHETIC}", f"{base}/{README}", *(f"{base}/{c}" for c in CSVS), f"{base}/garbage", dead,
             f"{base}/big", f"{base}/slow"]
     scraper = factory({"dcgm": {"urls": urls, "timeout_s": 0.5, "max_body_bytes": 256 * 1024}})

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, shared_data
+from conftest import REPO, free_port, shared_data
 
 WORKER = Path(__file__).with_name("nccl_gloo_worker.py")
 pytestmark = pytest.mark.slow
@@ -60,9 +59,7 @@ def test_sample_gloo_job_report_and_exit_code(tmp_path: Path) -> None:
 def test_since_finds_a_fresh_job(tmp_path: Path) -> None:
     """A real gloo job that just ran is found by ``--since 10m`` and its straggler breaches."""
     out = tmp_path / "job"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(out), str(port), str(r), "2", "0", "0.12", "3"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in (0, 1)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]

@@ -7,12 +7,12 @@ verdicts on rank 0, which waits; the job's own Flight Recorder dumps tell the sa
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from triscope.analyzers.nccl_crossrank import flight_recorder_check, stragglers
 from triscope.analyzers.stalls import diagnose_stalls
@@ -26,16 +26,10 @@ ITERS = 4
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gloo")
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(out), str(port), str(r), "2", "1", str(DELAY_S),
                                str(ITERS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
     for p in procs:

@@ -8,7 +8,6 @@ The serving engine of the daemon test is a prometheus_client server exposing vLL
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -23,7 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import require_binary
+from tests.conftest import free_port, require_binary
 from triscope.collectors.nccl_common import ns_text
 from triscope.errors import ConfigError
 from triscope.exporters.prometheus import PrometheusExporter, factory, prometheus_config
@@ -32,12 +31,6 @@ from triscope.schema import qualified
 MS = 1_000_000
 LAT_B1 = [0.010 * (i + 1) for i in range(50)]  # 10 ms .. 500 ms
 LAT_B2 = [0.2, 0.4, 0.9]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _t0() -> int:
@@ -217,7 +210,7 @@ def test_a_failing_store_is_counted_not_raised(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_real_prometheus_scrapes_the_exporter(exporter: PrometheusExporter, tmp_path: Path) -> None:
     binary = require_binary("prometheus")
-    port = _free_port()
+    port = free_port()
     (tmp_path / "prometheus.yml").write_text(
         "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
         f"  - job_name: triscope\n    static_configs:\n      - targets: ['127.0.0.1:{exporter.port}']\n")
@@ -259,7 +252,7 @@ def _vllm(kv: float) -> tuple[int, Any]:
     labels = ["model_name", "engine"]
     Gauge("vllm:num_requests_waiting", "waiting", labels, registry=registry).labels("llama", "0").set(1)
     Gauge("vllm:kv_cache_usage_perc", "kv", labels, registry=registry).labels("llama", "0").set(kv)
-    port = _free_port()
+    port = free_port()
     server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
     return port, server
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from disk_helpers import synced_write
 from run_helpers import clean_env, start_run, written_counts
 
@@ -49,12 +49,6 @@ def example_toml() -> str:
     return m[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _metric(text: str, name: str, labels: str) -> float | None:
     m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
     return float(m[1]) if m else None
@@ -65,7 +59,7 @@ def test_docs_example_config_runs(tmp_path: Path) -> None:
     cfg = tomllib.loads(toml)
     assert cfg["run"]["collectors"] == ["blockio_diskstats", "torch_allocator"]
     (tmp_path / "triscope.toml").write_text(toml)
-    port = _free_port()
+    port = free_port()
     env = clean_env(TRISCOPE_PROMETHEUS__PORT=str(port), TRISCOPE_RUN__STATUS_INTERVAL_S="0.3")
     proc, log_lines, reader = start_run("triscope.toml", env, cwd=tmp_path)
     metrics = ""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from disk_helpers import synced_write
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 from run_helpers import clean_env, start_run, written_counts
@@ -39,12 +39,6 @@ print(json.dumps(out))
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _vllm_server() -> tuple[int, object]:
     registry = CollectorRegistry()
     labels = ["model_name", "engine"]
@@ -53,7 +47,7 @@ def _vllm_server() -> tuple[int, object]:
     Gauge("vllm:kv_cache_usage_perc", "kv", labels, registry=registry).labels("llama", "0").set(0.42)
     Histogram("vllm:e2e_request_latency_seconds", "e2e", labels, buckets=[0.1, 1.0],
               registry=registry).labels("llama", "0").observe(0.3)
-    port = _free_port()
+    port = free_port()
     server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
     return port, server
 
@@ -68,7 +62,7 @@ def _span_doc() -> bytes:
 
 def test_run_collects_writes_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     metrics_port, server = _vllm_server()
-    otlp_port = _free_port()
+    otlp_port = free_port()
     cfg = tmp_path / "triscope.toml"
     cfg.write_text(f"""
 [store]

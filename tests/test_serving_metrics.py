@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 import re
-import socket
 from collections import defaultdict
 
 import pytest
-from conftest import shared_data
+from conftest import free_port, shared_data
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 from triscope.collectors.serving_metrics import (
@@ -60,12 +59,6 @@ def test_old_vllm_gpu_cache_name() -> None:
     assert rows["kv_cache_usage_ratio"] == [0.25] and rows["queue_length"] == [4.0]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_real_vllm_like_server_two_scrapes(store) -> None:
     """A real prometheus_client registry served over HTTP with vLLM's names and two engines."""
     registry = CollectorRegistry()
@@ -77,7 +70,7 @@ def test_real_vllm_like_server_two_scrapes(store) -> None:
     buckets = [0.1, 0.2, 0.5, 1.0]
     e2e = Histogram("vllm:e2e_request_latency_seconds", "e2e", labels, buckets=buckets, registry=registry)
     ttft = Histogram("vllm:time_to_first_token_seconds", "ttft", labels, buckets=buckets, registry=registry)
-    port = _port()
+    port = free_port()
     server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
     try:
         for engine, (r, w, k) in {"0": (3, 1, 0.5), "1": (5, 2, 0.7)}.items():
@@ -162,7 +155,7 @@ def test_unknown_metrics_and_parse_error_message() -> None:
 
 
 def test_unreachable_target_is_skipped_not_raised() -> None:
-    scraper = ServingMetricsScraper({"serving_metrics": {"targets": [f"http://127.0.0.1:{_port()}/metrics"],
+    scraper = ServingMetricsScraper({"serving_metrics": {"targets": [f"http://127.0.0.1:{free_port()}/metrics"],
                                                          "timeout_s": 1}})
     assert scraper.collect() == {}
     assert "scrape failed" in next(iter(scraper.errors.values()))

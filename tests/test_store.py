@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
+from conftest import free_port
 
 from triscope.config import _deep_merge, deep_merge, env_overrides, load_config
 from triscope.errors import ConfigError, StoreError
@@ -86,9 +85,7 @@ def test_single_node_ddl_runs_on_the_engine(store):
 
 
 def test_unreachable_server_store_gives_a_clear_error():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again before connecting: nothing listens there
+    port = free_port()  # closed again before connecting: nothing listens there
     with pytest.raises(StoreError) as info:
         open_store({"store": {"backend": "server", "url": f"http://127.0.0.1:{port}"}})
     assert "cannot reach ClickHouse" in str(info.value) or "query failed" in str(info.value)

@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from conftest import require_binary
+from conftest import free_port, require_binary
 from prometheus_client.parser import text_string_to_metric_families
 
 from triscope.errors import ConfigError
@@ -486,13 +486,9 @@ def test_triscope_run_serves_weights_from_scraped_metrics(tmp_path) -> None:  # 
     registry = CollectorRegistry()
     kv = Gauge("vllm:kv_cache_usage_perc", "kv", ["model_name", "engine"], registry=registry)
     kv.labels("llama", "0").set(0.75)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        metrics_port = s.getsockname()[1]
+    metrics_port = free_port()
     server, _ = start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        feed_port = s.getsockname()[1]
+    feed_port = free_port()
     cfg = tmp_path / "triscope.toml"
     cfg.write_text(f"""
 [store]

@@ -8,11 +8,11 @@ ClickHouse is unreachable). One test points a real ServerStore at a closed port 
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import free_port
 
 from triscope.errors import ConfigError, InputError, StoreError
 from triscope.schema import qualified
@@ -150,9 +150,7 @@ def test_unreachable_server_spools_and_next_start_replays(store: Store, tmp_path
     """A real ServerStore at a closed port: rows wait in the spool; a later writer replays them."""
     from triscope.store.server import ServerStore
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
+    port = free_port()  # closed again when the block ends: nothing listens there
     make_table(store)
     spool = str(tmp_path / "spool")
     w = Writer(lambda: ServerStore(f"http://127.0.0.1:{port}", connect_timeout_s=0.5), spool,
