@@ -41,7 +41,6 @@ def _column_to_numpy(column: Any) -> Any:
     text columns the analyzers read): pyarrow's own ``to_numpy`` imports pandas on first use,
     half a second of a short CLI run.
     """
-    import numpy as np
     import pyarrow as pa
 
     if column.num_chunks == 0:
@@ -58,8 +57,6 @@ def _column_to_numpy(column: Any) -> Any:
 
 def _primitive(array: Any) -> Any:
     """A copy of a null-free fixed-width numeric Arrow array as numpy, or None for other arrays."""
-    import numpy as np
-
     dtype = _NUMPY_KIND.get(str(array.type))
     if dtype is None or array.null_count:
         return None
