@@ -22,7 +22,7 @@ the map keys), so a row covers exactly [ts, ts + window_seconds] however late bp
   instance, CLOCK_MONOTONIC like bpftrace's ``nsecs``), sampling requests whose 4 KiB block
   number is a multiple of 8 (filter ``!(sector & 56)``, same sector at issue and completion).
   From those exact issue -> completion times: the mean must match bpftrace's exact sum within
-  5 % (same requests, 1/8 sample), and p50/p99 must fall within the log2 bucket bound (the
+  4 standard errors of the 1/8 sample's mean (plus 1 %), and p50/p99 must fall within the log2 bucket bound (the
   interpolated estimate and the true quantile share a power-of-two bucket, ratio < 2),
   widened by the order-statistic uncertainty of the sampled quantile (rank +/- 4 sigma).
 - fio: its completed reads are a lower bound of the reads counted (other processes read the same
@@ -99,6 +99,18 @@ def _quantile_band(sorted_lat: list[float], q: float) -> tuple[float, float]:
     spread = 4 * math.sqrt(n * q * (1 - q))
     lo, hi = max(0, math.floor(q * n - spread)), min(n - 1, math.ceil(q * n + spread))
     return sorted_lat[lo], sorted_lat[hi]
+
+
+def _mean_tolerance(sample: list[float], population: int) -> float:
+    """4 standard errors of a sample mean drawn from ``population`` requests, plus 1 % for clock noise.
+
+    The sampled requests are ~1/8 of a window's (a few hundred), and device latency has a long
+    tail, so a fixed relative bound is not a property of the collector: one CI run saw the sample
+    mean 9 % away from the exact one with a standard error of ~4 %.
+    """
+    n = len(sample)
+    fpc = math.sqrt(max(0.0, 1 - n / max(population, n)))  # sampling without replacement
+    return 4 * statistics.stdev(sample) / math.sqrt(n) * fpc + 0.01 * statistics.fmean(sample)
 
 
 def _ts_ns(text: str) -> int:
@@ -184,7 +196,7 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
 
         lat = sorted(s for t, s in traced if t0 <= t < t1)
         assert len(lat) >= r["ios"] / 8 * 0.8, (len(lat), r["ios"])
-        assert r["mean_seconds"] == pytest.approx(statistics.fmean(lat), rel=0.05), r
+        assert abs(r["mean_seconds"] - statistics.fmean(lat)) <= _mean_tolerance(lat, r["ios"]), r
         for q, col in ((0.5, "p50_seconds"), (0.99, "p99_seconds")):
             lo, hi = _quantile_band(lat, q)
             assert lo / 2 <= r[col] <= hi * 2, (col, r[col], lo, hi)
