@@ -9,32 +9,44 @@ from pathlib import Path
 
 
 class DiskstatsSampler(threading.Thread):
-    """(wall ns, reads completed, weighted ms doing IO) of one device every ~10 ms, until ``stop`` is set."""
+    """(wall ns, reads completed, weighted ms doing IO) of one device every ~10 ms, until ``stop`` is set.
+
+    ``spans`` holds the same counters with the wall clock read just before and just after reading
+    /proc/diskstats: the counters were current at some instant inside that span (a thread can be
+    preempted between the read and a single timestamp, by milliseconds under load).
+    """
 
     def __init__(self, device: str) -> None:
         super().__init__(daemon=True)
         self.device = device
         self.samples: list[tuple[int, float, float]] = []
+        self.spans: list[tuple[int, int, float, float]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
-            for line in Path("/proc/diskstats").read_text().splitlines():
+            before = time.time_ns()
+            text = Path("/proc/diskstats").read_text()
+            after = time.time_ns()
+            for line in text.splitlines():
                 f = line.split()
                 if f[2] == self.device:
-                    self.samples.append((time.time_ns(), float(f[3]), float(f[13])))
+                    self.samples.append((after, float(f[3]), float(f[13])))
+                    self.spans.append((before, after, float(f[3]), float(f[13])))
             time.sleep(0.01)
 
     def bracket(self, t0: int, t1: int) -> tuple[tuple[float, float], tuple[float, float]]:
         """Bounds of the change of (reads completed, weighted ms) over [t0, t1]: both counters only
-        grow, so the change lies between the samples just inside and just outside the window."""
-        s = self.samples
-        assert s[0][0] <= t0 < t1 <= s[-1][0], "window outside the sampled span"
-        before0 = max(x for x in s if x[0] <= t0)
+        grow, so the change lies between the samples surely inside and surely outside the window
+        (a sample is surely after t0 when its read began at or after t0, surely before t0 when it
+        ended at or before t0)."""
+        s = self.spans
+        assert s[0][1] <= t0 < t1 <= s[-1][0], "window outside the sampled span"
+        before0 = max((x for x in s if x[1] <= t0), key=lambda x: x[1])
         after0 = min((x for x in s if x[0] >= t0), key=lambda x: x[0])
-        before1 = max(x for x in s if x[0] <= t1)
+        before1 = max((x for x in s if x[1] <= t1), key=lambda x: x[1])
         after1 = min((x for x in s if x[0] >= t1), key=lambda x: x[0])
-        return tuple((before1[i] - after0[i], after1[i] - before0[i]) for i in (1, 2))  # type: ignore[return-value]
+        return tuple((before1[i] - after0[i], after1[i] - before0[i]) for i in (2, 3))  # type: ignore[return-value]
 
 
 def synced_write(path: Path, size: int) -> None:
