@@ -72,6 +72,10 @@ BENCH_WEIGHTS: dict[str, Any] = {
 # HAProxy priority classes for --class-priority (lower leaves the queue first).
 CLASS_PRIORITY = {"realtime_speech": -10, "interactive_image_text": 0, "offline_video": 10}
 
+# --class-admission: KV usage at which a backend stops taking a class (triscope's admit_kv_ratio);
+# speech has no limit of its own (it follows the backend's drain at drain_kv_ratio).
+CLASS_ADMISSION = {"offline_video": 0.75, "interactive_image_text": 0.90}
+
 
 @dataclass
 class Policy:
@@ -406,12 +410,18 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
                 for s in fleet.specs:
                     backends.setdefault(s.name, {})["max_inflight"] = server_maxconn(s, args.maxconn_per_slot)
                 overrides["backends"] = backends
+            if args.class_admission:
+                classes = {k: dict(v) for k, v in overrides.get("classes", {}).items()}
+                for cls, ratio in parse_admission(args.class_admission).items():
+                    classes.setdefault(cls, {})["admit_kv_ratio"] = ratio
+                overrides["classes"] = classes
             feed = FeedWorker({s.name: fleet.url(s) for s in fleet.specs}, overrides, args.feed_window_s).start()
             agent_port = feed.agent_port
+        pools = list(CLASS_PRIORITY) if policy.triscope and args.class_admission else []
         servers = [Server(s.name, s.port, maxconn=server_maxconn(s, args.maxconn_per_slot)) for s in fleet.specs]
         with HAProxy(workdir / policy.name, servers, balance=policy.balance, agent_port=agent_port,
                      agent_inter_ms=args.agent_inter_ms, timeout_queue_ms=args.timeout_queue_ms,
-                     queue_priority=CLASS_PRIORITY if args.class_priority else None) as hap:
+                     queue_priority=CLASS_PRIORITY if args.class_priority else None, class_pools=pools) as hap:
             if policy.triscope:
                 time.sleep(max(0.5, 3 * args.agent_inter_ms / 1000))
             results, lag, samples, feed_samples = asyncio.run(
@@ -438,6 +448,19 @@ def parse_pressure(items: list[str]) -> dict[str, float]:
         if not sep:
             raise SystemExit(f"--pressure {item!r}: expected NAME=RATIO")
         out[name] = min(1.0, max(0.0, float(ratio)))
+    return out
+
+
+def parse_admission(text: str) -> dict[str, float]:
+    """``--class-admission``: ``default`` (:data:`CLASS_ADMISSION`) or ``CLASS=RATIO,CLASS=RATIO``."""
+    if text == "default":
+        return dict(CLASS_ADMISSION)
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, ratio = item.partition("=")
+        if not sep or name not in CLASS_PRIORITY:
+            raise SystemExit(f"--class-admission {item!r}: expected CLASS=RATIO with CLASS in {', '.join(CLASS_PRIORITY)}")
+        out[name] = float(ratio)
     return out
 
 
@@ -630,6 +653,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--agent-maxconn", action="store_true",
                    help="triscope: the agent also sends maxconn:round(server maxconn x weight) "
                         "(needs --maxconn-per-slot)")
+    p.add_argument("--class-admission", default="", metavar="default|CLASS=KV,...",
+                   help="triscope only: one HAProxy pool per request class, and the feed closes a backend to a "
+                        "class at that KV usage (admit_kv_ratio); 'default' = "
+                        + ",".join(f"{k}={v}" for k, v in CLASS_ADMISSION.items()))
     p.add_argument("--repeat", type=int, default=1, help="repetitions with seeds seed..seed+N-1, results pooled")
     p.add_argument("--feed-window-s", type=float, default=5.0, help="P99/QPS window of the metrics adapter")
     p.add_argument("--weights", default="", help="JSON object of [weights] overrides for the triscope feed")
@@ -685,7 +712,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "arrivals_total": sum(len(x) for x in schedules), "seeds": seeds,
            "haproxy": {"maxconn_per_slot": args.maxconn_per_slot, "timeout_queue_ms": args.timeout_queue_ms,
                        "agent_inter_ms": args.agent_inter_ms, "agent_maxconn": args.agent_maxconn,
-                       "class_priority": args.class_priority},
+                       "class_priority": args.class_priority,
+                       "class_admission": parse_admission(args.class_admission) if args.class_admission else {}},
            "weights_overrides": weights_overrides(args) if "triscope" in reports else {},
            "policies": {k: asdict(v) for k, v in reports.items()}, "comparisons": [c for c in comps if c]}
     if args.json:

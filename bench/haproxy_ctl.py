@@ -52,12 +52,18 @@ class HAProxy:
     ``timeout_queue_ms`` and ``queue_priority`` ({path suffix: priority class}) are admission
     control: requests beyond a server's maxconn wait in the backend queue, leave it by priority
     class, and get HAProxy's 503 after ``timeout queue``.
+
+    ``class_pools`` (request class names, matched as the path's last segment): one more backend
+    per class, ``pool_<class>``, with the same servers, chosen by ``use_backend``; with an agent
+    each of its servers sends ``"<name> <class>"``, so the feed can close one backend to one class
+    (triscope's ``admit_kv_ratio``). A pool whose servers are all drained answers 503 at once:
+    per-class load shedding in the LB. Other paths keep using ``gpus``.
     """
 
     def __init__(self, workdir: Path, servers: list[Server], balance: str = "roundrobin",
                  agent_port: int | None = None, agent_inter_ms: int = 250, port: int | None = None,
                  binary: str | None = None, timeout_queue_ms: int = 0,
-                 queue_priority: dict[str, int] | None = None) -> None:
+                 queue_priority: dict[str, int] | None = None, class_pools: list[str] | tuple[str, ...] = ()) -> None:
         self.workdir = Path(workdir)
         self.servers = servers
         self.balance = balance
@@ -65,6 +71,7 @@ class HAProxy:
         self.agent_inter_ms = agent_inter_ms
         self.timeout_queue_ms = timeout_queue_ms
         self.queue_priority = dict(queue_priority or {})
+        self.class_pools = tuple(class_pools)
         self.port = port or free_port()
         self.binary = binary or shutil.which("haproxy") or "haproxy"
         self.socket_path = self.workdir / "haproxy.sock"
@@ -85,10 +92,16 @@ class HAProxy:
             "    option http-keep-alive",
             "frontend fe",
             f"    bind 127.0.0.1:{self.port}",
-            "    default_backend gpus",
-            "backend gpus",
-            f"    balance {self.balance}",
         ]
+        lines += [f"    use_backend pool_{c} if {{ path_end /{c} }}" for c in self.class_pools]
+        lines.append("    default_backend gpus")
+        lines += self._pool("gpus", "")
+        for c in self.class_pools:
+            lines += self._pool(f"pool_{c}", c)
+        return "\n".join(lines) + "\n"
+
+    def _pool(self, pool: str, request_class: str) -> list[str]:
+        lines = [f"backend {pool}", f"    balance {self.balance}"]
         if self.timeout_queue_ms > 0:
             lines.append(f"    timeout queue {self.timeout_queue_ms}ms")
         for suffix, prio in self.queue_priority.items():  # lower class leaves HAProxy's queue first
@@ -98,10 +111,16 @@ class HAProxy:
             if s.maxconn > 0:
                 line += f" maxconn {s.maxconn}"
             if self.agent_port is not None:
+                send = f"{s.name} {request_class}" if request_class else s.name
                 line += (f" agent-check agent-addr 127.0.0.1 agent-port {self.agent_port}"
-                         f" agent-inter {self.agent_inter_ms}ms agent-send \"{s.name}\\n\"")
+                         f" agent-inter {self.agent_inter_ms}ms agent-send \"{send}\\n\"")
             lines.append(line)
-        return "\n".join(lines) + "\n"
+        return lines
+
+    @property
+    def pools(self) -> list[str]:
+        """Every backend pool: ``gpus`` then one per class."""
+        return ["gpus"] + [f"pool_{c}" for c in self.class_pools]
 
     def start(self) -> HAProxy:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -139,17 +158,18 @@ class HAProxy:
                 chunks.append(data)
         return b"".join(chunks).decode()
 
-    def stats(self) -> list[dict[str, str]]:
-        """``show stat`` rows of the servers of the pool."""
+    def stats(self, pool: str | None = "gpus") -> list[dict[str, str]]:
+        """``show stat`` rows of the servers of ``pool`` (every pool when None)."""
         text = self.admin("show stat").lstrip("# ")
         rows = list(csv.DictReader(io.StringIO(text)))
-        return [r for r in rows if r.get("pxname") == "gpus" and r.get("svname") not in ("FRONTEND", "BACKEND")]
+        wanted = set(self.pools) if pool is None else {pool}
+        return [r for r in rows if r.get("pxname") in wanted and r.get("svname") not in ("FRONTEND", "BACKEND")]
 
-    def weights(self) -> dict[str, int]:
-        """Current effective weight of every server (what the agent set)."""
+    def weights(self, pool: str = "gpus") -> dict[str, int]:
+        """Current effective weight of every server of ``pool`` (what the agent set)."""
         out = {}
         for s in self.servers:
-            answer = self.admin(f"get weight gpus/{s.name}").split()
+            answer = self.admin(f"get weight {pool}/{s.name}").split()
             out[s.name] = int(answer[0]) if answer and answer[0].isdigit() else -1
         return out
 

@@ -2,7 +2,8 @@
 
 Protocol (HAProxy 2.6 ``agent-check``): HAProxy opens a TCP connection, writes the configured
 ``agent-send`` string and reads one ASCII line. We read at most :data:`MAX_LINE` bytes up to the
-first newline; the line names the backend (``gpu-a:8000``). Answers:
+first newline; the line names the backend (``gpu-a:8000``), optionally followed by a space and a
+request class (``gpu-a:8000 offline_video``) for per-class HAProxy pools. Answers:
 
 * ``ready NN%\n`` for a ready backend, ``NN`` = its integer LB weight (1..100 with ``lb_scale`` 100),
   a percentage of the server's configured ``weight`` (configure ``weight 100``); ``ready`` also
@@ -10,7 +11,8 @@ first newline; the line names the backend (``gpu-a:8000``). Answers:
   followed by `` maxconn:M`` when the backend has ``max_inflight`` configured: ``M = max(1,
   round(max_inflight * weight))``, so HAProxy caps the server's concurrency as its weight falls and
   queues the rest in the backend (admission control; ``timeout queue`` bounds the wait);
-* ``drain\n`` for a drained backend;
+* ``drain\n`` for a drained backend, and for a backend closed to the named class by that class's
+  ``admit_kv_ratio`` (a class the feed does not know gets the backend's own answer);
 * ``ready 100%\n`` for a name the feed does not know, or an empty line: fail open, so a typo in
   ``agent-send`` leaves HAProxy balancing as if the feed were absent rather than starving a server;
 * nothing (the connection is closed) when the line is longer than :data:`MAX_LINE` bytes without a
@@ -40,15 +42,21 @@ READ_TIMEOUT_S = 1.0
 UNKNOWN_REPLY = "ready 100%\n"
 
 
-def agent_reply(result: WeightsResult | None, name: str, max_inflight: int = 0) -> str:
-    """The agent-check answer for backend ``name`` given the latest engine result.
+def parse_agent_line(line: str) -> tuple[str, str]:
+    """``"NAME"`` or ``"NAME CLASS"`` -> (backend name, request class or "")."""
+    name, _, request_class = line.strip().partition(" ")
+    return name, request_class.strip()
+
+
+def agent_reply(result: WeightsResult | None, name: str, max_inflight: int = 0, request_class: str = "") -> str:
+    """The agent-check answer for backend ``name`` (and ``request_class``) given the latest engine result.
 
     ``max_inflight`` > 0 adds ``maxconn:N`` scaled by the backend's weight.
     """
     bw = result.backends.get(name) if result is not None else None
     if bw is None:
         return UNKNOWN_REPLY
-    if bw.state == DRAIN:
+    if bw.state == DRAIN or (request_class and result.class_state(name, request_class) == DRAIN):
         return "drain\n"
     reply = f"ready {max(1, int(bw.lb_weight))}%"
     if max_inflight > 0:
@@ -104,11 +112,13 @@ class AgentServer:
     def _handle(self, sock: socket.socket) -> None:
         sock.settimeout(self.read_timeout_s)
         try:
-            name = read_line(sock, self.max_line)
-            if name is None:
+            line = read_line(sock, self.max_line)
+            if line is None:
                 return
             self.requests_total += 1
-            sock.sendall(agent_reply(self.result_fn(), name, self.max_inflight.get(name, 0)).encode())
+            name, request_class = parse_agent_line(line)
+            reply = agent_reply(self.result_fn(), name, self.max_inflight.get(name, 0), request_class)
+            sock.sendall(reply.encode())
         except OSError as exc:
             log.debug("agent connection: %s", exc)
 

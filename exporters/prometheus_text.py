@@ -97,6 +97,11 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
     w.family("triscope_request_class_priority_weight", "gauge",
              "Queue priority weight of a request class: weight * max(1, p99/sla)^alpha.",
              [({"request_class": c}, float(v["priority_weight"])) for c, v in classes])
+    admission = sorted(result.class_admission.items()) if result is not None else []
+    w.family("triscope_backend_class_admitted", "gauge",
+             "1 when the backend admits the request class, 0 when drained or closed by the class's KV limit.",
+             [({"backend": b, "request_class": c}, 1.0 if st == "ready" else 0.0)
+              for c, states in admission for b, st in sorted(states.items())])
     action = result.scale.action if result is not None else ""
     w.family("triscope_kv_cache_scale_recommendation", "gauge", "1 for the current KV-cache scaling action.",
              [({"action": a}, 1.0 if a == action else 0.0) for a in SCALE_ACTIONS] if result is not None else [])

@@ -18,6 +18,8 @@ from triscope.errors import ConfigError
 NAN = float("nan")
 READY = "ready"
 DRAIN = "drain"
+READMIT_GAP = 0.05
+"""Default ``admit_kv_ratio - readmit_kv_ratio`` of a class admission limit."""
 
 DEFAULT_CLASSES: dict[str, dict[str, float]] = {
     "realtime_speech": {"sla_ms": 200.0, "weight": 8.0, "alpha": 2.5},
@@ -78,6 +80,16 @@ class RequestClass:
     sla_seconds: float
     weight: float
     alpha: float
+    admit_kv_ratio: float = NAN
+    """KV-cache usage at or above which a backend stops admitting this class (NaN = no class limit:
+    the class follows the backend's own ready/drain state). Lower-priority classes get lower limits,
+    so a filling backend sheds them first and keeps room for the urgent ones."""
+    readmit_kv_ratio: float = NAN
+    """Usage below which a backend closed to the class admits it again (hysteresis)."""
+
+    @property
+    def has_admission_limit(self) -> bool:
+        return math.isfinite(self.admit_kv_ratio)
 
 
 @dataclass(frozen=True)
@@ -176,13 +188,24 @@ class WeightParams:
 def _classes(raw: Mapping[str, Any]) -> dict[str, RequestClass]:
     out = {}
     for name, spec in raw.items():
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"[weights.classes.{name}] must be a table")
         try:
+            admit = float(spec.get("admit_kv_ratio", NAN))
+            readmit = float(spec.get("readmit_kv_ratio", admit - READMIT_GAP if math.isfinite(admit) else NAN))
             out[name] = RequestClass(name, float(spec["sla_ms"]) / 1000.0, float(spec["weight"]),
-                                     float(spec["alpha"]))
+                                     float(spec["alpha"]), admit, readmit)
         except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"[weights.classes.{name}] needs numeric sla_ms, weight and alpha") from None
-        if out[name].sla_seconds <= 0:
+            raise ConfigError(f"[weights.classes.{name}] needs numeric sla_ms, weight and alpha "
+                              "(and admit_kv_ratio / readmit_kv_ratio numbers when given)") from None
+        cls = out[name]
+        if cls.sla_seconds <= 0:
             raise ConfigError(f"[weights.classes.{name}] sla_ms must be > 0")
+        if cls.has_admission_limit and not (0 <= cls.readmit_kv_ratio <= cls.admit_kv_ratio <= 1):
+            raise ConfigError(f"[weights.classes.{name}] needs 0 <= readmit_kv_ratio <= admit_kv_ratio <= 1, "
+                              f"got {cls.readmit_kv_ratio:g} and {cls.admit_kv_ratio:g}")
+        if math.isfinite(cls.readmit_kv_ratio) and not cls.has_admission_limit:
+            raise ConfigError(f"[weights.classes.{name}] readmit_kv_ratio needs admit_kv_ratio")
     return out
 
 
@@ -261,6 +284,8 @@ class EngineState:
     kv_below_since: float = NAN
     newest_instance_at: float = NAN
     stale: bool = False
+    class_closed: frozenset[tuple[str, str]] = frozenset()
+    """(class, backend) pairs closed by the class's admission limit at the last update."""
 
 
 @dataclass(frozen=True)
@@ -325,6 +350,13 @@ class WeightsResult:
     classes: Mapping[str, Mapping[str, float]]
     scale: ScaleDecision
     interval_s: float = 1.0
+    class_admission: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Per class, per backend: ``ready`` or ``drain`` for requests of that class (see
+    :func:`class_admission`); HAProxy per-class pools read it with ``agent-send "NAME CLASS"``."""
+
+    def class_state(self, backend: str, request_class: str) -> str | None:
+        """``ready``/``drain`` of ``backend`` for ``request_class``; None when either is unknown."""
+        return self.class_admission.get(request_class, {}).get(backend)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``/v1/weights`` document."""
@@ -335,6 +367,11 @@ class WeightsResult:
             "backends": {name: b.to_dict() for name, b in sorted(self.backends.items())},
             "classes": {name: {k: _num(v) for k, v in c.items()} for name, c in self.classes.items()},
             "scale": self.scale.to_dict(),
+            "class_admission": {
+                name: {"backends": dict(sorted(states.items())),
+                       "open_backends": sum(1 for s in states.values() if s == READY),
+                       "shedding": bool(states) and all(s == DRAIN for s in states.values())}
+                for name, states in sorted(self.class_admission.items())},
         }
 
 
@@ -466,6 +503,33 @@ def scale_decision(inputs: Sequence[BackendInputs], state: EngineState, params: 
     return ScaleDecision("hold", fleet, "KV usage within bounds or not sustained"), above, below
 
 
+def class_admission(backends: Mapping[str, BackendWeight], closed_before: frozenset[tuple[str, str]],
+                    params: WeightParams, stale: bool) -> tuple[dict[str, dict[str, str]], frozenset[tuple[str, str]]]:
+    """Per class and backend: ``drain`` when the backend is drained, or when the class has an
+    ``admit_kv_ratio`` and the backend's KV usage reached it (``readmit_kv_ratio`` once closed);
+    else ``ready``. Also returns the closed (class, backend) pairs for the next update.
+
+    Unlike a backend drain, a class may be closed on every backend at once: that is load shedding
+    by priority (the LB answers that class 503 at once), not a fleet outage. Stale inputs open
+    every class on every backend that is not drained, like the equal-weights fallback.
+    """
+    states: dict[str, dict[str, str]] = {}
+    closed: set[tuple[str, str]] = set()
+    for cname, cls in params.classes.items():
+        per: dict[str, str] = {}
+        for name, bw in backends.items():
+            kv = bw.inputs.kv_cache_usage_ratio
+            shut = False
+            if bw.state != DRAIN and not stale and cls.has_admission_limit and math.isfinite(kv):
+                limit = cls.readmit_kv_ratio if (cname, name) in closed_before else cls.admit_kv_ratio
+                shut = kv >= limit
+            if shut:
+                closed.add((cname, name))
+            per[name] = DRAIN if shut or bw.state == DRAIN else READY
+        states[cname] = per
+    return states, frozenset(closed)
+
+
 def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | None,
                     params: WeightParams, now: float) -> tuple[WeightsResult, EngineState]:
     """Weights for ``inputs`` given the previous state; pure (no clock, no I/O)."""
@@ -531,11 +595,13 @@ def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | Non
     else:
         # the instance that appeared in this very update already starts the cooldown
         scale, above, below = scale_decision(inputs, replace(prev, newest_instance_at=newest), params, now)
-    published = tuple((n, results[n].lb_weight, results[n].state) for n in names) + (("stale", stale),)
+    admission, closed = class_admission(results, prev.class_closed, params, stale)
+    published = (tuple((n, results[n].lb_weight, results[n].state) for n in names) + (("stale", stale),)
+                 + tuple(sorted(closed)))
     version = prev.version + 1 if published != prev.published else prev.version
     result = WeightsResult(results, version, now, stale, stale_backends, suppressed,
-                           class_priorities(inputs, params), scale, params.interval_s)
-    state = EngineState(states, version, published, above, below, newest, stale)
+                           class_priorities(inputs, params), scale, params.interval_s, admission)
+    state = EngineState(states, version, published, above, below, newest, stale, closed)
     return result, state
 
 
@@ -575,7 +641,7 @@ def read_inputs(store: Any, params: WeightParams, now: float) -> list[BackendInp
     return _read(store, params, now)
 
 __all__ = ["BackendConfig", "BackendInputs", "BackendState", "BackendWeight", "EngineState", "READY", "DRAIN",
-           "RequestClass", "ScaleDecision", "WeightParams", "WeightsResult", "class_priorities",
+           "RequestClass", "ScaleDecision", "WeightParams", "WeightsResult", "class_admission", "class_priorities",
            "compute_weights", "damp", "drain_reasons", "factors", "headroom_penalty", "latency_penalty",
            "queue_penalty",
            "lb_weight", "read_inputs", "scale_decision", "split_address", "with_address"]
