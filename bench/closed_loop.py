@@ -1,19 +1,23 @@
 """Closed-loop bench: simulated GPU backends behind real HAProxy, three balancing policies.
 
-    .venv/bin/python bench/closed_loop.py            # default: 3 policies, one seed, ~2 min 10 s on 2 cores
-    .venv/bin/python bench/closed_loop.py --repeat 4 # seeds 1-4 pooled (docs/closed_loop.md table), ~9 min
+    .venv/bin/python bench/closed_loop.py            # default: 4 policies, one seed, ~3 min on 2 cores
+    .venv/bin/python bench/closed_loop.py --repeat 4 # seeds 1-4 pooled (docs/closed_loop.md table), ~12 min
     .venv/bin/python bench/closed_loop.py --steps 8 --step-s 20   # longer
     .venv/bin/python bench/closed_loop.py --json --dump-results out.jsonl
 
 N simulated vLLM-like backends (bench/sim_backend.py, heterogeneous KV capacity) sit behind one
 HAProxy. The same seeded, bursty, multimodal arrival schedule (bench/loadgen.py; +30% QPS per
-step) is replayed against three policies in turn:
+step) is replayed against four policies in turn:
 
 * ``roundrobin``  - HAProxy ``balance roundrobin``, static equal weights;
 * ``leastconn``   - HAProxy ``balance leastconn``, static equal weights;
 * ``triscope``    - HAProxy ``balance leastconn`` (``--triscope-balance``) whose server weights
   come from triscope's feed over HAProxy's agent-check; the feed runs triscope's weight engine
-  on live scrapes of the backends' ``/metrics`` (bench/metrics_adapter.py).
+  on live scrapes of the backends' ``/metrics`` (bench/metrics_adapter.py);
+* ``triscope-classes`` - the same plus per-class admission: one HAProxy pool per request class
+  whose servers ask the agent ``"NAME CLASS"``, and the feed closes a backend to a class from that
+  class's ``admit_kv_ratio`` (``--class-admission``; videos first, then image-text, never speech
+  before the backend drains).
 
 It prints, per policy: peak QPS held (highest step, counted from the first, where every class
 meets its P99 SLA and errors stay under ``--max-error``), P99 per class (of successes, and of all
@@ -82,6 +86,7 @@ class Policy:
     name: str
     balance: str
     triscope: bool = False
+    class_pools: bool = False
 
 
 @dataclass
@@ -389,7 +394,15 @@ def summarize(policy: Policy, runs: list[RawRun], shape: LoadShape, max_error: f
         send_lag_s=max(run.lag for run in runs), wall_s=sum(run.wall for run in runs),
         lb_reject_rate=sum(is_lb_reject(r) for r in results) / n if n else math.nan,
         p99_all_s={c: p99_all(results, c) for c in CLASSES},
-        repetitions=len(runs), drain_check=drain)
+        repetitions=len(runs), drain_check=drain,
+        extra={"error_rate_by_class": {c: _share(results, c, lambda r: r.status != 200) for c in CLASSES},
+               "lb_reject_rate_by_class": {c: _share(results, c, is_lb_reject) for c in CLASSES}})
+
+
+def _share(results: list[Result], cls: str, pred) -> float:  # noqa: ANN001
+    """Share of the class's offered requests for which ``pred`` holds (NaN when none were offered)."""
+    rs = [r for r in results if r.cls == cls]
+    return sum(1 for r in rs if pred(r)) / len(rs) if rs else math.nan
 
 
 def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespace, workdir: Path) -> RawRun:
@@ -410,14 +423,14 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
                 for s in fleet.specs:
                     backends.setdefault(s.name, {})["max_inflight"] = server_maxconn(s, args.maxconn_per_slot)
                 overrides["backends"] = backends
-            if args.class_admission:
+            if policy.class_pools:
                 classes = {k: dict(v) for k, v in overrides.get("classes", {}).items()}
                 for cls, ratio in parse_admission(args.class_admission).items():
                     classes.setdefault(cls, {})["admit_kv_ratio"] = ratio
                 overrides["classes"] = classes
             feed = FeedWorker({s.name: fleet.url(s) for s in fleet.specs}, overrides, args.feed_window_s).start()
             agent_port = feed.agent_port
-        pools = list(CLASS_PRIORITY) if policy.triscope and args.class_admission else []
+        pools = list(CLASS_PRIORITY) if policy.class_pools else []
         servers = [Server(s.name, s.port, maxconn=server_maxconn(s, args.maxconn_per_slot)) for s in fleet.specs]
         with HAProxy(workdir / policy.name, servers, balance=policy.balance, agent_port=agent_port,
                      agent_inter_ms=args.agent_inter_ms, timeout_queue_ms=args.timeout_queue_ms,
@@ -453,7 +466,7 @@ def parse_pressure(items: list[str]) -> dict[str, float]:
 
 def parse_admission(text: str) -> dict[str, float]:
     """``--class-admission``: ``default`` (:data:`CLASS_ADMISSION`) or ``CLASS=RATIO,CLASS=RATIO``."""
-    if text == "default":
+    if text in ("", "default"):
         return dict(CLASS_ADMISSION)
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
@@ -564,6 +577,10 @@ def print_report(reports: dict[str, PolicyReport], comps: list[dict[str, Any]], 
                       f"{d.get('oom_while_drained', 0)}, ready {d.get('oom_while_ready', 0)} "
                       f"(feed KV at those 503s: mean {d.get('feed_kv_at_oom_mean')}); max KV seen by the feed "
                       f"{d.get('max_kv_seen')}; drained samples {d.get('drained_samples')}")
+    for r in reports.values():
+        e, lb = r.extra.get("error_rate_by_class", {}), r.extra.get("lb_reject_rate_by_class", {})
+        con.print(f"{r.policy} errors by class (LB 503 part): " + ", ".join(
+            f"{c} {e.get(c, math.nan):.2%} ({lb.get(c, math.nan):.2%})" for c in CLASSES))
     b = Table(title="per backend: share of served requests | OOM 503s | peak memory ratio | HAProxy weight mean (min)")
     b.add_column("policy")
     for spec in specs:
@@ -641,7 +658,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--pressure", action="append", default=[],
                    help="NAME=RATIO: pin that share of a backend's memory for the run (a leak, a big tenant)")
-    p.add_argument("--policies", default="roundrobin,leastconn,triscope")
+    p.add_argument("--policies", default="roundrobin,leastconn,triscope,triscope-classes")
     p.add_argument("--triscope-balance", default="leastconn", choices=["leastconn", "roundrobin"])
     p.add_argument("--agent-inter-ms", type=int, default=100)
     p.add_argument("--maxconn-per-slot", type=float, default=0.0,
@@ -653,9 +670,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--agent-maxconn", action="store_true",
                    help="triscope: the agent also sends maxconn:round(server maxconn x weight) "
                         "(needs --maxconn-per-slot)")
-    p.add_argument("--class-admission", default="", metavar="default|CLASS=KV,...",
-                   help="triscope only: one HAProxy pool per request class, and the feed closes a backend to a "
-                        "class at that KV usage (admit_kv_ratio); 'default' = "
+    p.add_argument("--class-admission", default="default", metavar="default|CLASS=KV,...",
+                   help="triscope-classes: the KV usage at which the feed closes a backend to a class "
+                        "(admit_kv_ratio); 'default' = "
                         + ",".join(f"{k}={v}" for k, v in CLASS_ADMISSION.items()))
     p.add_argument("--repeat", type=int, default=1, help="repetitions with seeds seed..seed+N-1, results pooled")
     p.add_argument("--feed-window-s", type=float, default=5.0, help="P99/QPS window of the metrics adapter")
@@ -683,7 +700,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     seeds = [args.seed + k for k in range(max(1, args.repeat))]
     schedules = [shape.schedule(seed) for seed in seeds]
     catalog = {"roundrobin": Policy("roundrobin", "roundrobin"), "leastconn": Policy("leastconn", "leastconn"),
-               "triscope": Policy("triscope", args.triscope_balance, triscope=True)}
+               "triscope": Policy("triscope", args.triscope_balance, triscope=True),
+               "triscope-classes": Policy("triscope-classes", args.triscope_balance, triscope=True, class_pools=True)}
+    unknown = [p.strip() for p in args.policies.split(",") if p.strip() and p.strip() not in catalog]
+    if unknown:
+        raise SystemExit(f"--policies: unknown {', '.join(unknown)} (known: {', '.join(catalog)})")
     policies = [catalog[p.strip()] for p in args.policies.split(",") if p.strip()]
     raw: dict[str, list[RawRun]] = {p.name: [] for p in policies}
     with tempfile.TemporaryDirectory(prefix="triscope-closed-loop-", dir=args.workdir or None) as tmp:
@@ -707,14 +728,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, runs in raw.items():
         if runs[0].feed_kind:
             reports[name].extra["feed"] = runs[0].feed_kind
-    comps = [comparison(reports, "leastconn", "triscope", raw), comparison(reports, "roundrobin", "triscope", raw)]
+    comps = [comparison(reports, "leastconn", "triscope", raw), comparison(reports, "roundrobin", "triscope", raw),
+             comparison(reports, "leastconn", "triscope-classes", raw),
+             comparison(reports, "triscope", "triscope-classes", raw)]
     doc = {"backends": [asdict(s) for s in specs], "load": asdict(shape), "arrivals": len(schedules[0]),
            "arrivals_total": sum(len(x) for x in schedules), "seeds": seeds,
            "haproxy": {"maxconn_per_slot": args.maxconn_per_slot, "timeout_queue_ms": args.timeout_queue_ms,
                        "agent_inter_ms": args.agent_inter_ms, "agent_maxconn": args.agent_maxconn,
                        "class_priority": args.class_priority,
-                       "class_admission": parse_admission(args.class_admission) if args.class_admission else {}},
-           "weights_overrides": weights_overrides(args) if "triscope" in reports else {},
+                       "class_admission": parse_admission(args.class_admission)},
+           "weights_overrides": weights_overrides(args) if any(catalog[n].triscope for n in reports) else {},
            "policies": {k: asdict(v) for k, v in reports.items()}, "comparisons": [c for c in comps if c]}
     if args.json:
         json.dump(doc, sys.stdout, indent=2, default=str)

@@ -6,6 +6,7 @@ agent-check protocol and triscope's weight engine/feed are the real ones. No tim
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -18,14 +19,15 @@ sys.path.insert(0, str(BENCH))
 pytestmark = pytest.mark.integration
 
 
-def test_closed_loop_tiny_run_applies_policies(capsys: pytest.CaptureFixture[str]) -> None:
+def test_closed_loop_tiny_run_applies_policies(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     require_binary("haproxy")
     import closed_loop
 
+    dump = tmp_path / "results.jsonl"
     args = closed_loop.parse_args([
         "--backends", "2", "--kv-gib", "40", "--slots", "8", "--base-qps", "12", "--steps", "2",
-        "--step-s", "1.5", "--policies", "leastconn,triscope", "--pressure", "b1=0.8",
-        "--agent-inter-ms", "100", "--json"])
+        "--step-s", "1.5", "--policies", "leastconn,triscope,triscope-classes", "--pressure", "b1=0.8",
+        "--agent-inter-ms", "100", "--json", "--dump-results", str(dump)])
     doc = closed_loop.run(args)
     capsys.readouterr()
 
@@ -43,3 +45,13 @@ def test_closed_loop_tiny_run_applies_policies(capsys: pytest.CaptureFixture[str
     assert ts["weights_mean"]["b1"] < ts["weights_mean"]["b0"]
     assert ts["weights_min"]["b1"] < 100
     assert ts["backend_share"]["b1"] < ts["backend_share"]["b0"]
+
+    # triscope-classes: b1's pinned 80 % KV is above the video limit (0.75), so the feed closes b1 to
+    # video in HAProxy's video pool: every video that was served ran on b0; other classes still use b1.
+    assert doc["haproxy"]["class_admission"]["offline_video"] == 0.75
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    served = [r for r in rows if r["policy"] == "triscope-classes" and r["status"] == 200]
+    videos = {r["backend"] for r in served if r["cls"] == "offline_video"}
+    assert videos == {"b0"}, videos
+    assert "b1" in {r["backend"] for r in served if r["cls"] != "offline_video"}
+    assert doc["policies"]["triscope-classes"]["requests"] == doc["arrivals"]
