@@ -78,7 +78,7 @@ CLASS_PRIORITY = {"realtime_speech": -10, "interactive_image_text": 0, "offline_
 
 # --class-admission: KV usage at which a backend stops taking a class (triscope's admit_kv_ratio);
 # speech has no limit of its own (it follows the backend's drain at drain_kv_ratio).
-CLASS_ADMISSION = {"offline_video": 0.75, "interactive_image_text": 0.90}
+CLASS_ADMISSION = {"offline_video": 0.60, "interactive_image_text": 0.92}
 
 
 @dataclass

@@ -19,7 +19,7 @@ NAN = float("nan")
 READY = "ready"
 DRAIN = "drain"
 READMIT_GAP = 0.05
-"""Default ``admit_kv_ratio - readmit_kv_ratio`` of a class admission limit."""
+"""Default ``admit_kv_ratio - readmit_kv_ratio`` of a class admission limit (readmit never below 0)."""
 
 DEFAULT_CLASSES: dict[str, dict[str, float]] = {
     "realtime_speech": {"sla_ms": 200.0, "weight": 8.0, "alpha": 2.5},
@@ -192,7 +192,7 @@ def _classes(raw: Mapping[str, Any]) -> dict[str, RequestClass]:
             raise ConfigError(f"[weights.classes.{name}] must be a table")
         try:
             admit = float(spec.get("admit_kv_ratio", NAN))
-            readmit = float(spec.get("readmit_kv_ratio", admit - READMIT_GAP if math.isfinite(admit) else NAN))
+            readmit = float(spec.get("readmit_kv_ratio", max(0.0, admit - READMIT_GAP) if math.isfinite(admit) else NAN))
             out[name] = RequestClass(name, float(spec["sla_ms"]) / 1000.0, float(spec["weight"]),
                                      float(spec["alpha"]), admit, readmit)
         except (KeyError, TypeError, ValueError):

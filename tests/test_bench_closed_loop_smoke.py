@@ -46,9 +46,9 @@ def test_closed_loop_tiny_run_applies_policies(capsys: pytest.CaptureFixture[str
     assert ts["weights_min"]["b1"] < 100
     assert ts["backend_share"]["b1"] < ts["backend_share"]["b0"]
 
-    # triscope-classes: b1's pinned 80 % KV is above the video limit (0.75), so the feed closes b1 to
+    # triscope-classes: b1's pinned 80 % KV is above the video limit (0.60), so the feed closes b1 to
     # video in HAProxy's video pool: every video that was served ran on b0; other classes still use b1.
-    assert doc["haproxy"]["class_admission"]["offline_video"] == 0.75
+    assert doc["haproxy"]["class_admission"]["offline_video"] == 0.60
     rows = [json.loads(line) for line in dump.read_text().splitlines()]
     served = [r for r in rows if r["policy"] == "triscope-classes" and r["status"] == 200]
     videos = {r["backend"] for r in served if r["cls"] == "offline_video"}

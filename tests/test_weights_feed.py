@@ -436,6 +436,14 @@ def test_cli_serve_once_json_and_table(store, tmp_path, capsys, monkeypatch) -> 
     assert main(["weights", "show", "-c", cfg]) == 0
     out = capsys.readouterr().out
     assert "gpu-a:8000" in out and "drain" in out and "KV-cache scaling" in out
+    assert "class offline_video" not in out, "no class limit configured: nothing to report"
+    limited = _config_file(tmp_path, store, '[weights.backends."gpu-b:8000"]\nhost = "gpu-b"\ngpus = [0]\n'
+                           "[weights.classes.offline_video]\nadmit_kv_ratio = 0.0\n")
+    assert main(["weights", "show", "-c", limited]) == 0  # every measured KV is >= 0: video closed everywhere
+    assert "class offline_video: SHEDDING" in capsys.readouterr().out
+    assert main(["weights", "serve", "--once", "--json", "-c", limited]) == 0
+    adm = json.loads(capsys.readouterr().out)["class_admission"]
+    assert adm["offline_video"]["shedding"] and adm["realtime_speech"]["backends"]["gpu-a:8000"] == "ready"
     bad = _config_file(tmp_path, store, "floor = 0\n")
     assert main(["weights", "serve", "--once", "-c", bad]) == 2
     err = capsys.readouterr().err

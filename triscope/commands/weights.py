@@ -73,6 +73,11 @@ def _print(result: Any, as_json: bool) -> None:
     classes = ", ".join(f"{c} {v['priority_weight']:.1f}" for c, v in doc["classes"].items())
     console.print(f"class priority weights: {classes}")
     console.print(f"KV-cache scaling: {doc['scale']['action']} ({doc['scale']['reason']})")
+    for name, adm in doc.get("class_admission", {}).items():
+        closed = [b for b, state in adm["backends"].items() if state != "ready" and doc["backends"][b]["state"] == "ready"]
+        if closed or adm["shedding"]:
+            console.print(f"class {name}: " + ("SHEDDING (no backend admits it)" if adm["shedding"]
+                                              else f"closed on {', '.join(closed)} (KV limit)"))
 
 
 def _once(args: argparse.Namespace) -> int:
