@@ -194,3 +194,32 @@ def test_blocks_clickhouse_refuses_are_replaced_not_duplicated(store, tmp_path: 
     blocks = store.query(f"SELECT countIf(ingest_block = 0), countIf(ingest_block > 0) "
                          f"FROM {qualified(store, 'trace_events')}").rows[0]
     assert blocks[0] > 0  # some blocks really went through the Python decoder
+
+
+def test_odd_argument_types_read_the_same_on_both_parse_paths(store, tmp_path: Path):
+    """Floats, numeric, padded and hex strings, booleans, nulls, nested objects, values beyond Int64
+    and both external-id spellings in ``args``: ClickHouse's extraction and the Python decoder store
+    the same values (before, a boolean or an object made the Python decoder call the trace corrupt,
+    and an integer beyond Int64 failed the whole insert batch)."""
+    odd = [
+        {"device": 1.0, "stream": "7", "correlation": 12.9},
+        {"device": "0x0", "stream": None, "correlation": "0x1f", "external id": 5},
+        {"device": True, "stream": -3, "External id": "41", "external id": 9},
+        {"device": {"nested": 1}, "stream": [1, 2], "correlation": 1e3},
+        {"device": "2", "stream": " 8 ", "correlation": -0.5, "External id": 2.5},
+        {"device": 2**63, "stream": -(2**63) - 1, "correlation": "1e3", "External id": "9223372036854775807"},
+        {"device": 2**40, "stream": "1.9e1", "correlation": ".5", "External id": False},
+        {},
+    ]
+    events = [kernel(f"k{i}", ts=10.0 * i, dur=1.5, **{}) for i in range(len(odd))]
+    for event, args in zip(events, odd, strict=True):
+        event["args"] = args
+    comm = kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", ts=100.0, dur=3.0)
+    comm["args"].update({"Collective name": "allreduce", "In msg nelems": "1024", "Out msg nelems": 1024.0,
+                         "Group size": 2, "dtype": 7, "Process Group Name": "0", "Process Group Ranks": True})
+    path = write_trace(tmp_path / "odd.json", [*events, comm, runtime("cudaLaunchKernel", 1.0, 2.0, correlation=3)])
+    ingest_trace(store, path, run_id="fast")
+    ingest_trace(store, path, run_id="slow", use_clickhouse_json=False)
+    fast, slow = _rows(store, "fast"), _rows(store, "slow")
+    assert len(fast) == len(odd) + 2
+    assert fast == slow

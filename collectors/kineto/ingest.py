@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -52,22 +53,48 @@ class _Columns:
             values.clear()
 
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_DECIMAL_TEXT = re.compile(r"[+-]?\d+")
+_NUMBER_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _int(value: Any, default: int) -> int:
-    if value is None:
-        return default
+    """An ``args`` value as Int64 the way ClickHouse's ``JSONExtract(..., 'Nullable(Int64)')`` reads it.
+
+    Integers in range as they are (booleans as 0/1), floats and numeric text truncated toward zero,
+    anything out of Int64 range, other text (hex, padded with spaces), objects, arrays and null
+    -> ``default``. (ClickHouse reads the text "nan" as Int64 min; here it is ``default``.)
+    """
     if isinstance(value, int):
-        return value
-    if isinstance(value, str) and not value.strip().lstrip("+-").isdigit():
-        return default  # hex ("0x0" on ROCm) and other text
-    try:
-        return int(float(value))
-    except (TypeError, ValueError):
+        if _INT64_MIN <= value <= _INT64_MAX:
+            return value
+        value = float(value)  # ClickHouse's JSON parser reads integers beyond Int64 as doubles
+    elif isinstance(value, str):
+        if _DECIMAL_TEXT.fullmatch(value):
+            number = int(value)
+            return number if _INT64_MIN <= number <= _INT64_MAX else default
+        if not _NUMBER_TEXT.fullmatch(value):
+            return default
+        value = float(value)
+    elif not isinstance(value, float):
         return default
+    if not math.isfinite(value):
+        return default
+    out = int(value)
+    return out if _INT64_MIN <= out <= _INT64_MAX else default
 
 
 def _text(value: Any) -> str:
-    """String arguments only (as ClickHouse's JSONExtractString): other types read as empty."""
-    return value if isinstance(value, str) else ""
+    """An ``args`` value as text the way ClickHouse's ``JSONExtractString`` reads it: strings as they
+    are, null as empty, other values as their JSON text (``7``, ``true``, ``{"a":1}``; an object's
+    or a float's text is re-serialized here, so its spacing or digits may differ from the file)."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, Decimal):
+        return str(value)
+    return json.dumps(value, separators=(",", ":"), default=str)
 
 
 def _ns(us: Decimal) -> int:

@@ -31,20 +31,24 @@ _WS = b" \t\r\n"
 
 
 class EventArgs(msgspec.Struct, frozen=True):
-    """The ``args`` keys triscope uses; all others are skipped by the decoder."""
+    """The ``args`` keys triscope uses; all others are skipped by the decoder.
 
-    external_id: int | float | str | None = msgspec.field(default=None, name="External id")
-    external_id_legacy: int | float | str | None = msgspec.field(default=None, name="external id")
-    correlation: int | float | str | None = None
-    stream: int | float | str | None = None
-    device: int | float | str | None = None
-    collective: int | float | str | None = msgspec.field(default=None, name="Collective name")
-    in_nelems: int | float | str | None = msgspec.field(default=None, name="In msg nelems")
-    out_nelems: int | float | str | None = msgspec.field(default=None, name="Out msg nelems")
-    group_size: int | float | str | None = msgspec.field(default=None, name="Group size")
-    dtype: int | float | str | None = None
-    pg_name: int | float | str | None = msgspec.field(default=None, name="Process Group Name")
-    pg_ranks: int | float | str | None = msgspec.field(default=None, name="Process Group Ranks")
+    Values are kept as decoded (any JSON type): an odd type in one event (a boolean, an object)
+    is read as the column default by the ingest rules, not as a corrupt trace.
+    """
+
+    external_id: Any = msgspec.field(default=None, name="External id")
+    external_id_legacy: Any = msgspec.field(default=None, name="external id")
+    correlation: Any = None
+    stream: Any = None
+    device: Any = None
+    collective: Any = msgspec.field(default=None, name="Collective name")
+    in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
+    out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
+    group_size: Any = msgspec.field(default=None, name="Group size")
+    dtype: Any = None
+    pg_name: Any = msgspec.field(default=None, name="Process Group Name")
+    pg_ranks: Any = msgspec.field(default=None, name="Process Group Ranks")
 
 
 class TraceEvent(msgspec.Struct, frozen=True):
