@@ -6,7 +6,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
@@ -142,14 +142,26 @@ _JSON_STRUCTURE = ("ph String, cat String, name String, pid String, tid String, 
                    "ts Decimal(38, 6), dur Decimal(38, 6), args String")
 
 
-def _arg_int(key: str, default: int) -> str:
-    # Same rules as _int(): ints, floats (truncated) and decimal strings; anything else -> default.
-    return f"ifNull(JSONExtract(args, '{key}', 'Nullable(Int64)'), {default})"
+_ARG_INTS = {"device": -1, "stream": -1, "correlation": 0, "External id": 0, "external id": 0}
+_COMM_INTS = {"In msg nelems": 0, "Out msg nelems": 0, "Group size": 0}
+_COMM_TEXTS = ("Collective name", "dtype", "Process Group Name", "Process Group Ranks")
+
+
+def _args_tuple(ints: Mapping[str, int], texts: tuple[str, ...] = ()) -> str:
+    """One ``JSONExtract`` of several ``args`` keys as a named tuple: the JSON is parsed once per
+    row instead of once per key. Ints follow :func:`_int`, texts :func:`_text`."""
+    fields = [f"`{k}` Nullable(Int64)" for k in ints] + [f"`{k}` Nullable(String)" for k in texts]
+    return f"JSONExtract(args, 'Tuple({', '.join(fields)})')"
+
+
+def _int_of(tuple_name: str, key: str, default: int) -> str:
+    return f"ifNull(tupleElement({tuple_name}, '{key}'), {default})"
 
 
 def _fast_insert_sql(table: str) -> str:
     """INSERT ... SELECT doing in ClickHouse what :func:`_append_block` does in Python."""
     gpu = ", ".join(f"'{k}'" for k in sorted(GPU_WORK_KINDS))
+    comm = _args_tuple(_COMM_INTS, _COMM_TEXTS)
     return f"""
 INSERT INTO {table} ({", ".join(TRACE_EVENTS.column_names())})
 SELECT run_id, rank, kind, category, kernel_class, name, pid, tid, device, stream, ts_ns, dur_ns,
@@ -167,21 +179,23 @@ FROM (
             match(replaceRegexpOne(name, '^void ', ''), {{comm_re:String}}), 'comm',
             'compute') AS kernel_class,
     name, pid, tid,
-    toInt32({_arg_int("device", -1)}) AS device,
-    {_arg_int("stream", -1)} AS stream,
+    {_args_tuple(_ARG_INTS)} AS a,
+    toInt32({_int_of("a", "device", -1)}) AS device,
+    {_int_of("a", "stream", -1)} AS stream,
     toInt64(round(ts * 1000)) AS ts_ns,
     toInt64(round(dur * 1000)) AS dur_ns,
-    {_arg_int("correlation", 0)} AS correlation,
-    ifNull(JSONExtract(args, 'External id', 'Nullable(Int64)'),
-           {_arg_int("external id", 0)}) AS external_id,
+    {_int_of("a", "correlation", 0)} AS correlation,
+    ifNull(tupleElement(a, 'External id'), {_int_of("a", "external id", 0)}) AS external_id,
     position(args, 'Collective name') > 0 AS has_comm,  -- skip parsing comm args on other events
-    if(has_comm, JSONExtractString(args, 'Collective name'), '') AS collective,
-    if(has_comm, {_arg_int("In msg nelems", 0)}, 0) AS in_nelems,
-    if(has_comm, {_arg_int("Out msg nelems", 0)}, 0) AS out_nelems,
-    toInt32(if(has_comm, {_arg_int("Group size", 0)}, 0)) AS group_size,
-    if(has_comm, JSONExtractString(args, 'dtype'), '') AS dtype,
-    if(has_comm, JSONExtractString(args, 'Process Group Name'), '') AS pg_name,
-    if(has_comm, JSONExtractString(args, 'Process Group Ranks'), '') AS pg_ranks
+    if(has_comm, {comm}, CAST(NULL, 'Nullable(Tuple({", ".join(
+        [f"`{k}` Nullable(Int64)" for k in _COMM_INTS] + [f"`{k}` Nullable(String)" for k in _COMM_TEXTS])}))')) AS c,
+    ifNull(tupleElement(c, 'Collective name'), '') AS collective,
+    {_int_of("c", "In msg nelems", 0)} AS in_nelems,
+    {_int_of("c", "Out msg nelems", 0)} AS out_nelems,
+    toInt32({_int_of("c", "Group size", 0)}) AS group_size,
+    ifNull(tupleElement(c, 'dtype'), '') AS dtype,
+    ifNull(tupleElement(c, 'Process Group Name'), '') AS pg_name,
+    ifNull(tupleElement(c, 'Process Group Ranks'), '') AS pg_ranks
   FROM json_input
   WHERE ph = 'X'
 )"""
