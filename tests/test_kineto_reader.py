@@ -114,3 +114,49 @@ def test_damaged_input_fails_with_one_line(tmp_path: Path, payload: bytes, messa
 def test_missing_file_is_an_input_error(tmp_path: Path):
     with pytest.raises(InputError, match="cannot open"):
         read_all(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize("truncate", [False, True], ids=["whole", "truncated"])
+def test_pipelined_sink_steps_back_over_refused_blocks(tmp_path: Path, truncate: bool):
+    """``raw_submit`` (one block in flight in another thread): refused blocks are decoded by the
+    reader, accepted ones are not, and every event comes out exactly once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    events = _tricky_events(400)
+    path = write_trace(tmp_path / "t.json", events, compact=True)
+    if truncate:
+        path.write_bytes(path.read_bytes()[: int(path.stat().st_size * 0.7)])
+    accepted: list[tuple[int, list[str]]] = []
+    offers = 0
+
+    def sink(array: bytes, k: int) -> bool:
+        if k % 3 == 1:  # refuse every third block, including good ones
+            return False
+        try:
+            accepted.append((k, [e["name"] for e in json.loads(array)]))
+        except json.JSONDecodeError:
+            return False  # a cut inside a string: refuse like ClickHouse does
+        return True
+
+    stream: list[tuple[str, list[str]]] = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        def submit(array: bytes):  # noqa: ANN202
+            nonlocal offers
+            offers += 1
+            return pool.submit(sink, array, offers)
+
+        try:
+            for block in read_trace(path, block_bytes=2048, raw_submit=submit):
+                stream.append(("decoded", [e.name for e in block]))
+        except InputError as exc:
+            assert truncate and "truncated" in str(exc)
+        else:
+            assert not truncate
+    got = [n for _, names in accepted for n in names] + [n for _, names in stream for n in names]
+    kernels = [e["name"] for e in events if e["cat"] == "kernel"]
+    names = sorted((n for n in got if n != "op"), key=lambda n: int(n.split()[0][1:]))
+    assert len(names) == len(set(names)), "no event twice"
+    assert names == kernels[: len(names)] and (truncate or names == kernels)
+    if not truncate:
+        assert got.count("op") == len(events) - len(kernels)
+    assert accepted and any(kind == "decoded" for kind, _ in stream), "both paths were used"

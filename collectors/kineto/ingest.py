@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
@@ -281,30 +283,40 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
             delete_rank(store, run_id, result.rank)
             fast_params["rank"] = result.rank
 
-    def fast(array: bytes) -> bool:
-        start()
-        fast_params["block"] = fast_params.get("block", 0) + 1
+    def insert_block(array: bytes, params: dict[str, Any]) -> bool:
         try:
-            store.insert_from_json(fast_sql, _JSON_STRUCTURE, array, fast_params)
+            store.insert_from_json(fast_sql, _JSON_STRUCTURE, array, params)
         except StoreError:
             # Remove whatever part of the block got in; the reader then decodes it itself.
             _delete_where(store, "run_id = {run_id:String} AND rank = {rank:Int32} AND ingest_block = {block:UInt32}",
-                          {k: fast_params[k] for k in ("run_id", "rank", "block")})
+                          {k: params[k] for k in ("run_id", "rank", "block")})
             return False
-        if on_progress:
-            on_progress(len(array))
         return True
 
+    def submit(array: bytes) -> Future[bool]:
+        """Insert a block in the pipeline thread (chDB releases the GIL: the reader cuts the next one)."""
+        start()
+        fast_params["block"] = fast_params.get("block", 0) + 1
+        if on_progress:
+            on_progress(len(array))
+        future = _pipeline().submit(insert_block, array, dict(fast_params))
+        in_flight.append(future)
+        return future
+
+    in_flight: list[Future[bool]] = []
     failure: InputError | None = None
     try:
-        for block in read_trace(path, header, block_bytes=block_bytes,
-                                raw_sink=fast if use_clickhouse_json else None):
-            start()
-            _append_block(cols, block, run_id, result.rank)
-            if on_progress:
-                on_progress(sum(len(e.name) + 96 for e in block))  # approximate bytes
-            if len(cols) >= batch_rows:
-                flush()
+        try:
+            for block in read_trace(path, header, block_bytes=block_bytes,
+                                    raw_submit=submit if use_clickhouse_json else None):
+                start()
+                _append_block(cols, block, run_id, result.rank)
+                if on_progress:
+                    on_progress(sum(len(e.name) + 96 for e in block))  # approximate bytes
+                if len(cols) >= batch_rows:
+                    flush()
+        finally:
+            wait(in_flight)  # nothing of this file is still being written when it is counted
         flush()
     except InputError as exc:
         flush()
@@ -328,6 +340,20 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
     if failure is not None:
         raise failure
     return result
+
+
+_PIPELINE: ThreadPoolExecutor | None = None
+_PIPELINE_LOCK = threading.Lock()
+
+
+def _pipeline() -> ThreadPoolExecutor:
+    """The one thread that runs block inserts for every ingest of this process (so each store gets
+    at most one extra chDB connection, closed with the store)."""
+    global _PIPELINE
+    with _PIPELINE_LOCK:
+        if _PIPELINE is None:
+            _PIPELINE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="triscope-ingest")
+        return _PIPELINE
 
 
 def _claim(taken: set[tuple[str, int]], path: Path, run_id: str, rank: int) -> None:

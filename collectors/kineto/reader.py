@@ -15,6 +15,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -157,29 +158,40 @@ def open_binary(path: str | Path) -> BinaryIO:
 RawSink = Callable[[bytes], bool]
 """Takes a block as JSON array text; returns False when it could not parse it."""
 
+RawSubmit = Callable[[bytes], "Future[bool]"]
+"""Like :data:`RawSink`, but starts the work and returns a future of its answer."""
+
 
 def read_trace(path: str | Path, header: TraceHeader | None = None,
-               block_bytes: int = BLOCK_BYTES, raw_sink: RawSink | None = None) -> Iterator[list[TraceEvent]]:
+               block_bytes: int = BLOCK_BYTES, raw_sink: RawSink | None = None,
+               raw_submit: RawSubmit | None = None) -> Iterator[list[TraceEvent]]:
     """Yield blocks of events from a Kineto trace; fills ``header`` when the file has been read.
 
     With ``raw_sink``, each block is first offered as JSON array bytes (e.g. to ClickHouse's
-    own JSON parser); only blocks it refuses are decoded here and yielded.
+    own JSON parser); only blocks it refuses are decoded here and yielded. ``raw_submit`` does
+    the same one block ahead: while the sink works on a block (in another thread), the next
+    block is read and cut, assuming the sink will take it; if it refuses, the reader steps back
+    and decodes that block itself, exactly as with ``raw_sink``.
     Raises :class:`InputError` naming the file and byte offset on truncated or corrupt input;
     blocks yielded (or accepted by ``raw_sink``) before the error are complete and valid.
     """
     header = header if header is not None else TraceHeader()
+    if raw_submit is not None and raw_sink is None:
+        def raw_sink(array: bytes) -> bool:
+            return raw_submit(array).result()
     with open_binary(path) as stream:
-        yield from _TraceParser(str(path), stream, header, block_bytes, raw_sink).blocks()
+        yield from _TraceParser(str(path), stream, header, block_bytes, raw_sink, raw_submit).blocks()
 
 
 class _TraceParser:
     def __init__(self, name: str, stream: BinaryIO, header: TraceHeader, block_bytes: int,
-                 raw_sink: RawSink | None) -> None:
+                 raw_sink: RawSink | None, raw_submit: RawSubmit | None = None) -> None:
         self.name = name
         self.stream = stream
         self.header = header
         self.block_bytes = block_bytes
         self.raw_sink = raw_sink
+        self.raw_submit = raw_submit
         self.consumed = 0  # decompressed bytes before the current buffer
         self.eof = False
 
@@ -223,6 +235,8 @@ class _TraceParser:
         self.consumed += match.end()
         buf = buf[match.end():]
         read_error: InputError | None = None
+        # raw_submit: (future of the block in flight, the bytes it covers); buf starts after them
+        pending: tuple[Future[bool], bytes] | None = None
         while not self.eof and read_error is None:
             if len(buf) < self.block_bytes:
                 try:
@@ -237,7 +251,20 @@ class _TraceParser:
                 except InputError as exc:
                     read_error = exc
                 continue
-            events = self._decode_array(b"[" + buf[: cut[0]] + b"]")
+            array = b"[" + buf[: cut[0]] + b"]"
+            if pending is not None:
+                future, covered = pending
+                pending = None
+                if not future.result():  # refused: step back and decode that block here, with what came since
+                    buf = covered + buf
+                    self.consumed -= len(covered)
+                    array = b""
+            if self.raw_submit is not None and array:
+                pending = (self.raw_submit(array), buf[: cut[1]])
+                self.consumed += cut[1]
+                buf = buf[cut[1]:]
+                continue
+            events = self._decode_array(array) if array else None
             if events is None:  # wrong cut or damage: decode event by event
                 events, leftover = self._decode_slow(buf, final=False)
                 if not events:
@@ -257,6 +284,10 @@ class _TraceParser:
                 buf = buf[cut[1]:]
             if events:
                 yield events
+        if pending is not None and not pending[0].result():  # the last block in flight was refused
+            buf = pending[1] + buf
+            self.consumed -= len(pending[1])
+        pending = None
         if read_error is not None:
             # Keep every complete event that arrived before the stream broke, then report.
             events, _ = self._decode_slow(buf, final=False, strict=False)
