@@ -16,7 +16,7 @@ from typing import Any
 
 from triscope.collectors.kineto import classify
 from triscope.collectors.kineto.classify import GPU_WORK_KINDS, KIND_BY_CATEGORY, event_kind, kernel_class
-from triscope.collectors.kineto.reader import BLOCK_BYTES, TraceEvent, TraceHeader, read_trace
+from triscope.collectors.kineto.reader import BLOCK_BYTES, TraceEvent, TraceHeader, last_boundary, read_trace
 from triscope.errors import InputError, StoreError
 from triscope.schema import qualified
 from triscope.schema.trace import TRACE_EVENTS, TRACE_RUNS
@@ -283,15 +283,27 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
             delete_rank(store, run_id, result.rank)
             fast_params["rank"] = result.rank
 
-    def insert_block(array: bytes, params: dict[str, Any]) -> bool:
+    def insert_part(array: bytes, params: dict[str, Any]) -> bool:
         try:
             store.insert_from_json(fast_sql, _JSON_STRUCTURE, array, params)
         except StoreError:
+            return False
+        return True
+
+    def insert_block(array: bytes, params: dict[str, Any]) -> bool:
+        """Insert a block as two halves on two threads (one ClickHouse insert parses on one core)."""
+        halves = split_array(array)
+        if len(halves) == 2:
+            second = _pipeline(1).submit(insert_part, halves[1], params)
+            ok = insert_part(halves[0], params)
+            ok = second.result() and ok
+        else:
+            ok = insert_part(array, params)
+        if not ok:
             # Remove whatever part of the block got in; the reader then decodes it itself.
             _delete_where(store, "run_id = {run_id:String} AND rank = {rank:Int32} AND ingest_block = {block:UInt32}",
                           {k: params[k] for k in ("run_id", "rank", "block")})
-            return False
-        return True
+        return ok
 
     def submit(array: bytes) -> Future[bool]:
         """Insert a block in the pipeline thread (chDB releases the GIL: the reader cuts the next one)."""
@@ -299,7 +311,7 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
         fast_params["block"] = fast_params.get("block", 0) + 1
         if on_progress:
             on_progress(len(array))
-        future = _pipeline().submit(insert_block, array, dict(fast_params))
+        future = _pipeline(0).submit(insert_block, array, dict(fast_params))
         in_flight.append(future)
         return future
 
@@ -342,18 +354,30 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
     return result
 
 
-_PIPELINE: ThreadPoolExecutor | None = None
+_PIPELINES: list[ThreadPoolExecutor] = []
 _PIPELINE_LOCK = threading.Lock()
 
 
-def _pipeline() -> ThreadPoolExecutor:
-    """The one thread that runs block inserts for every ingest of this process (so each store gets
-    at most one extra chDB connection, closed with the store)."""
-    global _PIPELINE
+def _pipeline(index: int) -> ThreadPoolExecutor:
+    """One of the two threads that run block inserts for every ingest of this process (0: whole
+    blocks and their first half, 1: second halves), so each store gets at most two extra chDB
+    connections, closed with the store."""
     with _PIPELINE_LOCK:
-        if _PIPELINE is None:
-            _PIPELINE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="triscope-ingest")
-        return _PIPELINE
+        while len(_PIPELINES) <= index:
+            _PIPELINES.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"triscope-ingest-{len(_PIPELINES)}"))
+        return _PIPELINES[index]
+
+
+def split_array(array: bytes, min_bytes: int = 1 << 20) -> list[bytes]:
+    """A JSON array of events as two arrays cut at the event boundary nearest before the middle
+    (one array when it is small or no boundary is found). A cut inside a string only makes a half
+    fail to parse, and the block then goes to the Python decoder."""
+    if len(array) < min_bytes or not (array.startswith(b"[") and array.endswith(b"]")):
+        return [array]
+    cut = last_boundary(array[: len(array) // 2])
+    if cut is None or cut[0] <= 1:
+        return [array]
+    return [array[: cut[0]] + b"]", b"[" + array[cut[1]:]]
 
 
 def _claim(taken: set[tuple[str, int]], path: Path, run_id: str, rank: int) -> None:

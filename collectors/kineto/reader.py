@@ -244,7 +244,7 @@ class _TraceParser:
                 except InputError as exc:
                     read_error = exc
                 continue
-            cut = _last_boundary(buf)
+            cut = last_boundary(buf)
             if cut is None:  # one huge event or an odd layout: read more before deciding
                 try:
                     buf += self._read()
@@ -385,7 +385,7 @@ class _TraceParser:
         return events, text[pos:].encode()
 
 
-def _last_boundary(buf: bytes) -> tuple[int, int] | None:
+def last_boundary(buf: bytes) -> tuple[int, int] | None:
     """Positions (end of ``}``, start of ``{``) of the last ``} , {`` boundary in ``buf``."""
     pos = len(buf)
     while True:
