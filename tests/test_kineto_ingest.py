@@ -223,3 +223,26 @@ def test_odd_argument_types_read_the_same_on_both_parse_paths(store, tmp_path: P
     fast, slow = _rows(store, "fast"), _rows(store, "slow")
     assert len(fast) == len(odd) + 2
     assert fast == slow
+
+
+def test_split_array_halves_hold_the_same_events():
+    from triscope.collectors.kineto.ingest import split_array
+
+    events = [kernel(f"k{i}", ts=float(i), dur=1.0, correlation=i) for i in range(3000)]
+    array = json.dumps(events, indent=1).encode()
+    halves = split_array(array, min_bytes=1024)
+    assert len(halves) == 2 and all(len(h) < 0.6 * len(array) for h in halves)
+    assert json.loads(halves[0]) + json.loads(halves[1]) == events
+    assert split_array(array) == [array], "below 1 MiB: one insert"
+    assert split_array(b"[" + b"1," * 2000 + b"1]", min_bytes=16) == [b"[" + b"1," * 2000 + b"1]"], "no event boundary"
+
+
+def test_blocks_split_in_halves_are_replaced_whole_when_a_half_is_refused(store, tmp_path: Path):
+    # Blocks over 1 MiB go in as two halves on two threads; names containing the event separator
+    # make the half cut (and block cuts) land inside strings: whichever half fails, the whole block
+    # goes again through the Python decoder, never twice.
+    events = [kernel(f'k{i} }},{{"x":1}}', ts=i, dur=1, correlation=i) for i in range(25_000)]
+    path = write_trace(tmp_path / "tricky.json", events, compact=True)
+    result = ingest_trace(store, path, run_id="tricky", block_bytes=2 << 20)
+    names = [r[0] for r in store.query(f"SELECT name FROM {qualified(store, 'trace_events')} ORDER BY ts_ns").rows]
+    assert result.events == len(events) and names == [e["name"] for e in events]
