@@ -9,6 +9,7 @@ dump (pickle ``fr_rank<N>`` and ``fr_rank<N>.json``).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -42,6 +43,15 @@ def main() -> None:
             prof.step()
     dist.barrier()
     prof.export_chrome_trace(str(Path(out) / f"rank{rank}.json"))
+    # gloo leaves every Flight Recorder entry "scheduled" and marks it retired from its work thread,
+    # possibly after wait() returned: under load a dump taken at once can still show the last
+    # barrier as pending (seen in CI). Wait until every entry is retired (or completed).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        entries = json.loads(_dump_fr_trace_json()).get("entries", [])
+        if all(e.get("retired") or e.get("state") == "completed" for e in entries):
+            break
+        time.sleep(0.05)
     (Path(out) / f"fr_rank{rank}").write_bytes(_dump_fr_trace())
     (Path(out) / f"fr_rank{rank}.json").write_bytes(_dump_fr_trace_json())
     dist.destroy_process_group()
