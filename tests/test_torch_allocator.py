@@ -152,11 +152,19 @@ def test_install_hook_writes_samples_to_the_store(store: Any, tmp_path: Any) -> 
     assert handle.rows == n
 
 
+def _wait_rows(handle: Any, n: int, timeout_s: float = 10.0) -> None:
+    """Until the hook has taken ``n`` samples (a loaded machine can stall its thread for a while)."""
+    deadline = time.monotonic() + timeout_s
+    while handle.rows < n:
+        assert time.monotonic() < deadline, f"only {handle.rows} samples in {timeout_s}s"
+        time.sleep(0.02)
+
+
 def test_install_into_a_callers_writer_leaves_it_open(store: Any, tmp_path: Any) -> None:
     writer = Writer(store, str(tmp_path / "spool"), flush_interval_s=0.05)
     writer.start()
     handle = install(writer, interval_s=0.02, cuda=FakeCuda([memory_stats_dict(MIB, 2 * MIB, MIB, 0)]))
-    time.sleep(0.15)
+    _wait_rows(handle, 3)
     handle.close()
     assert writer.submit("allocator_samples", {c: [v] for c, v in _one_row().items()}) == 1  # still open
     assert writer.close(timeout_s=10)
@@ -214,7 +222,7 @@ def test_install_from_a_config_mapping(store: Any, tmp_path: Any) -> None:
               "writer": {"flush_interval_s": 0.05}}
     cuda = FakeCuda([memory_stats_dict(3 * MIB, 8 * MIB, 3 * MIB, MIB, retries=1)])
     handle = install(config, interval_s=0.02, spool_dir=str(tmp_path / "spool"), cuda=cuda)
-    time.sleep(0.15)
+    _wait_rows(handle, 3)
     assert handle.owns_writer and handle.close() is True
     res = store.query(f"SELECT count(), max(fragmentation_ratio), max(alloc_retries_total) "
                       f"FROM {qualified(store, 'allocator_samples')}")
