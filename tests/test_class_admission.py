@@ -180,3 +180,17 @@ def test_real_haproxy_class_pools_follow_the_feed(tmp_path: Path) -> None:
         kv["a"] = kv["b"] = 0.5  # below readmit 0.75: video comes back
         wait(f"pool_{VIDEO}", {"a": "UP", "b": "UP"})
         assert http_get(hap.port, f"/v1/{VIDEO}")[0] == 200
+
+
+def test_the_documented_haproxy_snippet_is_valid(tmp_path: Path) -> None:
+    require_binary("haproxy")
+    import re
+    import subprocess
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "weights.md").read_text()
+    snippet = re.search(r"```haproxy-class-pools\n(.*?)```", doc, re.S)
+    assert snippet, "docs/weights.md lost its class-pools snippet"
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text("defaults\n    timeout connect 1s\n    timeout client 5s\n    timeout server 5s\n" + snippet[1])
+    check = subprocess.run(["haproxy", "-c", "-f", str(cfg)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
