@@ -160,3 +160,25 @@ def test_pipelined_sink_steps_back_over_refused_blocks(tmp_path: Path, truncate:
     if not truncate:
         assert got.count("op") == len(events) - len(kernels)
     assert accepted and any(kind == "decoded" for kind, _ in stream), "both paths were used"
+
+
+def test_a_list_valued_key_after_trace_events_is_not_taken_for_its_end(tmp_path: Path):
+    """``{"traceEvents": [...], "deviceProperties": [{...}]}``: the "]" closing deviceProperties
+    also leaves a parseable document; the reader must offer the real events array first."""
+    events = [kernel(f"k{i}", ts=float(i), dur=1.0) for i in range(50)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": events,
+                                "deviceProperties": [{"id": 0, "name": "H100"}], "traceName": "x"}))
+    offered: list[bytes] = []
+
+    def sink(array: bytes) -> bool:
+        offered.append(array)
+        try:
+            return all(isinstance(e, dict) and "ph" in e for e in json.loads(array))
+        except json.JSONDecodeError:
+            return False
+
+    header = TraceHeader()
+    assert [b for b in read_trace(path, header, raw_sink=sink)] == []  # all taken by the sink
+    assert len(offered) == 1 and len(json.loads(offered[0])) == 50
+    assert header.metadata["deviceProperties"] == [{"id": 0, "name": "H100"}]

@@ -294,7 +294,10 @@ class _TraceParser:
             if events:
                 yield events
             raise InputError(f"{read_error}; the {len(events)} complete events of the last block were kept")
-        for array_end, metadata in self._tail_candidates(head, buf):
+        # Several "]" can close a parseable document (a list-valued key after traceEvents, like
+        # deviceProperties): the real end of traceEvents is the one that leaves the most keys after it.
+        candidates = sorted(self._tail_candidates(head, buf), key=lambda c: -len(c[1]))
+        for array_end, metadata in candidates:
             body = buf[:array_end]
             events = self._decode_array(b"[" + body + b"]") if body.strip() else []
             if events is not None:
