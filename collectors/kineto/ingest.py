@@ -144,20 +144,28 @@ _JSON_STRUCTURE = ("ph String, cat String, name String, pid String, tid String, 
                    "ts Decimal(38, 6), dur Decimal(38, 6), args String")
 
 
+# args keys read in ClickHouse -> the value stored when absent or unreadable (as in _append_block)
 _ARG_INTS = {"device": -1, "stream": -1, "correlation": 0, "External id": 0, "external id": 0}
 _COMM_INTS = {"In msg nelems": 0, "Out msg nelems": 0, "Group size": 0}
 _COMM_TEXTS = ("Collective name", "dtype", "Process Group Name", "Process Group Ranks")
+_ARG_DEFAULTS: dict[str, int | str] = {**_ARG_INTS, **_COMM_INTS, **dict.fromkeys(_COMM_TEXTS, "")}
+
+
+def _tuple_type(ints: Mapping[str, int], texts: tuple[str, ...] = ()) -> str:
+    fields = [f"`{k}` Nullable(Int64)" for k in ints] + [f"`{k}` Nullable(String)" for k in texts]
+    return f"Tuple({', '.join(fields)})"
 
 
 def _args_tuple(ints: Mapping[str, int], texts: tuple[str, ...] = ()) -> str:
     """One ``JSONExtract`` of several ``args`` keys as a named tuple: the JSON is parsed once per
     row instead of once per key. Ints follow :func:`_int`, texts :func:`_text`."""
-    fields = [f"`{k}` Nullable(Int64)" for k in ints] + [f"`{k}` Nullable(String)" for k in texts]
-    return f"JSONExtract(args, 'Tuple({', '.join(fields)})')"
+    return f"JSONExtract(args, '{_tuple_type(ints, texts)}')"
 
 
-def _int_of(tuple_name: str, key: str, default: int) -> str:
-    return f"ifNull(tupleElement({tuple_name}, '{key}'), {default})"
+def _arg(tuple_name: str, key: str) -> str:
+    """One key of an extracted args tuple, its default when absent."""
+    default = _ARG_DEFAULTS[key]
+    return f"ifNull(tupleElement({tuple_name}, '{key}'), {default if isinstance(default, int) else repr(default)})"
 
 
 def _fast_insert_sql(table: str) -> str:
@@ -182,22 +190,21 @@ FROM (
             'compute') AS kernel_class,
     name, pid, tid,
     {_args_tuple(_ARG_INTS)} AS a,
-    toInt32({_int_of("a", "device", -1)}) AS device,
-    {_int_of("a", "stream", -1)} AS stream,
+    toInt32({_arg("a", "device")}) AS device,
+    {_arg("a", "stream")} AS stream,
     toInt64(round(ts * 1000)) AS ts_ns,
     toInt64(round(dur * 1000)) AS dur_ns,
-    {_int_of("a", "correlation", 0)} AS correlation,
-    ifNull(tupleElement(a, 'External id'), {_int_of("a", "external id", 0)}) AS external_id,
+    {_arg("a", "correlation")} AS correlation,
+    ifNull(tupleElement(a, 'External id'), {_arg("a", "external id")}) AS external_id,
     position(args, 'Collective name') > 0 AS has_comm,  -- skip parsing comm args on other events
-    if(has_comm, {comm}, CAST(NULL, 'Nullable(Tuple({", ".join(
-        [f"`{k}` Nullable(Int64)" for k in _COMM_INTS] + [f"`{k}` Nullable(String)" for k in _COMM_TEXTS])}))')) AS c,
-    ifNull(tupleElement(c, 'Collective name'), '') AS collective,
-    {_int_of("c", "In msg nelems", 0)} AS in_nelems,
-    {_int_of("c", "Out msg nelems", 0)} AS out_nelems,
-    toInt32({_int_of("c", "Group size", 0)}) AS group_size,
-    ifNull(tupleElement(c, 'dtype'), '') AS dtype,
-    ifNull(tupleElement(c, 'Process Group Name'), '') AS pg_name,
-    ifNull(tupleElement(c, 'Process Group Ranks'), '') AS pg_ranks
+    if(has_comm, {comm}, CAST(NULL, 'Nullable({_tuple_type(_COMM_INTS, _COMM_TEXTS)})')) AS c,
+    {_arg("c", "Collective name")} AS collective,
+    {_arg("c", "In msg nelems")} AS in_nelems,
+    {_arg("c", "Out msg nelems")} AS out_nelems,
+    toInt32({_arg("c", "Group size")}) AS group_size,
+    {_arg("c", "dtype")} AS dtype,
+    {_arg("c", "Process Group Name")} AS pg_name,
+    {_arg("c", "Process Group Ranks")} AS pg_ranks
   FROM json_input
   WHERE ph = 'X'
 )"""
