@@ -11,15 +11,15 @@ from pathlib import Path
 class DiskstatsSampler(threading.Thread):
     """(wall ns, reads completed, weighted ms doing IO) of one device every ~10 ms, until ``stop`` is set.
 
-    ``spans`` holds the same counters with the wall clock read just before and just after reading
+    ``spans`` holds each reading with the wall clock read just before and just after reading
     /proc/diskstats: the counters were current at some instant inside that span (a thread can be
-    preempted between the read and a single timestamp, by milliseconds under load).
+    preempted between the read and a single timestamp, by milliseconds under load). ``samples``
+    stamps each reading with the later clock.
     """
 
     def __init__(self, device: str) -> None:
         super().__init__(daemon=True)
         self.device = device
-        self.samples: list[tuple[int, float, float]] = []
         self.spans: list[tuple[int, int, float, float]] = []
         self.stop = threading.Event()
 
@@ -31,9 +31,12 @@ class DiskstatsSampler(threading.Thread):
             for line in text.splitlines():
                 f = line.split()
                 if f[2] == self.device:
-                    self.samples.append((after, float(f[3]), float(f[13])))
                     self.spans.append((before, after, float(f[3]), float(f[13])))
             time.sleep(0.01)
+
+    @property
+    def samples(self) -> list[tuple[int, float, float]]:
+        return [(after, reads, weighted) for _, after, reads, weighted in self.spans]
 
     def bracket(self, t0: int, t1: int) -> tuple[tuple[float, float], tuple[float, float]]:
         """Bounds of the change of (reads completed, weighted ms) over [t0, t1]: both counters only
