@@ -425,7 +425,7 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
                 overrides["backends"] = backends
             if policy.class_pools:
                 classes = {k: dict(v) for k, v in overrides.get("classes", {}).items()}
-                for cls, ratio in parse_admission(args.class_admission).items():
+                for cls, ratio in args.class_admission.items():
                     classes.setdefault(cls, {})["admit_kv_ratio"] = ratio
                 overrides["classes"] = classes
             feed = FeedWorker({s.name: fleet.url(s) for s in fleet.specs}, overrides, args.feed_window_s).start()
@@ -685,7 +685,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # internal: the feed worker process
     p.add_argument("--feed-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--feed-backends", default="{}", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.class_admission = parse_admission(args.class_admission)  # checked before any run starts
+    return args
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -702,10 +704,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     catalog = {"roundrobin": Policy("roundrobin", "roundrobin"), "leastconn": Policy("leastconn", "leastconn"),
                "triscope": Policy("triscope", args.triscope_balance, triscope=True),
                "triscope-classes": Policy("triscope-classes", args.triscope_balance, triscope=True, class_pools=True)}
-    unknown = [p.strip() for p in args.policies.split(",") if p.strip() and p.strip() not in catalog]
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [n for n in names if n not in catalog]
     if unknown:
         raise SystemExit(f"--policies: unknown {', '.join(unknown)} (known: {', '.join(catalog)})")
-    policies = [catalog[p.strip()] for p in args.policies.split(",") if p.strip()]
+    policies = [catalog[n] for n in names]
     raw: dict[str, list[RawRun]] = {p.name: [] for p in policies}
     with tempfile.TemporaryDirectory(prefix="triscope-closed-loop-", dir=args.workdir or None) as tmp:
         fleet = SimFleet(specs, args.batch_slowdown).start()
@@ -736,7 +739,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "haproxy": {"maxconn_per_slot": args.maxconn_per_slot, "timeout_queue_ms": args.timeout_queue_ms,
                        "agent_inter_ms": args.agent_inter_ms, "agent_maxconn": args.agent_maxconn,
                        "class_priority": args.class_priority,
-                       "class_admission": parse_admission(args.class_admission)},
+                       "class_admission": args.class_admission},
            "weights_overrides": weights_overrides(args) if any(catalog[n].triscope for n in reports) else {},
            "policies": {k: asdict(v) for k, v in reports.items()}, "comparisons": [c for c in comps if c]}
     if args.json:
