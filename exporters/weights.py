@@ -434,16 +434,17 @@ def factors(inputs: BackendInputs, params: WeightParams) -> dict[str, float]:
     return out
 
 
+def over_limit(ratio: float, limit: float, release: float, was_over: bool) -> bool:
+    """``ratio >= limit``, or ``>= release`` once over (hysteresis); False when not measured."""
+    return math.isfinite(ratio) and ratio >= (release if was_over else limit)
+
+
 def drain_reasons(inputs: BackendInputs, was_drained: bool, params: WeightParams) -> tuple[str, ...]:
     """Why a backend must be drained now (empty: it may serve). Hysteresis while already drained."""
-    mem_limit = params.release_memory_ratio if was_drained else params.drain_memory_ratio
-    kv_limit = params.release_kv_ratio if was_drained else params.drain_kv_ratio
     reasons = []
-    mem = inputs.memory_used_ratio
-    if math.isfinite(mem) and mem >= mem_limit:
+    if over_limit(inputs.memory_used_ratio, params.drain_memory_ratio, params.release_memory_ratio, was_drained):
         reasons.append("memory")
-    kv = inputs.kv_cache_usage_ratio
-    if math.isfinite(kv) and kv >= kv_limit:
+    if over_limit(inputs.kv_cache_usage_ratio, params.drain_kv_ratio, params.release_kv_ratio, was_drained):
         reasons.append("kv_cache")
     if not inputs.healthy:
         reasons.append("health")
@@ -518,11 +519,9 @@ def class_admission(backends: Mapping[str, BackendWeight], closed_before: frozen
     for cname, cls in params.classes.items():
         per: dict[str, str] = {}
         for name, bw in backends.items():
-            kv = bw.inputs.kv_cache_usage_ratio
-            shut = False
-            if bw.state != DRAIN and not stale and cls.has_admission_limit and math.isfinite(kv):
-                limit = cls.readmit_kv_ratio if (cname, name) in closed_before else cls.admit_kv_ratio
-                shut = kv >= limit
+            shut = (bw.state != DRAIN and not stale and cls.has_admission_limit
+                    and over_limit(bw.inputs.kv_cache_usage_ratio, cls.admit_kv_ratio, cls.readmit_kv_ratio,
+                                   (cname, name) in closed_before))
             if shut:
                 closed.add((cname, name))
             per[name] = DRAIN if shut or bw.state == DRAIN else READY
