@@ -35,7 +35,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, urlsplit
 
-from triscope.demo_fleet import Histogram  # the cumulative Prometheus histogram the demo simulator uses too
+# the cumulative Prometheus histogram and vLLM latency families the demo simulator uses too
+from triscope.demo_fleet import Histogram, latency_histograms
 
 GIB = 1024**3
 MAX_HEADER_BYTES = 16 * 1024
@@ -233,15 +234,7 @@ class SimBackend:
             "# HELP vllm:request_success_total Count of successfully processed requests.",
             "# TYPE vllm:request_success_total counter",
             f'vllm:request_success_total{{{lab},finished_reason="stop"}} {float(sum(st.success.values()))}',
-            "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
-            "# TYPE vllm:time_to_first_token_seconds histogram",
-            *st.ttft.render("vllm:time_to_first_token_seconds", lab),
-            "# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.",
-            "# TYPE vllm:e2e_request_latency_seconds histogram",
-            *st.e2e.render("vllm:e2e_request_latency_seconds", lab),
-            "# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.",
-            "# TYPE vllm:request_queue_time_seconds histogram",
-            *st.queue_time.render("vllm:request_queue_time_seconds", lab),
+            *latency_histograms(st.ttft, st.e2e, st.queue_time, lab),
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",engine="0",'

@@ -89,6 +89,21 @@ class Histogram:
         return out
 
 
+def latency_histograms(ttft: Histogram, e2e: Histogram, queue_time: Histogram, labels: str) -> list[str]:
+    """vLLM's three latency histogram families (HELP, TYPE and series) for one engine."""
+    return [
+        "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        *ttft.render("vllm:time_to_first_token_seconds", labels),
+        "# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.",
+        "# TYPE vllm:e2e_request_latency_seconds histogram",
+        *e2e.render("vllm:e2e_request_latency_seconds", labels),
+        "# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.",
+        "# TYPE vllm:request_queue_time_seconds histogram",
+        *queue_time.render("vllm:request_queue_time_seconds", labels),
+    ]
+
+
 @dataclass(frozen=True)
 class SimSpec:
     """One simulated backend: its (simulated) GPU and engine limits."""
@@ -242,15 +257,7 @@ class SimBackend:
                 "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
                 "# TYPE vllm:generation_tokens_total counter",
                 f"vllm:generation_tokens_total{{{lab}}} {float(c.generation_tokens)}",
-                "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
-                "# TYPE vllm:time_to_first_token_seconds histogram",
-                *c.ttft.render("vllm:time_to_first_token_seconds", lab),
-                "# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.",
-                "# TYPE vllm:e2e_request_latency_seconds histogram",
-                *c.e2e.render("vllm:e2e_request_latency_seconds", lab),
-                "# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.",
-                "# TYPE vllm:request_queue_time_seconds histogram",
-                *c.queue_time.render("vllm:request_queue_time_seconds", lab),
+                *latency_histograms(c.ttft, c.e2e, c.queue_time, lab),
             ]
         return "\n".join(lines) + "\n"
 
