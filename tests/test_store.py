@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from conftest import free_port
 
@@ -30,6 +33,39 @@ def test_insert_and_read_back_columns(store):
     cols = store.query_columns(f"SELECT host, ios FROM {table} ORDER BY host")
     assert list(cols["host"]) == ["a", "b"]
     assert cols["ios"].tolist() == [3.0, 4.0]
+
+
+def test_query_columns_decodes_text_of_every_shape(store):
+    """LowCardinality text (dictionary-encoded Arrow, with and without NULLs), plain text below
+    and above the to_pylist limit, empty results and numbers all come back as numpy arrays."""
+    sql = ("SELECT toLowCardinality(toString(number % 3)) AS lc, "
+           "if(number % 2 = 1, NULL, toLowCardinality(toString(number))) AS lc_null, "
+           "toString(number) AS plain, number * 2 AS twice FROM numbers({n:UInt64}) ORDER BY number")
+    cols = store.query_columns(sql, {"n": 5})
+    assert cols["lc"].tolist() == ["0", "1", "2", "0", "1"]
+    assert cols["lc_null"].tolist() == ["0", None, "2", None, "4"]
+    assert cols["plain"].tolist() == ["0", "1", "2", "3", "4"]
+    assert cols["twice"].tolist() == [0, 2, 4, 6, 8] and cols["twice"].dtype.kind == "u"
+    big = store.query_columns(sql, {"n": 300_000})  # past the to_pylist limit: dictionary path
+    assert big["plain"][[0, 123_456, 299_999]].tolist() == ["0", "123456", "299999"]
+    assert big["lc"][-3:].tolist() == [str(n % 3) for n in range(299_997, 300_000)]
+    empty = store.query_columns(sql.replace("numbers({n:UInt64})", "numbers(3) WHERE 0"), {})
+    assert all(len(values) == 0 for values in empty.values())
+
+
+def test_short_column_query_does_not_import_pyarrow_compute(store_path):
+    """pyarrow.compute costs ~0.1 s to import: the columns of a short CLI query must not need it."""
+    code = (
+        "import sys, tempfile; from triscope.store import open_store\n"
+        "s = open_store({'store': {'path': tempfile.mkdtemp()}})\n"
+        "c = s.query_columns(\"SELECT toLowCardinality(toString(number % 2)) AS k, toString(number) AS t, "
+        "number AS n FROM numbers(10)\")\n"
+        "assert c['k'].tolist()[:3] == ['0', '1', '0'], c\n"
+        "print('pyarrow.compute' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
 
 
 def test_insert_rejects_ragged_columns(store):
