@@ -464,16 +464,21 @@ def parse_pressure(items: list[str]) -> dict[str, float]:
     return out
 
 
-def parse_admission(text: str) -> dict[str, float]:
-    """``--class-admission``: ``default`` (:data:`CLASS_ADMISSION`) or ``CLASS=RATIO,CLASS=RATIO``."""
+def parse_admission(text: str, option: str = "--class-admission") -> dict[str, float]:
+    """``--class-admission``: ``default`` (:data:`CLASS_ADMISSION`), ``none`` or ``CLASS=RATIO,...``."""
     if text in ("", "default"):
         return dict(CLASS_ADMISSION)
+    if text == "none":
+        return {}
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         name, sep, ratio = item.partition("=")
         if not sep or name not in CLASS_PRIORITY:
-            raise SystemExit(f"--class-admission {item!r}: expected CLASS=RATIO with CLASS in {', '.join(CLASS_PRIORITY)}")
-        out[name] = float(ratio)
+            raise SystemExit(f"{option} {item!r}: expected CLASS=RATIO with CLASS in {', '.join(CLASS_PRIORITY)}")
+        try:
+            out[name] = float(ratio)
+        except ValueError:
+            raise SystemExit(f"{option} {item!r}: {ratio!r} is not a number") from None
     return out
 
 
@@ -670,7 +675,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--agent-maxconn", action="store_true",
                    help="triscope: the agent also sends maxconn:round(server maxconn x weight) "
                         "(needs --maxconn-per-slot)")
-    p.add_argument("--class-admission", default="default", metavar="default|CLASS=KV,...",
+    p.add_argument("--class-admission", default="default", metavar="default|none|CLASS=KV,...",
                    help="triscope-classes: the KV usage at which the feed closes a backend to a class "
                         "(admit_kv_ratio); 'default' = "
                         + ",".join(f"{k}={v}" for k, v in CLASS_ADMISSION.items()))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import random
 import time
@@ -87,6 +88,8 @@ class Result:
     backend: str
     idx: int = -1
     """Position of the arrival in the schedule (the same request across policies)."""
+    engine_queue_s: float = math.nan
+    """Time the request waited inside the engine for a batch slot and its KV (NaN: no answer)."""
 
 
 class _Conn:
@@ -153,14 +156,25 @@ class HttpPool:
 async def _one(pool: HttpPool, a: Arrival, t_start: float, timeout_s: float, out: list[Result],
                idx: int = -1) -> None:
     sent = time.monotonic()
+    queue_s = math.nan
     try:
-        status, headers, _ = await asyncio.wait_for(pool.get(f"/v1/infer/{a.cls}"), timeout_s)
+        status, headers, body = await asyncio.wait_for(pool.get(f"/v1/infer/{a.cls}"), timeout_s)
         backend = headers.get("x-backend", "")
+        if status == 200:
+            queue_s = _engine_queue_s(body)
     except TimeoutError:
         status, backend = 0, ""
     except (ConnectionError, OSError, asyncio.IncompleteReadError, ValueError):
         status, backend = -1, ""
-    out.append(Result(sent - t_start, a.cls, a.step, status, time.monotonic() - sent, backend, idx))
+    out.append(Result(sent - t_start, a.cls, a.step, status, time.monotonic() - sent, backend, idx, queue_s))
+
+
+def _engine_queue_s(body: bytes) -> float:
+    """``queue_s`` of a simulated backend's answer (NaN when the body has none)."""
+    try:
+        return float(json.loads(body).get("queue_s", math.nan))
+    except (ValueError, TypeError, AttributeError):
+        return math.nan
 
 
 async def drive(host: str, port: int, schedule: list[Arrival], timeout_factor: float = 6.0,

@@ -54,4 +54,16 @@ def test_closed_loop_tiny_run_applies_policies(capsys: pytest.CaptureFixture[str
     videos = {r["backend"] for r in served if r["cls"] == "offline_video"}
     assert videos == {"b0"}, videos
     assert "b1" in {r["backend"] for r in served if r["cls"] != "offline_video"}
+    assert all(0 <= r["engine_queue_s"] <= r["latency_s"] for r in served), "engine queue time of each success"
     assert doc["policies"]["triscope-classes"]["requests"] == doc["arrivals"]
+
+
+def test_admission_option_is_parsed_and_checked() -> None:
+    import closed_loop
+
+    assert closed_loop.parse_args([]).class_admission == closed_loop.CLASS_ADMISSION
+    assert closed_loop.parse_args(["--class-admission", "none"]).class_admission == {}
+    assert closed_loop.parse_args(["--class-admission", "offline_video=0.5"]).class_admission == {"offline_video": 0.5}
+    for bad in ("video=0.5", "offline_video", "offline_video=busy"):
+        with pytest.raises(SystemExit, match="--class-admission"):
+            closed_loop.parse_args(["--class-admission", bad])
