@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -27,6 +33,43 @@ def start_run(config: str | Path, env: dict[str, str], cwd: Path | None = None
     reader = threading.Thread(target=lambda: log_lines.extend(iter(proc.stderr.readline, "")), daemon=True)
     reader.start()
     return proc, log_lines, reader
+
+
+@dataclass
+class RunningDaemon:
+    """A ``triscope run`` subprocess started by :func:`running_daemon`."""
+
+    proc: subprocess.Popen[str]
+    log_lines: list[str]
+    reader: threading.Thread
+
+    @property
+    def log(self) -> str:
+        return "".join(self.log_lines)
+
+    def assert_alive(self) -> None:
+        assert self.proc.poll() is None, self.log
+
+    def stop(self, timeout_s: float = 60) -> dict[str, Any]:
+        """SIGTERM, wait for a clean exit (code 0) and return the JSON summary it printed."""
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=timeout_s)
+        self.reader.join(timeout=5)
+        assert self.proc.returncode == 0, self.log
+        return json.loads(out)
+
+
+@contextmanager
+def running_daemon(config: str | Path, env: dict[str, str], cwd: Path | None = None) -> Iterator[RunningDaemon]:
+    """:func:`start_run` whose process is killed on the way out if the test did not stop it."""
+    daemon = RunningDaemon(*start_run(config, env, cwd))
+    try:
+        yield daemon
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.proc.kill()
+            daemon.proc.wait(timeout=30)
+        daemon.reader.join(timeout=5)
 
 
 def written_counts(log_lines: list[str]) -> list[int]:

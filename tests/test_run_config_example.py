@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 from disk_helpers import synced_write
-from run_helpers import clean_env, start_run, written_counts
+from run_helpers import clean_env, running_daemon, written_counts
 
 pytestmark = pytest.mark.slow
 
@@ -61,42 +60,34 @@ def test_docs_example_config_runs(tmp_path: Path) -> None:
     (tmp_path / "triscope.toml").write_text(toml)
     port = free_port()
     env = clean_env(TRISCOPE_PROMETHEUS__PORT=str(port), TRISCOPE_RUN__STATUS_INTERVAL_S="0.3")
-    proc, log_lines, reader = start_run("triscope.toml", env, cwd=tmp_path)
     metrics = ""
-    try:
+    with running_daemon("triscope.toml", env, cwd=tmp_path) as daemon:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            assert proc.poll() is None, "".join(log_lines)
+            daemon.assert_alive()
             synced_write(tmp_path / "io.bin", 1 << 20)  # real disk writes for diskstats to see
             try:
                 metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
             except OSError:
                 metrics = ""
             rows = _metric(metrics, "triscope_collector_rows_total", 'collector="blockio_diskstats",table="io_latency"')
-            written = written_counts(log_lines)
+            written = written_counts(daemon.log_lines)
             if rows and rows >= 2 and written and written[-1] >= 2:
                 break
             time.sleep(0.3)
         else:
-            pytest.fail("no diskstats rows written in 60 s:\n" + "".join(log_lines))
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(timeout=5)
-    logs = "".join(log_lines)
-    assert proc.returncode == 0, logs
+            pytest.fail("no diskstats rows written in 60 s:\n" + daemon.log)
+        summary = daemon.stop()
+    logs = daemon.log
     assert _metric(metrics, "triscope_collector_up", 'collector="torch_allocator"') == 1.0
     assert _metric(metrics, "triscope_collector_errors_total", 'collector="torch_allocator"') == 0.0
 
-    summary = json.loads(out)
     assert summary["flushed"] and summary["not_started"] == {}
     w = summary["writer"]
     assert w["rows_written"] == w["rows_submitted"] == summary["collectors"]["blockio_diskstats"]["rows"] > 0
     assert w["rows_pending"] == w["rows_dropped"] == w["rows_rejected"] == 0
     assert summary["collectors"]["torch_allocator"] == {"rows": 0, "errors": 0, "last_error": ""}
-    cuda_lines = [x for x in log_lines if "torch_allocator" in x and "CUDA is not available" in x]
+    cuda_lines = [x for x in daemon.log_lines if "torch_allocator" in x and "CUDA is not available" in x]
     assert len(cuda_lines) == 1, logs
     spool = tmp_path / "var" / "triscope-spool"
     assert spool.is_dir() and list(spool.glob("*.batch")) == list(spool.glob("*.open")) == []

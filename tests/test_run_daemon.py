@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 from conftest import free_port
 from disk_helpers import synced_write
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
-from run_helpers import clean_env, start_run, written_counts
+from run_helpers import clean_env, running_daemon, written_counts
 
 pytestmark = pytest.mark.slow
 
@@ -87,34 +86,28 @@ targets = ["http://127.0.0.1:{metrics_port}/metrics"]
 [otlp]
 port = {otlp_port}
 """)
-    proc, log_lines, reader = start_run(cfg, clean_env())
     try:
-        deadline = time.monotonic() + 60
-        posted = False
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "".join(log_lines)
-            synced_write(tmp_path / "io.bin", 1 << 20)  # real disk writes for diskstats to see
-            if not posted:
-                try:
-                    req = urllib.request.Request(f"http://127.0.0.1:{otlp_port}/v1/traces", data=_span_doc(),
-                                                 headers={"Content-Type": "application/json"})
-                    posted = urllib.request.urlopen(req, timeout=2).status == 200
-                except OSError:
-                    pass
-            written = written_counts(log_lines)
-            if posted and written and written[-1] >= 10:
-                break
-            time.sleep(0.2)
-        assert posted and written and written[-1] >= 10, "".join(log_lines)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        with running_daemon(cfg, clean_env()) as daemon:
+            deadline = time.monotonic() + 60
+            posted = False
+            while time.monotonic() < deadline:
+                daemon.assert_alive()
+                synced_write(tmp_path / "io.bin", 1 << 20)  # real disk writes for diskstats to see
+                if not posted:
+                    try:
+                        req = urllib.request.Request(f"http://127.0.0.1:{otlp_port}/v1/traces", data=_span_doc(),
+                                                     headers={"Content-Type": "application/json"})
+                        posted = urllib.request.urlopen(req, timeout=2).status == 200
+                    except OSError:
+                        pass
+                written = written_counts(daemon.log_lines)
+                if posted and written and written[-1] >= 10:
+                    break
+                time.sleep(0.2)
+            assert posted and written and written[-1] >= 10, daemon.log
+            summary = daemon.stop()
     finally:
-        if proc.poll() is None:
-            proc.kill()
         server.shutdown()
-    reader.join(timeout=5)
-    assert proc.returncode == 0, "".join(log_lines)
-    summary = json.loads(out)
     assert summary["flushed"] and summary["writer"]["rows_pending"] == 0
     assert summary["writer"]["rows_written"] == summary["writer"]["rows_submitted"] > 0
     assert set(summary["collectors"]) == {"blockio_diskstats", "serving_metrics", "otlp"}
@@ -166,33 +159,24 @@ flush_interval_s = 0.2
 [blockio]
 interval_s = 0.5
 """)
-    proc, log_lines, reader = start_run(cfg, clean_env())
-
-    try:
+    with running_daemon(cfg, clean_env()) as daemon:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            assert proc.poll() is None, "".join(log_lines)
+            daemon.assert_alive()
             synced_write(tmp_path / "io.bin", 256 << 10)
-            written = written_counts(log_lines)
+            written = written_counts(daemon.log_lines)
             if written and written[-1] >= 2:
                 break
             time.sleep(0.2)
         else:
-            pytest.fail("no bpftrace rows written in 60 s:\n" + "".join(log_lines))
+            pytest.fail("no bpftrace rows written in 60 s:\n" + daemon.log)
         synced_write(tmp_path / "io.bin", 256 << 10)  # inside the open window: only END reports it
         stop_wall = time.time()
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(timeout=5)
-    assert proc.returncode == 0, "".join(log_lines)
-    summary = json.loads(out)
+        summary = daemon.stop()
     w = summary["writer"]
     assert summary["flushed"] and w["rows_written"] == w["rows_submitted"] == summary["collectors"][
         "blockio_bpftrace"]["rows"] > 0
-    assert shutil.which("bpftrace") and "falling back" not in "".join(log_lines)
+    assert shutil.which("bpftrace") and "falling back" not in daemon.log
     query = tmp_path / "q.py"
     query.write_text(
         "import json, sys\nfrom triscope.store import open_store\n"
