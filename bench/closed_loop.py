@@ -464,7 +464,7 @@ def parse_pressure(items: list[str]) -> dict[str, float]:
     return out
 
 
-def parse_admission(text: str, option: str = "--class-admission") -> dict[str, float]:
+def parse_admission(text: str) -> dict[str, float]:
     """``--class-admission``: ``default`` (:data:`CLASS_ADMISSION`), ``none`` or ``CLASS=RATIO,...``."""
     if text in ("", "default"):
         return dict(CLASS_ADMISSION)
@@ -474,11 +474,11 @@ def parse_admission(text: str, option: str = "--class-admission") -> dict[str, f
     for item in filter(None, (x.strip() for x in text.split(","))):
         name, sep, ratio = item.partition("=")
         if not sep or name not in CLASS_PRIORITY:
-            raise SystemExit(f"{option} {item!r}: expected CLASS=RATIO with CLASS in {', '.join(CLASS_PRIORITY)}")
+            raise SystemExit(f"--class-admission {item!r}: expected CLASS=RATIO with CLASS in {', '.join(CLASS_PRIORITY)}")
         try:
             out[name] = float(ratio)
         except ValueError:
-            raise SystemExit(f"{option} {item!r}: {ratio!r} is not a number") from None
+            raise SystemExit(f"--class-admission {item!r}: {ratio!r} is not a number") from None
     return out
 
 
