@@ -5,29 +5,32 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
 class DiskstatsSampler(threading.Thread):
-    """(wall ns, reads completed, weighted ms doing IO) of one device every ~10 ms, until ``stop`` is set.
+    """(ns, reads completed, weighted ms doing IO) of one device every ~10 ms, until ``stop`` is set.
 
-    ``spans`` holds each reading with the wall clock read just before and just after reading
-    /proc/diskstats: the counters were current at some instant inside that span (a thread can be
-    preempted between the read and a single timestamp, by milliseconds under load). ``samples``
-    stamps each reading with the later clock.
+    ``spans`` holds each reading with ``clock`` (wall ns by default) read just before and just
+    after reading /proc/diskstats: the counters were current at some instant inside that span (a
+    thread can be preempted between the read and a single timestamp, by milliseconds under load).
+    ``samples`` stamps each reading with the later clock. Compare against kernel-clock windows
+    with ``clock=time.monotonic_ns``: no wall/monotonic offset then enters the comparison.
     """
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, clock: Callable[[], int] = time.time_ns) -> None:
         super().__init__(daemon=True)
         self.device = device
+        self.clock = clock
         self.spans: list[tuple[int, int, float, float]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
-            before = time.time_ns()
+            before = self.clock()
             text = Path("/proc/diskstats").read_text()
-            after = time.time_ns()
+            after = self.clock()
             for line in text.splitlines():
                 f = line.split()
                 if f[2] == self.device:
