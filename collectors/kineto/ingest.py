@@ -381,10 +381,11 @@ def split_array(array: bytes, min_bytes: int = 1 << 20) -> list[bytes]:
     fail to parse, and the block then goes to the Python decoder."""
     if len(array) < min_bytes or not (array.startswith(b"[") and array.endswith(b"]")):
         return [array]
-    cut = last_boundary(array[: len(array) // 2])
+    cut = last_boundary(array, end=len(array) // 2)
     if cut is None or cut[0] <= 1:
         return [array]
-    return [array[: cut[0]] + b"]", b"[" + array[cut[1]:]]
+    view = memoryview(array)
+    return [b"".join((view[: cut[0]], b"]")), b"".join((b"[", view[cut[1]:]))]  # one copy per half
 
 
 def _claim(taken: set[tuple[str, int]], path: Path, run_id: str, rank: int) -> None:

@@ -236,7 +236,8 @@ class _TraceParser:
         buf = buf[match.end():]
         read_error: InputError | None = None
         # raw_submit: (future of the block in flight, the bytes it covers); buf starts after them
-        pending: tuple[Future[bool], bytes] | None = None
+        # (the covered bytes are a view of the buffer they were cut from: copied only on a refusal)
+        pending: tuple[Future[bool], memoryview] | None = None
         while not self.eof and read_error is None:
             if len(buf) < self.block_bytes:
                 try:
@@ -251,16 +252,16 @@ class _TraceParser:
                 except InputError as exc:
                     read_error = exc
                 continue
-            array = b"[" + buf[: cut[0]] + b"]"
+            array = b"".join((b"[", memoryview(buf)[: cut[0]], b"]"))  # one copy, not two
             if pending is not None:
                 future, covered = pending
                 pending = None
                 if not future.result():  # refused: step back and decode that block here, with what came since
-                    buf = covered + buf
+                    buf = b"".join((covered, buf))
                     self.consumed -= len(covered)
                     array = b""
             if self.raw_submit is not None and array:
-                pending = (self.raw_submit(array), buf[: cut[1]])
+                pending = (self.raw_submit(array), memoryview(buf)[: cut[1]])
                 self.consumed += cut[1]
                 buf = buf[cut[1]:]
                 continue
@@ -285,7 +286,7 @@ class _TraceParser:
             if events:
                 yield events
         if pending is not None and not pending[0].result():  # the last block in flight was refused
-            buf = pending[1] + buf
+            buf = b"".join((pending[1], buf))
             self.consumed -= len(pending[1])
         pending = None
         if read_error is not None:
@@ -388,9 +389,11 @@ class _TraceParser:
         return events, text[pos:].encode()
 
 
-def last_boundary(buf: bytes) -> tuple[int, int] | None:
-    """Positions (end of ``}``, start of ``{``) of the last ``} , {`` boundary in ``buf``."""
-    pos = len(buf)
+def last_boundary(buf: bytes, end: int | None = None) -> tuple[int, int] | None:
+    """Positions (end of ``}``, start of ``{``) of the last ``} , {`` boundary in ``buf[:end]``
+    (searched in place: no copy of the prefix)."""
+    limit = len(buf) if end is None else min(end, len(buf))
+    pos = limit
     while True:
         comma = buf.rfind(b",", 0, pos)
         if comma <= 0:
@@ -399,9 +402,9 @@ def last_boundary(buf: bytes) -> tuple[int, int] | None:
         while left >= 0 and buf[left] in _WS:
             left -= 1
         right = comma + 1
-        while right < len(buf) and buf[right] in _WS:
+        while right < limit and buf[right] in _WS:
             right += 1
-        if left >= 0 and buf[left] == 0x7D and right < len(buf) and buf[right] == 0x7B:
+        if left >= 0 and buf[left] == 0x7D and right < limit and buf[right] == 0x7B:
             return left + 1, right
         pos = comma
 
