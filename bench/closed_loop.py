@@ -427,7 +427,14 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
                 classes = {k: dict(v) for k, v in overrides.get("classes", {}).items()}
                 for cls, ratio in args.class_admission.items():
                     classes.setdefault(cls, {})["admit_kv_ratio"] = ratio
+                for cls, ratio in args.class_batch_admission.items():
+                    classes.setdefault(cls, {})["admit_batch_ratio"] = ratio
                 overrides["classes"] = classes
+                if args.class_batch_admission:  # the engine's max_num_seqs: the sim's batch slots
+                    backends = {k: dict(v) for k, v in overrides.get("backends", {}).items()}
+                    for spec in fleet.specs:
+                        backends.setdefault(spec.name, {})["max_num_seqs"] = spec.slots
+                    overrides["backends"] = backends
             feed = FeedWorker({s.name: fleet.url(s) for s in fleet.specs}, overrides, args.feed_window_s).start()
             agent_port = feed.agent_port
         pools = list(CLASS_PRIORITY) if policy.class_pools else []
@@ -464,21 +471,23 @@ def parse_pressure(items: list[str]) -> dict[str, float]:
     return out
 
 
-def parse_admission(text: str) -> dict[str, float]:
-    """``--class-admission``: ``default`` (:data:`CLASS_ADMISSION`), ``none`` or ``CLASS=RATIO,...``."""
+def parse_admission(text: str, option: str = "--class-admission",
+                    default: dict[str, float] | None = None) -> dict[str, float]:
+    """``--class-admission`` / ``--class-batch-admission``: ``default`` (:data:`CLASS_ADMISSION`
+    for the KV limits, none for the batch limits), ``none`` or ``CLASS=RATIO,...``."""
     if text in ("", "default"):
-        return dict(CLASS_ADMISSION)
+        return dict(CLASS_ADMISSION if default is None else default)
     if text == "none":
         return {}
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         name, sep, ratio = item.partition("=")
         if not sep or name not in CLASS_PRIORITY:
-            raise SystemExit(f"--class-admission {item!r}: expected CLASS=RATIO with CLASS in {', '.join(CLASS_PRIORITY)}")
+            raise SystemExit(f"{option} {item!r}: expected CLASS=RATIO with CLASS in {', '.join(CLASS_PRIORITY)}")
         try:
             out[name] = float(ratio)
         except ValueError:
-            raise SystemExit(f"--class-admission {item!r}: {ratio!r} is not a number") from None
+            raise SystemExit(f"{option} {item!r}: {ratio!r} is not a number") from None
     return out
 
 
@@ -679,6 +688,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="triscope-classes: the KV usage at which the feed closes a backend to a class "
                         "(admit_kv_ratio); 'default' = "
                         + ",".join(f"{k}={v}" for k, v in CLASS_ADMISSION.items()))
+    p.add_argument("--class-batch-admission", default="none", metavar="none|CLASS=OCCUPANCY,...",
+                   help="triscope-classes: the batch occupancy, (running + waiting) / slots, at which the "
+                        "feed closes a backend to a class (admit_batch_ratio; max_num_seqs = the backend's slots)")
     p.add_argument("--repeat", type=int, default=1, help="repetitions with seeds seed..seed+N-1, results pooled")
     p.add_argument("--feed-window-s", type=float, default=5.0, help="P99/QPS window of the metrics adapter")
     p.add_argument("--weights", default="", help="JSON object of [weights] overrides for the triscope feed")
@@ -692,6 +704,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--feed-backends", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.class_admission = parse_admission(args.class_admission)  # checked before any run starts
+    args.class_batch_admission = parse_admission(args.class_batch_admission, "--class-batch-admission", {})
     return args
 
 
@@ -744,7 +757,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "haproxy": {"maxconn_per_slot": args.maxconn_per_slot, "timeout_queue_ms": args.timeout_queue_ms,
                        "agent_inter_ms": args.agent_inter_ms, "agent_maxconn": args.agent_maxconn,
                        "class_priority": args.class_priority,
-                       "class_admission": args.class_admission},
+                       "class_admission": args.class_admission, "class_batch_admission": args.class_batch_admission},
            "weights_overrides": weights_overrides(args) if any(catalog[n].triscope for n in reports) else {},
            "policies": {k: asdict(v) for k, v in reports.items()}, "comparisons": [c for c in comps if c]}
     if args.json:

@@ -12,7 +12,8 @@ request class (``gpu-a:8000 offline_video``) for per-class HAProxy pools. Answer
   round(max_inflight * weight))``, so HAProxy caps the server's concurrency as its weight falls and
   queues the rest in the backend (admission control; ``timeout queue`` bounds the wait);
 * ``drain\n`` for a drained backend, and for a backend closed to the named class by that class's
-  ``admit_kv_ratio`` (a class the feed does not know gets the backend's own answer);
+  ``admit_kv_ratio`` or ``admit_batch_ratio`` (a class the feed does not know gets the
+  backend's own answer);
 * ``ready 100%\n`` for a name the feed does not know, or an empty line: fail open, so a typo in
   ``agent-send`` leaves HAProxy balancing as if the feed were absent rather than starving a server;
 * nothing (the connection is closed) when the line is longer than :data:`MAX_LINE` bytes without a

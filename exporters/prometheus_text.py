@@ -99,7 +99,7 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
              [({"request_class": c}, float(v["priority_weight"])) for c, v in classes])
     admission = sorted(result.class_admission.items()) if result is not None else []
     w.family("triscope_backend_class_admitted", "gauge",
-             "1 when the backend admits the request class, 0 when drained or closed by the class's KV limit.",
+             "1 when the backend admits the request class, 0 when drained or closed by the class's KV or batch limit.",
              [({"backend": b, "request_class": c}, 1.0 if st == "ready" else 0.0)
               for c, states in admission for b, st in sorted(states.items())])
     action = result.scale.action if result is not None else ""

@@ -86,10 +86,24 @@ class RequestClass:
     so a filling backend sheds them first and keeps room for the urgent ones."""
     readmit_kv_ratio: float = NAN
     """Usage below which a backend closed to the class admits it again (hysteresis)."""
+    admit_batch_ratio: float = NAN
+    """Batch occupancy, ``(running + waiting) / max_num_seqs``, at or above which a backend stops
+    admitting this class (NaN = no limit; needs the backend's ``max_num_seqs``). A request's
+    decode steps slow down with the batch it shares: this keeps long requests off crowded batches."""
+    readmit_batch_ratio: float = NAN
+    """Occupancy below which a backend closed to the class admits it again (hysteresis)."""
+
+    @property
+    def has_kv_limit(self) -> bool:
+        return math.isfinite(self.admit_kv_ratio)
+
+    @property
+    def has_batch_limit(self) -> bool:
+        return math.isfinite(self.admit_batch_ratio)
 
     @property
     def has_admission_limit(self) -> bool:
-        return math.isfinite(self.admit_kv_ratio)
+        return self.has_kv_limit or self.has_batch_limit
 
 
 @dataclass(frozen=True)
@@ -104,6 +118,9 @@ class BackendConfig:
     max_inflight: int = 0
     """Concurrency the backend takes at full weight (0 = unset); the HAProxy agent sends
     ``maxconn:round(max_inflight * weight)`` (admission control, see docs/weights.md)."""
+    max_num_seqs: int = 0
+    """The engine's batch size limit (vLLM ``--max-num-seqs``; 0 = unknown): the denominator of a
+    class's ``admit_batch_ratio``. vLLM's metrics do not expose it, so it is configured."""
 
 
 @dataclass(frozen=True)
@@ -191,22 +208,31 @@ def _classes(raw: Mapping[str, Any]) -> dict[str, RequestClass]:
         if not isinstance(spec, Mapping):
             raise ConfigError(f"[weights.classes.{name}] must be a table")
         try:
-            admit = float(spec.get("admit_kv_ratio", NAN))
-            readmit = float(spec.get("readmit_kv_ratio", max(0.0, admit - READMIT_GAP) if math.isfinite(admit) else NAN))
+            admit, readmit = _limit_pair(spec, "kv")
+            admit_batch, readmit_batch = _limit_pair(spec, "batch")
             out[name] = RequestClass(name, float(spec["sla_ms"]) / 1000.0, float(spec["weight"]),
-                                     float(spec["alpha"]), admit, readmit)
+                                     float(spec["alpha"]), admit, readmit, admit_batch, readmit_batch)
         except (KeyError, TypeError, ValueError):
             raise ConfigError(f"[weights.classes.{name}] needs numeric sla_ms, weight and alpha "
-                              "(and admit_kv_ratio / readmit_kv_ratio numbers when given)") from None
+                              "(and numeric admit_/readmit_ kv and batch ratios when given)") from None
         cls = out[name]
         if cls.sla_seconds <= 0:
             raise ConfigError(f"[weights.classes.{name}] sla_ms must be > 0")
-        if cls.has_admission_limit and not (0 <= cls.readmit_kv_ratio <= cls.admit_kv_ratio <= 1):
-            raise ConfigError(f"[weights.classes.{name}] needs 0 <= readmit_kv_ratio <= admit_kv_ratio <= 1, "
-                              f"got {cls.readmit_kv_ratio:g} and {cls.admit_kv_ratio:g}")
-        if math.isfinite(cls.readmit_kv_ratio) and not cls.has_admission_limit:
-            raise ConfigError(f"[weights.classes.{name}] readmit_kv_ratio needs admit_kv_ratio")
+        for kind, admit, readmit, top in (("kv", cls.admit_kv_ratio, cls.readmit_kv_ratio, 1.0),
+                                          ("batch", cls.admit_batch_ratio, cls.readmit_batch_ratio, math.inf)):
+            if math.isfinite(admit) and not (0 <= readmit <= admit <= top):
+                raise ConfigError(f"[weights.classes.{name}] needs 0 <= readmit_{kind}_ratio <= admit_{kind}_ratio"
+                                  f"{' <= 1' if top == 1.0 else ''}, got {readmit:g} and {admit:g}")
+            if math.isfinite(readmit) and not math.isfinite(admit):
+                raise ConfigError(f"[weights.classes.{name}] readmit_{kind}_ratio needs admit_{kind}_ratio")
     return out
+
+
+def _limit_pair(spec: Mapping[str, Any], kind: str) -> tuple[float, float]:
+    """``admit_<kind>_ratio`` and ``readmit_<kind>_ratio`` (default: admit - READMIT_GAP, >= 0)."""
+    admit = float(spec.get(f"admit_{kind}_ratio", NAN))
+    default = max(0.0, admit - READMIT_GAP) if math.isfinite(admit) else NAN
+    return admit, float(spec.get(f"readmit_{kind}_ratio", default))
 
 
 def _backends(raw: Mapping[str, Any]) -> dict[str, BackendConfig]:
@@ -218,12 +244,12 @@ def _backends(raw: Mapping[str, Any]) -> dict[str, BackendConfig]:
             out[name] = BackendConfig(name, str(spec.get("host", "")),
                                       tuple(int(g) for g in spec.get("gpus", ())),
                                       str(spec.get("address", "")), float(spec.get("capacity_qps", 0.0)),
-                                      int(spec.get("max_inflight", 0)))
+                                      int(spec.get("max_inflight", 0)), int(spec.get("max_num_seqs", 0)))
         except (TypeError, ValueError):
-            raise ConfigError(f"[weights.backends.{name}]: gpus and max_inflight must be integers, "
+            raise ConfigError(f"[weights.backends.{name}]: gpus, max_inflight and max_num_seqs must be integers, "
                               "capacity_qps a number") from None
-        if out[name].max_inflight < 0:
-            raise ConfigError(f"[weights.backends.{name}] max_inflight must be >= 0")
+        if out[name].max_inflight < 0 or out[name].max_num_seqs < 0:
+            raise ConfigError(f"[weights.backends.{name}] max_inflight and max_num_seqs must be >= 0")
     return out
 
 
@@ -504,11 +530,21 @@ def scale_decision(inputs: Sequence[BackendInputs], state: EngineState, params: 
     return ScaleDecision("hold", fleet, "KV usage within bounds or not sustained"), above, below
 
 
+def batch_occupancy(inputs: BackendInputs, max_num_seqs: int) -> float:
+    """``(running + waiting) / max_num_seqs``: how full the engine's batch is, and past 1 how
+    many requests queue behind it; NaN when unknown (no ``max_num_seqs`` or no running gauge)."""
+    if max_num_seqs <= 0 or not math.isfinite(inputs.running_requests):
+        return NAN
+    waiting = inputs.queue_length if math.isfinite(inputs.queue_length) else 0.0
+    return max(0.0, inputs.running_requests + waiting) / max_num_seqs
+
+
 def class_admission(backends: Mapping[str, BackendWeight], closed_before: frozenset[tuple[str, str]],
                     params: WeightParams, stale: bool) -> tuple[dict[str, dict[str, str]], frozenset[tuple[str, str]]]:
     """Per class and backend: ``drain`` when the backend is drained, or when the class has an
-    ``admit_kv_ratio`` and the backend's KV usage reached it (``readmit_kv_ratio`` once closed);
-    else ``ready``. Also returns the closed (class, backend) pairs for the next update.
+    ``admit_kv_ratio`` and the backend's KV usage reached it, or an ``admit_batch_ratio`` and the
+    backend's :func:`batch_occupancy` reached it (the ``readmit_`` ratios once closed); else
+    ``ready``. Also returns the closed (class, backend) pairs for the next update.
 
     Unlike a backend drain, a class may be closed on every backend at once: that is load shedding
     by priority (the LB answers that class 503 at once), not a fleet outage. Stale inputs open
@@ -519,9 +555,13 @@ def class_admission(backends: Mapping[str, BackendWeight], closed_before: frozen
     for cname, cls in params.classes.items():
         per: dict[str, str] = {}
         for name, bw in backends.items():
+            was_closed = (cname, name) in closed_before
+            config = params.backends.get(name)
+            occupancy = batch_occupancy(bw.inputs, config.max_num_seqs if config else 0)
             shut = (bw.state != DRAIN and not stale and cls.has_admission_limit
-                    and over_limit(bw.inputs.kv_cache_usage_ratio, cls.admit_kv_ratio, cls.readmit_kv_ratio,
-                                   (cname, name) in closed_before))
+                    and (over_limit(bw.inputs.kv_cache_usage_ratio, cls.admit_kv_ratio, cls.readmit_kv_ratio,
+                                    was_closed)
+                         or over_limit(occupancy, cls.admit_batch_ratio, cls.readmit_batch_ratio, was_closed)))
             if shut:
                 closed.add((cname, name))
             per[name] = DRAIN if shut or bw.state == DRAIN else READY

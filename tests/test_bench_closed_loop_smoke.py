@@ -58,7 +58,7 @@ def test_closed_loop_tiny_run_applies_policies(capsys: pytest.CaptureFixture[str
     assert doc["policies"]["triscope-classes"]["requests"] == doc["arrivals"]
 
 
-def test_admission_option_is_parsed_and_checked() -> None:
+def test_admission_options_are_parsed_and_checked() -> None:
     import closed_loop
 
     assert closed_loop.parse_args([]).class_admission == closed_loop.CLASS_ADMISSION
@@ -67,3 +67,8 @@ def test_admission_option_is_parsed_and_checked() -> None:
     for bad in ("video=0.5", "offline_video", "offline_video=busy"):
         with pytest.raises(SystemExit, match="--class-admission"):
             closed_loop.parse_args(["--class-admission", bad])
+        with pytest.raises(SystemExit, match="--class-batch-admission"):
+            closed_loop.parse_args(["--class-batch-admission", bad])
+    args = closed_loop.parse_args(["--class-batch-admission", "offline_video=0.5"])
+    assert args.class_batch_admission == {"offline_video": 0.5}
+    assert closed_loop.parse_args([]).class_batch_admission == {}, "no batch limit unless asked"

@@ -1,6 +1,7 @@
-"""Per-class admission (``[weights.classes.NAME] admit_kv_ratio``): a filling backend closes to the
-low-priority classes first, the HAProxy agent answers per class, and a real HAProxy with one pool
-per class drains a server in one pool only and sheds a class with 503 when every server is closed.
+"""Per-class admission (``[weights.classes.NAME] admit_kv_ratio`` / ``admit_batch_ratio``): a
+filling backend closes to the low-priority classes first, the HAProxy agent answers per class,
+and a real HAProxy with one pool per class drains a server in one pool only and sheds a class
+with 503 when every server is closed.
 """
 
 from __future__ import annotations
@@ -121,6 +122,66 @@ def test_admission_config_is_validated() -> None:
             params(offline_video=bad)
     with pytest.raises(ConfigError, match="must be a table"):
         params(offline_video=0.8)
+
+
+def batch_params(**video: float) -> WeightParams:
+    cfg = {"interval_s": 0.1, "feed": {"port": 0, "agent_port": 0}, "classes": {VIDEO: video},
+           "backends": {"a": {"max_num_seqs": 16}, "b": {"max_num_seqs": 8}}}
+    return WeightParams.from_config({"weights": cfg})
+
+
+def batch_inputs(running: dict[str, float], waiting: dict[str, float], now: float,
+                 kv: float = 0.3) -> list[BackendInputs]:
+    return [BackendInputs(n, kv_cache_usage_ratio=kv, running_requests=r, queue_length=waiting.get(n, 0.0),
+                          sources={"serving": now}) for n, r in running.items()]
+
+
+def test_batch_occupancy_closes_a_class_on_crowded_batches_with_hysteresis() -> None:
+    """``admit_batch_ratio``: (running + waiting) / max_num_seqs, per backend's own batch size."""
+    p = batch_params(admit_batch_ratio=0.5, readmit_batch_ratio=0.25)
+    assert p.classes[VIDEO].has_batch_limit and not p.classes[VIDEO].has_kv_limit
+    t = time.time()
+    # a: 6 of 16 (0.375) open; b: 4 of 8 (0.5) closed, by the same ratio on a smaller batch
+    res, state = compute_weights(batch_inputs({"a": 6, "b": 4}, {}, t), None, p, t)
+    assert (res.class_state("a", VIDEO), res.class_state("b", VIDEO)) == (READY, DRAIN)
+    assert res.class_state("b", SPEECH) == READY and res.backends["b"].state == READY
+    t += 0.1  # waiting requests count: 5 running + 3 waiting of 16 = 0.5 closes a
+    res, state = compute_weights(batch_inputs({"a": 5, "b": 3}, {"a": 3}, t), state, p, t)
+    assert (res.class_state("a", VIDEO), res.class_state("b", VIDEO)) == (DRAIN, DRAIN), "b: 0.375 >= readmit 0.25"
+    assert res.to_dict()["class_admission"][VIDEO]["shedding"]
+    assert agent_reply(res, "a", request_class=VIDEO) == "drain\n"
+    t += 0.1
+    res, state = compute_weights(batch_inputs({"a": 3, "b": 1}, {}, t), state, p, t)
+    assert (res.class_state("a", VIDEO), res.class_state("b", VIDEO)) == (READY, READY)
+
+
+def test_batch_limit_needs_max_num_seqs_and_the_running_gauge() -> None:
+    """Without a backend's max_num_seqs, or without its running gauge, occupancy is unknown and the
+    class follows the backend (never closed on a guess); KV and batch limits combine with OR."""
+    cfg = {"interval_s": 0.1, "feed": {"port": 0, "agent_port": 0},
+           "classes": {VIDEO: {"admit_batch_ratio": 0.5, "admit_kv_ratio": 0.8}},
+           "backends": {"a": {"max_num_seqs": 16}}}
+    p = WeightParams.from_config({"weights": cfg})
+    t = time.time()
+    unknown = [BackendInputs("a", kv_cache_usage_ratio=0.3, sources={"serving": t}),  # no running gauge
+               BackendInputs("b", kv_cache_usage_ratio=0.3, running_requests=50, sources={"serving": t})]
+    res, _ = compute_weights(unknown, None, p, t)
+    assert res.class_state("a", VIDEO) == READY and res.class_state("b", VIDEO) == READY
+    full_kv = batch_inputs({"a": 1, "b": 1}, {}, t, kv=0.85)
+    res, _ = compute_weights(full_kv, None, p, t)
+    assert res.class_state("a", VIDEO) == DRAIN and res.class_state("b", VIDEO) == DRAIN, "KV limit still applies"
+
+
+def test_batch_admission_config_is_validated() -> None:
+    assert batch_params(admit_batch_ratio=0.5).classes[VIDEO].readmit_batch_ratio == pytest.approx(0.45)
+    assert batch_params(admit_batch_ratio=1.5).classes[VIDEO].admit_batch_ratio == 1.5, "past 1 = queued requests"
+    for bad in ({"admit_batch_ratio": 0.5, "readmit_batch_ratio": 0.6}, {"readmit_batch_ratio": 0.5},
+                {"admit_batch_ratio": -1}, {"admit_batch_ratio": "busy"}):
+        with pytest.raises(ConfigError, match="offline_video"):
+            batch_params(**bad)
+    for bad_backend in ({"max_num_seqs": -1}, {"max_num_seqs": "many"}):
+        with pytest.raises(ConfigError, match="max_num_seqs"):
+            WeightParams.from_config({"weights": {"backends": {"a": bad_backend}}})
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
