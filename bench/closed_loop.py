@@ -419,10 +419,8 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
         if policy.triscope:
             overrides = weights_overrides(args)
             if args.agent_maxconn:
-                backends = {k: dict(v) for k, v in overrides.get("backends", {}).items()}
-                for s in fleet.specs:
-                    backends.setdefault(s.name, {})["max_inflight"] = server_maxconn(s, args.maxconn_per_slot)
-                overrides["backends"] = backends
+                set_per_backend(overrides, "max_inflight",
+                                {s.name: server_maxconn(s, args.maxconn_per_slot) for s in fleet.specs})
             if policy.class_pools:
                 classes = {k: dict(v) for k, v in overrides.get("classes", {}).items()}
                 for cls, ratio in args.class_admission.items():
@@ -431,10 +429,7 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
                     classes.setdefault(cls, {})["admit_batch_ratio"] = ratio
                 overrides["classes"] = classes
                 if args.class_batch_admission:  # the engine's max_num_seqs: the sim's batch slots
-                    backends = {k: dict(v) for k, v in overrides.get("backends", {}).items()}
-                    for spec in fleet.specs:
-                        backends.setdefault(spec.name, {})["max_num_seqs"] = spec.slots
-                    overrides["backends"] = backends
+                    set_per_backend(overrides, "max_num_seqs", {s.name: s.slots for s in fleet.specs})
             feed = FeedWorker({s.name: fleet.url(s) for s in fleet.specs}, overrides, args.feed_window_s).start()
             agent_port = feed.agent_port
         pools = list(CLASS_PRIORITY) if policy.class_pools else []
@@ -453,6 +448,14 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
             feed.stop()
     return RawRun(results, lag, samples, feed_samples, states, time.monotonic() - t0,
                   feed.info.get("feed", "") if feed is not None else "")
+
+
+def set_per_backend(overrides: dict[str, Any], key: str, values: dict[str, Any]) -> None:
+    """Set ``[weights.backends.NAME] key`` for each backend in ``overrides`` (copied, not shared)."""
+    backends = {k: dict(v) for k, v in overrides.get("backends", {}).items()}
+    for name, value in values.items():
+        backends.setdefault(name, {})[key] = value
+    overrides["backends"] = backends
 
 
 def server_maxconn(spec: BackendSpec, per_slot: float) -> int:

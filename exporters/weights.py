@@ -552,16 +552,16 @@ def class_admission(backends: Mapping[str, BackendWeight], closed_before: frozen
     """
     states: dict[str, dict[str, str]] = {}
     closed: set[tuple[str, str]] = set()
+    occupancy = {name: batch_occupancy(bw.inputs, params.backends[name].max_num_seqs if name in params.backends else 0)
+                 for name, bw in backends.items()}
     for cname, cls in params.classes.items():
         per: dict[str, str] = {}
         for name, bw in backends.items():
             was_closed = (cname, name) in closed_before
-            config = params.backends.get(name)
-            occupancy = batch_occupancy(bw.inputs, config.max_num_seqs if config else 0)
             shut = (bw.state != DRAIN and not stale and cls.has_admission_limit
                     and (over_limit(bw.inputs.kv_cache_usage_ratio, cls.admit_kv_ratio, cls.readmit_kv_ratio,
                                     was_closed)
-                         or over_limit(occupancy, cls.admit_batch_ratio, cls.readmit_batch_ratio, was_closed)))
+                         or over_limit(occupancy[name], cls.admit_batch_ratio, cls.readmit_batch_ratio, was_closed)))
             if shut:
                 closed.add((cname, name))
             per[name] = DRAIN if shut or bw.state == DRAIN else READY

@@ -252,20 +252,17 @@ class _TraceParser:
                 except InputError as exc:
                     read_error = exc
                 continue
-            array = b"".join((b"[", memoryview(buf)[: cut[0]], b"]"))  # one copy, not two
+            refused = False
             if pending is not None:
-                future, covered = pending
-                pending = None
-                if not future.result():  # refused: step back and decode that block here, with what came since
-                    buf = b"".join((covered, buf))
-                    self.consumed -= len(covered)
-                    array = b""
-            if self.raw_submit is not None and array:
-                pending = (self.raw_submit(array), memoryview(buf)[: cut[1]])
+                back, pending = self._put_back_if_refused(pending, buf), None
+                if back is not None:  # refused: decode that block here, with what came since
+                    buf, refused = back, True
+            if self.raw_submit is not None and not refused:
+                pending = (self.raw_submit(_as_array(memoryview(buf)[: cut[0]])), memoryview(buf)[: cut[1]])
                 self.consumed += cut[1]
                 buf = buf[cut[1]:]
                 continue
-            events = self._decode_array(array) if array else None
+            events = None if refused else self._decode_array(_as_array(memoryview(buf)[: cut[0]]))
             if events is None:  # wrong cut or damage: decode event by event
                 events, leftover = self._decode_slow(buf, final=False)
                 if not events:
@@ -285,9 +282,8 @@ class _TraceParser:
                 buf = buf[cut[1]:]
             if events:
                 yield events
-        if pending is not None and not pending[0].result():  # the last block in flight was refused
-            buf = b"".join((pending[1], buf))
-            self.consumed -= len(pending[1])
+        if pending is not None and (back := self._put_back_if_refused(pending, buf)) is not None:
+            buf = back  # the last block in flight was refused
         pending = None
         if read_error is not None:
             # Keep every complete event that arrived before the stream broke, then report.
@@ -300,7 +296,7 @@ class _TraceParser:
         candidates = sorted(self._tail_candidates(head, buf), key=lambda c: -len(c[1]))
         for array_end, metadata in candidates:
             body = buf[:array_end]
-            events = self._decode_array(b"[" + body + b"]") if body.strip() else []
+            events = self._decode_array(_as_array(body)) if body.strip() else []
             if events is not None:
                 if events:
                     yield events
@@ -322,6 +318,15 @@ class _TraceParser:
                              "of the last block were kept")
         metadata.pop("traceEvents", None)
         self.header.metadata = metadata
+
+    def _put_back_if_refused(self, pending: tuple[Future[bool], memoryview], buf: bytes) -> bytes | None:
+        """Wait for the block in flight: None when the sink took it, else ``buf`` with that block's
+        bytes put back in front (and ``consumed`` stepped back) so the reader decodes it itself."""
+        future, covered = pending
+        if future.result():
+            return None
+        self.consumed -= len(covered)
+        return b"".join((covered, buf))
 
     def _tail_candidates(self, head: bytes, buf: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
         """Possible ``]`` closing traceEvents in the last buffer, last first: those after which
@@ -387,6 +392,11 @@ class _TraceParser:
                 raise self._error(len(text[:pos].encode()), f"invalid event ({exc})") from None
             pos = end
         return events, text[pos:].encode()
+
+
+def _as_array(events: bytes | memoryview) -> bytes:
+    """``[`` + comma-separated events + ``]`` in one copy."""
+    return b"".join((b"[", events, b"]"))
 
 
 def last_boundary(buf: bytes, end: int | None = None) -> tuple[int, int] | None:

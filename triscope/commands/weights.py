@@ -77,7 +77,7 @@ def _print(result: Any, as_json: bool) -> None:
         closed = [b for b, state in adm["backends"].items() if state != "ready" and doc["backends"][b]["state"] == "ready"]
         if closed or adm["shedding"]:
             console.print(f"class {name}: " + ("SHEDDING (no backend admits it)" if adm["shedding"]
-                                              else f"closed on {', '.join(closed)} (KV limit)"))
+                                              else f"closed on {', '.join(closed)} (KV or batch limit)"))
 
 
 def _once(args: argparse.Namespace) -> int:
