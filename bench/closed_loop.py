@@ -433,10 +433,17 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
             feed = FeedWorker({s.name: fleet.url(s) for s in fleet.specs}, overrides, args.feed_window_s).start()
             agent_port = feed.agent_port
         pools = list(CLASS_PRIORITY) if policy.class_pools else []
-        servers = [Server(s.name, s.port, maxconn=server_maxconn(s, args.maxconn_per_slot)) for s in fleet.specs]
+        most_slots = max(s.slots for s in fleet.specs)
+        servers = [Server(s.name, s.port, maxconn=server_maxconn(s, args.maxconn_per_slot),
+                          weight=max(1, round(100 * s.slots / most_slots)) if args.capacity_weights else 100)
+                   for s in fleet.specs]
+        pool_caps = ({c: {s.name: server_maxconn(s, per_slot) for s in fleet.specs}
+                      for c, per_slot in args.class_maxconn.items()} if policy.class_pools else {})
+        pool_queue = ({c: int(ms) for c, ms in args.class_timeout_queue_ms.items()} if policy.class_pools else {})
         with HAProxy(workdir / policy.name, servers, balance=policy.balance, agent_port=agent_port,
                      agent_inter_ms=args.agent_inter_ms, timeout_queue_ms=args.timeout_queue_ms,
-                     queue_priority=CLASS_PRIORITY if args.class_priority else None, class_pools=pools) as hap:
+                     queue_priority=CLASS_PRIORITY if args.class_priority else None, class_pools=pools,
+                     pool_maxconn=pool_caps, pool_timeout_queue_ms=pool_queue) as hap:
             if policy.triscope:
                 time.sleep(max(0.5, 3 * args.agent_inter_ms / 1000))
             results, lag, samples, feed_samples = asyncio.run(
@@ -682,6 +689,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="HAProxy server maxconn = this x the server's batch slots, every policy (0 = unlimited)")
     p.add_argument("--timeout-queue-ms", type=int, default=0,
                    help="HAProxy 'timeout queue' (503 after waiting this long for a server slot; 0 = HAProxy default)")
+    p.add_argument("--capacity-weights", action="store_true",
+                   help="HAProxy server weight = 100 x its batch slots / the largest (every policy; "
+                        "an agent's NN%% then scales that weight)")
     p.add_argument("--class-priority", action="store_true",
                    help="HAProxy queue priority by class (speech, then image-text, then video), every policy")
     p.add_argument("--agent-maxconn", action="store_true",
@@ -694,6 +704,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--class-batch-admission", default="none", metavar="none|CLASS=OCCUPANCY,...",
                    help="triscope-classes: the batch occupancy, (running + waiting) / slots, at which the "
                         "feed closes a backend to a class (admit_batch_ratio; max_num_seqs = the backend's slots)")
+    p.add_argument("--class-maxconn", default="none", metavar="none|CLASS=PER_SLOT,...",
+                   help="triscope-classes: the class pool's servers get maxconn = PER_SLOT x their batch slots "
+                        "(at least 1): a per-class cap on requests in flight per backend, enforced by HAProxy")
+    p.add_argument("--class-timeout-queue-ms", default="none", metavar="none|CLASS=MS,...",
+                   help="triscope-classes: 'timeout queue' of that class's pool (default: --timeout-queue-ms)")
     p.add_argument("--repeat", type=int, default=1, help="repetitions with seeds seed..seed+N-1, results pooled")
     p.add_argument("--feed-window-s", type=float, default=5.0, help="P99/QPS window of the metrics adapter")
     p.add_argument("--weights", default="", help="JSON object of [weights] overrides for the triscope feed")
@@ -708,6 +723,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.class_admission = parse_admission(args.class_admission)  # checked before any run starts
     args.class_batch_admission = parse_admission(args.class_batch_admission, "--class-batch-admission", {})
+    args.class_maxconn = parse_admission(args.class_maxconn, "--class-maxconn", {})
+    args.class_timeout_queue_ms = parse_admission(args.class_timeout_queue_ms, "--class-timeout-queue-ms", {})
     return args
 
 
@@ -759,8 +776,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "arrivals_total": sum(len(x) for x in schedules), "seeds": seeds,
            "haproxy": {"maxconn_per_slot": args.maxconn_per_slot, "timeout_queue_ms": args.timeout_queue_ms,
                        "agent_inter_ms": args.agent_inter_ms, "agent_maxconn": args.agent_maxconn,
-                       "class_priority": args.class_priority,
-                       "class_admission": args.class_admission, "class_batch_admission": args.class_batch_admission},
+                       "class_priority": args.class_priority, "capacity_weights": args.capacity_weights,
+                       "class_admission": args.class_admission, "class_batch_admission": args.class_batch_admission,
+                       "class_maxconn_per_slot": args.class_maxconn,
+                       "class_timeout_queue_ms": args.class_timeout_queue_ms},
            "weights_overrides": weights_overrides(args) if any(catalog[n].triscope for n in reports) else {},
            "policies": {k: asdict(v) for k, v in reports.items()}, "comparisons": [c for c in comps if c]}
     if args.json:

@@ -42,6 +42,8 @@ class Server:
     host: str = "127.0.0.1"
     maxconn: int = 0
     """Per-server connection limit (0 = none); beyond it HAProxy queues in the backend."""
+    weight: int = 100
+    """Configured weight (1-256); an agent's ``NN%`` sets NN % of it."""
 
 
 class HAProxy:
@@ -58,12 +60,18 @@ class HAProxy:
     each of its servers sends ``"<name> <class>"``, so the feed can close one backend to one class
     (triscope's ``admit_kv_ratio``). A pool whose servers are all drained answers 503 at once:
     per-class load shedding in the LB. Other paths keep using ``gpus``.
+
+    ``pool_maxconn`` ({class: {server: n}}) caps a class pool's servers on their own (the class's
+    requests in flight on that backend, enforced by HAProxy per request); ``pool_timeout_queue_ms``
+    ({class: ms}) bounds the wait in that pool's queue.
     """
 
     def __init__(self, workdir: Path, servers: list[Server], balance: str = "roundrobin",
                  agent_port: int | None = None, agent_inter_ms: int = 250, port: int | None = None,
                  binary: str | None = None, timeout_queue_ms: int = 0,
-                 queue_priority: dict[str, int] | None = None, class_pools: list[str] | tuple[str, ...] = ()) -> None:
+                 queue_priority: dict[str, int] | None = None, class_pools: list[str] | tuple[str, ...] = (),
+                 pool_maxconn: dict[str, dict[str, int]] | None = None,
+                 pool_timeout_queue_ms: dict[str, int] | None = None) -> None:
         self.workdir = Path(workdir)
         self.servers = servers
         self.balance = balance
@@ -72,6 +80,11 @@ class HAProxy:
         self.timeout_queue_ms = timeout_queue_ms
         self.queue_priority = dict(queue_priority or {})
         self.class_pools = tuple(class_pools)
+        self.pool_maxconn = {c: dict(v) for c, v in (pool_maxconn or {}).items()}
+        self.pool_timeout_queue_ms = dict(pool_timeout_queue_ms or {})
+        unknown = (set(self.pool_maxconn) | set(self.pool_timeout_queue_ms)) - set(self.class_pools)
+        if unknown:
+            raise ValueError(f"pool limits for classes without a pool: {', '.join(sorted(unknown))}")
         self.port = port or free_port()
         self.binary = binary or shutil.which("haproxy") or "haproxy"
         self.socket_path = self.workdir / "haproxy.sock"
@@ -102,14 +115,17 @@ class HAProxy:
 
     def _pool(self, pool: str, request_class: str) -> list[str]:
         lines = [f"backend {pool}", f"    balance {self.balance}"]
-        if self.timeout_queue_ms > 0:
-            lines.append(f"    timeout queue {self.timeout_queue_ms}ms")
+        timeout_queue_ms = self.pool_timeout_queue_ms.get(request_class, self.timeout_queue_ms)
+        if timeout_queue_ms > 0:
+            lines.append(f"    timeout queue {timeout_queue_ms}ms")
+        caps = self.pool_maxconn.get(request_class, {})
         for suffix, prio in self.queue_priority.items():  # lower class leaves HAProxy's queue first
             lines.append(f"    http-request set-priority-class int({prio}) if {{ path_end /{suffix} }}")
         for s in self.servers:
-            line = f"    server {s.name} {s.host}:{s.port} weight 100"
-            if s.maxconn > 0:
-                line += f" maxconn {s.maxconn}"
+            line = f"    server {s.name} {s.host}:{s.port} weight {s.weight}"
+            maxconn = caps.get(s.name, s.maxconn)
+            if maxconn > 0:
+                line += f" maxconn {maxconn}"
             if self.agent_port is not None:
                 send = f"{s.name} {request_class}" if request_class else s.name
                 line += (f" agent-check agent-addr 127.0.0.1 agent-port {self.agent_port}"
