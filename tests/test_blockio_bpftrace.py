@@ -11,7 +11,8 @@ the map keys), so a row covers exactly [ts, ts + window_seconds] however late bp
   for diskstats' ms truncation at both ends, -2 % for requests whose accounting start bpftrace
   missed and counts from issue; reads: -0.1 % for same-sector collisions, since fio rereads its
   8192 blocks ~13 times a second and at a pass boundary a block can be in flight twice; 0.02 %
-  seen). Both sides count a request from the kernel's IO-accounting start (diskstats
+  seen; less the probe runs the kernel skipped, BPF recursion, read from bpftrace's fdinfo: a CI
+  run lost 105 of 57k reads in one window, most likely that way). Both sides count a request from the kernel's IO-accounting start (diskstats
   ``rq->start_time_ns``, bpftrace ``block_io_start``) to completion and add it when it completes
   (Little's law). Measured: inside the bracket, which is 1-3 % wide. The last window, still open
   when the collector closes, comes from bpftrace's END probe. (An earlier version compared one whole-run aqu-sz with every
@@ -47,7 +48,12 @@ import pytest
 from conftest import require, require_binary
 from disk_helpers import DiskstatsSampler, synced_write
 
-from triscope.collectors.blockio import BpftraceCollector, device_for_path, has_tracepoint
+from triscope.collectors.blockio import (
+    BpftraceCollector,
+    bpf_recursion_misses,
+    device_for_path,
+    has_tracepoint,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -163,6 +169,7 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
             time.sleep(2.3)  # let the window holding the last reads close
             rows = collector.collect()["io_latency"]
             traced = ftrace.stop()
+        assert bpf_recursion_misses(collector._proc.pid) is not None, "skipped probe runs are readable here"
         synced_write(tmp_path / "last.bin", 64 << 10)  # in the open window: only END can report it
     finally:
         collector.close()
@@ -189,7 +196,9 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
         assert t0 >= traced_from, (r, traced_from)
         assert r["window_seconds"] == pytest.approx(interval_s, abs=1e-6), r  # kernel-clock window
         (reads_lo, reads_hi), (wq_lo, wq_hi) = sampler.bracket(t0, t1)
-        assert 0.999 * reads_lo - 5 <= r["ios"] <= reads_hi, (r["ios"], reads_lo, reads_hi)
+        # Not counted: probe runs the kernel skipped (BPF recursion; the whole run's count bounds the window's).
+        floor = 0.999 * reads_lo - 5 - collector.missed_probe_runs
+        assert floor <= r["ios"] <= reads_hi, (r["ios"], reads_lo, reads_hi, collector.missed_probe_runs)
         window_ms = r["window_seconds"] * 1e3
         lo, hi = (wq_lo - 2) / window_ms, (wq_hi + 2) / window_ms  # + the ms truncation at both ends
         assert 0.98 * lo <= r["queue_depth"] <= hi, (r["queue_depth"], lo, hi)

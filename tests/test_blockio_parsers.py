@@ -320,3 +320,37 @@ def test_kernel_clock_windows_from_window_keys(fmt: str) -> None:
     assert rows["queue_depth"][:3] == [pytest.approx(1.0), pytest.approx(2.0), pytest.approx(0.5)]
     assert rows["queue_depth"][4] == pytest.approx(0.5)
     assert rows["ios"] == [6.0, 2.0, 4.0, 1.0, 3.0] and rows["mean_seconds"][0] == pytest.approx(200e-6)
+
+
+def test_skipped_probe_runs_are_read_per_process_and_logged_at_each_decade(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """No BPF program in this process (or no process): None. The counts themselves come from the
+    kernel (tests/test_blockio_bpftrace.py reads them from a live bpftrace); here a stand-in feeds
+    the collector a rising count to check what it logs."""
+    import os
+
+    import triscope.collectors.blockio as blockio
+
+    assert blockio.bpf_recursion_misses(os.getpid()) is None
+    assert blockio.bpf_recursion_misses(2**22 + 7) is None
+
+    class Alive:
+        pid = 1
+
+        def poll(self) -> None:
+            return None
+
+    collector = blockio.BpftraceCollector({"blockio": {"host": "h"}})
+    collector._proc = Alive()  # type: ignore[assignment]
+    counts = iter([None, 0, 3, 5, 29, 31, 2047, 2050, 2100])
+    monkeypatch.setattr(blockio, "bpf_recursion_misses", lambda pid: next(counts))
+    seen = []
+    with caplog.at_level("WARNING", logger="triscope.collectors.blockio"):
+        for _ in range(9):
+            collector._count_misses()
+            seen.append(collector.missed_probe_runs)
+    assert seen == [0, 0, 3, 5, 29, 31, 2047, 2050, 2100]
+    logged = [r.getMessage() for r in caplog.records]
+    assert [m.split("skipped ")[1].split()[0] for m in logged] == ["3", "31", "2047", "2050"]
+    assert all("not counted" in m for m in logged)
+    assert "restart the collector" in logged[-1] and "restart" not in logged[-2]
