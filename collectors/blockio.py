@@ -8,6 +8,7 @@ What each source measures (queue depth semantics, window bounds) and how it is c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -41,16 +42,23 @@ TABLE = "io_latency"
 COLUMNS = ["ts", "host", "device", "source", "op", "window_seconds", "ios", "p50_seconds",
            "p99_seconds", "mean_seconds", "queue_depth"]
 DEFAULTS: dict[str, Any] = {"interval_s": 1.0, "format": "json", "url": "http://127.0.0.1:9435/metrics",
-                            "host": "", "max_body_bytes": 16 << 20}
+                            "host": "", "max_body_bytes": 16 << 20, "restart_after_skipped": 2048}
 WINDOW_MARK = "triscope-window-end"
 """printf of the interval probe: ``triscope-window-end <nsecs>`` (kernel CLOCK_MONOTONIC)."""
 WINDOW_START_MARK = "triscope-window-start"
 """printf of BEGIN: ``triscope-window-start <nsecs>``, when the probes went live."""
 WINDOW_FINAL_MARK = "triscope-window-final"
 """printf of END (bpftrace stopping): ``triscope-window-final <nsecs>``, after every map set."""
+WINDOW_STOP_MARK = "triscope-window-stop"
+"""printf of the stop probe: ``triscope-window-stop <nsecs>``, the instant counting stopped."""
+STOP_MAGIC = 2_000_000_000
+"""``getpgid(STOP_MAGIC)`` from the collector's own process stops the counting (no such pid:
+the call fails harmlessly). bpftrace detaches its probes some 0.1 s after SIGTERM and runs END
+later still, so neither instant is the end of the last window; this one is."""
 BUFFERS = 4
-LEAK_WARN_MISSES = 2048
-"""Skipped probe runs after which the request-start maps (4096 keys) may be half full of leftovers."""
+RESTART_AFTER_MISSES = 2048
+"""Default ``[blockio] restart_after_skipped``: skipped probe runs of one bpftrace process after
+which its request-start maps (4096 keys) may be half full of leftovers, so it is replaced."""
 """Map sets the completion probe rotates through, one per window (see :data:`PROGRAM_DOC`)."""
 
 _PROGRAM_HEAD = r"""
@@ -74,8 +82,15 @@ tracepoint:block:block_rq_issue
   @start[args->dev, args->sector] = nsecs;
 }
 
+tracepoint:syscalls:sys_enter_getpgid  // stop
+/pid == __STOP_PID__ && args->pid == __STOP_MAGIC__/  // stop
+{  // stop
+  @stopped = 1;  // stop
+  printf("triscope-window-stop %llu\n", nsecs);  // stop
+}  // stop
+
 tracepoint:block:block_rq_complete
-/@start[args->dev, args->sector] > 0/
+/@start[args->dev, args->sector] > 0__UNLESS_STOPPED__/
 {
   $d = args->dev;
   $ma = $d >> 20;
@@ -110,6 +125,7 @@ END
 __FINAL__
   clear(@start);
   clear(@acct);  // acct
+  clear(@stopped);  // stop
   printf("triscope-window-final %llu\n", nsecs);
 }
 """
@@ -153,8 +169,11 @@ The collector reads the programs' ``recursion_misses`` (/proc/PID/fdinfo) and lo
 ``@start``/``@acct`` entry behind until the same sector is issued again; with random IO over a
 large disk such entries could fill bpftrace's maps (4096 keys), after which new requests go
 untimed. The maps cannot be emptied while the probes run (bpftrace 0.17 aborts when ``clear()``
-races a probe's ``delete``), so past :data:`LEAK_WARN_MISSES` skipped runs the collector logs
-that a restart empties them."""
+races a probe's ``delete``), so after ``restart_after_skipped`` skipped runs (default
+:data:`RESTART_AFTER_MISSES`) the collector replaces the bpftrace process, which starts with
+empty maps. Windows stay exact across the swap: the old process's last window ends at its END
+mark, the new one's first starts when its probes went live; requests completing in between
+(the new program's attach time) are not counted, and the swap is logged."""
 
 
 
@@ -230,6 +249,12 @@ class WindowAssembler:
         self._mark_start: int | None = None  # wall ns of the previous mark (or of BEGIN)
         self._live_from: int | None = None  # wall ns when the probes went live (clips the first window)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()  # bpftrace nsecs -> wall clock
+        self._stopped_at: int | None = None  # kernel ns of the stop mark: the last window ends there
+
+    @property
+    def stop_seen(self) -> bool:
+        """Whether the stop mark has been read (and END's final mark not yet)."""
+        return self._stopped_at is not None
 
     def _bad(self, msg: str) -> None:
         self.errors += 1
@@ -291,7 +316,7 @@ class WindowAssembler:
         if not s:
             self._cur = None
             return
-        if s.startswith((WINDOW_MARK, WINDOW_START_MARK, WINDOW_FINAL_MARK)):
+        if s.startswith((WINDOW_MARK, WINDOW_START_MARK, WINDOW_FINAL_MARK, WINDOW_STOP_MARK)):
             self._mark(s, now_ns)
             return
         if self._cur is not None and (b := bpftrace_text_bucket(s)) is not None:
@@ -320,8 +345,12 @@ class WindowAssembler:
             self._mark_start = self._live_from = mono + self.clock_offset_ns
         elif name == WINDOW_MARK:
             self._close(now_ns, mono)
+        elif name == WINDOW_STOP_MARK and mono is not None:
+            self._stopped_at = mono
         elif name == WINDOW_FINAL_MARK and mono is not None:
-            self._close(now_ns, mono, final=True)
+            stopped = mono if self._stopped_at is None else min(mono, self._stopped_at)
+            self._stopped_at = None
+            self._close(now_ns, stopped, final=True)
         else:
             raise InputError(f"unexpected printf {text[:60]!r}")
 
@@ -336,6 +365,8 @@ class WindowAssembler:
             stop = start + self.window_ns
             if final and end < stop:
                 stop = max(end, start + 1)
+            if self._stopped_at is not None:  # counting stopped there; bpftrace's ticks go on a while
+                stop = max(min(stop, self._stopped_at + self.clock_offset_ns), start + 1)
             if self._live_from is not None and self._live_from > start:
                 start = min(self._live_from, stop - 1)  # the first window: only since the probes went live
             self._emit(self._wins.pop(w), start, (stop - start) / 1e9)
@@ -377,17 +408,21 @@ def _text_key(key: str | None) -> list[str]:
     return [p.strip() for p in (key or "").split(",")]
 
 
-def bpftrace_program(interval_s: float, accounting: bool, buffers: int = BUFFERS) -> str:
+def bpftrace_program(interval_s: float, accounting: bool, buffers: int = BUFFERS, stop_pid: int = 0) -> str:
     """The program for windows of ``interval_s`` (whole ms, at least 100); the IO-accounting
-    probes (lines tagged ``// acct``) only with ``accounting``."""
+    probes (lines tagged ``// acct``) only with ``accounting``; the stop probe (``// stop``,
+    :data:`STOP_MAGIC`) only with the ``stop_pid`` of the process that will call it."""
     ms = max(100, round(interval_s * 1000))
     text = (_PROGRAM_HEAD.replace("__STORES__", "\n".join(_STORE.format(i=i) for i in range(buffers)))
             .replace("__FLUSHES__", "\n".join(_FLUSH.format(i=i) for i in range(buffers)))
             .replace("__FINAL__", "\n".join(_FINAL.format(i=i) for i in range(buffers)))
             .replace("__WINDOW_NS__", str(ms * 1_000_000)).replace("__BUFFERS__", str(buffers))
-            .replace("__INTERVAL_MS__", str(ms)))
-    lines = text.splitlines()
-    return "\n".join(ln.split("  // acct")[0] for ln in lines if accounting or "// acct" not in ln) + "\n"
+            .replace("__INTERVAL_MS__", str(ms)).replace("__STOP_PID__", str(int(stop_pid)))
+            .replace("__UNLESS_STOPPED__", " && @stopped == 0" if stop_pid > 0 else "")
+            .replace("__STOP_MAGIC__", str(STOP_MAGIC)))
+    kept = [ln for ln in text.splitlines()
+            if (accounting or "// acct" not in ln) and (stop_pid > 0 or "// stop" not in ln)]
+    return "\n".join(ln.split("  // acct")[0].split("  // stop")[0] for ln in kept) + "\n"
 
 
 def bpf_recursion_misses(pid: int) -> int | None:
@@ -439,8 +474,17 @@ class BpftraceCollector:
         if self.fmt not in ("text", "json"):
             raise InputError(f"blockio: format must be text or json, not {self.fmt!r}")
         self.host = cfg["host"] or socket.gethostname()
-        self.missed_probe_runs = 0
-        """Probe runs the kernel skipped so far (BPF recursion): requests missing from the counts."""
+        try:
+            self.restart_after = int(cfg["restart_after_skipped"])
+        except (TypeError, ValueError):
+            raise InputError("blockio: restart_after_skipped must be an integer, "
+                             f"not {cfg['restart_after_skipped']!r}") from None
+        if self.restart_after < 1:
+            raise InputError("blockio: restart_after_skipped must be >= 1")
+        self.restarts = 0
+        self._can_stop = has_tracepoint("syscalls", "sys_enter_getpgid")
+        self._missed_done = 0  # skipped runs of bpftrace processes already replaced
+        self._missed_now = 0  # ... of the running one
         self._missed_logged = 0
         self.binary = shutil.which("bpftrace")
         self.asm = WindowAssembler(self.host, self.fmt, self.interval_s)
@@ -451,13 +495,15 @@ class BpftraceCollector:
 
     def program(self) -> str:
         """The bpftrace program for this kernel (IO-accounting probes only when it has them)."""
-        return bpftrace_program(self.interval_s, has_tracepoint("block", "block_io_start"))
+        return bpftrace_program(self.interval_s, has_tracepoint("block", "block_io_start"),
+                                stop_pid=os.getpid() if self._can_stop else 0)
 
     def start(self) -> None:
         if not self.binary:
             raise TriscopeError("blockio: bpftrace is not installed")
         mount_tracefs()
-        self.asm.clock_offset_ns = time.time_ns() - time.monotonic_ns()
+        if not self.restarts:  # one wall/kernel clock mapping for every process of this collector
+            self.asm.clock_offset_ns = time.time_ns() - time.monotonic_ns()
         args = [self.binary] + (["-f", "json"] if self.fmt == "json" else []) + ["-e", self.program()]
         self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       bufsize=1, env={**os.environ, "BPFTRACE_STRLEN": "16"})
@@ -487,29 +533,57 @@ class BpftraceCollector:
             log.warning("blockio: bpftrace exited %s: %s", self._proc.returncode,
                         self.stderr.strip().splitlines()[-1])
         self._count_misses()
+        self._restart_if_maps_may_fill()
         with self._lock:
             rows = self.asm.drain()
         return {TABLE: rows} if rows["ts"] else {}
+
+    @property
+    def missed_probe_runs(self) -> int:
+        """Probe runs the kernel skipped so far, every bpftrace process of this collector together
+        (BPF recursion): requests missing from the counts."""
+        return self._missed_done + self._missed_now
 
     def _count_misses(self) -> None:
         """Update :attr:`missed_probe_runs`; log it when it first grows and at every 10x."""
         if self._proc is None or self._proc.poll() is not None:
             return
         missed = bpf_recursion_misses(self._proc.pid)
-        if missed is None or missed <= self.missed_probe_runs:
+        if missed is None or missed <= self._missed_now:
             return
-        self.missed_probe_runs = missed
-        crossed_leak_mark = self._missed_logged < LEAK_WARN_MISSES <= missed
-        if missed >= max(1, 10 * self._missed_logged) or crossed_leak_mark:
-            self._missed_logged = missed
+        self._missed_now = missed
+        total = self.missed_probe_runs
+        if total >= max(1, 10 * self._missed_logged):
+            self._missed_logged = total
             log.warning("blockio: the kernel skipped %d block-IO probe runs so far (BPF recursion: an "
-                        "interrupt arrived while another BPF program ran); those requests are not counted%s",
-                        missed, "; their leftover start entries may fill bpftrace's maps: restart the collector"
-                        " to empty them" if missed >= LEAK_WARN_MISSES else "")
+                        "interrupt arrived while another BPF program ran); those requests are not counted", total)
+
+    def _restart_if_maps_may_fill(self) -> None:
+        if self._missed_now < self.restart_after or self._proc is None or self._proc.poll() is not None:
+            return
+        log.warning("blockio: bpftrace skipped %d probe runs since it started; replacing it to empty its "
+                    "request-start maps (requests completing while the new one attaches are not counted)",
+                    self._missed_now)
+        self.restart()
+
+    def restart(self) -> None:
+        """Replace the bpftrace process (its maps start empty). Windows stay exact: the old
+        process's last window ends at its END mark, the new one's first starts when it went live."""
+        self.close()
+        self.restarts += 1
+        self.start()
 
     def close(self) -> None:
         self._count_misses()  # the programs' counters go with the process
+        self._missed_done += self._missed_now
+        self._missed_now = 0
         if self._proc is not None and self._proc.poll() is None:
+            if self._can_stop:  # the last window ends now, not when bpftrace gets to detach
+                with contextlib.suppress(OSError):
+                    os.getpgid(STOP_MAGIC)
+                deadline = time.monotonic() + 2.0  # the mark must be read before END's
+                while not self.asm.stop_seen and time.monotonic() < deadline and self._proc.poll() is None:
+                    time.sleep(0.005)
             self._proc.terminate()
             try:
                 self._proc.wait(timeout=5)

@@ -212,3 +212,60 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
             assert lo / 2 <= r[col] <= hi * 2, (col, r[col], lo, hi)
         assert r["p50_seconds"] <= 2 * fio_p50, (r["p50_seconds"], fio_p50)
     assert max(depths) > 8, depths  # the run really kept a deep queue
+
+
+def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
+    """Replacing the bpftrace process mid-IO (what the collector does when skipped probe runs may
+    have filled its request-start maps): the windows of both processes stay disjoint and each
+    still holds exactly the reads diskstats saw in it; only the attach time in between is lost."""
+    require_binary("bpftrace")
+    require_binary("fio")
+    require(os.geteuid() == 0, "bpftrace needs root")
+    require((TRACEFS / "instances").is_dir(), "tracefs is not mounted (.ci/setup-system)")
+    data = tmp_path / "reads.bin"
+    fill = subprocess.run(["fio", "--name=fill", f"--filename={data}", "--size=32M", "--rw=write", "--bs=1M",
+                           "--direct=1", "--output-format=terse"], capture_output=True, text=True, timeout=120)
+    require(fill.returncode == 0, f"fio cannot write with O_DIRECT here: {fill.stderr[-200:]}")
+    device = device_for_path(data)
+    collector = BpftraceCollector({"blockio": {"interval_s": 0.5, "host": "bt"}})
+    sampler = DiskstatsSampler(device, clock=time.monotonic_ns)
+    sampler.start()
+    collector.start()
+    try:
+        _wait_live(collector, tmp_path / "probe.bin")
+        time.sleep(0.6)
+        collector.collect()  # drop the probe windows
+        fio = subprocess.Popen(
+            ["fio", "--name=swap", f"--filename={data}", "--size=32M", "--rw=randread", "--bs=4k", "--direct=1",
+             "--ioengine=libaio", "--iodepth=32", "--runtime=4", "--time_based", "--output-format=terse"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.7)
+        swap_at = time.monotonic_ns()
+        collector.restart()
+        assert fio.wait(timeout=60) == 0, fio.stderr.read() if fio.stderr else ""
+        time.sleep(1.2)
+        rows = collector.collect()["io_latency"]
+    finally:
+        collector.close()
+        sampler.stop.set()
+        sampler.join()
+    assert collector.restarts == 1
+    reads = [dict(zip(rows, vals, strict=True)) for vals in zip(*rows.values(), strict=True)]
+    reads = [r for r in reads if r["device"] == device and r["op"] == "read"]
+    spans = sorted((_ts_ns(r["ts"]) - collector.asm.clock_offset_ns, r) for r in reads)
+    spans = [(t0, t0 + round(r["window_seconds"] * 1e9), r) for t0, r in spans]
+    gaps = [(a[1], b[0]) for a, b in zip(spans, spans[1:], strict=False) if b[0] != a[1]]
+    assert all(end <= start for end, start in gaps), ("windows overlap", gaps)
+    assert len(gaps) == 1, gaps
+    (gap_from, gap_to), = gaps
+    assert swap_at <= gap_from < gap_to < swap_at + 5_000_000_000, "one gap: the new program attaching"
+    assert gap_from - swap_at < 100_000_000, "the old process's last window ends at the swap, not at its END"
+    busy_before = [r for t0, t1, r in spans if t1 <= gap_from and r["ios"] > 1000]
+    busy_after = [r for t0, t1, r in spans if t0 >= gap_to and r["ios"] > 1000]
+    assert busy_before and busy_after, spans
+    for t0, t1, r in spans:
+        if t0 < sampler.spans[0][1] or t1 > sampler.spans[-1][0]:
+            continue
+        (reads_lo, reads_hi), _ = sampler.bracket(t0, t1)
+        floor = 0.999 * reads_lo - 5 - collector.missed_probe_runs
+        assert floor <= r["ios"] <= reads_hi, (r["ios"], reads_lo, reads_hi, r["window_seconds"])

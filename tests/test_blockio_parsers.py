@@ -322,17 +322,56 @@ def test_kernel_clock_windows_from_window_keys(fmt: str) -> None:
     assert rows["ios"] == [6.0, 2.0, 4.0, 1.0, 3.0] and rows["mean_seconds"][0] == pytest.approx(200e-6)
 
 
-def test_skipped_probe_runs_are_read_per_process_and_logged_at_each_decade(
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_the_stop_mark_ends_the_last_window(fmt: str) -> None:
+    """bpftrace runs END well after it stopped counting: the stop probe's mark, not END's, ends
+    the last window, and a window of a later process starts when that one went live."""
+    events = [("mark", "triscope-window-start", 1_000_000_000),
+              ("hist", "usecs_2", [2, 254, 0, "R"], [(128, 256, 10)]), ("map", "qd_ns_2", [2, 254, 0], 200_000_000),
+              ("mark", "triscope-window-stop", 1_200_000_000),
+              ("mark", "triscope-window-end", 1_001_000_000),     # a tick still in w = 2: holds it
+              ("mark", "triscope-window-end", 1_510_000_000),     # ticks go on after the stop, past w = 2
+              ("mark", "triscope-window-final", 1_600_000_000),   # END, 0.4 s after the stop
+              ("mark", "triscope-window-start", 1_700_000_000),   # the next process
+              ("hist", "usecs_3", [3, 254, 0, "R"], [(128, 256, 4)]),
+              ("mark", "triscope-window-final", 1_800_000_000)]   # stopped without the probe
+    a = WindowAssembler("h", fmt, 0.5)
+    a.clock_offset_ns = 0
+    for ev in events:
+        for line in _render(fmt, [ev]):
+            a.feed(line + "\n", now_ns=123)
+        if ev[1] == "triscope-window-stop":
+            assert a.stop_seen
+    assert a.errors == 0 and not a.stop_seen
+    rows = a.drain()
+    assert rows["ios"] == [10.0, 4.0]
+    assert rows["window_seconds"] == [pytest.approx(0.2), pytest.approx(0.1)]
+    assert rows["queue_depth"][0] == pytest.approx(1.0), "200 ms of residence over the 0.2 s really counted"
+
+
+def test_program_stop_probe_only_for_a_pid() -> None:
+    from triscope.collectors.blockio import STOP_MAGIC, bpftrace_program
+
+    plain, stoppable = bpftrace_program(1, True), bpftrace_program(1, True, stop_pid=4321)
+    assert "@stopped" not in plain and "getpgid" not in plain
+    assert f"/pid == 4321 && args->pid == {STOP_MAGIC}/" in stoppable
+    assert "/@start[args->dev, args->sector] > 0 && @stopped == 0/" in stoppable
+    assert stoppable.count("{") == plain.count("{") + 1 and "// stop" not in stoppable
+
+
+def test_skipped_probe_runs_are_read_per_process_logged_at_each_decade_and_trigger_a_swap(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """No BPF program in this process (or no process): None. The counts themselves come from the
-    kernel (tests/test_blockio_bpftrace.py reads them from a live bpftrace); here a stand-in feeds
-    the collector a rising count to check what it logs."""
+    kernel (tests/test_blockio_bpftrace.py reads them from a live bpftrace, and swaps a live one);
+    here a stand-in feeds the collector a rising count to check what it logs and when it swaps."""
     import os
 
     import triscope.collectors.blockio as blockio
 
     assert blockio.bpf_recursion_misses(os.getpid()) is None
     assert blockio.bpf_recursion_misses(2**22 + 7) is None
+    with pytest.raises(InputError, match="restart_after_skipped"):
+        blockio.BpftraceCollector({"blockio": {"restart_after_skipped": 0}})
 
     class Alive:
         pid = 1
@@ -340,17 +379,21 @@ def test_skipped_probe_runs_are_read_per_process_and_logged_at_each_decade(
         def poll(self) -> None:
             return None
 
-    collector = blockio.BpftraceCollector({"blockio": {"host": "h"}})
+    collector = blockio.BpftraceCollector({"blockio": {"host": "h", "restart_after_skipped": 2000}})
     collector._proc = Alive()  # type: ignore[assignment]
-    counts = iter([None, 0, 3, 5, 29, 31, 2047, 2050, 2100])
+    swaps: list[int] = []
+    monkeypatch.setattr(collector, "restart", lambda: swaps.append(collector.missed_probe_runs))
+    counts = iter([None, 0, 3, 5, 29, 31, 1999, 2000, 2100])
     monkeypatch.setattr(blockio, "bpf_recursion_misses", lambda pid: next(counts))
     seen = []
     with caplog.at_level("WARNING", logger="triscope.collectors.blockio"):
         for _ in range(9):
-            collector._count_misses()
+            collector.collect()
             seen.append(collector.missed_probe_runs)
-    assert seen == [0, 0, 3, 5, 29, 31, 2047, 2050, 2100]
+    assert seen == [0, 0, 3, 5, 29, 31, 1999, 2000, 2100]
     logged = [r.getMessage() for r in caplog.records]
-    assert [m.split("skipped ")[1].split()[0] for m in logged] == ["3", "31", "2047", "2050"]
-    assert all("not counted" in m for m in logged)
-    assert "restart the collector" in logged[-1] and "restart" not in logged[-2]
+    counted = [m for m in logged if "so far" in m]
+    assert [m.split("skipped ")[1].split()[0] for m in counted] == ["3", "31", "1999"]
+    assert all("not counted" in m for m in counted)
+    assert swaps == [2000, 2100], "a swap once one process skipped restart_after_skipped runs"
+    assert sum("replacing it" in m for m in logged) == 2
