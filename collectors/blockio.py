@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import random
 import re
 import shutil
 import socket
@@ -46,20 +47,27 @@ DEFAULTS: dict[str, Any] = {"interval_s": 1.0, "format": "json", "url": "http://
 WINDOW_MARK = "triscope-window-end"
 """printf of the interval probe: ``triscope-window-end <nsecs>`` (kernel CLOCK_MONOTONIC)."""
 WINDOW_START_MARK = "triscope-window-start"
-"""printf of BEGIN: ``triscope-window-start <nsecs>``, when the probes went live."""
+"""printf of BEGIN: ``triscope-window-start <nsecs>`` (bpftrace may still be attaching probes;
+the window start only without the control probe)."""
 WINDOW_FINAL_MARK = "triscope-window-final"
 """printf of END (bpftrace stopping): ``triscope-window-final <nsecs>``, after every map set."""
+WINDOW_LIVE_MARK = "triscope-window-live"
+"""printf of the control probe: ``triscope-window-live <nsecs>``, counting starts (every probe
+attached)."""
 WINDOW_STOP_MARK = "triscope-window-stop"
-"""printf of the stop probe: ``triscope-window-stop <nsecs>``, the instant counting stopped."""
-STOP_MAGIC = 2_000_000_000
-"""``getpgid(STOP_MAGIC)`` from the collector's own process stops the counting (no such pid:
-the call fails harmlessly). bpftrace detaches its probes some 0.1 s after SIGTERM and runs END
-later still, so neither instant is the end of the last window; this one is."""
+"""printf of the control probe: ``triscope-window-stop <nsecs>``, the instant counting stopped."""
+CONTROL_MAGIC_BASE = 2_000_000_000
+"""The collector drives its program with ``getpgid(magic)`` calls (no such pid: they fail
+harmlessly), ``magic`` = this + a random even offset per collector: ``magic`` starts the
+counting, ``magic + 1`` stops it. bpftrace fires BEGIN while it still attaches its probes,
+detaches them some 0.1 s after SIGTERM and runs END later still, so neither BEGIN nor END is a
+window bound; these two instants are. The control probe is the program's last, so it fires
+only once every probe before it is attached."""
 BUFFERS = 4
+"""Map sets the completion probe rotates through, one per window (see :data:`PROGRAM_DOC`)."""
 RESTART_AFTER_MISSES = 2048
 """Default ``[blockio] restart_after_skipped``: skipped probe runs of one bpftrace process after
 which its request-start maps (4096 keys) may be half full of leftovers, so it is replaced."""
-"""Map sets the completion probe rotates through, one per window (see :data:`PROGRAM_DOC`)."""
 
 _PROGRAM_HEAD = r"""
 BEGIN
@@ -82,15 +90,8 @@ tracepoint:block:block_rq_issue
   @start[args->dev, args->sector] = nsecs;
 }
 
-tracepoint:syscalls:sys_enter_getpgid  // stop
-/pid == __STOP_PID__ && args->pid == __STOP_MAGIC__/  // stop
-{  // stop
-  @stopped = 1;  // stop
-  printf("triscope-window-stop %llu\n", nsecs);  // stop
-}  // stop
-
 tracepoint:block:block_rq_complete
-/@start[args->dev, args->sector] > 0__UNLESS_STOPPED__/
+/@start[args->dev, args->sector] > 0__WHILE_LIVE__/
 {
   $d = args->dev;
   $ma = $d >> 20;
@@ -120,12 +121,23 @@ __FLUSHES__
   printf("triscope-window-end %llu\n", nsecs);
 }
 
+tracepoint:syscalls:sys_enter_getpgid  // ctl
+/args->pid == __LIVE_MAGIC__ || args->pid == __STOP_MAGIC__/  // ctl
+{  // ctl
+  if (args->pid == __LIVE_MAGIC__) {  // ctl
+    if (@state == 0) { @state = 1; printf("triscope-window-live %llu\n", nsecs); }  // ctl
+  } else {  // ctl
+    @state = 2;  // ctl
+    printf("triscope-window-stop %llu\n", nsecs);  // ctl
+  }  // ctl
+}  // ctl
+
 END
 {
 __FINAL__
   clear(@start);
   clear(@acct);  // acct
-  clear(@stopped);  // stop
+  clear(@state);  // ctl
   printf("triscope-window-final %llu\n", nsecs);
 }
 """
@@ -154,8 +166,10 @@ and ``clear()`` in user space, so on a busy machine a map printed "at the interv
 whatever arrived until bpftrace got the CPU. Here a completion writes to map set
 ``B = w % BUFFERS`` with ``w`` in the key; each interval prints and clears every set but the
 current one. Each window is printed once, whole, as long as bpftrace is less than
-``BUFFERS - 1`` intervals late; a missed timer tick only delays it. When bpftrace stops, END
-prints every set and the last window ends at ``triscope-window-final``.
+``BUFFERS - 1`` intervals late; a missed timer tick only delays it. Counting runs from the
+control probe's live mark to its stop mark (:data:`CONTROL_MAGIC_BASE`); when bpftrace stops,
+END prints every set and the last window ends at the stop mark (at ``triscope-window-final``
+without the control probe).
 
 Requests are keyed by (dev, sector). Two requests in flight on the same sector at once (rare:
 concurrent flushes, the same block read twice) collide: the first completion takes the later
@@ -171,9 +185,9 @@ large disk such entries could fill bpftrace's maps (4096 keys), after which new 
 untimed. The maps cannot be emptied while the probes run (bpftrace 0.17 aborts when ``clear()``
 races a probe's ``delete``), so after ``restart_after_skipped`` skipped runs (default
 :data:`RESTART_AFTER_MISSES`) the collector replaces the bpftrace process, which starts with
-empty maps. Windows stay exact across the swap: the old process's last window ends at its END
-mark, the new one's first starts when its probes went live; requests completing in between
-(the new program's attach time) are not counted, and the swap is logged."""
+empty maps. Windows stay exact across the swap: the old process's last window ends at its stop
+mark, the new one's first starts at its live mark; requests completing in between (the new
+program's load and attach time, ~1 s) are not counted, and the swap is logged."""
 
 
 
@@ -247,9 +261,11 @@ class WindowAssembler:
         self._cur: tuple[int | None, int, int, str] | None = None
         self._window_start = time.time_ns()
         self._mark_start: int | None = None  # wall ns of the previous mark (or of BEGIN)
-        self._live_from: int | None = None  # wall ns when the probes went live (clips the first window)
+        self._live_from: int | None = None  # wall ns when counting started (clips the first window)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()  # bpftrace nsecs -> wall clock
         self._stopped_at: int | None = None  # kernel ns of the stop mark: the last window ends there
+        self.live_seen = False
+        """Whether the live mark of the running program has been read."""
 
     @property
     def stop_seen(self) -> bool:
@@ -316,7 +332,7 @@ class WindowAssembler:
         if not s:
             self._cur = None
             return
-        if s.startswith((WINDOW_MARK, WINDOW_START_MARK, WINDOW_FINAL_MARK, WINDOW_STOP_MARK)):
+        if s.startswith((WINDOW_MARK, WINDOW_START_MARK, WINDOW_LIVE_MARK, WINDOW_FINAL_MARK, WINDOW_STOP_MARK)):
             self._mark(s, now_ns)
             return
         if self._cur is not None and (b := bpftrace_text_bucket(s)) is not None:
@@ -341,16 +357,17 @@ class WindowAssembler:
         """A window mark: ``triscope-window-start|end [nsecs]`` (nsecs: CLOCK_MONOTONIC)."""
         name, _, value = text.partition(" ")
         mono = int(value) if value.strip() else None
-        if name == WINDOW_START_MARK and mono is not None:
+        if name in (WINDOW_START_MARK, WINDOW_LIVE_MARK) and mono is not None:
             self._mark_start = self._live_from = mono + self.clock_offset_ns
+            self.live_seen = self.live_seen or name == WINDOW_LIVE_MARK
         elif name == WINDOW_MARK:
             self._close(now_ns, mono)
         elif name == WINDOW_STOP_MARK and mono is not None:
             self._stopped_at = mono
         elif name == WINDOW_FINAL_MARK and mono is not None:
             stopped = mono if self._stopped_at is None else min(mono, self._stopped_at)
-            self._stopped_at = None
             self._close(now_ns, stopped, final=True)
+            self._stopped_at, self.live_seen = None, False
         else:
             raise InputError(f"unexpected printf {text[:60]!r}")
 
@@ -368,7 +385,7 @@ class WindowAssembler:
             if self._stopped_at is not None:  # counting stopped there; bpftrace's ticks go on a while
                 stop = max(min(stop, self._stopped_at + self.clock_offset_ns), start + 1)
             if self._live_from is not None and self._live_from > start:
-                start = min(self._live_from, stop - 1)  # the first window: only since the probes went live
+                start = min(self._live_from, stop - 1)  # the first window: only since counting started
             self._emit(self._wins.pop(w), start, (stop - start) / 1e9)
         legacy = self._wins.pop(None, None)
         if legacy is not None:  # maps without a window key: one window ending at this mark
@@ -408,21 +425,21 @@ def _text_key(key: str | None) -> list[str]:
     return [p.strip() for p in (key or "").split(",")]
 
 
-def bpftrace_program(interval_s: float, accounting: bool, buffers: int = BUFFERS, stop_pid: int = 0) -> str:
+def bpftrace_program(interval_s: float, accounting: bool, buffers: int = BUFFERS, control_magic: int = 0) -> str:
     """The program for windows of ``interval_s`` (whole ms, at least 100); the IO-accounting
-    probes (lines tagged ``// acct``) only with ``accounting``; the stop probe (``// stop``,
-    :data:`STOP_MAGIC`) only with the ``stop_pid`` of the process that will call it."""
+    probes (lines tagged ``// acct``) only with ``accounting``; the control probe (``// ctl``,
+    see :data:`CONTROL_MAGIC_BASE`) and the live gate on completions only with a ``control_magic``."""
     ms = max(100, round(interval_s * 1000))
     text = (_PROGRAM_HEAD.replace("__STORES__", "\n".join(_STORE.format(i=i) for i in range(buffers)))
             .replace("__FLUSHES__", "\n".join(_FLUSH.format(i=i) for i in range(buffers)))
             .replace("__FINAL__", "\n".join(_FINAL.format(i=i) for i in range(buffers)))
             .replace("__WINDOW_NS__", str(ms * 1_000_000)).replace("__BUFFERS__", str(buffers))
-            .replace("__INTERVAL_MS__", str(ms)).replace("__STOP_PID__", str(int(stop_pid)))
-            .replace("__UNLESS_STOPPED__", " && @stopped == 0" if stop_pid > 0 else "")
-            .replace("__STOP_MAGIC__", str(STOP_MAGIC)))
+            .replace("__INTERVAL_MS__", str(ms))
+            .replace("__WHILE_LIVE__", " && @state == 1" if control_magic else "")
+            .replace("__LIVE_MAGIC__", str(control_magic)).replace("__STOP_MAGIC__", str(control_magic + 1)))
     kept = [ln for ln in text.splitlines()
-            if (accounting or "// acct" not in ln) and (stop_pid > 0 or "// stop" not in ln)]
-    return "\n".join(ln.split("  // acct")[0].split("  // stop")[0] for ln in kept) + "\n"
+            if (accounting or "// acct" not in ln) and (control_magic or "// ctl" not in ln)]
+    return "\n".join(ln.split("  // acct")[0].split("  // ctl")[0] for ln in kept) + "\n"
 
 
 def bpf_recursion_misses(pid: int) -> int | None:
@@ -482,7 +499,8 @@ class BpftraceCollector:
         if self.restart_after < 1:
             raise InputError("blockio: restart_after_skipped must be >= 1")
         self.restarts = 0
-        self._can_stop = has_tracepoint("syscalls", "sys_enter_getpgid")
+        self._magic = (CONTROL_MAGIC_BASE + 2 * random.randrange(50_000_000)
+                       if has_tracepoint("syscalls", "sys_enter_getpgid") else 0)
         self._missed_done = 0  # skipped runs of bpftrace processes already replaced
         self._missed_now = 0  # ... of the running one
         self._missed_logged = 0
@@ -496,7 +514,7 @@ class BpftraceCollector:
     def program(self) -> str:
         """The bpftrace program for this kernel (IO-accounting probes only when it has them)."""
         return bpftrace_program(self.interval_s, has_tracepoint("block", "block_io_start"),
-                                stop_pid=os.getpid() if self._can_stop else 0)
+                                control_magic=self._magic)
 
     def start(self) -> None:
         if not self.binary:
@@ -510,6 +528,16 @@ class BpftraceCollector:
         self._thread = threading.Thread(target=self._read, name="blockio-bpftrace", daemon=True)
         self._thread.start()
         threading.Thread(target=self._read_err, daemon=True).start()
+        if self._magic:
+            threading.Thread(target=self._go_live, args=(self._proc,), name="blockio-live", daemon=True).start()
+
+    def _go_live(self, proc: subprocess.Popen[str]) -> None:
+        """Poke the control probe until it answers: counting starts once every probe is attached."""
+        deadline = time.monotonic() + 120
+        while not self.asm.live_seen and proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                os.getpgid(self._magic)
+            time.sleep(0.005)
 
     def _read(self) -> None:
         assert self._proc and self._proc.stdout
@@ -568,7 +596,7 @@ class BpftraceCollector:
 
     def restart(self) -> None:
         """Replace the bpftrace process (its maps start empty). Windows stay exact: the old
-        process's last window ends at its END mark, the new one's first starts when it went live."""
+        process's last window ends at its stop mark, the new one's first starts at its live mark."""
         self.close()
         self.restarts += 1
         self.start()
@@ -578,9 +606,9 @@ class BpftraceCollector:
         self._missed_done += self._missed_now
         self._missed_now = 0
         if self._proc is not None and self._proc.poll() is None:
-            if self._can_stop:  # the last window ends now, not when bpftrace gets to detach
+            if self._magic:  # the last window ends now, not when bpftrace gets to detach
                 with contextlib.suppress(OSError):
-                    os.getpgid(STOP_MAGIC)
+                    os.getpgid(self._magic + 1)
                 deadline = time.monotonic() + 2.0  # the mark must be read before END's
                 while not self.asm.stop_seen and time.monotonic() < deadline and self._proc.poll() is None:
                     time.sleep(0.005)

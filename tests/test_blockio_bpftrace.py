@@ -268,4 +268,6 @@ def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
             continue
         (reads_lo, reads_hi), _ = sampler.bracket(t0, t1)
         floor = 0.999 * reads_lo - 5 - collector.missed_probe_runs
+        if t0 == gap_to:  # requests issued before the new issue probe attached (at most the depth, 32)
+            floor -= 32
         assert floor <= r["ios"] <= reads_hi, (r["ios"], reads_lo, reads_hi, r["window_seconds"])

@@ -326,7 +326,8 @@ def test_kernel_clock_windows_from_window_keys(fmt: str) -> None:
 def test_the_stop_mark_ends_the_last_window(fmt: str) -> None:
     """bpftrace runs END well after it stopped counting: the stop probe's mark, not END's, ends
     the last window, and a window of a later process starts when that one went live."""
-    events = [("mark", "triscope-window-start", 1_000_000_000),
+    events = [("mark", "triscope-window-start", 900_000_000),   # BEGIN: probes still attaching
+              ("mark", "triscope-window-live", 1_000_000_000),    # counting starts
               ("hist", "usecs_2", [2, 254, 0, "R"], [(128, 256, 10)]), ("map", "qd_ns_2", [2, 254, 0], 200_000_000),
               ("mark", "triscope-window-stop", 1_200_000_000),
               ("mark", "triscope-window-end", 1_001_000_000),     # a tick still in w = 2: holds it
@@ -341,22 +342,26 @@ def test_the_stop_mark_ends_the_last_window(fmt: str) -> None:
         for line in _render(fmt, [ev]):
             a.feed(line + "\n", now_ns=123)
         if ev[1] == "triscope-window-stop":
-            assert a.stop_seen
-    assert a.errors == 0 and not a.stop_seen
+            assert a.stop_seen and a.live_seen
+    assert a.errors == 0 and not a.stop_seen and not a.live_seen
     rows = a.drain()
     assert rows["ios"] == [10.0, 4.0]
     assert rows["window_seconds"] == [pytest.approx(0.2), pytest.approx(0.1)]
     assert rows["queue_depth"][0] == pytest.approx(1.0), "200 ms of residence over the 0.2 s really counted"
 
 
-def test_program_stop_probe_only_for_a_pid() -> None:
-    from triscope.collectors.blockio import STOP_MAGIC, bpftrace_program
+def test_program_control_probe_only_with_a_magic() -> None:
+    """The control probe comes last (it fires only once the block probes before it are attached)
+    and gates completions on the live state; without syscall tracepoints neither is there."""
+    from triscope.collectors.blockio import bpftrace_program
 
-    plain, stoppable = bpftrace_program(1, True), bpftrace_program(1, True, stop_pid=4321)
-    assert "@stopped" not in plain and "getpgid" not in plain
-    assert f"/pid == 4321 && args->pid == {STOP_MAGIC}/" in stoppable
-    assert "/@start[args->dev, args->sector] > 0 && @stopped == 0/" in stoppable
-    assert stoppable.count("{") == plain.count("{") + 1 and "// stop" not in stoppable
+    plain, driven = bpftrace_program(1, True), bpftrace_program(1, True, control_magic=2_000_000_010)
+    assert "@state" not in plain and "getpgid" not in plain
+    assert "/args->pid == 2000000010 || args->pid == 2000000011/" in driven
+    assert "/@start[args->dev, args->sector] > 0 && @state == 1/" in driven
+    tracepoints = [ln for ln in driven.splitlines() if ln.startswith("tracepoint:")]
+    assert tracepoints[-1] == "tracepoint:syscalls:sys_enter_getpgid"
+    assert driven.count("{") == plain.count("{") + 4 and "// ctl" not in driven
 
 
 def test_skipped_probe_runs_are_read_per_process_logged_at_each_decade_and_trigger_a_swap(
