@@ -483,8 +483,9 @@ def parse_pressure(items: list[str]) -> dict[str, float]:
 
 def parse_admission(text: str, option: str = "--class-admission",
                     default: dict[str, float] | None = None) -> dict[str, float]:
-    """``--class-admission`` / ``--class-batch-admission``: ``default`` (:data:`CLASS_ADMISSION`
-    for the KV limits, none for the batch limits), ``none`` or ``CLASS=RATIO,...``."""
+    """A per-class option (``--class-admission``, ``--class-batch-admission``, ``--class-maxconn``,
+    ``--class-timeout-queue-ms``): ``default`` (``default``, else :data:`CLASS_ADMISSION`),
+    ``none`` or ``CLASS=NUMBER,...``."""
     if text in ("", "default"):
         return dict(CLASS_ADMISSION if default is None else default)
     if text == "none":
@@ -725,6 +726,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.class_batch_admission = parse_admission(args.class_batch_admission, "--class-batch-admission", {})
     args.class_maxconn = parse_admission(args.class_maxconn, "--class-maxconn", {})
     args.class_timeout_queue_ms = parse_admission(args.class_timeout_queue_ms, "--class-timeout-queue-ms", {})
+    if any(v <= 0 for v in args.class_maxconn.values()) or any(v < 0 for v in args.class_timeout_queue_ms.values()):
+        raise SystemExit("--class-maxconn needs values > 0 and --class-timeout-queue-ms values >= 0")
     return args
 
 

@@ -79,6 +79,9 @@ def test_admission_options_are_parsed_and_checked() -> None:
                                    "offline_video=100"])
     assert args.class_maxconn == {"offline_video": 0.25} and args.class_timeout_queue_ms == {"offline_video": 100}
     assert closed_loop.parse_args([]).class_maxconn == {} and not closed_loop.parse_args([]).capacity_weights
+    for bad in (["--class-maxconn", "offline_video=0"], ["--class-timeout-queue-ms", "offline_video=-5"]):
+        with pytest.raises(SystemExit, match="values"):
+            closed_loop.parse_args(bad)
 
 
 def test_haproxy_applies_pool_caps_queue_timeouts_and_configured_weights(tmp_path: Path) -> None:
