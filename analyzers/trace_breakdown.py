@@ -214,60 +214,79 @@ def breakdown_of(cols: dict[str, np.ndarray], mask: np.ndarray | None = None,
     )
 
 
-def _load_gpu_work(store: Store, run_id: str, rank: int) -> dict[str, np.ndarray]:
-    """GPU work of one rank with the start/end of its launching runtime call (-1 when none)."""
+ANALYZE_GROUP_GPU_EVENTS = 2_000_000
+"""Ranks are loaded together, one query per group, while their GPU events add up to at most
+this (a larger rank is loaded alone): a many-rank run of small ranks costs two queries per
+group instead of two per rank, and memory stays bounded by the group."""
+
+
+def _by_rank(ranks: list[int], rank_col: np.ndarray) -> dict[int, slice]:
+    """Row range of each rank in a result sorted by rank."""
+    lo = np.searchsorted(rank_col, ranks, side="left")
+    hi = np.searchsorted(rank_col, ranks, side="right")
+    return {r: slice(int(a), int(b)) for r, a, b in zip(ranks, lo, hi, strict=True)}
+
+
+def _load_gpu_work(store: Store, run_id: str, ranks: list[int]) -> dict[int, dict[str, np.ndarray]]:
+    """GPU work of each rank with the start/end of its launching runtime call (-1 when none)."""
     events = qualified(store, "trace_events")
     cols = store.query_columns(
         f"""
-        SELECT g.ts_ns AS ts_ns, g.dur_ns AS dur_ns, g.kernel_class AS kernel_class, g.stream AS stream,
+        SELECT g.rank AS rank, g.ts_ns AS ts_ns, g.dur_ns AS dur_ns, g.kernel_class AS kernel_class,
+               g.stream AS stream,
                if(r.found, r.ts_ns, -1) AS launch_ts, if(r.found, r.ts_ns + r.dur_ns, -1) AS launch_end
-        FROM (SELECT ts_ns, dur_ns, kernel_class, stream, correlation FROM {events}
-              WHERE run_id = {{run_id:String}} AND rank = {{rank:Int32}}
+        FROM (SELECT rank, ts_ns, dur_ns, kernel_class, stream, correlation FROM {events}
+              WHERE run_id = {{run_id:String}} AND rank IN {{ranks:Array(Int32)}}
                 AND kind IN ('kernel', 'memcpy', 'memset')) AS g
-        LEFT JOIN (SELECT correlation, min(ts_ns) AS ts_ns, any(dur_ns) AS dur_ns, 1 AS found FROM {events}
-                   WHERE run_id = {{run_id:String}} AND rank = {{rank:Int32}} AND kind = 'runtime'
+        LEFT JOIN (SELECT rank, correlation, min(ts_ns) AS ts_ns, any(dur_ns) AS dur_ns, 1 AS found FROM {events}
+                   WHERE run_id = {{run_id:String}} AND rank IN {{ranks:Array(Int32)}} AND kind = 'runtime'
                      AND correlation != 0
-                   GROUP BY correlation) AS r
-          ON g.correlation = r.correlation
-        ORDER BY ts_ns
+                   GROUP BY rank, correlation) AS r
+          ON g.rank = r.rank AND g.correlation = r.correlation
+        ORDER BY rank, ts_ns
         SETTINGS join_use_nulls = 0
         """,
-        {"run_id": run_id, "rank": rank},
+        {"run_id": run_id, "ranks": ranks},
     )
-    return {k: (v if k == "kernel_class" else v.astype(np.int64)) for k, v in cols.items()}
+    rank_col = cols.pop("rank").astype(np.int64)
+    cols = {k: (v if k == "kernel_class" else v.astype(np.int64)) for k, v in cols.items()}
+    return {r: {k: v[rows] for k, v in cols.items()} for r, rows in _by_rank(ranks, rank_col).items()}
 
 
-def _load_steps(store: Store, run_id: str, rank: int) -> list[tuple[int, int, int]]:
+def _load_steps(store: Store, run_id: str, ranks: list[int]) -> dict[int, list[tuple[int, int, int]]]:
+    """``ProfilerStep#N`` annotations of each rank: (N, start, duration), in time order."""
     res = store.query(
-        f"SELECT name, ts_ns, dur_ns FROM {qualified(store, 'trace_events')} "
-        "WHERE run_id = {run_id:String} AND rank = {rank:Int32} "
-        "AND kind IN ('cpu_op', 'user_annotation') AND startsWith(name, 'ProfilerStep') ORDER BY ts_ns",
-        {"run_id": run_id, "rank": rank},
+        f"SELECT rank, name, ts_ns, dur_ns FROM {qualified(store, 'trace_events')} "
+        "WHERE run_id = {run_id:String} AND rank IN {ranks:Array(Int32)} "
+        "AND kind IN ('cpu_op', 'user_annotation') AND startsWith(name, 'ProfilerStep') ORDER BY rank, ts_ns",
+        {"run_id": run_id, "ranks": ranks},
     )
-    steps = []
-    for name, ts, dur in res.rows:
+    steps: dict[int, list[tuple[int, int, int]]] = {r: [] for r in ranks}
+    for rank, name, ts, dur in res.rows:
         match = _STEP_NUMBER.search(name)
         if match:
-            steps.append((int(match.group(1)), int(ts), int(dur)))
+            steps[int(rank)].append((int(match.group(1)), int(ts), int(dur)))
     return steps
 
 
-def ranks_of(store: Store, run_id: str) -> list[int]:
-    """Ranks ingested for ``run_id`` (raises InputError when the run is unknown)."""
-    res = store.query(f"SELECT DISTINCT rank FROM {qualified(store, 'trace_runs')} FINAL "
-                      "WHERE run_id = {run_id:String} ORDER BY rank", {"run_id": run_id})
+def _ranks_with_gpu_events(store: Store, run_id: str) -> dict[int, int]:
+    """Ranks ingested for ``run_id`` and their GPU event counts (raises InputError when the run is unknown)."""
+    res = store.query(f"SELECT rank, max(gpu_event_count) FROM {qualified(store, 'trace_runs')} FINAL "
+                      "WHERE run_id = {run_id:String} GROUP BY rank ORDER BY rank", {"run_id": run_id})
     if not res.rows:
         known = store.query(f"SELECT DISTINCT run_id FROM {qualified(store, 'trace_runs')} ORDER BY run_id LIMIT 20")
         names = ", ".join(r[0] for r in known.rows) or "none"
         raise InputError(f"no trace run {run_id!r} in the store (known: {names})")
-    return [int(r[0]) for r in res.rows]
+    return {int(rank): int(count) for rank, count in res.rows}
 
 
-def analyze_rank(store: Store, run_id: str, rank: int, include_last_step: bool = False,
-                 kernel_wait_ns: int = DEFAULT_KERNEL_WAIT_NS) -> RankBreakdown:
-    """Whole-run and per-step breakdown of one rank."""
-    cols = _load_gpu_work(store, run_id, rank)
-    steps = _load_steps(store, run_id, rank)
+def ranks_of(store: Store, run_id: str) -> list[int]:
+    """Ranks ingested for ``run_id`` (raises InputError when the run is unknown)."""
+    return list(_ranks_with_gpu_events(store, run_id))
+
+
+def _breakdown_rank(rank: int, cols: dict[str, np.ndarray], steps: list[tuple[int, int, int]],
+                    include_last_step: bool, kernel_wait_ns: int) -> RankBreakdown:
     launch = cols["launch_ts"]
     per_step = []
     for number, ts, dur in steps:
@@ -281,11 +300,36 @@ def analyze_rank(store: Store, run_id: str, rank: int, include_last_step: bool =
     return RankBreakdown(rank, breakdown_of(cols, whole_mask, kernel_wait_ns), per_step, drop_last)
 
 
+def analyze_rank(store: Store, run_id: str, rank: int, include_last_step: bool = False,
+                 kernel_wait_ns: int = DEFAULT_KERNEL_WAIT_NS) -> RankBreakdown:
+    """Whole-run and per-step breakdown of one rank."""
+    return _breakdown_rank(rank, _load_gpu_work(store, run_id, [rank])[rank], _load_steps(store, run_id, [rank])[rank],
+                           include_last_step, kernel_wait_ns)
+
+
+def rank_groups(gpu_events: dict[int, int], limit: int = ANALYZE_GROUP_GPU_EVENTS) -> list[list[int]]:
+    """Consecutive ranks in groups of at most ``limit`` GPU events (a larger rank alone)."""
+    groups: list[list[int]] = []
+    total = 0
+    for rank, count in gpu_events.items():
+        if groups and total + count <= limit:
+            groups[-1].append(rank)
+            total += count
+        else:
+            groups.append([rank])
+            total = count
+    return groups
+
+
 def analyze_run(store: Store, run_id: str, ranks: list[int] | None = None, include_last_step: bool = False,
                 kernel_wait_ns: int = DEFAULT_KERNEL_WAIT_NS) -> list[RankBreakdown]:
     """Breakdown of every (or the given) rank of a run."""
-    available = ranks_of(store, run_id)
-    chosen = [r for r in available if ranks is None or r in ranks]
+    available = _ranks_with_gpu_events(store, run_id)
+    chosen = {r: n for r, n in available.items() if ranks is None or r in ranks}
     if ranks and not chosen:
-        raise InputError(f"run {run_id!r} has no rank {ranks} (ranks: {available})")
-    return [analyze_rank(store, run_id, r, include_last_step, kernel_wait_ns) for r in chosen]
+        raise InputError(f"run {run_id!r} has no rank {ranks} (ranks: {list(available)})")
+    out = []
+    for group in rank_groups(chosen):
+        work, steps = _load_gpu_work(store, run_id, group), _load_steps(store, run_id, group)
+        out += [_breakdown_rank(r, work[r], steps[r], include_last_step, kernel_wait_ns) for r in group]
+    return out

@@ -2,7 +2,8 @@
 
 Load from ``triscope run`` as ``triscope.collectors.blockio:bpftrace_factory`` (falls back to
 diskstats when bpftrace is missing or we are not root), ``:ebpf_exporter_factory`` or
-``:diskstats_factory``. Config section ``[blockio]``: interval_s, format ("text"|"json"), url, host.
+``:diskstats_factory``. Config section ``[blockio]``: interval_s, format ("text"|"json"), url, host,
+restart_after_skipped (bpftrace).
 What each source measures (queue depth semantics, window bounds) and how it is checked: docs/blockio.md.
 """
 

@@ -44,7 +44,7 @@ def test_real_torch_trace_round_trip(store, tmp_path: Path):
         stored = store.query(f"SELECT count() FROM {qualified(store, 'trace_events')} WHERE kind = 'cpu_op' "
                              "AND name = {n:String}", {"n": name}).scalar()
         assert stored == count
-    steps = _load_steps(store, "torch", result.rank)
+    steps = _load_steps(store, "torch", [result.rank])[result.rank]
     assert [s[0] for s in steps] == sorted(s[0] for s in steps) and len(steps) == 4
     (rank,) = analyze_run(store, "torch")
     assert rank.whole.gpu_events == 0 and len(rank.steps) == 4

@@ -107,3 +107,29 @@ def test_agrees_with_hta_within_half_a_percent(store, tmp_path: Path, name: str)
             "non_compute": rank.whole.non_compute_ns, "span": rank.whole.span_ns}
     for key, value in ours.items():
         assert value / 1000 == pytest.approx(hta[key], rel=0.005), key
+
+
+def test_ranks_loaded_together_give_the_per_rank_figures(store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """analyze_run loads ranks in groups (two queries per group): the figures of every rank are
+    those of loading it alone, whatever the group size, and a rank selection keeps working."""
+    import triscope.analyzers.trace_breakdown as tb
+
+    for k in (0, 1):
+        ingest_trace(store, shared_data("kineto", f"sampled_128rank_job_rank{k}.json.gz"), run_id="groups")
+    alone = [tb.analyze_rank(store, "groups", r) for r in (0, 1)]
+    assert all(r.whole.gpu_events > 0 for r in alone)
+    assert tb.analyze_run(store, "groups") == alone  # one group
+    monkeypatch.setattr(tb, "ANALYZE_GROUP_GPU_EVENTS", 1)
+    assert tb.analyze_run(store, "groups") == alone  # a group per rank
+    assert tb.analyze_run(store, "groups", ranks=[1]) == alone[1:]
+    with pytest.raises(tb.InputError, match="no rank"):
+        tb.analyze_run(store, "groups", ranks=[7])
+
+
+def test_rank_groups_bound_the_gpu_events_loaded_at_once() -> None:
+    from triscope.analyzers.trace_breakdown import rank_groups
+
+    assert rank_groups({0: 5, 1: 5, 2: 5}, limit=10) == [[0, 1], [2]]
+    assert rank_groups({0: 50, 1: 1, 2: 1}, limit=10) == [[0], [1, 2]]
+    assert rank_groups({0: 0, 1: 0}, limit=10) == [[0, 1]]
+    assert rank_groups({}, limit=10) == []
