@@ -280,11 +280,6 @@ def _ranks_with_gpu_events(store: Store, run_id: str) -> dict[int, int]:
     return {int(rank): int(count) for rank, count in res.rows}
 
 
-def ranks_of(store: Store, run_id: str) -> list[int]:
-    """Ranks ingested for ``run_id`` (raises InputError when the run is unknown)."""
-    return list(_ranks_with_gpu_events(store, run_id))
-
-
 def _breakdown_rank(rank: int, cols: dict[str, np.ndarray], steps: list[tuple[int, int, int]],
                     include_last_step: bool, kernel_wait_ns: int) -> RankBreakdown:
     launch = cols["launch_ts"]

@@ -43,8 +43,11 @@ log = logging.getLogger(__name__)
 TABLE = "io_latency"
 COLUMNS = ["ts", "host", "device", "source", "op", "window_seconds", "ios", "p50_seconds",
            "p99_seconds", "mean_seconds", "queue_depth"]
+RESTART_AFTER_MISSES = 2048
+"""Default ``[blockio] restart_after_skipped``: skipped probe runs of one bpftrace process after
+which its request-start maps (4096 keys) may be half full of leftovers, so it is replaced."""
 DEFAULTS: dict[str, Any] = {"interval_s": 1.0, "format": "json", "url": "http://127.0.0.1:9435/metrics",
-                            "host": "", "max_body_bytes": 16 << 20, "restart_after_skipped": 2048}
+                            "host": "", "max_body_bytes": 16 << 20, "restart_after_skipped": RESTART_AFTER_MISSES}
 WINDOW_MARK = "triscope-window-end"
 """printf of the interval probe: ``triscope-window-end <nsecs>`` (kernel CLOCK_MONOTONIC)."""
 WINDOW_START_MARK = "triscope-window-start"
@@ -66,9 +69,6 @@ window bound; these two instants are. The control probe is the program's last, s
 only once every probe before it is attached."""
 BUFFERS = 4
 """Map sets the completion probe rotates through, one per window (see :data:`PROGRAM_DOC`)."""
-RESTART_AFTER_MISSES = 2048
-"""Default ``[blockio] restart_after_skipped``: skipped probe runs of one bpftrace process after
-which its request-start maps (4096 keys) may be half full of leftovers, so it is replaced."""
 
 _PROGRAM_HEAD = r"""
 BEGIN
