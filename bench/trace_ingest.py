@@ -11,9 +11,11 @@ rounds every event of a float-timestamp trace inward to whole microseconds (ts u
 a workaround for pytorch/pytorch#122425), which shortens every kernel by up to 2 us and
 inflates idle time; that default is printed too, to show the gap.
 
-Usage: python bench/trace_ingest.py [--scale N] [--data DIR]
+Usage: python bench/trace_ingest.py [--scale N] [--ranks N] [--data DIR]
 ``--scale N`` also builds a synthetic trace of N copies of the V100 ResNet trace (shifted in
-time) to show how both tools grow with size (N=70 gives about 1 GB of JSON).
+time) to show how both tools grow with size (N=70 gives about 1 GB of JSON); ``--ranks N``
+(default 16) a job directory of N small ranks, copies of the 2-rank sample re-ranked, to show
+how both grow with the rank count.
 """
 
 from __future__ import annotations
@@ -157,6 +159,17 @@ def build_scaled(source: Path, copies: int, out: Path) -> Path:
     return out
 
 
+def build_ranks(sources: list[Path], ranks: int, out: Path) -> Path:
+    """A job directory of ``ranks`` rank files, rank k a copy of ``sources[k % len(sources)]``
+    with ``distributedInfo.rank = k`` (a many-rank job of small ranks)."""
+    docs = [json.loads(gzip.decompress(src.read_bytes())) for src in sources]
+    for k in range(ranks):
+        doc = docs[k % len(docs)]
+        doc.setdefault("distributedInfo", {})["rank"] = k
+        (out / f"job_rank{k}.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode(), compresslevel=6))
+    return out
+
+
 def agreement(ours: dict, theirs: dict) -> float:
     """Largest relative difference over ranks and figures (percent)."""
     worst = 0.0
@@ -172,6 +185,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--scale", type=int, default=10, help="copies of the V100 trace in the synthetic set (0: none)")
+    parser.add_argument("--ranks", type=int, default=16,
+                        help="ranks of the synthetic many-rank job built from the 2-rank sample (0: none)")
     parser.add_argument("--worker", nargs=2, metavar=("TOOL", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -192,6 +207,11 @@ def main() -> None:
         folder = work / f"v100_x{args.scale}"
         folder.mkdir()
         build_scaled(args.data / SETS["v100_resnet"][0], args.scale, folder / "scaled_rank0.json")
+        sets[folder.name] = folder
+    if args.ranks:
+        folder = work / f"sampled_{args.ranks}rank"
+        folder.mkdir()
+        build_ranks([args.data / f for f in SETS["sampled_2rank"]], args.ranks, folder)
         sets[folder.name] = folder
 
     header = (f"{'trace set':<16}{'size MB':>9}{'triscope s':>12}{'HTA s':>9}{'speed-up':>10}"
