@@ -494,7 +494,7 @@ def parse_admission(text: str, option: str = "--class-admission",
     for item in filter(None, (x.strip() for x in text.split(","))):
         name, sep, ratio = item.partition("=")
         if not sep or name not in CLASS_PRIORITY:
-            raise SystemExit(f"{option} {item!r}: expected CLASS=RATIO with CLASS in {', '.join(CLASS_PRIORITY)}")
+            raise SystemExit(f"{option} {item!r}: expected CLASS=NUMBER with CLASS in {', '.join(CLASS_PRIORITY)}")
         try:
             out[name] = float(ratio)
         except ValueError:

@@ -124,6 +124,30 @@ def _ts_ns(text: str) -> int:
     return int(base.timestamp()) * 1_000_000_000 + int((frac or "0").ljust(9, "0")[:9])
 
 
+def _filled_file(tmp_path: Path, need_accounting: bool = False) -> tuple[Path, str]:
+    """A 32 MiB file written with O_DIRECT for fio to read back, and its block device; skips
+    (fails under TRISCOPE_REQUIRE_ALL) without bpftrace, fio, root, tracefs or O_DIRECT."""
+    require_binary("bpftrace")
+    require_binary("fio")
+    require(os.geteuid() == 0, "bpftrace needs root")
+    require((TRACEFS / "instances").is_dir(), "tracefs is not mounted (.ci/setup-system)")
+    if need_accounting:
+        require(has_tracepoint("block", "block_io_start"), "kernel < 6.5: no block_io_start tracepoint")
+    data = tmp_path / "reads.bin"
+    fill = subprocess.run(["fio", "--name=fill", f"--filename={data}", "--size=32M", "--rw=write", "--bs=1M",
+                           "--direct=1", "--output-format=terse"], capture_output=True, text=True, timeout=120)
+    require(fill.returncode == 0, f"fio cannot write with O_DIRECT here: {fill.stderr[-200:]}")
+    device = device_for_path(data)
+    return data, device
+
+
+def _reads_floor(reads_lo: float, collector: BpftraceCollector) -> float:
+    """Fewest reads a window may count given diskstats' sure-inside bound: less 0.1 % + 5 for
+    same-sector collisions and the probe runs the kernel skipped (BPF recursion; the whole run's
+    count bounds the window's)."""
+    return 0.999 * reads_lo - 5 - collector.missed_probe_runs
+
+
 def _wait_live(collector: BpftraceCollector, probe: Path) -> None:
     """Do small synced writes until bpftrace reports them: its probes are attached."""
     deadline = time.monotonic() + 30
@@ -138,16 +162,7 @@ def _wait_live(collector: BpftraceCollector, probe: Path) -> None:
 
 @pytest.mark.parametrize(("fmt", "interval_s"), [("json", 1.0), ("text", 0.5)])
 def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, tmp_path: Path) -> None:
-    require_binary("bpftrace")
-    require_binary("fio")
-    require(os.geteuid() == 0, "bpftrace needs root")
-    require((TRACEFS / "instances").is_dir(), "tracefs is not mounted (.ci/setup-system)")
-    require(has_tracepoint("block", "block_io_start"), "kernel < 6.5: no block_io_start tracepoint")
-    data = tmp_path / "reads.bin"
-    fill = subprocess.run(["fio", "--name=fill", f"--filename={data}", "--size=32M", "--rw=write", "--bs=1M",
-                           "--direct=1", "--output-format=terse"], capture_output=True, text=True, timeout=120)
-    require(fill.returncode == 0, f"fio cannot write with O_DIRECT here: {fill.stderr[-200:]}")
-    device = device_for_path(data)
+    data, device = _filled_file(tmp_path, need_accounting=True)
     major, minor = (int(x) for x in Path(f"/sys/class/block/{device}/dev").read_text().split(":"))
     collector = BpftraceCollector({"blockio": {"interval_s": interval_s, "format": fmt, "host": "bt"}})
     # Everything below is compared on the kernel's CLOCK_MONOTONIC, the clock bpftrace windows are
@@ -196,8 +211,7 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
         assert t0 >= traced_from, (r, traced_from)
         assert r["window_seconds"] == pytest.approx(interval_s, abs=1e-6), r  # kernel-clock window
         (reads_lo, reads_hi), (wq_lo, wq_hi) = sampler.bracket(t0, t1)
-        # Not counted: probe runs the kernel skipped (BPF recursion; the whole run's count bounds the window's).
-        floor = 0.999 * reads_lo - 5 - collector.missed_probe_runs
+        floor = _reads_floor(reads_lo, collector)
         assert floor <= r["ios"] <= reads_hi, (r["ios"], reads_lo, reads_hi, collector.missed_probe_runs)
         window_ms = r["window_seconds"] * 1e3
         lo, hi = (wq_lo - 2) / window_ms, (wq_hi + 2) / window_ms  # + the ms truncation at both ends
@@ -218,15 +232,7 @@ def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
     """Replacing the bpftrace process mid-IO (what the collector does when skipped probe runs may
     have filled its request-start maps): the windows of both processes stay disjoint and each
     still holds exactly the reads diskstats saw in it; only the attach time in between is lost."""
-    require_binary("bpftrace")
-    require_binary("fio")
-    require(os.geteuid() == 0, "bpftrace needs root")
-    require((TRACEFS / "instances").is_dir(), "tracefs is not mounted (.ci/setup-system)")
-    data = tmp_path / "reads.bin"
-    fill = subprocess.run(["fio", "--name=fill", f"--filename={data}", "--size=32M", "--rw=write", "--bs=1M",
-                           "--direct=1", "--output-format=terse"], capture_output=True, text=True, timeout=120)
-    require(fill.returncode == 0, f"fio cannot write with O_DIRECT here: {fill.stderr[-200:]}")
-    device = device_for_path(data)
+    data, device = _filled_file(tmp_path)
     collector = BpftraceCollector({"blockio": {"interval_s": 0.5, "host": "bt"}})
     sampler = DiskstatsSampler(device, clock=time.monotonic_ns)
     sampler.start()
@@ -267,7 +273,7 @@ def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
         if t0 < sampler.spans[0][1] or t1 > sampler.spans[-1][0]:
             continue
         (reads_lo, reads_hi), _ = sampler.bracket(t0, t1)
-        floor = 0.999 * reads_lo - 5 - collector.missed_probe_runs
+        floor = _reads_floor(reads_lo, collector)
         if t0 == gap_to:  # requests issued before the new issue probe attached (at most the depth, 32)
             floor -= 32
         assert floor <= r["ios"] <= reads_hi, (r["ios"], reads_lo, reads_hi, r["window_seconds"])
