@@ -67,8 +67,11 @@ counting, ``magic + 1`` stops it. bpftrace fires BEGIN while it still attaches i
 detaches them some 0.1 s after SIGTERM and runs END later still, so neither BEGIN nor END is a
 window bound; these two instants are. The control probe is the program's last, so it fires
 only once every probe before it is attached."""
-BUFFERS = 4
+BUFFERS = 6
 """Map sets the completion probe rotates through, one per window (see :data:`PROGRAM_DOC`)."""
+AHEAD = 2
+"""Map sets after the current one that an interval leaves alone: its print and clear run later,
+in bpftrace's user space, by which time the next window may be counting into them."""
 
 _PROGRAM_HEAD = r"""
 BEGIN
@@ -145,7 +148,7 @@ __FINAL__
 
 _STORE = ("  if ($b == {i}) {{ @usecs_{i}[$w, $ma, $mi, args->rwbs] = hist($lat / 1000);"
           " @lat_ns_{i}[$w, $ma, $mi, args->rwbs] = sum($lat); @qd_ns_{i}[$w, $ma, $mi] = sum($n - $q); }}")
-_FLUSH = ("  if ($cur != {i}) {{ print(@usecs_{i}); print(@lat_ns_{i}); print(@qd_ns_{i});"
+_FLUSH = ("  if (({i} + __BUFFERS__ - $cur) % __BUFFERS__ > __AHEAD__) {{ print(@usecs_{i}); print(@lat_ns_{i}); print(@qd_ns_{i});"
           " clear(@usecs_{i}); clear(@lat_ns_{i}); clear(@qd_ns_{i}); }}")
 _FINAL = ("  print(@usecs_{i}); print(@lat_ns_{i}); print(@qd_ns_{i});"
           " clear(@usecs_{i}); clear(@lat_ns_{i}); clear(@qd_ns_{i});")
@@ -165,9 +168,14 @@ PROGRAM_DOC = """What the program measures, per window ``w = nsecs // window`` o
 Windows are fixed by the kernel clock, not by when output is read: bpftrace runs ``print()``
 and ``clear()`` in user space, so on a busy machine a map printed "at the interval" holds
 whatever arrived until bpftrace got the CPU. Here a completion writes to map set
-``B = w % BUFFERS`` with ``w`` in the key; each interval prints and clears every set but the
-current one. Each window is printed once, whole, as long as bpftrace is less than
-``BUFFERS - 1`` intervals late; a missed timer tick only delays it. Counting runs from the
+``B = w % BUFFERS`` with ``w`` in the key; each interval prints and clears the sets of the
+``BUFFERS - 1 - AHEAD`` windows before the current one and leaves the current set and the
+``AHEAD`` after it alone. (It once cleared every set but the current one: when bpftrace's user
+space ran that clear after the next window had begun, it deleted what had been counted into
+that set since its print read it.) Each window is printed whole as long as bpftrace's user space is less than ``AHEAD``
+windows late, and a missed timer tick only delays it. A print that holds a window not yet ended
+at its interval shows that this bound was broken (the clear may then have dropped requests):
+the assembler counts it (``WindowAssembler.raced``) and logs it. Counting runs from the
 control probe's live mark to its stop mark (:data:`CONTROL_MAGIC_BASE`); when bpftrace stops,
 END prints every set and the last window ends at the stop mark (at ``triscope-window-final``
 without the control probe).
@@ -249,7 +257,8 @@ class WindowAssembler:
 
     The program's maps carry the kernel-clock window index as the first key part; a window
     becomes rows at the first ``triscope-window-end <nsecs>`` mark past its end (its maps are
-    printed by then, see :data:`PROGRAM_DOC`). Maps without the index (older programs, and a bare
+    printed by then, see :data:`PROGRAM_DOC`); a window printed before its own interval ended
+    was read while still counting and is counted in ``raced``. Maps without the index (older programs, and a bare
     mark) make one window ending at the mark. A bad line is logged (one line) and counted in
     ``errors``; the rest of the window is kept."""
 
@@ -265,6 +274,10 @@ class WindowAssembler:
         self._live_from: int | None = None  # wall ns when counting started (clips the first window)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()  # bpftrace nsecs -> wall clock
         self._stopped_at: int | None = None  # kernel ns of the stop mark: the last window ends there
+        self.raced = 0
+        self._raced_seen: set[int] = set()
+        """Windows printed while they were still being counted (bpftrace's user space ran more
+        than :data:`AHEAD` windows late): their clear may have dropped requests."""
         self.live_seen = False
         """Whether the live mark of the running program has been read."""
 
@@ -378,6 +391,8 @@ class WindowAssembler:
         now = now_ns if now_ns is not None else time.time_ns()
         end = now if mono is None else mono + self.clock_offset_ns
         cur = None if mono is None or final else mono // self.window_ns
+        if cur is not None:
+            self._check_not_live(cur)
         for w in sorted(k for k in self._wins if k is not None and (cur is None or k < cur)):
             start = w * self.window_ns + self.clock_offset_ns
             stop = start + self.window_ns
@@ -417,6 +432,17 @@ class WindowAssembler:
                 qd = sum(v for (a, b, _), v in win.lat.items() if (a, b) == (ma, mi)) / 1e9 / window_s
             hist_row(self.rows, start_ns, self.host, "bpftrace", device_name(ma, mi), op, window_s, bs, mean, qd)
 
+    def _check_not_live(self, cur: int) -> None:
+        """At the mark of an interval that fired in window ``cur``: the maps printed before it
+        should only hold earlier windows; one at or after ``cur`` was read while counting."""
+        self._raced_seen = {w for w in self._raced_seen if w >= cur - BUFFERS}
+        live = [w for w in self._wins if w is not None and w >= cur and w not in self._raced_seen]
+        for w in live:
+            self._raced_seen.add(w)
+            self.raced += 1
+            log.warning("blockio: bpftrace printed window %d while it was still counting (its output "
+                        "ran more than %d windows late); that window may miss requests", w, AHEAD)
+
     def drain(self) -> dict[str, list[Any]]:
         rows, self.rows = self.rows, _rows()
         return rows
@@ -435,6 +461,7 @@ def bpftrace_program(interval_s: float, accounting: bool, buffers: int = BUFFERS
             .replace("__FLUSHES__", "\n".join(_FLUSH.format(i=i) for i in range(buffers)))
             .replace("__FINAL__", "\n".join(_FINAL.format(i=i) for i in range(buffers)))
             .replace("__WINDOW_NS__", str(ms * 1_000_000)).replace("__BUFFERS__", str(buffers))
+            .replace("__AHEAD__", str(AHEAD))
             .replace("__INTERVAL_MS__", str(ms))
             .replace("__WHILE_LIVE__", " && @state == 1" if control_magic else "")
             .replace("__LIVE_MAGIC__", str(control_magic)).replace("__STOP_MAGIC__", str(control_magic + 1)))

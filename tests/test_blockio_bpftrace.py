@@ -35,9 +35,11 @@ the map keys), so a row covers exactly [ts, ts + window_seconds] however late bp
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import time
@@ -185,6 +187,7 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
             rows = collector.collect()["io_latency"]
             traced = ftrace.stop()
         assert bpf_recursion_misses(collector._proc.pid) is not None, "skipped probe runs are readable here"
+        assert collector.asm.raced == 0, "bpftrace's output ran windows late: counts may be short"
         synced_write(tmp_path / "last.bin", 64 << 10)  # in the open window: only END can report it
     finally:
         collector.close()
@@ -277,3 +280,46 @@ def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
         if t0 == gap_to:  # requests issued before the new issue probe attached (at most the depth, 32)
             floor -= 32
         assert floor <= r["ios"] <= reads_hi, (r["ios"], reads_lo, reads_hi, r["window_seconds"])
+
+
+def test_bpftrace_output_running_windows_late_is_detected(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """bpftrace's user space stopped for 4 windows mid-IO (SIGSTOP; a starved process on a busy
+    host): the prints and clears queued meanwhile then run on map sets the kernel counts into
+    again. The assembler flags the windows printed while counting, logs them, and no window ever
+    counts more reads than diskstats saw in it."""
+    data, device = _filled_file(tmp_path)
+    interval_s = 0.25
+    collector = BpftraceCollector({"blockio": {"interval_s": interval_s, "host": "bt"}})
+    sampler = DiskstatsSampler(device, clock=time.monotonic_ns)
+    sampler.start()
+    collector.start()
+    try:
+        _wait_live(collector, tmp_path / "probe.bin")
+        collector.collect()
+        fio = subprocess.Popen(
+            ["fio", "--name=late", f"--filename={data}", "--size=32M", "--rw=randread", "--bs=4k", "--direct=1",
+             "--ioengine=libaio", "--iodepth=32", "--runtime=3", "--time_based", "--output-format=terse"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        assert collector.asm.raced == 0
+        with caplog.at_level(logging.WARNING):
+            os.kill(collector._proc.pid, signal.SIGSTOP)
+            time.sleep(4 * interval_s)
+            os.kill(collector._proc.pid, signal.SIGCONT)
+            assert fio.wait(timeout=60) == 0, fio.stderr.read() if fio.stderr else ""
+            time.sleep(3 * interval_s)
+            rows = collector.collect()["io_latency"]
+    finally:
+        collector.close()
+        sampler.stop.set()
+        sampler.join()
+    assert collector.asm.raced >= 1
+    assert [r for r in caplog.records if "while it was still counting" in r.getMessage()]
+    reads = [dict(zip(rows, vals, strict=True)) for vals in zip(*rows.values(), strict=True)]
+    reads = [r for r in reads if r["device"] == device and r["op"] == "read" and r["ios"] > 1000]
+    assert len(reads) >= 6, reads
+    for r in reads:
+        t0 = _ts_ns(r["ts"]) - collector.asm.clock_offset_ns
+        t1 = t0 + round(r["window_seconds"] * 1e9)
+        (_, reads_hi), _ = sampler.bracket(t0, t1)
+        assert r["ios"] <= reads_hi, (r, reads_hi)
