@@ -440,10 +440,12 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
         pool_caps = ({c: {s.name: server_maxconn(s, per_slot) for s in fleet.specs}
                       for c, per_slot in args.class_maxconn.items()} if policy.class_pools else {})
         pool_queue = ({c: int(ms) for c, ms in args.class_timeout_queue_ms.items()} if policy.class_pools else {})
+        gate = ({c: {s.name: ratio * s.slots for s in fleet.specs} for c, ratio in args.class_batch_admission.items()}
+                if policy.class_pools and args.class_lb_gate else {})
         with HAProxy(workdir / policy.name, servers, balance=policy.balance, agent_port=agent_port,
                      agent_inter_ms=args.agent_inter_ms, timeout_queue_ms=args.timeout_queue_ms,
                      queue_priority=CLASS_PRIORITY if args.class_priority else None, class_pools=pools,
-                     pool_maxconn=pool_caps, pool_timeout_queue_ms=pool_queue) as hap:
+                     pool_maxconn=pool_caps, pool_timeout_queue_ms=pool_queue, class_gate=gate) as hap:
             if policy.triscope:
                 time.sleep(max(0.5, 3 * args.agent_inter_ms / 1000))
             results, lag, samples, feed_samples = asyncio.run(
@@ -710,6 +712,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(at least 1): a per-class cap on requests in flight per backend, enforced by HAProxy")
     p.add_argument("--class-timeout-queue-ms", default="none", metavar="none|CLASS=MS,...",
                    help="triscope-classes: 'timeout queue' of that class's pool (default: --timeout-queue-ms)")
+    p.add_argument("--class-lb-gate", action="store_true",
+                   help="triscope-classes: HAProxy also applies each --class-batch-admission limit to every "
+                        "request of that class at once, on its own in-flight counts (exporters/haproxy_gate.lua)")
     p.add_argument("--repeat", type=int, default=1, help="repetitions with seeds seed..seed+N-1, results pooled")
     p.add_argument("--feed-window-s", type=float, default=5.0, help="P99/QPS window of the metrics adapter")
     p.add_argument("--weights", default="", help="JSON object of [weights] overrides for the triscope feed")
@@ -728,6 +733,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.class_timeout_queue_ms = parse_admission(args.class_timeout_queue_ms, "--class-timeout-queue-ms", {})
     if any(v <= 0 for v in args.class_maxconn.values()) or any(v < 0 for v in args.class_timeout_queue_ms.values()):
         raise SystemExit("--class-maxconn needs values > 0 and --class-timeout-queue-ms values >= 0")
+    if args.class_lb_gate and not args.class_batch_admission:
+        raise SystemExit("--class-lb-gate needs --class-batch-admission (the limits it applies)")
     return args
 
 
@@ -782,7 +789,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        "class_priority": args.class_priority, "capacity_weights": args.capacity_weights,
                        "class_admission": args.class_admission, "class_batch_admission": args.class_batch_admission,
                        "class_maxconn_per_slot": args.class_maxconn,
-                       "class_timeout_queue_ms": args.class_timeout_queue_ms},
+                       "class_timeout_queue_ms": args.class_timeout_queue_ms, "class_lb_gate": args.class_lb_gate},
            "weights_overrides": weights_overrides(args) if any(catalog[n].triscope for n in reports) else {},
            "policies": {k: asdict(v) for k, v in reports.items()}, "comparisons": [c for c in comps if c]}
     if args.json:

@@ -11,6 +11,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+GATE_LUA = Path(__file__).resolve().parent.parent / "exporters" / "haproxy_gate.lua"
+"""triscope's per-request batch gate (an HAProxy Lua action)."""
+
 
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (small race, fine for a bench)."""
@@ -64,6 +67,11 @@ class HAProxy:
     ``pool_maxconn`` ({class: {server: n}}) caps a class pool's servers on their own (the class's
     requests in flight on that backend, enforced by HAProxy per request); ``pool_timeout_queue_ms``
     ({class: ms}) bounds the wait in that pool's queue.
+
+    ``class_gate`` ({class: {server: limit}}) loads triscope's Lua gate
+    (``exporters/haproxy_gate.lua``) into that class's pool: each request goes to the server with
+    the fewest requests in flight (every pool summed) per unit of weight among those below their
+    limit, or gets HAProxy's 503 when none is.
     """
 
     def __init__(self, workdir: Path, servers: list[Server], balance: str = "roundrobin",
@@ -71,7 +79,8 @@ class HAProxy:
                  binary: str | None = None, timeout_queue_ms: int = 0,
                  queue_priority: dict[str, int] | None = None, class_pools: list[str] | tuple[str, ...] = (),
                  pool_maxconn: dict[str, dict[str, int]] | None = None,
-                 pool_timeout_queue_ms: dict[str, int] | None = None) -> None:
+                 pool_timeout_queue_ms: dict[str, int] | None = None,
+                 class_gate: dict[str, dict[str, float]] | None = None) -> None:
         self.workdir = Path(workdir)
         self.servers = servers
         self.balance = balance
@@ -82,7 +91,8 @@ class HAProxy:
         self.class_pools = tuple(class_pools)
         self.pool_maxconn = {c: dict(v) for c, v in (pool_maxconn or {}).items()}
         self.pool_timeout_queue_ms = dict(pool_timeout_queue_ms or {})
-        unknown = (set(self.pool_maxconn) | set(self.pool_timeout_queue_ms)) - set(self.class_pools)
+        self.class_gate = {c: dict(v) for c, v in (class_gate or {}).items()}
+        unknown = (set(self.pool_maxconn) | set(self.pool_timeout_queue_ms) | set(self.class_gate)) - set(self.class_pools)
         if unknown:
             raise ValueError(f"pool limits for classes without a pool: {', '.join(sorted(unknown))}")
         self.port = port or free_port()
@@ -97,6 +107,10 @@ class HAProxy:
             "    maxconn 4000",
             f"    stats socket {self.socket_path} mode 600 level admin",
             "    nbthread 1",
+        ]
+        if self.class_gate:
+            lines.append(f"    lua-load {GATE_LUA}")
+        lines += [
             "defaults",
             "    mode http",
             "    timeout connect 2s",
@@ -121,6 +135,12 @@ class HAProxy:
         caps = self.pool_maxconn.get(request_class, {})
         for suffix, prio in self.queue_priority.items():  # lower class leaves HAProxy's queue first
             lines.append(f"    http-request set-priority-class int({prio}) if {{ path_end /{suffix} }}")
+        gate = self.class_gate.get(request_class)
+        if gate is not None:
+            limits = ",".join(f"{name}:{limit:g}" for name, limit in sorted(gate.items()))
+            lines.append(f"    http-request lua.triscope_gate {','.join(self.pools)} {limits}")
+            lines.append("    http-request deny deny_status 503 if !{ var(txn.triscope_server) -m found }")
+            lines += [f"    use-server {s.name} if {{ var(txn.triscope_server) -m str {s.name} }}" for s in self.servers]
         for s in self.servers:
             line = f"    server {s.name} {s.host}:{s.port} weight {s.weight}"
             maxconn = caps.get(s.name, s.maxconn)
