@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-GATE_LUA = Path(__file__).resolve().parent.parent / "exporters" / "haproxy_gate.lua"
-"""triscope's per-request batch gate (an HAProxy Lua action)."""
+from triscope.exporters.haproxy_gate import LUA_PATH as GATE_LUA
+from triscope.exporters.haproxy_gate import gate_rules
 
 
 def free_port() -> int:
@@ -137,10 +137,7 @@ class HAProxy:
             lines.append(f"    http-request set-priority-class int({prio}) if {{ path_end /{suffix} }}")
         gate = self.class_gate.get(request_class)
         if gate is not None:
-            limits = ",".join(f"{name}:{limit:g}" for name, limit in sorted(gate.items()))
-            lines.append(f"    http-request lua.triscope_gate {','.join(self.pools)} {limits}")
-            lines.append("    http-request deny deny_status 503 if !{ var(txn.triscope_server) -m found }")
-            lines += [f"    use-server {s.name} if {{ var(txn.triscope_server) -m str {s.name} }}" for s in self.servers]
+            lines += ["    " + line for line in gate_rules(self.pools, gate, [s.name for s in self.servers])]
         for s in self.servers:
             line = f"    server {s.name} {s.host}:{s.port} weight {s.weight}"
             maxconn = caps.get(s.name, s.maxconn)

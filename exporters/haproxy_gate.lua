@@ -12,13 +12,14 @@
 --   global
 --       lua-load /path/to/haproxy_gate.lua
 --   backend pool_offline_video
---       http-request lua.triscope_gate pool_a,pool_b,pool_offline_video b0:7.2,b1:7.2,b3:3.6
+--       http-request lua.triscope_gate pool_a,pool_b,pool_offline_video b0=6,b1=6,b3=3
 --       http-request deny deny_status 503 if !{ var(txn.triscope_server) -m found }
 --       use-server b0 if { var(txn.triscope_server) -m str b0 }
 --       ...
 --
 -- First argument: every pool holding the same servers (their in-flight requests add up);
--- second: NAME:LIMIT per server (a server without a limit is only subject to the agent).
+-- second: NAME=LIMIT per server, comma-separated (a server without one, or '-' for none, is
+-- only subject to the agent). `triscope weights haproxy-gate` prints these lines from the config.
 -- The count is exact when one HAProxy process fronts the backends (nbthread 1 or not: the
 -- counters are shared); several load balancers each see only their own share.
 
@@ -32,7 +33,7 @@ local function parse(pools_arg, limits_arg)
     for pool in string.gmatch(pools_arg, "[^,]+") do
       table.insert(cfg.pools, pool)
     end
-    for name, limit in string.gmatch(limits_arg, "([^,:]+):([%d%.]+)") do
+    for name, limit in string.gmatch(limits_arg, "([^,=]+)=([%d%.]+)") do
       cfg.limits[name] = tonumber(limit)
     end
     parsed[key] = cfg

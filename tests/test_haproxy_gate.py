@@ -128,3 +128,44 @@ def test_gate_needs_a_class_pool(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="without a pool: v"):
         HAProxy(tmp_path, [Server("b0", 1)], class_pools=["a"], class_gate={"v": {"b0": 1}})
+
+
+def test_cli_prints_gate_lines_haproxy_accepts_with_limits_from_the_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``triscope weights haproxy-gate``: limit = admit_batch_ratio x max_num_seqs per backend,
+    under its HAProxy server name; the lines, placed in a whole config, pass ``haproxy -c``."""
+    haproxy = require_binary("haproxy")
+    import json
+    import subprocess
+
+    from triscope.cli import main
+
+    cfg = tmp_path / "triscope.toml"
+    cfg.write_text('[weights.classes.offline_video]\nadmit_batch_ratio = 0.375\n'
+                   '[weights.backends."gpu-a:8000"]\nmax_num_seqs = 16\n'
+                   '[weights.backends."gpu-b:8000"]\nmax_num_seqs = 8\n'
+                   '[weights.backends."gpu-c:8000"]\n')  # no max_num_seqs: the agent alone decides
+    servers = ["--server", "gpu-a:8000=gpu-a", "--server", "gpu-b:8000=gpu-b"]
+    pools = ["--pool", "offline_video=video", "--pool", "realtime_speech=gpus"]
+    assert main(["weights", "haproxy-gate", "-c", str(cfg), *servers, *pools, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["limits"] == {"offline_video": {"gpu-a": 6.0, "gpu-b": 3.0}}
+    assert Path(doc["lua_path"]).is_file()
+    lines = doc["config"].splitlines()
+    assert "    http-request lua.triscope_gate gpus,video gpu-a=6,gpu-b=3" in lines
+    frontend = ["defaults", "    mode http", "    timeout connect 1s", "    timeout client 5s", "    timeout server 5s",
+                "frontend fe", "    bind 127.0.0.1:18080", "    use_backend video if { path_end /offline_video }",
+                "    default_backend gpus", "backend gpus", "    server gpu-a 127.0.0.1:9001", "    server gpu-b 127.0.0.1:9002"]
+    full = lines[:2] + frontend + lines[2:] + ["    server gpu-a 127.0.0.1:9001", "    server gpu-b 127.0.0.1:9002"]
+    (tmp_path / "h.cfg").write_text("\n".join(full) + "\n")
+    check = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "h.cfg")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    assert main(["weights", "haproxy-gate", "-c", str(cfg), "--server", "nope=x"]) == 2
+    assert "no [weights.backends] entry for nope" in capsys.readouterr().err
+    bare = tmp_path / "bare.toml"
+    bare.write_text('[weights.backends.b0]\nmax_num_seqs = 4\n')
+    assert main(["weights", "haproxy-gate", "-c", str(bare)]) == 2
+    assert "no class has admit_batch_ratio" in capsys.readouterr().err
+    assert main(["weights", "haproxy-gate", "--lua-path"]) == 0
+    assert capsys.readouterr().out.strip().endswith("haproxy_gate.lua")

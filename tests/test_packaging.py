@@ -65,3 +65,15 @@ def test_every_third_party_import_is_a_declared_dependency():
                     # torch: the user's own install (CPU or CUDA build); collectors using it handle absence.
                     missing.setdefault(name, set()).add(str(source.relative_to(REPO)))
     assert not missing, f"undeclared imports (add to [project] dependencies): {missing}"
+
+
+def test_data_files_of_packages_are_declared():
+    """A non-Python file a package reads at run time (the HAProxy Lua gate) must be package data."""
+    import fnmatch
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    declared = config.get("package-data", {})
+    for package, folder in config["package-dir"].items():
+        for path in (REPO / folder).glob("*.lua"):
+            patterns = declared.get(package, [])
+            assert any(fnmatch.fnmatch(path.name, p) for p in patterns), f"{path.name}: add to package-data"

@@ -31,6 +31,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show = sub.add_parser("show", help="compute one update from the store and print it")
     add_common(show)
     show.set_defaults(func=run_show)
+    gate = sub.add_parser("haproxy-gate", help="print the HAProxy lines of the per-request batch gate "
+                                               "(classes with admit_batch_ratio)")
+    gate.add_argument("--pool", action="append", default=[], metavar="CLASS=BACKEND",
+                      help="the HAProxy backend carrying a class; list every pool over the same servers "
+                           "(their requests in flight add up); default pool_CLASS for every class")
+    gate.add_argument("--server", action="append", default=[], metavar="BACKEND=SERVER",
+                      help="HAProxy server name of a triscope backend (default: the same name)")
+    gate.add_argument("--lua-path", action="store_true", help="print only the Lua file's path")
+    add_common(gate)
+    gate.set_defaults(func=run_haproxy_gate)
     parser.set_defaults(func=lambda _args: (parser.print_help(), 2)[1])
 
 
@@ -123,3 +133,36 @@ def run_serve(args: argparse.Namespace) -> int:
         feed.close()
         store.close()
     return 0
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    from triscope.errors import InputError
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise InputError(f"{flag} wants NAME=VALUE, not {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def run_haproxy_gate(args: argparse.Namespace) -> int:
+    """``triscope weights haproxy-gate``: the config lines of exporters/haproxy_gate.lua."""
+    from triscope.commands._common import print_json
+    from triscope.exporters.haproxy_gate import LUA_PATH, gate_limits, gate_snippet
+
+    if args.lua_path:
+        print(LUA_PATH)
+        return 0
+    _config, params = _params(args)
+    pools = _pairs(args.pool, "--pool") or {name: f"pool_{name}" for name in params.classes}
+    servers = _pairs(args.server, "--server")
+    snippet = gate_snippet(params, pools, servers)
+    if args.json:
+        print_json({"lua_path": str(LUA_PATH), "pools": pools, "limits": gate_limits(params, servers),
+                    "config": snippet})
+    else:
+        sys.stdout.write(snippet)
+    return 0
+
