@@ -172,8 +172,8 @@ whatever arrived until bpftrace got the CPU. Here a completion writes to map set
 ``BUFFERS - 1 - AHEAD`` windows before the current one and leaves the current set and the
 ``AHEAD`` after it alone. (It once cleared every set but the current one: when bpftrace's user
 space ran that clear after the next window had begun, it deleted what had been counted into
-that set since its print read it.) Each window is printed whole as long as bpftrace's user space is less than ``AHEAD``
-windows late, and a missed timer tick only delays it. A print that holds a window not yet ended
+that set since its print read it.) Each window is printed whole as long as bpftrace's user
+space is less than ``AHEAD`` windows late, and a missed timer tick only delays it. A print that holds a window not yet ended
 at its interval shows that this bound was broken (the clear may then have dropped requests):
 the assembler counts it (``WindowAssembler.raced``) and logs it. Counting runs from the
 control probe's live mark to its stop mark (:data:`CONTROL_MAGIC_BASE`); when bpftrace stops,
@@ -258,8 +258,8 @@ class WindowAssembler:
     The program's maps carry the kernel-clock window index as the first key part; a window
     becomes rows at the first ``triscope-window-end <nsecs>`` mark past its end (its maps are
     printed by then, see :data:`PROGRAM_DOC`); a window printed before its own interval ended
-    was read while still counting and is counted in ``raced``. Maps without the index (older programs, and a bare
-    mark) make one window ending at the mark. A bad line is logged (one line) and counted in
+    was read while still counting and is counted in ``raced``. Maps without the index (older
+    programs, and a bare mark) make one window ending at the mark. A bad line is logged (one line) and counted in
     ``errors``; the rest of the window is kept."""
 
     def __init__(self, host: str, fmt: str, interval_s: float) -> None:
@@ -275,9 +275,9 @@ class WindowAssembler:
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()  # bpftrace nsecs -> wall clock
         self._stopped_at: int | None = None  # kernel ns of the stop mark: the last window ends there
         self.raced = 0
-        self._raced_seen: set[int] = set()
         """Windows printed while they were still being counted (bpftrace's user space ran more
         than :data:`AHEAD` windows late): their clear may have dropped requests."""
+        self._raced_seen: set[int] = set()
         self.live_seen = False
         """Whether the live mark of the running program has been read."""
 
