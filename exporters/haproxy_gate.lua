@@ -20,8 +20,9 @@
 -- First argument: every pool holding the same servers (their in-flight requests add up);
 -- second: NAME=LIMIT per server, comma-separated (a server without one, or '-' for none, is
 -- only subject to the agent). `triscope weights haproxy-gate` prints these lines from the config.
--- The count is exact when one HAProxy process fronts the backends (nbthread 1 or not: the
--- counters are shared); several load balancers each see only their own share.
+-- The count is exact when one single-threaded HAProxy process fronts the backends (tested so);
+-- with several threads, requests picked at the same instant may each pass the limit once, and
+-- several load balancers each see only their own share.
 
 local parsed = {}
 
