@@ -27,7 +27,8 @@ def test_closed_loop_tiny_run_applies_policies(capsys: pytest.CaptureFixture[str
     args = closed_loop.parse_args([
         "--backends", "2", "--kv-gib", "40", "--slots", "8", "--base-qps", "12", "--steps", "2",
         "--step-s", "1.5", "--policies", "leastconn,triscope,triscope-classes", "--pressure", "b1=0.8",
-        "--agent-inter-ms", "100", "--capacity-weights", "--json", "--dump-results", str(dump)])
+        "--agent-inter-ms", "100", "--capacity-weights", "--class-batch-admission", "offline_video=0.75",
+        "--class-lb-gate", "--json", "--dump-results", str(dump)])
     doc = closed_loop.run(args)
     capsys.readouterr()
 
@@ -49,6 +50,7 @@ def test_closed_loop_tiny_run_applies_policies(capsys: pytest.CaptureFixture[str
     # triscope-classes: b1's pinned 80 % KV is above the video limit (0.60), so the feed closes b1 to
     # video in HAProxy's video pool: every video that was served ran on b0; other classes still use b1.
     assert doc["haproxy"]["class_admission"]["offline_video"] == 0.60
+    assert doc["haproxy"]["class_lb_gate"] is True  # the gate runs too and honours the agent's drain
     rows = [json.loads(line) for line in dump.read_text().splitlines()]
     served = [r for r in rows if r["policy"] == "triscope-classes" and r["status"] == 200]
     videos = {r["backend"] for r in served if r["cls"] == "offline_video"}
@@ -106,3 +108,11 @@ def test_haproxy_applies_pool_caps_queue_timeouts_and_configured_weights(tmp_pat
             ("pool_offline_video", "big"): "4", ("pool_offline_video", "small"): "2"}
         assert {k: rows[k]["weight"] for k in rows if k[1] == "small"} == dict.fromkeys(
             [("gpus", "small"), ("pool_realtime_speech", "small"), ("pool_offline_video", "small")], "50")
+
+
+def test_closed_loop_gate_needs_batch_limits() -> None:
+    import closed_loop
+
+    with pytest.raises(SystemExit, match="--class-lb-gate needs --class-batch-admission"):
+        closed_loop.parse_args(["--class-lb-gate"])
+
