@@ -52,6 +52,9 @@ from haproxy_ctl import HAProxy, Server, free_port  # noqa: E402
 from loadgen import LoadShape, Result, drive, percentile  # noqa: E402
 from sim_backend import CLASSES, BackendSpec  # noqa: E402
 
+from triscope.exporters.haproxy_gate import gate_limits  # noqa: E402
+from triscope.exporters.weights import WeightParams  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
 
@@ -416,6 +419,7 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
     t0 = time.monotonic()
     try:
         agent_port = None
+        gate: dict[str, dict[str, float]] = {}
         if policy.triscope:
             overrides = weights_overrides(args)
             if args.agent_maxconn:
@@ -430,6 +434,8 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
                 overrides["classes"] = classes
                 if args.class_batch_admission:  # the engine's max_num_seqs: the sim's batch slots
                     set_per_backend(overrides, "max_num_seqs", {s.name: s.slots for s in fleet.specs})
+                if args.class_lb_gate:  # the feed's own class limits, applied by HAProxy per request
+                    gate = gate_limits(WeightParams.from_config({"weights": overrides}))
             feed = FeedWorker({s.name: fleet.url(s) for s in fleet.specs}, overrides, args.feed_window_s).start()
             agent_port = feed.agent_port
         pools = list(CLASS_PRIORITY) if policy.class_pools else []
@@ -440,8 +446,6 @@ def run_policy(policy: Policy, fleet: SimFleet, schedule, args: argparse.Namespa
         pool_caps = ({c: {s.name: server_maxconn(s, per_slot) for s in fleet.specs}
                       for c, per_slot in args.class_maxconn.items()} if policy.class_pools else {})
         pool_queue = ({c: int(ms) for c, ms in args.class_timeout_queue_ms.items()} if policy.class_pools else {})
-        gate = ({c: {s.name: ratio * s.slots for s in fleet.specs} for c, ratio in args.class_batch_admission.items()}
-                if policy.class_pools and args.class_lb_gate else {})
         with HAProxy(workdir / policy.name, servers, balance=policy.balance, agent_port=agent_port,
                      agent_inter_ms=args.agent_inter_ms, timeout_queue_ms=args.timeout_queue_ms,
                      queue_priority=CLASS_PRIORITY if args.class_priority else None, class_pools=pools,

@@ -173,9 +173,10 @@ whatever arrived until bpftrace got the CPU. Here a completion writes to map set
 ``AHEAD`` after it alone. (It once cleared every set but the current one: when bpftrace's user
 space ran that clear after the next window had begun, it deleted what had been counted into
 that set since its print read it.) Each window is printed whole as long as bpftrace's user
-space is less than ``AHEAD`` windows late, and a missed timer tick only delays it. A print that holds a window not yet ended
-at its interval shows that this bound was broken (the clear may then have dropped requests):
-the assembler counts it (``WindowAssembler.raced``) and logs it. Counting runs from the
+space is less than ``AHEAD`` windows late, and a missed timer tick only delays it. A print that
+holds a window not yet ended at its interval shows that this bound was broken (the clear may
+then have dropped requests): the assembler counts it (``WindowAssembler.raced``) and logs it.
+Counting runs from the
 control probe's live mark to its stop mark (:data:`CONTROL_MAGIC_BASE`); when bpftrace stops,
 END prints every set and the last window ends at the stop mark (at ``triscope-window-final``
 without the control probe).
@@ -246,6 +247,7 @@ class _Window:
         self.hists: dict[tuple[int, int, str], list[Bucket]] = defaultdict(list)
         self.lat: dict[tuple[int, int, str], int] = defaultdict(int)
         self.qd: dict[tuple[int, int], int] = defaultdict(int)
+        self.raced = False  # printed while still counting (see WindowAssembler.raced)
 
 
 _MAP = re.compile(r"@(usecs|lat_ns|qd_ns)(?:_\d+)?")
@@ -259,8 +261,8 @@ class WindowAssembler:
     becomes rows at the first ``triscope-window-end <nsecs>`` mark past its end (its maps are
     printed by then, see :data:`PROGRAM_DOC`); a window printed before its own interval ended
     was read while still counting and is counted in ``raced``. Maps without the index (older
-    programs, and a bare mark) make one window ending at the mark. A bad line is logged (one line) and counted in
-    ``errors``; the rest of the window is kept."""
+    programs, and a bare mark) make one window ending at the mark. A bad line is logged (one
+    line) and counted in ``errors``; the rest of the window is kept."""
 
     def __init__(self, host: str, fmt: str, interval_s: float) -> None:
         self.host, self.fmt, self.interval_s = host, fmt, interval_s
@@ -277,7 +279,6 @@ class WindowAssembler:
         self.raced = 0
         """Windows printed while they were still being counted (bpftrace's user space ran more
         than :data:`AHEAD` windows late): their clear may have dropped requests."""
-        self._raced_seen: set[int] = set()
         self.live_seen = False
         """Whether the live mark of the running program has been read."""
 
@@ -435,10 +436,10 @@ class WindowAssembler:
     def _check_not_live(self, cur: int) -> None:
         """At the mark of an interval that fired in window ``cur``: the maps printed before it
         should only hold earlier windows; one at or after ``cur`` was read while counting."""
-        self._raced_seen = {w for w in self._raced_seen if w >= cur - BUFFERS}
-        live = [w for w in self._wins if w is not None and w >= cur and w not in self._raced_seen]
-        for w in live:
-            self._raced_seen.add(w)
+        for w, win in self._wins.items():
+            if w is None or w < cur or win.raced:
+                continue
+            win.raced = True
             self.raced += 1
             log.warning("blockio: bpftrace printed window %d while it was still counting (its output "
                         "ran more than %d windows late); that window may miss requests", w, AHEAD)

@@ -60,10 +60,10 @@ def gate_rules(pools: Iterable[str], limits: Mapping[str, float], server_names: 
             + [f"use-server {name} if {{ var({SERVER_VAR}) -m str {name} }}" for name in names])
 
 
-def gate_snippet(params: WeightParams, pools: Mapping[str, str], servers: Mapping[str, str] | None = None) -> str:
-    """HAProxy config text for the gate: the ``lua-load`` line and, for each gated class, the
-    lines of its pool (``pools``: class -> the HAProxy backend carrying it)."""
-    limits = gate_limits(params, servers)
+def gate_snippet(limits: Mapping[str, Mapping[str, float]], pools: Mapping[str, str]) -> str:
+    """HAProxy config text for the gate: the ``lua-load`` line and, for each gated class of
+    ``limits`` (from :func:`gate_limits`), the lines of its pool (``pools``: class -> the HAProxy
+    backend carrying it)."""
     if not limits:
         raise ConfigError("haproxy gate: no class has admit_batch_ratio ([weights.classes.NAME])")
     missing = sorted(set(limits) - set(pools))

@@ -34,6 +34,7 @@ the map keys), so a row covers exactly [ts, ts + window_seconds] however late bp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -43,6 +44,7 @@ import signal
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -162,18 +164,45 @@ def _wait_live(collector: BpftraceCollector, probe: Path) -> None:
     pytest.fail(f"bpftrace produced no window in 30 s: {collector.stderr[-500:]}")
 
 
-@pytest.mark.parametrize(("fmt", "interval_s"), [("json", 1.0), ("text", 0.5)])
-def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, tmp_path: Path) -> None:
-    data, device = _filled_file(tmp_path, need_accounting=True)
-    major, minor = (int(x) for x in Path(f"/sys/class/block/{device}/dev").read_text().split(":"))
-    collector = BpftraceCollector({"blockio": {"interval_s": interval_s, "format": fmt, "host": "bt"}})
-    # Everything below is compared on the kernel's CLOCK_MONOTONIC, the clock bpftrace windows are
-    # cut on: mapping through the wall clock added an offset error (one CI run: 86 reads, ~2 ms).
+@contextlib.contextmanager
+def _live_collector(tmp_path: Path, device: str, config: dict) -> Iterator[tuple[BpftraceCollector, DiskstatsSampler]]:
+    """A bpftrace collector (``[blockio]`` ``config``) counting, beside a diskstats sampler of
+    ``device``; both stopped on exit. Everything is compared on the kernel's CLOCK_MONOTONIC, the
+    clock bpftrace windows are cut on: mapping through the wall clock added an offset error (one
+    CI run: 86 reads, ~2 ms)."""
+    collector = BpftraceCollector({"blockio": config})
     sampler = DiskstatsSampler(device, clock=time.monotonic_ns)
     sampler.start()
     collector.start()
     try:
         _wait_live(collector, tmp_path / "probe.bin")
+        yield collector, sampler
+    finally:
+        collector.close()
+        sampler.stop.set()
+        sampler.join()
+
+
+def _start_randread(data: Path, name: str, runtime_s: int) -> subprocess.Popen[str]:
+    """fio 4 KiB O_DIRECT random reads of ``data`` at depth 32 for ``runtime_s``, in the background."""
+    return subprocess.Popen(
+        ["fio", f"--name={name}", f"--filename={data}", "--size=32M", "--rw=randread", "--bs=4k", "--direct=1",
+         "--ioengine=libaio", "--iodepth=32", f"--runtime={runtime_s}", "--time_based", "--output-format=terse"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _device_reads(rows: dict[str, list], device: str) -> list[dict]:
+    """The read rows of ``device``, one dict per row."""
+    records = [dict(zip(rows, vals, strict=True)) for vals in zip(*rows.values(), strict=True)]
+    return [r for r in records if r["device"] == device and r["op"] == "read"]
+
+
+@pytest.mark.parametrize(("fmt", "interval_s"), [("json", 1.0), ("text", 0.5)])
+def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, tmp_path: Path) -> None:
+    data, device = _filled_file(tmp_path, need_accounting=True)
+    major, minor = (int(x) for x in Path(f"/sys/class/block/{device}/dev").read_text().split(":"))
+    with _live_collector(tmp_path, device, {"interval_s": interval_s, "format": fmt, "host": "bt"}) as (
+            collector, sampler):
         with FtraceRequests(major, minor) as ftrace:
             traced_from = time.monotonic_ns()
             time.sleep(1.1)  # a window boundary passes: every window holding fio reads is traced whole
@@ -189,18 +218,13 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
         assert bpf_recursion_misses(collector._proc.pid) is not None, "skipped probe runs are readable here"
         assert collector.asm.raced == 0, "bpftrace's output ran windows late: counts may be short"
         synced_write(tmp_path / "last.bin", 64 << 10)  # in the open window: only END can report it
-    finally:
-        collector.close()
-        sampler.stop.set()
-        sampler.join()
     last = collector.collect().get("io_latency", {})
     assert (device, "write") in set(zip(last.get("device", []), last.get("op", []), strict=True)), last
     assert max(last["window_seconds"]) <= interval_s + 1e-6
     job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]["read"]
     fio_ios, fio_p50 = job["total_ios"], job["clat_ns"]["percentile"]["50.000000"] / 1e9
 
-    reads = [dict(zip(rows, vals, strict=True)) for vals in zip(*rows.values(), strict=True)]
-    reads = [r for r in reads if r["device"] == device and r["op"] == "read"]
+    reads = _device_reads(rows, device)
     assert reads and {r["source"] for r in reads} == {"bpftrace"} and {r["host"] for r in reads} == {"bt"}
     seen = sum(r["ios"] for r in reads)
     assert seen >= 0.99 * fio_ios, (seen, fio_ios)
@@ -236,31 +260,18 @@ def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
     have filled its request-start maps): the windows of both processes stay disjoint and each
     still holds exactly the reads diskstats saw in it; only the attach time in between is lost."""
     data, device = _filled_file(tmp_path)
-    collector = BpftraceCollector({"blockio": {"interval_s": 0.5, "host": "bt"}})
-    sampler = DiskstatsSampler(device, clock=time.monotonic_ns)
-    sampler.start()
-    collector.start()
-    try:
-        _wait_live(collector, tmp_path / "probe.bin")
+    with _live_collector(tmp_path, device, {"interval_s": 0.5, "host": "bt"}) as (collector, sampler):
         time.sleep(0.6)
         collector.collect()  # drop the probe windows
-        fio = subprocess.Popen(
-            ["fio", "--name=swap", f"--filename={data}", "--size=32M", "--rw=randread", "--bs=4k", "--direct=1",
-             "--ioengine=libaio", "--iodepth=32", "--runtime=4", "--time_based", "--output-format=terse"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        fio = _start_randread(data, "swap", 4)
         time.sleep(1.7)
         swap_at = time.monotonic_ns()
         collector.restart()
         assert fio.wait(timeout=60) == 0, fio.stderr.read() if fio.stderr else ""
         time.sleep(1.2)
         rows = collector.collect()["io_latency"]
-    finally:
-        collector.close()
-        sampler.stop.set()
-        sampler.join()
     assert collector.restarts == 1
-    reads = [dict(zip(rows, vals, strict=True)) for vals in zip(*rows.values(), strict=True)]
-    reads = [r for r in reads if r["device"] == device and r["op"] == "read"]
+    reads = _device_reads(rows, device)
     spans = sorted((_ts_ns(r["ts"]) - collector.asm.clock_offset_ns, r) for r in reads)
     spans = [(t0, t0 + round(r["window_seconds"] * 1e9), r) for t0, r in spans]
     gaps = [(a[1], b[0]) for a, b in zip(spans, spans[1:], strict=False) if b[0] != a[1]]
@@ -289,17 +300,9 @@ def test_bpftrace_output_running_windows_late_is_detected(tmp_path: Path, caplog
     counts more reads than diskstats saw in it."""
     data, device = _filled_file(tmp_path)
     interval_s = 0.25
-    collector = BpftraceCollector({"blockio": {"interval_s": interval_s, "host": "bt"}})
-    sampler = DiskstatsSampler(device, clock=time.monotonic_ns)
-    sampler.start()
-    collector.start()
-    try:
-        _wait_live(collector, tmp_path / "probe.bin")
+    with _live_collector(tmp_path, device, {"interval_s": interval_s, "host": "bt"}) as (collector, sampler):
         collector.collect()
-        fio = subprocess.Popen(
-            ["fio", "--name=late", f"--filename={data}", "--size=32M", "--rw=randread", "--bs=4k", "--direct=1",
-             "--ioengine=libaio", "--iodepth=32", "--runtime=3", "--time_based", "--output-format=terse"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        fio = _start_randread(data, "late", 3)
         time.sleep(1.0)
         assert collector.asm.raced == 0
         with caplog.at_level(logging.WARNING):
@@ -309,14 +312,9 @@ def test_bpftrace_output_running_windows_late_is_detected(tmp_path: Path, caplog
             assert fio.wait(timeout=60) == 0, fio.stderr.read() if fio.stderr else ""
             time.sleep(3 * interval_s)
             rows = collector.collect()["io_latency"]
-    finally:
-        collector.close()
-        sampler.stop.set()
-        sampler.join()
     assert collector.asm.raced >= 1
     assert [r for r in caplog.records if "while it was still counting" in r.getMessage()]
-    reads = [dict(zip(rows, vals, strict=True)) for vals in zip(*rows.values(), strict=True)]
-    reads = [r for r in reads if r["device"] == device and r["op"] == "read" and r["ios"] > 1000]
+    reads = [r for r in _device_reads(rows, device) if r["ios"] > 1000]
     assert len(reads) >= 6, reads
     for r in reads:
         t0 = _ts_ns(r["ts"]) - collector.asm.clock_offset_ns

@@ -158,10 +158,10 @@ def run_haproxy_gate(args: argparse.Namespace) -> int:
     _config, params = _params(args)
     pools = _pairs(args.pool, "--pool") or {name: f"pool_{name}" for name in params.classes}
     servers = _pairs(args.server, "--server")
-    snippet = gate_snippet(params, pools, servers)
+    limits = gate_limits(params, servers)
+    snippet = gate_snippet(limits, pools)
     if args.json:
-        print_json({"lua_path": str(LUA_PATH), "pools": pools, "limits": gate_limits(params, servers),
-                    "config": snippet})
+        print_json({"lua_path": str(LUA_PATH), "pools": pools, "limits": limits, "config": snippet})
     else:
         sys.stdout.write(snippet)
     return 0
