@@ -159,10 +159,13 @@ PROGRAM_DOC = """What the program measures, per window ``w = nsecs // window`` o
   completion (``block_rq_issue`` -> ``block_rq_complete``), and ``@lat_ns_B`` its exact sum.
 - ``@qd_ns_B[w, major, minor]``: summed queue residence of the requests completing in ``w``,
   from the kernel's IO-accounting start (``block_io_start``, kernel >= 6.5) to completion. By
-  Little's law ``qd_ns / window`` is the mean number of requests queued or in flight: the same
-  quantity as /proc/diskstats' weighted time (iostat ``aqu-sz``), which counts from the request's
-  ``start_time_ns``. Without ``block_io_start`` (older kernels) residence counts from driver
-  issue: in-flight depth only. (Not a counter updated in the probes: ``@n = @n + 1`` is not
+  Little's law ``qd_ns / window`` is the mean number of requests queued or in flight: for reads
+  and plain writes the same quantity as /proc/diskstats' weighted time (iostat ``aqu-sz``), which
+  counts from the request's ``start_time_ns``. It reads lower under fsync load: diskstats also
+  adds each cache flush's own time beside the waiting request's, and counts every fsync waiting
+  on one flush, where the (dev, sector) keys below see one (empty flushes carry sector 0).
+  Without ``block_io_start`` (older kernels) residence counts from driver issue: in-flight depth
+  only. (Not a counter updated in the probes: ``@n = @n + 1`` is not
   atomic across CPUs; ``hist()``/``sum()`` are per-CPU aggregations.)
 
 Windows are fixed by the kernel clock, not by when output is read: bpftrace runs ``print()``

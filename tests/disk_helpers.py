@@ -7,10 +7,22 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
+
+
+class Bracket(NamedTuple):
+    """(lo, hi) bounds of each diskstats counter's change over a window."""
+
+    reads: tuple[float, float]
+    read_ms: tuple[float, float]
+    """Milliseconds spent by reads (field 4): the summed residence of the reads completed."""
+    weighted_ms: tuple[float, float]
+    """Weighted milliseconds (field 11): the residence of every request, flushes included."""
 
 
 class DiskstatsSampler(threading.Thread):
-    """(ns, reads completed, weighted ms doing IO) of one device every ~10 ms, until ``stop`` is set.
+    """(ns, reads completed, ms reading, weighted ms doing IO) of one device every ~10 ms, until
+    ``stop`` is set.
 
     ``spans`` holds each reading with ``clock`` (wall ns by default) read just before and just
     after reading /proc/diskstats: the counters were current at some instant inside that span (a
@@ -23,7 +35,7 @@ class DiskstatsSampler(threading.Thread):
         super().__init__(daemon=True)
         self.device = device
         self.clock = clock
-        self.spans: list[tuple[int, int, float, float]] = []
+        self.spans: list[tuple[int, int, float, float, float]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -34,25 +46,25 @@ class DiskstatsSampler(threading.Thread):
             for line in text.splitlines():
                 f = line.split()
                 if f[2] == self.device:
-                    self.spans.append((before, after, float(f[3]), float(f[13])))
+                    self.spans.append((before, after, float(f[3]), float(f[6]), float(f[13])))
             time.sleep(0.01)
 
     @property
     def samples(self) -> list[tuple[int, float, float]]:
-        return [(after, reads, weighted) for _, after, reads, weighted in self.spans]
+        """(ns, reads completed, weighted ms) of each reading, stamped with the later clock."""
+        return [(after, reads, weighted) for _, after, reads, _, weighted in self.spans]
 
-    def bracket(self, t0: int, t1: int) -> tuple[tuple[float, float], tuple[float, float]]:
-        """Bounds of the change of (reads completed, weighted ms) over [t0, t1]: both counters only
-        grow, so the change lies between the samples surely inside and surely outside the window
-        (a sample is surely after t0 when its read began at or after t0, surely before t0 when it
-        ended at or before t0)."""
+    def bracket(self, t0: int, t1: int) -> Bracket:
+        """Bounds of the change of each counter over [t0, t1]: the counters only grow, so the change
+        lies between the samples surely inside and surely outside the window (a sample is surely
+        after t0 when its read began at or after t0, surely before t0 when it ended at or before t0)."""
         s = self.spans
         assert s[0][1] <= t0 < t1 <= s[-1][0], "window outside the sampled span"
         before0 = max((x for x in s if x[1] <= t0), key=lambda x: x[1])
         after0 = min((x for x in s if x[0] >= t0), key=lambda x: x[0])
         before1 = max((x for x in s if x[1] <= t1), key=lambda x: x[1])
         after1 = min((x for x in s if x[0] >= t1), key=lambda x: x[0])
-        return tuple((before1[i] - after0[i], after1[i] - before0[i]) for i in (2, 3))  # type: ignore[return-value]
+        return Bracket(*((before1[i] - after0[i], after1[i] - before0[i]) for i in (2, 3, 4)))
 
 
 def synced_write(path: Path, size: int) -> None:
