@@ -3,7 +3,7 @@
 Load from ``triscope run`` as ``triscope.collectors.blockio:bpftrace_factory`` (falls back to
 diskstats when bpftrace is missing or we are not root), ``:ebpf_exporter_factory`` or
 ``:diskstats_factory``. Config section ``[blockio]``: interval_s, format ("text"|"json"), url, host,
-restart_after_skipped (bpftrace).
+restart_at_map_keys (bpftrace).
 What each source measures (queue depth semantics, window bounds) and how it is checked: docs/blockio.md.
 """
 
@@ -43,11 +43,15 @@ log = logging.getLogger(__name__)
 TABLE = "io_latency"
 COLUMNS = ["ts", "host", "device", "source", "op", "window_seconds", "ios", "p50_seconds",
            "p99_seconds", "mean_seconds", "queue_depth"]
-RESTART_AFTER_MISSES = 2048
-"""Default ``[blockio] restart_after_skipped``: skipped probe runs of one bpftrace process after
-which its request-start maps (4096 keys) may be half full of leftovers, so it is replaced."""
+MAP_KEYS_MAX = 4096
+"""Keys per bpftrace map (``BPFTRACE_MAP_KEYS_MAX``, set for the program): a full request-start
+map takes no new requests, which then go uncounted."""
+RESTART_AT_MAP_KEYS = 3072
+"""Default ``[blockio] restart_at_map_keys``: entries one of the request-start maps may hold before
+the bpftrace process is replaced (they are the requests in flight plus the leftovers of skipped
+completions, see :data:`PROGRAM_DOC`)."""
 DEFAULTS: dict[str, Any] = {"interval_s": 1.0, "format": "json", "url": "http://127.0.0.1:9435/metrics",
-                            "host": "", "max_body_bytes": 16 << 20, "restart_after_skipped": RESTART_AFTER_MISSES}
+                            "host": "", "max_body_bytes": 16 << 20, "restart_at_map_keys": RESTART_AT_MAP_KEYS}
 WINDOW_MARK = "triscope-window-end"
 """printf of the interval probe: ``triscope-window-end <nsecs>`` (kernel CLOCK_MONOTONIC)."""
 WINDOW_START_MARK = "triscope-window-start"
@@ -81,16 +85,19 @@ BEGIN
 
 tracepoint:block:block_io_start  // acct
 {  // acct
+  if (@acct[args->dev, args->sector] == 0) { @keys[2] = count(); }  // acct
   @acct[args->dev, args->sector] = nsecs;  // acct
 }  // acct
 
 tracepoint:block:block_rq_merge  // acct
 {  // acct
+  if (@acct[args->dev, args->sector] > 0) { @keys[3] = count(); }  // acct
   delete(@acct[args->dev, args->sector]);  // acct
 }  // acct
 
 tracepoint:block:block_rq_issue
 {
+  if (@start[args->dev, args->sector] == 0) { @keys[0] = count(); }
   @start[args->dev, args->sector] = nsecs;
 }
 
@@ -106,8 +113,10 @@ tracepoint:block:block_rq_complete
   $q = $s;
   $a = @acct[$d, args->sector];  // acct
   if ($a > 0 && $a <= $s) { $q = $a; }  // acct
+  if ($a > 0) { @keys[3] = count(); }  // acct
   delete(@acct[$d, args->sector]);  // acct
   delete(@start[$d, args->sector]);
+  @keys[1] = count();
   $w = $n / __WINDOW_NS__;
   $b = $w % __BUFFERS__;
 __STORES__
@@ -115,6 +124,7 @@ __STORES__
 
 tracepoint:block:block_rq_requeue
 {
+  if (@start[args->dev, args->sector] > 0) { @keys[1] = count(); }
   delete(@start[args->dev, args->sector]);
 }
 
@@ -122,6 +132,7 @@ interval:ms:__INTERVAL_MS__
 {
   $cur = (nsecs / __WINDOW_NS__) % __BUFFERS__;
 __FLUSHES__
+  print(@keys);
   printf("triscope-window-end %llu\n", nsecs);
 }
 
@@ -140,6 +151,7 @@ END
 {
 __FINAL__
   clear(@start);
+  clear(@keys);
   clear(@acct);  // acct
   clear(@state);  // ctl
   printf("triscope-window-final %llu\n", nsecs);
@@ -195,10 +207,14 @@ The collector reads the programs' ``recursion_misses`` (/proc/PID/fdinfo) and lo
 ~230k reads, 0.03 %, at 57k IOPS on 2 busy CPUs here). A skipped completion leaves its
 ``@start``/``@acct`` entry behind until the same sector is issued again; with random IO over a
 large disk such entries could fill bpftrace's maps (4096 keys), after which new requests go
-untimed. The maps cannot be emptied while the probes run (bpftrace 0.17 aborts when ``clear()``
-races a probe's ``delete``), so after ``restart_after_skipped`` skipped runs (default
-:data:`RESTART_AFTER_MISSES`) the collector replaces the bpftrace process, which starts with
-empty maps. Windows stay exact across the swap: the old process's last window ends at its stop
+untimed. So the probes count the keys they add to and remove from each map (``@keys``, per-CPU
+``count()`` aggregations, printed every interval), and once either map holds
+``restart_at_map_keys`` entries (default :data:`RESTART_AT_MAP_KEYS` of :data:`MAP_KEYS_MAX`)
+the collector replaces the bpftrace process, which starts with empty maps: they cannot be
+emptied while the probes run (bpftrace 0.17 aborts when ``clear()`` races a probe's
+``delete``). Leftovers of sectors that are read or written again are overwritten, not added (an
+earlier collector restarted after 2048 skipped runs, every ~3 s under fsync load, while the maps
+held a few hundred entries). Windows stay exact across the swap: the old process's last window ends at its stop
 mark, the new one's first starts at its live mark; requests completing in between (the new
 program's load and attach time, ~1 s) are not counted, and the swap is logged."""
 
@@ -284,6 +300,8 @@ class WindowAssembler:
         than :data:`AHEAD` windows late): their clear may have dropped requests."""
         self.live_seen = False
         """Whether the live mark of the running program has been read."""
+        self.key_counts: dict[int, int] = {}
+        """The running program's ``@keys`` counts as last printed (see :attr:`map_keys_held`)."""
 
     @property
     def stop_seen(self) -> bool:
@@ -330,7 +348,19 @@ class WindowAssembler:
             return m[1], None, key
         raise InputError(f"{name}: key {key} has {len(key)} parts")
 
+    @property
+    def map_keys_held(self) -> int:
+        """Entries of the fuller request-start map (``@start`` or ``@acct``) at the last interval:
+        requests in flight plus the leftovers of skipped completions. The four counts are read one
+        after another while the probes run, so the figure can be off by the requests of that
+        instant (seen: -61 while ~40 were in flight); never below 0."""
+        c = self.key_counts
+        return max(0, c.get(0, 0) - c.get(1, 0), c.get(2, 0) - c.get(3, 0))
+
     def _store(self, name: str, key: list[str], value: Any) -> None:
+        if name == "@keys":  # keys added to / removed from @start (0 / 1) and @acct (2 / 3)
+            self.key_counts[int(key[0])] = int(value)
+            return
         split = self._split_key(name, key)
         if split is None:
             return
@@ -524,12 +554,12 @@ class BpftraceCollector:
             raise InputError(f"blockio: format must be text or json, not {self.fmt!r}")
         self.host = cfg["host"] or socket.gethostname()
         try:
-            self.restart_after = int(cfg["restart_after_skipped"])
+            self.restart_at_keys = int(cfg["restart_at_map_keys"])
         except (TypeError, ValueError):
-            raise InputError("blockio: restart_after_skipped must be an integer, "
-                             f"not {cfg['restart_after_skipped']!r}") from None
-        if self.restart_after < 1:
-            raise InputError("blockio: restart_after_skipped must be >= 1")
+            raise InputError("blockio: restart_at_map_keys must be an integer, "
+                             f"not {cfg['restart_at_map_keys']!r}") from None
+        if not 1 <= self.restart_at_keys <= MAP_KEYS_MAX:
+            raise InputError(f"blockio: restart_at_map_keys must be within 1..{MAP_KEYS_MAX}")
         self.restarts = 0
         self._magic = (CONTROL_MAGIC_BASE + 2 * random.randrange(50_000_000)
                        if has_tracepoint("syscalls", "sys_enter_getpgid") else 0)
@@ -554,9 +584,11 @@ class BpftraceCollector:
         mount_tracefs()
         if not self.restarts:  # one wall/kernel clock mapping for every process of this collector
             self.asm.clock_offset_ns = time.time_ns() - time.monotonic_ns()
+        self.asm.key_counts = {}  # a new process starts with empty maps
         args = [self.binary] + (["-f", "json"] if self.fmt == "json" else []) + ["-e", self.program()]
         self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      bufsize=1, env={**os.environ, "BPFTRACE_STRLEN": "16"})
+                                      bufsize=1, env={**os.environ, "BPFTRACE_STRLEN": "16",
+                                                                "BPFTRACE_MAP_KEYS_MAX": str(MAP_KEYS_MAX)})
         self._thread = threading.Thread(target=self._read, name="blockio-bpftrace", daemon=True)
         self._thread.start()
         threading.Thread(target=self._read_err, daemon=True).start()
@@ -619,11 +651,13 @@ class BpftraceCollector:
                         "interrupt arrived while another BPF program ran); those requests are not counted", total)
 
     def _restart_if_maps_may_fill(self) -> None:
-        if self._missed_now < self.restart_after or self._proc is None or self._proc.poll() is not None:
+        with self._lock:
+            held = self.asm.map_keys_held
+        if held < self.restart_at_keys or self._proc is None or self._proc.poll() is not None:
             return
-        log.warning("blockio: bpftrace skipped %d probe runs since it started; replacing it to empty its "
-                    "request-start maps (requests completing while the new one attaches are not counted)",
-                    self._missed_now)
+        log.warning("blockio: a request-start map of bpftrace holds %d of its %d keys (requests in flight and "
+                    "leftovers of %d skipped completions); replacing the process to empty its maps (requests "
+                    "completing while the new one attaches are not counted)", held, MAP_KEYS_MAX, self._missed_now)
         self.restart()
 
     def restart(self) -> None:

@@ -257,7 +257,10 @@ def test_program_without_accounting_tracepoint() -> None:
     assert "block_io_start" in full and "@acct" in full and "interval:ms:2400\n" in full
     assert "interval:ms:100\n" in bpftrace_program(0.01, False)
     assert "block_io_start" not in bare and "@acct" not in bare and "// acct" not in full + bare
-    assert bare.count("{") == bare.count("}") == full.count("{") - 3 == full.count("}") - 3
+    # the two accounting probes, the one-line `if` of the completion's start choice and the three
+    # key counts of @acct go, braces and all
+    assert bare.count("{") == bare.count("}") == full.count("{") - 6 == full.count("}") - 6
+    assert "@keys[2]" not in bare and "@keys[3]" not in bare
     for i in range(BUFFERS):  # each window's maps go to set w % BUFFERS
         assert f"if ($b == {i}) {{ @usecs_{i}[$w, $ma, $mi, args->rwbs] = hist($lat / 1000);" in bare
     assert "$w = $n / 2400000000;" in full
@@ -381,7 +384,31 @@ def test_program_control_probe_only_with_a_magic() -> None:
     assert driven.count("{") == plain.count("{") + 4 and "// ctl" not in driven
 
 
-def test_skipped_probe_runs_are_read_per_process_logged_at_each_decade_and_trigger_a_swap(
+def test_map_key_counts_are_read_from_both_formats() -> None:
+    """``@keys`` (keys added to / removed from @start and @acct) is printed before every mark: the
+    assembler keeps the last counts, and the fuller map's entries are what may fill."""
+    from triscope.collectors.blockio import WindowAssembler, bpftrace_program
+
+    program = bpftrace_program(1, True)
+    interval = program[program.index("interval:ms:"):]
+    assert "print(@keys);" in interval.split("printf(")[0], "the counts are printed before each mark"
+    for probe, index in (("block_rq_issue", 0), ("block_io_start", 2)):
+        body = program[program.index(f"tracepoint:block:{probe}"):].split("}\n", 1)[0]
+        assert f"@keys[{index}] = count();" in body, body
+    assert "@keys[2]" not in bpftrace_program(1, False), "no accounting map without block_io_start"
+
+    text = WindowAssembler("h", "text", 1.0)
+    for line in ("@keys[0]: 5000", "@keys[1]: 4990", "@keys[2]: 800", "@keys[3]: 200"):
+        text.feed(line)
+    assert text.errors == 0 and text.map_keys_held == 600
+    js = WindowAssembler("h", "json", 1.0)
+    js.feed('{"type": "map", "data": {"@keys": {"0": 9000, "1": 5000, "2": 12, "3": 12}}}')
+    assert js.errors == 0 and js.map_keys_held == 4000
+    js.feed('{"type": "map", "data": {"@keys": {"0": 9000, "1": 9061}}}')
+    assert js.map_keys_held == 0, "counts read while probes run can cross: never below 0"
+
+
+def test_skipped_probe_runs_are_read_per_process_and_logged_at_each_decade_and_full_maps_trigger_a_swap(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """No BPF program in this process (or no process): None. The counts themselves come from the
     kernel (tests/test_blockio_bpftrace.py reads them from a live bpftrace, and swaps a live one);
@@ -392,8 +419,9 @@ def test_skipped_probe_runs_are_read_per_process_logged_at_each_decade_and_trigg
 
     assert blockio.bpf_recursion_misses(os.getpid()) is None
     assert blockio.bpf_recursion_misses(2**22 + 7) is None
-    with pytest.raises(InputError, match="restart_after_skipped"):
-        blockio.BpftraceCollector({"blockio": {"restart_after_skipped": 0}})
+    for bad in (0, 4097, "many"):
+        with pytest.raises(InputError, match="restart_at_map_keys"):
+            blockio.BpftraceCollector({"blockio": {"restart_at_map_keys": bad}})
 
     class Alive:
         pid = 1
@@ -401,15 +429,17 @@ def test_skipped_probe_runs_are_read_per_process_logged_at_each_decade_and_trigg
         def poll(self) -> None:
             return None
 
-    collector = blockio.BpftraceCollector({"blockio": {"host": "h", "restart_after_skipped": 2000}})
+    collector = blockio.BpftraceCollector({"blockio": {"host": "h", "restart_at_map_keys": 2000}})
     collector._proc = Alive()  # type: ignore[assignment]
     swaps: list[int] = []
-    monkeypatch.setattr(collector, "restart", lambda: swaps.append(collector.missed_probe_runs))
+    monkeypatch.setattr(collector, "restart", lambda: swaps.append(collector.asm.map_keys_held))
     counts = iter([None, 0, 3, 5, 29, 31, 1999, 2000, 2100])
     monkeypatch.setattr(blockio, "bpf_recursion_misses", lambda pid: next(counts))
+    held = iter([0, 40, 35, 1999, 2000, 2100, 1500, 2500, 30])  # @start entries printed before each collect
     seen = []
     with caplog.at_level("WARNING", logger="triscope.collectors.blockio"):
         for _ in range(9):
+            collector.asm.feed(json.dumps({"type": "map", "data": {"@keys": {"0": 10_000 + next(held), "1": 10_000}}}))
             collector.collect()
             seen.append(collector.missed_probe_runs)
     assert seen == [0, 0, 3, 5, 29, 31, 1999, 2000, 2100]
@@ -417,5 +447,5 @@ def test_skipped_probe_runs_are_read_per_process_logged_at_each_decade_and_trigg
     counted = [m for m in logged if "so far" in m]
     assert [m.split("skipped ")[1].split()[0] for m in counted] == ["3", "31", "1999"]
     assert all("not counted" in m for m in counted)
-    assert swaps == [2000, 2100], "a swap once one process skipped restart_after_skipped runs"
-    assert sum("replacing it" in m for m in logged) == 2
+    assert swaps == [2000, 2100, 2500], "a swap whenever a request-start map holds restart_at_map_keys entries"
+    assert sum("replacing the process" in m for m in logged) == 3
