@@ -213,9 +213,9 @@ untimed. So the probes count the keys they add to and remove from each map (``@k
 the collector replaces the bpftrace process, which starts with empty maps: they cannot be
 emptied while the probes run (bpftrace 0.17 aborts when ``clear()`` races a probe's
 ``delete``). Leftovers of sectors that are read or written again are overwritten, not added (an
-earlier collector restarted after 2048 skipped runs, every ~3 s under fsync load, while the maps
-held a few hundred entries). Windows stay exact across the swap: the old process's last window ends at its stop
-mark, the new one's first starts at its live mark; requests completing in between (the new
+earlier collector restarted after 2048 skipped runs: every ~3 s beside fsync loops, while the
+maps held at most 71 entries). Windows stay exact across the swap: the old process's last window
+ends at its stop mark, the new one's first starts at its live mark; requests completing in between (the new
 program's load and attach time, ~1 s) are not counted, and the swap is logged."""
 
 
