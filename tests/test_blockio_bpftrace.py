@@ -14,14 +14,15 @@ the map keys), so a row covers exactly [ts, ts + window_seconds] however late bp
   time, beside the waiting request's own) and counts every fsync waiting on one flush, where
   bpftrace's (dev, sector) keys see one (empty flushes all carry sector 0). A CI run read 0.96 of
   it; 4 fsync loops beside fio here 0.89-0.93, so one case runs those loops beside fio. Reads:
-  -0.1 % for same-sector collisions, since fio rereads its
-  8192 blocks ~13 times a second and at a pass boundary a block can be in flight twice; 0.02 %
-  seen; less the probe runs the kernel skipped, BPF recursion, read from bpftrace's fdinfo: a CI
-  run lost 105 of 57k reads in one window, most likely that way). Both sides count a request from the kernel's IO-accounting start (diskstats
-  ``rq->start_time_ns``, bpftrace ``block_io_start``) to completion and add it when it completes
-  (Little's law). Measured: inside the bracket, which is 1-3 % wide. The last window, still open
-  when the collector closes, comes from bpftrace's END probe. (An earlier version compared one whole-run aqu-sz with every
-  window and failed at 0.6x: a window overlapping fio's start or end by 60 % held enough reads to
+  less the probe runs the kernel skipped (BPF recursion, read from bpftrace's fdinfo: a CI run
+  lost 105 of 57k reads in one window, most likely that way) and 3 %: same-sector collisions
+  (fio rereads its 8192 blocks ~13 times a second and at a pass boundary a block can be in
+  flight twice) cost 0.02 %, but about one window in a hundred is short by up to 2.5 %, cause
+  not found (see ``_reads_floor``). Both sides count a request from the kernel's IO-accounting
+  start (diskstats ``rq->start_time_ns``, bpftrace ``block_io_start``) to completion and add it
+  when it completes (Little's law). Measured: inside the bracket, which is 1-3 % wide. The last
+  window, still open when the collector closes, comes from bpftrace's END probe. (An earlier
+  version compared one whole-run aqu-sz with every window and failed at 0.6x: a window overlapping fio's start or end by 60 % held enough reads to
   count as "full". Its windows were also bounded by when bpftrace printed, not by the kernel:
   under CPU load they drifted from the diskstats windows by hundreds of ms.)
 - Latency: an independent trace of the same tracepoints through ftrace (a private tracefs
