@@ -189,7 +189,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - http.server API
         if self.path == "/slow":
-            time.sleep(1.5)
+            time.sleep(6.0)  # past the scraper's timeout, with room for a loaded machine
         body = self.routes.get(self.path)
         if body is None:
             self.send_error(404)
@@ -228,7 +228,8 @@ def test_scrape_real_http_targets_into_the_store(server: tuple[str, dict[str, by
     dead = f"http://127.0.0.1:{free_port()}/metrics"
     urls = [f"{base}/{SYNTHETIC}", f"{base}/{README}", *(f"{base}/{c}" for c in CSVS), f"{base}/garbage", dead,
             f"{base}/big", f"{base}/slow"]
-    scraper = factory({"dcgm": {"urls": urls, "timeout_s": 0.5, "max_body_bytes": 256 * 1024}})
+    # 2 s: a 0.5 s timeout once timed out a local file target in a suite run on 2 busy CPUs
+    scraper = factory({"dcgm": {"urls": urls, "timeout_s": 2.0, "max_body_bytes": 256 * 1024}})
     scraper.start()
     try:
         out = scraper.collect()
