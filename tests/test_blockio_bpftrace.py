@@ -139,6 +139,12 @@ def _ts_ns(text: str) -> int:
     return int(base.timestamp()) * 1_000_000_000 + int((frac or "0").ljust(9, "0")[:9])
 
 
+def _kernel_span(row: dict, collector: BpftraceCollector) -> tuple[int, int]:
+    """A row's window [start, end) on the kernel clock (CLOCK_MONOTONIC ns), the clock it was cut on."""
+    t0 = _ts_ns(row["ts"]) - collector.asm.clock_offset_ns
+    return t0, t0 + round(row["window_seconds"] * 1e9)
+
+
 def _filled_file(tmp_path: Path, need_accounting: bool = False) -> tuple[Path, str]:
     """A 32 MiB file written with O_DIRECT for fio to read back, and its block device; skips
     (fails under TRISCOPE_REQUIRE_ALL) without bpftrace, fio, root, tracefs or O_DIRECT."""
@@ -287,8 +293,7 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
     assert len(busy) >= 3, reads
     depths = []
     for r in busy:
-        t0 = _ts_ns(r["ts"]) - collector.asm.clock_offset_ns  # the window's start, kernel clock
-        t1 = t0 + round(r["window_seconds"] * 1e9)
+        t0, t1 = _kernel_span(r, collector)
         assert t0 >= traced_from, (r, traced_from)
         assert r["window_seconds"] == pytest.approx(interval_s, abs=1e-6), r  # kernel-clock window
         (reads_lo, reads_hi), (read_ms_lo, _), (_, weighted_ms_hi) = sampler.bracket(t0, t1)
@@ -326,8 +331,7 @@ def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
         rows = collector.collect()["io_latency"]
     assert collector.restarts == 1
     reads = _device_reads(rows, device)
-    spans = sorted((_ts_ns(r["ts"]) - collector.asm.clock_offset_ns, r) for r in reads)
-    spans = [(t0, t0 + round(r["window_seconds"] * 1e9), r) for t0, r in spans]
+    spans = sorted(((*_kernel_span(r, collector), r) for r in reads), key=lambda span: span[:2])
     gaps = [(a[1], b[0]) for a, b in zip(spans, spans[1:], strict=False) if b[0] != a[1]]
     assert all(end <= start for end, start in gaps), ("windows overlap", gaps)
     assert len(gaps) == 1, gaps
@@ -375,12 +379,10 @@ def test_bpftrace_output_running_windows_late_is_detected(tmp_path: Path, caplog
     assert [r for r in caplog.records if "while it was still counting" in r.getMessage()]
     reads = [r for r in _device_reads(rows, device) if r["ios"] > 1000]
     assert len(reads) >= 6, reads
-    window_ns = round(interval_s * 1e9)
     calm = 0
     for r in reads:
-        t0 = _ts_ns(r["ts"]) - collector.asm.clock_offset_ns
-        t1 = t0 + round(r["window_seconds"] * 1e9)
-        if t1 > stopped_at and t0 < resumed_at + 2 * window_ns:
+        t0, t1 = _kernel_span(r, collector)
+        if t1 > stopped_at and t0 < resumed_at + 2 * collector.asm.window_ns:
             continue  # printed late, possibly while counting
         (reads_lo, reads_hi), _, _ = sampler.bracket(t0, t1)
         assert _reads_floor(reads_lo, collector) <= r["ios"] <= reads_hi, (

@@ -419,7 +419,7 @@ def test_skipped_probe_runs_are_read_per_process_and_logged_at_each_decade_and_f
 
     assert blockio.bpf_recursion_misses(os.getpid()) is None
     assert blockio.bpf_recursion_misses(2**22 + 7) is None
-    for bad in (0, 4097, "many"):
+    for bad in (0, blockio.MAP_KEYS_MAX + 1, "many"):
         with pytest.raises(InputError, match="restart_at_map_keys"):
             blockio.BpftraceCollector({"blockio": {"restart_at_map_keys": bad}})
 
