@@ -188,7 +188,7 @@ def test_blocks_clickhouse_refuses_are_replaced_not_duplicated(store, tmp_path: 
     # ClickHouse rejects those blocks after writing part of them; those rows must go again.
     events = [kernel(f'k{i} }},{{"x":1}}', ts=i, dur=1, correlation=i) for i in range(2000)]
     path = write_trace(tmp_path / "tricky.json", events, compact=True)
-    result = ingest_trace(store, path, run_id="tricky", block_bytes=4096)
+    result = ingest_trace(store, path, run_id="tricky", block_bytes=4096, stream=False)
     names = [r[0] for r in store.query(f"SELECT name FROM {qualified(store, 'trace_events')} ORDER BY ts_ns").rows]
     assert result.events == 2000 and names == [e["name"] for e in events]
     blocks = store.query(f"SELECT countIf(ingest_block = 0), countIf(ingest_block > 0) "
@@ -225,16 +225,67 @@ def test_odd_argument_types_read_the_same_on_both_parse_paths(store, tmp_path: P
     assert fast == slow
 
 
-def test_split_array_halves_hold_the_same_events():
-    from triscope.collectors.kineto.ingest import split_array
+def test_spilled_halves_hold_the_same_events_and_give_back_the_exact_bytes():
+    from triscope.collectors.kineto.ingest import spill_block
 
     events = [kernel(f"k{i}", ts=float(i), dur=1.0, correlation=i) for i in range(3000)]
-    array = json.dumps(events, indent=1).encode()
-    halves = split_array(array, min_bytes=1024)
-    assert len(halves) == 2 and all(len(h) < 0.6 * len(array) for h in halves)
-    assert json.loads(halves[0]) + json.loads(halves[1]) == events
-    assert split_array(array) == [array], "below 1 MiB: one insert"
-    assert split_array(b"[" + b"1," * 2000 + b"1]", min_bytes=16) == [b"[" + b"1," * 2000 + b"1]"], "no event boundary"
+    text = json.dumps(events, indent=1).encode()
+    buf = text[1:-1] + b',\n {"partial": '  # the reader's buffer: the block, then the next event's start
+    end = len(text) - 2
+    spill = spill_block(buf, end, min_split_bytes=1024)
+    try:
+        halves = [part.read_bytes() for part in spill.parts]
+        assert len(halves) == 2 and all(len(h) < 0.6 * len(text) for h in halves)
+        assert json.loads(halves[0]) + json.loads(halves[1]) == events
+        assert spill.events() == buf[:end], "a refused block comes back byte for byte"
+    finally:
+        spill.remove()
+    assert not any(part.exists() for part in spill.parts)
+    small = spill_block(buf, end)
+    try:
+        assert len(small.parts) == 1 and json.loads(small.parts[0].read_bytes()) == events, "below 1 MiB: one insert"
+    finally:
+        small.remove()
+    no_boundary = b"1," * 2000 + b"1"
+    one = spill_block(no_boundary, len(no_boundary), min_split_bytes=16)
+    try:
+        assert len(one.parts) == 1 and one.events() == no_boundary, "no event boundary: one insert"
+    finally:
+        one.remove()
+
+
+def test_the_stream_goes_in_as_one_insert_of_big_parts(store, tmp_path: Path):
+    """The embedded store takes a whole file through one streaming INSERT (block 1 for every row),
+    written in parts of up to 64k rows instead of one small part per block."""
+    events = [kernel(f"k{i}", ts=i, dur=1, correlation=i) for i in range(150_000)]
+    path = write_trace(tmp_path / "big.json", events, compact=True)
+    result = ingest_trace(store, path, run_id="big", block_bytes=1 << 20)
+    table = qualified(store, "trace_events")
+    assert result.events == 150_000 and result.status == "complete"
+    assert store.query(f"SELECT uniqExact(ts_ns), min(ingest_block), max(ingest_block) FROM {table}").rows[0] == (
+        150_000, 1, 1)
+    parts = store.query("SELECT count(), max(rows) FROM system.parts WHERE database = {db:String} "
+                        "AND table = 'trace_events' AND active", {"db": store.database}).rows[0]
+    assert parts[0] <= 8 and parts[1] >= 50_000, parts  # about 6 MB of JSON in 1 MiB blocks
+
+
+def test_a_stream_clickhouse_refuses_goes_in_again_block_by_block(store, tmp_path: Path):
+    """An event with a duplicated key is refused by ClickHouse's JSON reader but read by Python's:
+    the streamed rows are removed and the file goes in again block by block, each row once."""
+    good = [kernel(f"k{i}", ts=i, dur=1, correlation=i) for i in range(3000)]
+    text = json.dumps({"traceEvents": good}).encode()
+    odd = b'{"ph": "X", "cat": "kernel", "name": "dup", "ts": 5000, "ts": 5001, "dur": 1}, '
+    path = tmp_path / "dup.json"
+    path.write_bytes(text.replace(b'"traceEvents": [', b'"traceEvents": [' + odd, 1))
+    seen: list[int] = []
+    result = ingest_trace(store, path, run_id="dup", on_progress=seen.append)
+    rows = store.query(f"SELECT name, ts_ns, ingest_block FROM {qualified(store, 'trace_events')} "
+                       "ORDER BY ts_ns").rows
+    assert result.events == 3001 and len(rows) == 3001
+    assert [r[0] for r in rows] == [e["name"] for e in good] + ["dup"]
+    assert rows[-1][1] == 5_001_000  # the last value of the key, as Python's JSON reads it
+    assert {r[2] for r in rows} == {0}, "every row from the second pass (one block, below 1 MiB: Python)"
+    assert seen, "progress was reported"
 
 
 def test_blocks_split_in_halves_are_replaced_whole_when_a_half_is_refused(store, tmp_path: Path):
@@ -243,6 +294,6 @@ def test_blocks_split_in_halves_are_replaced_whole_when_a_half_is_refused(store,
     # goes again through the Python decoder, never twice.
     events = [kernel(f'k{i} }},{{"x":1}}', ts=i, dur=1, correlation=i) for i in range(25_000)]
     path = write_trace(tmp_path / "tricky.json", events, compact=True)
-    result = ingest_trace(store, path, run_id="tricky", block_bytes=2 << 20)
+    result = ingest_trace(store, path, run_id="tricky", block_bytes=2 << 20, stream=False)
     names = [r[0] for r in store.query(f"SELECT name FROM {qualified(store, 'trace_events')} ORDER BY ts_ns").rows]
     assert result.events == len(events) and names == [e["name"] for e in events]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -16,6 +18,7 @@ from typing import Any
 
 from triscope.collectors.kineto import classify
 from triscope.collectors.kineto.classify import GPU_WORK_KINDS, KIND_BY_CATEGORY, event_kind, kernel_class
+from triscope.collectors.kineto.pipe_insert import PipeInsert
 from triscope.collectors.kineto.reader import BLOCK_BYTES, TraceEvent, TraceHeader, last_boundary, read_trace
 from triscope.errors import InputError, StoreError
 from triscope.schema import qualified
@@ -248,13 +251,17 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
                  on_progress: Callable[[int], None] | None = None,
                  batch_rows: int = BATCH_ROWS, default_rank: int = 0,
                  taken: set[tuple[str, int]] | None = None,
-                 use_clickhouse_json: bool = True, block_bytes: int = BLOCK_BYTES) -> IngestResult:
+                 use_clickhouse_json: bool = True, block_bytes: int = BLOCK_BYTES,
+                 stream: bool | None = None) -> IngestResult:
     """Stream one trace file into the store; a cut-short file keeps its complete events.
 
     The rank is ``rank`` when given, else the trace's ``distributedInfo.rank``, else a
     ``rank<N>`` in the file name, else ``default_rank``.
-    Blocks are parsed by ClickHouse's JSON reader (``use_clickhouse_json``), falling back to
-    the Python decoder for any block it refuses. ``taken`` holds (run_id, rank) pairs already written by this batch of files: a file that
+    Events are parsed by ClickHouse's JSON reader (``use_clickhouse_json``). With ``stream``
+    (default: when the store reads local files, as the embedded one does) the whole file goes in
+    as one INSERT fed through a named pipe; should ClickHouse refuse anything in it, that file's
+    rows are removed and it goes in again block by block. Block by block (the other stores), a
+    block ClickHouse refuses is decoded in Python instead. ``taken`` holds (run_id, rank) pairs already written by this batch of files: a file that
     would overwrite one of them is refused instead.
     Raises :class:`InputError` after recording the partial run when the file is damaged.
     """
@@ -290,44 +297,81 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
             delete_rank(store, run_id, result.rank)
             fast_params["rank"] = result.rank
 
-    def insert_part(array: bytes, params: dict[str, Any]) -> bool:
+    def insert_part(part: Path, params: dict[str, Any]) -> bool:
         try:
-            store.insert_from_json(fast_sql, _JSON_STRUCTURE, array, params)
+            store.insert_from_json_file(fast_sql, _JSON_STRUCTURE, part, params)
         except StoreError:
             return False
         return True
 
-    def insert_block(array: bytes, params: dict[str, Any]) -> bool:
-        """Insert a block as two halves on two threads (one ClickHouse insert parses on one core)."""
-        halves = split_array(array)
-        if len(halves) == 2:
-            second = _pipeline(1).submit(insert_part, halves[1], params)
-            ok = insert_part(halves[0], params)
-            ok = second.result() and ok
-        else:
-            ok = insert_part(array, params)
-        if not ok:
+    def insert_block(spill: SpilledBlock, params: dict[str, Any]) -> bytes | None:
+        """Insert a spilled block, its halves on two threads (one ClickHouse insert parses on one
+        core); None when it went in, else the block's event bytes for the reader to decode."""
+        try:
+            if len(spill.parts) == 2:
+                second = _pipeline(1).submit(insert_part, spill.parts[1], params)
+                ok = insert_part(spill.parts[0], params)
+                ok = second.result() and ok
+            else:
+                ok = insert_part(spill.parts[0], params)
+            if ok:
+                return None
             # Remove whatever part of the block got in; the reader then decodes it itself.
             _delete_where(store, "run_id = {run_id:String} AND rank = {rank:Int32} AND ingest_block = {block:UInt32}",
                           {k: params[k] for k in ("run_id", "rank", "block")})
-        return ok
+            return spill.events()
+        finally:
+            spill.remove()
 
-    def submit(array: bytes) -> Future[bool]:
-        """Insert a block in the pipeline thread (chDB releases the GIL: the reader cuts the next one)."""
+    def submit(buf: bytes, end: int) -> Future[bytes | None]:
+        """Spill the events ``buf[:end]`` to files and insert them in the pipeline thread (chDB
+        releases the GIL: the reader cuts the next block meanwhile, and no copy stays in memory)."""
         start()
         fast_params["block"] = fast_params.get("block", 0) + 1
         if on_progress:
-            on_progress(len(array))
-        future = _pipeline(0).submit(insert_block, array, dict(fast_params))
+            on_progress(end)
+        try:
+            spill = spill_block(buf, end)
+        except OSError:  # no room for the files: the reader decodes this block itself
+            refused: Future[bytes | None] = Future()
+            refused.set_result(bytes(memoryview(buf)[:end]))
+            return refused
+        future = _pipeline(0).submit(insert_block, spill, dict(fast_params))
         in_flight.append(future)
         return future
 
-    in_flight: list[Future[bool]] = []
+    pipe: PipeInsert | None = None
+
+    def submit_to_pipe(buf: bytes, end: int) -> Future[bytes | None]:
+        """Write the events ``buf[:end]`` into the file's one streaming INSERT."""
+        nonlocal pipe
+        start()
+        if pipe is None:
+            fast_params["block"] = 1
+            params = dict(fast_params)
+            try:
+                pipe = PipeInsert(lambda fifo: store.insert_from_json_file(
+                    fast_sql, _JSON_STRUCTURE, fifo, params, settings=STREAM_INSERT_SETTINGS), _pipeline(0))
+            except OSError:  # no named pipe here (or no room for one): block by block instead
+                raise _StreamRefused from None
+            opening = b"["
+        else:
+            opening = b","
+        if not pipe.write(opening, memoryview(buf)[:end]):
+            raise _StreamRefused
+        if on_progress:
+            on_progress(end)
+        return _TAKEN
+
+    if stream is None:
+        stream = store.reads_local_files
+    raw_submit = (submit_to_pipe if stream else submit) if use_clickhouse_json else None
+    in_flight: list[Future[bytes | None]] = []
     failure: InputError | None = None
+    stream_failed = False
     try:
         try:
-            for block in read_trace(path, header, block_bytes=block_bytes,
-                                    raw_submit=submit if use_clickhouse_json else None):
+            for block in read_trace(path, header, block_bytes=block_bytes, raw_submit=raw_submit):
                 start()
                 _append_block(cols, block, run_id, result.rank)
                 if on_progress:
@@ -336,11 +380,23 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
                     flush()
         finally:
             wait(in_flight)  # nothing of this file is still being written when it is counted
+            if pipe is not None:
+                pipe.write(b"]")
+                stream_failed = pipe.finish() is not None
         flush()
+    except _StreamRefused:
+        stream_failed = True
     except InputError as exc:
         flush()
         failure = exc
         result.status, result.error = "partial", str(exc)
+    if stream_failed:
+        # ClickHouse refused something in the stream: this file goes in again block by block,
+        # where a refused block is decoded in Python.
+        taken.discard((run_id, result.rank))
+        delete_rank(store, run_id, result.rank)
+        return ingest_trace(store, path, run_id=run_id, rank=rank, on_progress=on_progress, batch_rows=batch_rows,
+                            default_rank=default_rank, taken=taken, block_bytes=block_bytes, stream=False)
     if first_block and failure is None:
         _claim(taken, path, run_id, result.rank)
         delete_rank(store, run_id, result.rank)  # a trace with no events still replaces an old one
@@ -361,13 +417,29 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
     return result
 
 
+STREAM_INSERT_SETTINGS: dict[str, int] = {
+    # parts of 64k rows: 8 MB blocks gave 14k-row parts, and merging them took more memory than
+    # the inserts; 1 MiB segments for the parallel parser (10 MiB by default) keep its buffers small
+    "min_insert_block_size_rows": 65536,
+    "min_chunk_bytes_for_parallel_parsing": 1 << 20,
+    "max_block_size": 8192,
+}
+
+
+class _StreamRefused(Exception):
+    """ClickHouse stopped reading the stream (its insert failed)."""
+
+
+_TAKEN: Future[bytes | None] = Future()
+_TAKEN.set_result(None)
+
 _PIPELINES: list[ThreadPoolExecutor] = []
 _PIPELINE_LOCK = threading.Lock()
 
 
 def _pipeline(index: int) -> ThreadPoolExecutor:
-    """One of the two threads that run block inserts for every ingest of this process (0: whole
-    blocks and their first half, 1: second halves), so each store gets at most two extra chDB
+    """One of the two threads that run inserts for every ingest of this process (0: streaming
+    inserts, whole blocks and first halves, 1: second halves), so each store gets at most two extra chDB
     connections, closed with the store."""
     with _PIPELINE_LOCK:
         while len(_PIPELINES) <= index:
@@ -375,17 +447,55 @@ def _pipeline(index: int) -> ThreadPoolExecutor:
         return _PIPELINES[index]
 
 
-def split_array(array: bytes, min_bytes: int = 1 << 20) -> list[bytes]:
-    """A JSON array of events as two arrays cut at the event boundary nearest before the middle
-    (one array when it is small or no boundary is found). A cut inside a string only makes a half
+def split_point(buf: bytes, end: int, min_bytes: int = 1 << 20) -> tuple[int, int] | None:
+    """Where to cut the events ``buf[:end]`` in two: the event boundary nearest before the middle
+    (None when they are small or no boundary is found). A cut inside a string only makes a half
     fail to parse, and the block then goes to the Python decoder."""
-    if len(array) < min_bytes or not (array.startswith(b"[") and array.endswith(b"]")):
-        return [array]
-    cut = last_boundary(array, end=len(array) // 2)
-    if cut is None or cut[0] <= 1:
-        return [array]
-    view = memoryview(array)
-    return [b"".join((view[: cut[0]], b"]")), b"".join((b"[", view[cut[1]:]))]  # one copy per half
+    if end < min_bytes:
+        return None
+    cut = last_boundary(buf, end=end // 2)
+    return cut if cut is not None and cut[0] > 0 else None
+
+
+@dataclass
+class SpilledBlock:
+    """A block of events written as one or two JSON-array files (its halves), for ClickHouse to
+    read; ``separator`` is the text between the halves, so :meth:`events` gives back the exact
+    bytes."""
+
+    parts: list[Path]
+    separator: bytes = b""
+
+    def events(self) -> bytes:
+        """The block's events as they were in the trace (no brackets)."""
+        texts = [part.read_bytes()[1:-1] for part in self.parts]
+        return self.separator.join(texts)
+
+    def remove(self) -> None:
+        for part in self.parts:
+            part.unlink(missing_ok=True)
+
+
+def spill_block(buf: bytes, end: int, min_split_bytes: int = 1 << 20) -> SpilledBlock:
+    """Write the events ``buf[:end]`` as JSON arrays to temporary files, in two halves when large
+    (each written straight from ``buf``: no copy of the block is made in memory). Raises OSError
+    (nothing left behind) when the files cannot be written."""
+    view = memoryview(buf)
+    cut = split_point(buf, end, min_split_bytes)
+    ranges = [(0, end)] if cut is None else [(0, cut[0]), (cut[1], end)]
+    spill = SpilledBlock([], b"" if cut is None else bytes(view[cut[0]:cut[1]]))
+    try:
+        for first, last in ranges:
+            fd, name = tempfile.mkstemp(prefix="triscope-trace-block-", suffix=".json")
+            spill.parts.append(Path(name))
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(b"[")
+                fh.write(view[first:last])
+                fh.write(b"]")
+    except OSError:
+        spill.remove()
+        raise
+    return spill
 
 
 def _claim(taken: set[tuple[str, int]], path: Path, run_id: str, rank: int) -> None:

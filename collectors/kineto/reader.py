@@ -29,6 +29,7 @@ BLOCK_BYTES = 8 << 20
 _MAX_STALL_BLOCKS = 8  # an event larger than this many blocks is treated as corruption
 _ARRAY_START = re.compile(rb'"traceEvents"\s*:\s*\[')
 _WS = b" \t\r\n"
+_NON_WS = re.compile(rb"[^ \t\r\n]")
 
 
 class EventArgs(msgspec.Struct, frozen=True):
@@ -158,8 +159,10 @@ def open_binary(path: str | Path) -> BinaryIO:
 RawSink = Callable[[bytes], bool]
 """Takes a block as JSON array text; returns False when it could not parse it."""
 
-RawSubmit = Callable[[bytes], "Future[bool]"]
-"""Like :data:`RawSink`, but starts the work and returns a future of its answer."""
+RawSubmit = Callable[[bytes, int], "Future[bytes | None]"]
+"""Takes the events ``buf[:end]`` (comma-separated objects, no brackets), starts the work and
+returns a future: None when it took them, else those same event bytes (refused). It must copy
+what it keeps before returning: the reader then drops ``buf`` and reads on."""
 
 
 def read_trace(path: str | Path, header: TraceHeader | None = None,
@@ -171,14 +174,12 @@ def read_trace(path: str | Path, header: TraceHeader | None = None,
     own JSON parser); only blocks it refuses are decoded here and yielded. ``raw_submit`` does
     the same one block ahead: while the sink works on a block (in another thread), the next
     block is read and cut, assuming the sink will take it; if it refuses, the reader steps back
-    and decodes that block itself, exactly as with ``raw_sink``.
+    and decodes that block itself, exactly as with ``raw_sink``. The reader holds no copy of a
+    block in flight (the sink hands refused bytes back), so memory stays near two blocks.
     Raises :class:`InputError` naming the file and byte offset on truncated or corrupt input;
     blocks yielded (or accepted by ``raw_sink``) before the error are complete and valid.
     """
     header = header if header is not None else TraceHeader()
-    if raw_submit is not None and raw_sink is None:
-        def raw_sink(array: bytes) -> bool:
-            return raw_submit(array).result()
     with open_binary(path) as stream:
         yield from _TraceParser(str(path), stream, header, block_bytes, raw_sink, raw_submit).blocks()
 
@@ -208,8 +209,12 @@ class _TraceParser:
     def _error(self, offset: int, what: str) -> InputError:
         return InputError(f"{self.name}: {what} at byte {self.consumed + offset}")
 
-    def _decode_array(self, array: bytes) -> list[TraceEvent] | None:
-        """Events of ``array`` (JSON array text) through the fast paths; None when it does not parse."""
+    def _decode_array(self, buf: bytes, end: int) -> list[TraceEvent] | None:
+        """Events ``buf[:end]`` (comma-separated objects) through the fast paths; None when they
+        do not parse."""
+        if self.raw_submit is not None:
+            return [] if self.raw_submit(buf, end).result() is None else None
+        array = _as_array(memoryview(buf)[:end])
         if self.raw_sink is not None:
             return [] if self.raw_sink(array) else None
         try:
@@ -235,9 +240,9 @@ class _TraceParser:
         self.consumed += match.end()
         buf = buf[match.end():]
         read_error: InputError | None = None
-        # raw_submit: (future of the block in flight, the bytes it covers); buf starts after them
-        # (the covered bytes are a view of the buffer they were cut from: copied only on a refusal)
-        pending: tuple[Future[bool], memoryview] | None = None
+        # raw_submit: (future of the block in flight, how many bytes it covers, the separator
+        # after its last event); buf starts after them. The sink holds the only copy of the block.
+        pending: tuple[Future[bytes | None], int, bytes] | None = None
         while not self.eof and read_error is None:
             if len(buf) < self.block_bytes:
                 try:
@@ -258,11 +263,11 @@ class _TraceParser:
                 if back is not None:  # refused: decode that block here, with what came since
                     buf, refused = back, True
             if self.raw_submit is not None and not refused:
-                pending = (self.raw_submit(_as_array(memoryview(buf)[: cut[0]])), memoryview(buf)[: cut[1]])
+                pending = (self.raw_submit(buf, cut[0]), cut[1], buf[cut[0]:cut[1]])
                 self.consumed += cut[1]
                 buf = buf[cut[1]:]
                 continue
-            events = None if refused else self._decode_array(_as_array(memoryview(buf)[: cut[0]]))
+            events = None if refused else self._decode_array(buf, cut[0])
             if events is None:  # wrong cut or damage: decode event by event
                 events, leftover = self._decode_slow(buf, final=False)
                 if not events:
@@ -295,8 +300,7 @@ class _TraceParser:
         # deviceProperties): the real end of traceEvents is the one that leaves the most keys after it.
         candidates = sorted(self._tail_candidates(head, buf), key=lambda c: -len(c[1]))
         for array_end, metadata in candidates:
-            body = buf[:array_end]
-            events = self._decode_array(_as_array(body)) if body.strip() else []
+            events = self._decode_array(buf, array_end) if _NON_WS.search(buf, 0, array_end) else []
             if events is not None:
                 if events:
                     yield events
@@ -319,14 +323,15 @@ class _TraceParser:
         metadata.pop("traceEvents", None)
         self.header.metadata = metadata
 
-    def _put_back_if_refused(self, pending: tuple[Future[bool], memoryview], buf: bytes) -> bytes | None:
+    def _put_back_if_refused(self, pending: tuple[Future[bytes | None], int, bytes], buf: bytes) -> bytes | None:
         """Wait for the block in flight: None when the sink took it, else ``buf`` with that block's
         bytes put back in front (and ``consumed`` stepped back) so the reader decodes it itself."""
-        future, covered = pending
-        if future.result():
+        future, covered, separator = pending
+        events = future.result()
+        if events is None:
             return None
-        self.consumed -= len(covered)
-        return b"".join((covered, buf))
+        self.consumed -= covered
+        return b"".join((events, separator, buf))
 
     def _tail_candidates(self, head: bytes, buf: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
         """Possible ``]`` closing traceEvents in the last buffer, last first: those after which

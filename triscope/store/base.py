@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -65,6 +66,17 @@ class Store(ABC):
         nested objects read as String when so typed). Not atomic: rows parsed before a parse error
         may already be written, so callers tag rows (e.g. a block id) to remove them on failure.
         """
+
+    reads_local_files = False
+    """True when ClickHouse runs in this process and :meth:`insert_from_json_file` reads the file
+    (or named pipe) itself instead of loading it."""
+
+    def insert_from_json_file(self, insert_sql: str, structure: str, path: Path,
+                              params: Mapping[str, Any] | None = None,
+                              settings: Mapping[str, int] | None = None) -> None:
+        """:meth:`insert_from_json` over the contents of the local file ``path``, with extra
+        query ``settings`` where the backend takes them (see :attr:`reads_local_files`)."""
+        self.insert_from_json(insert_sql, structure, Path(path).read_bytes(), params)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

@@ -178,16 +178,24 @@ class EmbeddedStore(Store):
 
     def insert_from_json(self, insert_sql: str, structure: str, data: bytes,
                          params: Mapping[str, Any] | None = None) -> None:
-        if not _SAFE_STRUCTURE.fullmatch(structure):
-            raise ValueError(f"unsupported characters in structure {structure!r}")
         fd, tmp = tempfile.mkstemp(prefix="triscope-json-", suffix=".json")
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
-            source = f"file('{tmp}', 'JSONEachRow', '{structure}')"
-            self._run(insert_sql.replace("json_input", source) + _JSON_SETTINGS, "CSV", params)
+            self.insert_from_json_file(insert_sql, structure, Path(tmp), params)
         finally:
             os.unlink(tmp)
+
+    reads_local_files = True
+
+    def insert_from_json_file(self, insert_sql: str, structure: str, path: Path,
+                              params: Mapping[str, Any] | None = None,
+                              settings: Mapping[str, int] | None = None) -> None:
+        if not _SAFE_STRUCTURE.fullmatch(structure):
+            raise ValueError(f"unsupported characters in structure {structure!r}")
+        source = f"file({_literal(str(Path(path).resolve()))}, 'JSONEachRow', '{structure}')"
+        clause = _settings_clause({**_JSON_SETTINGS, **(settings or {})})
+        self._run(insert_sql.replace("json_input", source) + clause, "CSV", params)
 
     def close(self) -> None:
         global _process_path
@@ -235,7 +243,7 @@ def _settings_clause(settings: Mapping[str, str | int] | None) -> str:
 
 
 _SAFE_STRUCTURE = re.compile(r"[A-Za-z0-9_ ,()]+")
-_JSON_SETTINGS = " SETTINGS input_format_json_read_objects_as_strings = 1"
+_JSON_SETTINGS = {"input_format_json_read_objects_as_strings": 1}
 
 
 def _one_line(exc: BaseException) -> str:
