@@ -324,7 +324,8 @@ def analyze_run(store: Store, run_id: str, ranks: list[int] | None = None, inclu
     if ranks and not chosen:
         raise InputError(f"run {run_id!r} has no rank {ranks} (ranks: {list(available)})")
     out = []
-    for group in rank_groups(chosen):
-        work, steps = _load_gpu_work(store, run_id, group), _load_steps(store, run_id, group)
-        out += [_breakdown_rank(r, work[r], steps[r], include_last_step, kernel_wait_ns) for r in group]
+    with store.releasing_memory():
+        for group in rank_groups(chosen):
+            work, steps = _load_gpu_work(store, run_id, group), _load_steps(store, run_id, group)
+            out += [_breakdown_rank(r, work[r], steps[r], include_last_step, kernel_wait_ns) for r in group]
     return out

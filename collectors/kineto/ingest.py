@@ -562,7 +562,16 @@ def ingest_paths(store: Store, paths: Iterable[str | Path], run_id: str | None =
     """Ingest files and directories; a damaged file is reported and the others still go in."""
     results: list[IngestResult] = []
     taken: set[tuple[str, int]] = set()
-    for index, (file, dir_run) in enumerate(expand_paths(paths)):
+    with store.releasing_memory():
+        _ingest_each(store, expand_paths(paths), run_id, on_progress, on_file, results, taken)
+    return results
+
+
+def _ingest_each(store: Store, files: list[tuple[Path, str | None]], run_id: str | None,
+                 on_progress: Callable[[int], None] | None,
+                 on_file: Callable[[IngestResult | InputError], None] | None,
+                 results: list[IngestResult], taken: set[tuple[str, int]]) -> None:
+    for index, (file, dir_run) in enumerate(files):
         try:
             # Files of a directory with no rank in name or metadata are ranked by their order.
             res = ingest_trace(store, file, run_id=run_id or dir_run, on_progress=on_progress,
@@ -574,4 +583,3 @@ def ingest_paths(store: Store, paths: Iterable[str | Path], run_id: str | None =
         results.append(res)
         if on_file:
             on_file(res)
-    return results

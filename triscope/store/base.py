@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,11 @@ class Store(ABC):
         nested objects read as String when so typed). Not atomic: rows parsed before a parse error
         may already be written, so callers tag rows (e.g. a block id) to remove them on failure.
         """
+
+    def releasing_memory(self) -> AbstractContextManager[None]:
+        """Context for heavy work (ingest, analysis): an embedded engine hands the memory it frees
+        back to the OS as it goes; other stores do nothing."""
+        return nullcontext()
 
     reads_local_files = False
     """True when ClickHouse runs in this process and :meth:`insert_from_json_file` reads the file

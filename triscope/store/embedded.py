@@ -14,7 +14,7 @@ import os
 import re
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,10 @@ def _primitive(array: Any) -> Any:
 
 _NUMPY_KIND = {"int8": "i1", "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint8": "u1", "uint16": "<u2",
                "uint32": "<u4", "uint64": "<u8", "float": "<f4", "double": "<f8", "float32": "<f4", "float64": "<f8"}
+
+
+RELEASE_MEMORY_PERIOD_S = 0.05
+"""136 MB trace, ingest + breakdown: peak RSS 389 MB instead of 430, time within noise."""
 
 
 class EmbeddedStore(Store):
@@ -187,6 +191,29 @@ class EmbeddedStore(Store):
             os.unlink(tmp)
 
     reads_local_files = True
+
+    @contextlib.contextmanager
+    def releasing_memory(self, period_s: float = RELEASE_MEMORY_PERIOD_S) -> Iterator[None]:
+        """Purge the allocator's freed pages every ``period_s`` while the block runs (as the
+        ClickHouse server's memory worker does; chDB runs none). jemalloc keeps freed pages ~5 s,
+        and inserts and merges free memory in one thread's arena while another allocates, so
+        without this resident memory grows to about twice what the queries hold."""
+        stop = threading.Event()
+
+        def purge() -> None:
+            while not stop.wait(period_s):
+                try:
+                    self.command("SYSTEM JEMALLOC PURGE")
+                except StoreError:  # an engine without the command: keep its pages
+                    return
+
+        thread = threading.Thread(target=purge, name="triscope-release-memory", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def insert_from_json_file(self, insert_sql: str, structure: str, path: Path,
                               params: Mapping[str, Any] | None = None,
