@@ -297,3 +297,27 @@ def test_blocks_split_in_halves_are_replaced_whole_when_a_half_is_refused(store,
     result = ingest_trace(store, path, run_id="tricky", block_bytes=2 << 20, stream=False)
     names = [r[0] for r in store.query(f"SELECT name FROM {qualified(store, 'trace_events')} ORDER BY ts_ns").rows]
     assert result.events == len(events) and names == [e["name"] for e in events]
+
+
+def test_a_batch_records_every_run_in_one_insert_also_the_damaged_one(store, tmp_path: Path):
+    """ingest_paths writes the trace_runs rows of a batch together (one part, not one per file),
+    the partial run of a cut-short file included, with the counts each file stored."""
+    job = tmp_path / "job"
+    job.mkdir()
+    for r in range(3):
+        write_trace(job / f"t_rank{r}.json", [kernel(f"r{r}k{i}", i, 1) for i in range(10 + r)])
+    data = json.dumps({"traceEvents": [kernel(f"k{i}", i, 1) for i in range(3000)]}, indent=2).encode()
+    (job / "t_rank3.json.gz").write_bytes(gzip.compress(data)[: len(gzip.compress(data)) * 2 // 3])
+    errors: list[InputError] = []
+    results = ingest_paths(store, [job], on_file=lambda o: errors.append(o) if isinstance(o, InputError) else None)
+    assert len(results) == 3 and len(errors) == 1 and "cut short" in str(errors[0])
+    runs = store.query(f"SELECT rank, status, event_count FROM {qualified(store, 'trace_runs')} FINAL "
+                       "ORDER BY rank").rows
+    assert [r[:2] for r in runs] == [(0, "complete"), (1, "complete"), (2, "complete"), (3, "partial")]
+    assert [r[2] for r in runs[:3]] == [10, 11, 12] and 0 < runs[3][2] < 3000
+    stored = store.query(f"SELECT rank, count() FROM {qualified(store, 'trace_events')} GROUP BY rank "
+                         "ORDER BY rank").rows
+    assert [n for _, n in stored] == [r[2] for r in runs]
+    parts = store.query("SELECT count() FROM system.parts WHERE database = {db:String} AND table = 'trace_runs' "
+                        "AND active", {"db": store.database}).scalar()
+    assert parts == 1
