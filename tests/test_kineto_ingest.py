@@ -181,6 +181,23 @@ def test_same_rank_twice_in_one_batch_is_refused(store, tmp_path: Path):
     results = ingest_paths(store, [job], on_file=lambda o: errors.append(o) if isinstance(o, InputError) else None)
     assert len(results) == 1 and len(errors) == 1 and "already ingested" in str(errors[0])
     assert store.query(f"SELECT name FROM {qualified(store, 'trace_events')}").rows == [("a",)]
+    runs = store.query(f"SELECT source_path, rank, status FROM {qualified(store, 'trace_runs')} FINAL").rows
+    assert runs == [(str(job / "a.json"), 0, "complete")]  # the refused file did not overwrite a's run
+
+
+def test_same_rank_found_only_in_the_tail_leaves_nothing_of_the_second_file(store, tmp_path: Path):
+    """The second file's rank is only known at its end (distributedInfo after traceEvents): its rows,
+    stored under the guessed rank meanwhile, go again when the rank turns out to be taken."""
+    job = tmp_path / "late"
+    job.mkdir()
+    write_trace(job / "a.json", [kernel("a", 1, 1)], distributedInfo={"rank": 0})
+    (job / "b.json").write_text(json.dumps({"traceEvents": [kernel("b", 1, 1)], "distributedInfo": {"rank": 0}}))
+    errors: list[InputError] = []
+    results = ingest_paths(store, [job], on_file=lambda o: errors.append(o) if isinstance(o, InputError) else None)
+    assert [(r.rank, r.status) for r in results] == [(0, "complete")]
+    assert len(errors) == 1 and "already ingested" in str(errors[0])
+    assert store.query(f"SELECT rank, name FROM {qualified(store, 'trace_events')}").rows == [(0, "a")]
+    assert store.query(f"SELECT rank FROM {qualified(store, 'trace_runs')} FINAL").rows == [(0,)]
 
 
 def test_blocks_clickhouse_refuses_are_replaced_not_duplicated(store, tmp_path: Path):
@@ -223,6 +240,58 @@ def test_odd_argument_types_read_the_same_on_both_parse_paths(store, tmp_path: P
     fast, slow = _rows(store, "fast"), _rows(store, "slow")
     assert len(fast) == len(odd) + 2
     assert fast == slow
+
+
+def test_args_that_are_not_objects_read_as_absent_on_both_parse_paths(store, tmp_path: Path):
+    """An ``args`` array, string, number or null carries none of the keys read: both parse paths store
+    the event with default device, stream and correlation (before, the Python decoder called the
+    trace corrupt while ClickHouse took it)."""
+    events = [kernel(f"k{i}", ts=10.0 * i, dur=1.0, correlation=i + 1) for i in range(5)]
+    for event, args in zip(events[1:], ([1, 2], "hello", 42, None), strict=True):
+        event["args"] = args
+    path = write_trace(tmp_path / "args.json", events)
+    ingest_trace(store, path, run_id="fast")
+    ingest_trace(store, path, run_id="slow", use_clickhouse_json=False)
+    fast, slow = _rows(store, "fast"), _rows(store, "slow")
+    assert fast == slow and len(fast) == 5
+    assert [r[10] for r in fast] == [1, 0, 0, 0, 0]  # correlation only where args is an object
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("ts", 1e30, "ts 1E[+]30 us is outside the Int64 nanosecond range"),
+    ("ts", 12 * 10**28, "outside the Int64 nanosecond range"),
+    ("dur", -1e20, "dur -1E[+]20 us is outside the Int64 nanosecond range"),
+    ("name", "bad\\ud800name", "lone UTF-16 surrogate"),
+])
+@pytest.mark.parametrize("python_only", [False, True], ids=["clickhouse-json", "python"])
+def test_an_event_the_store_cannot_hold_is_named_and_the_ones_before_it_kept(
+        store, tmp_path: Path, field: str, value, message: str, python_only: bool):
+    """A time beyond Int64 nanoseconds or a lone surrogate: a one-line InputError naming the event's
+    byte offset (before, ClickHouse's cast error failed the whole insert as a StoreError), with the
+    events before it stored, the partial run recorded, and the other runs untouched."""
+    ingest_trace(store, write_trace(tmp_path / "good.json", [kernel("g", 1, 1)]), run_id="good")
+    events = [kernel(f"k{i}", ts=i, dur=1, correlation=i) for i in range(300)]
+    bad = dict(events[200])
+    bad[field] = "NAME" if field == "name" else value
+    events[200] = bad
+    path = write_trace(tmp_path / "bad.json", events)
+    text = path.read_text()
+    if field == "name":
+        path.write_text(text.replace('"NAME"', f'"{value}"'))
+    offset = path.read_bytes().index(b'"name": "k199"')  # the invalid event starts after this one
+    with pytest.raises(InputError, match=message) as info:
+        ingest_trace(store, path, run_id="bad", block_bytes=2048, use_clickhouse_json=not python_only)
+    error = str(info.value)
+    assert "\n" not in error and str(path) in error
+    at = int(error.split(" at byte ")[1].split(";")[0])
+    assert offset < at < path.read_bytes().index(b'"name": "k201"')
+    kept = [r[0] for r in store.query(f"SELECT name FROM {qualified(store, 'trace_events')} WHERE run_id = 'bad' "
+                                      "ORDER BY ts_ns").rows]
+    assert kept == [f"k{i}" for i in range(200)]
+    run = store.query(f"SELECT status, event_count FROM {qualified(store, 'trace_runs')} FINAL "
+                      "WHERE run_id = 'bad'").rows
+    assert run == [("partial", 200)]
+    assert store.query(f"SELECT count() FROM {qualified(store, 'trace_events')} WHERE run_id = 'good'").scalar() == 1
 
 
 def test_spilled_halves_hold_the_same_events_and_give_back_the_exact_bytes():
@@ -310,7 +379,9 @@ def test_a_batch_records_every_run_in_one_insert_also_the_damaged_one(store, tmp
     (job / "t_rank3.json.gz").write_bytes(gzip.compress(data)[: len(gzip.compress(data)) * 2 // 3])
     errors: list[InputError] = []
     results = ingest_paths(store, [job], on_file=lambda o: errors.append(o) if isinstance(o, InputError) else None)
-    assert len(results) == 3 and len(errors) == 1 and "cut short" in str(errors[0])
+    assert len(errors) == 1 and "cut short" in str(errors[0])
+    assert [(r.rank, r.status) for r in results] == [(0, "complete"), (1, "complete"), (2, "complete"),
+                                                     (3, "partial")]
     runs = store.query(f"SELECT rank, status, event_count FROM {qualified(store, 'trace_runs')} FINAL "
                        "ORDER BY rank").rows
     assert [r[:2] for r in runs] == [(0, "complete"), (1, "complete"), (2, "complete"), (3, "partial")]

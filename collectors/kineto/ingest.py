@@ -19,7 +19,14 @@ from typing import Any
 from triscope.collectors.kineto import classify
 from triscope.collectors.kineto.classify import GPU_WORK_KINDS, KIND_BY_CATEGORY, event_kind, kernel_class
 from triscope.collectors.kineto.pipe_insert import PipeInsert
-from triscope.collectors.kineto.reader import BLOCK_BYTES, TraceEvent, TraceHeader, last_boundary, read_trace
+from triscope.collectors.kineto.reader import (
+    BLOCK_BYTES,
+    TraceEvent,
+    TraceHeader,
+    event_args,
+    last_boundary,
+    read_trace,
+)
 from triscope.errors import InputError, StoreError
 from triscope.schema import qualified
 from triscope.schema.trace import TRACE_EVENTS, TRACE_RUNS
@@ -44,6 +51,14 @@ class IngestResult:
     error: str = ""
     seconds: float = 0.0
     base_time_ns: int = 0
+
+
+class PartialTraceError(InputError):
+    """A damaged trace: the events before the damage went in, as ``result`` (status partial)."""
+
+    def __init__(self, message: str, result: IngestResult) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 @dataclass
@@ -115,7 +130,7 @@ def _append_block(cols: _Columns, events: list[TraceEvent], run_id: str, rank: i
     d = cols.data
     kinds = [event_kind(e.cat) for e in xs]
     names = [e.name for e in xs]
-    args = [e.args for e in xs]
+    args = [event_args(e) for e in xs]
     n = len(xs)
     d["run_id"].extend([run_id] * n)
     d["rank"].extend([rank] * n)
@@ -162,7 +177,7 @@ def _tuple_type(ints: Mapping[str, int], texts: tuple[str, ...] = ()) -> str:
 def _args_tuple(ints: Mapping[str, int], texts: tuple[str, ...] = ()) -> str:
     """One ``JSONExtract`` of several ``args`` keys as a named tuple: the JSON is parsed once per
     row instead of once per key. Ints follow :func:`_int`, texts :func:`_text`."""
-    return f"JSONExtract(args, '{_tuple_type(ints, texts)}')"
+    return f"JSONExtract(object_args, '{_tuple_type(ints, texts)}')"
 
 
 def _arg(tuple_name: str, key: str) -> str:
@@ -192,6 +207,8 @@ FROM (
             match(replaceRegexpOne(name, '^void ', ''), {{comm_re:String}}), 'comm',
             'compute') AS kernel_class,
     name, pid, tid,
+    -- args that are not an object carry no keys (JSONExtract would read an array's items as the tuple's)
+    if(startsWith(trimLeft(args), '{{'), args, '') AS object_args,
     {_args_tuple(_ARG_INTS)} AS a,
     toInt32({_arg("a", "device")}) AS device,
     {_arg("a", "stream")} AS stream,
@@ -199,7 +216,7 @@ FROM (
     toInt64(round(dur * 1000)) AS dur_ns,
     {_arg("a", "correlation")} AS correlation,
     ifNull(tupleElement(a, 'External id'), {_arg("a", "external id")}) AS external_id,
-    position(args, 'Collective name') > 0 AS has_comm,  -- skip parsing comm args on other events
+    position(object_args, 'Collective name') > 0 AS has_comm,  -- skip parsing comm args on other events
     if(has_comm, {comm}, CAST(NULL, 'Nullable({_tuple_type(_COMM_INTS, _COMM_TEXTS)})')) AS c,
     {_arg("c", "Collective name")} AS collective,
     {_arg("c", "In msg nelems")} AS in_nelems,
@@ -264,7 +281,8 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
     block ClickHouse refuses is decoded in Python instead. ``taken`` holds (run_id, rank) pairs already written by this batch of files: a file that
     would overwrite one of them is refused instead. With ``pending_runs`` the file's
     ``trace_runs`` row is appended there for the caller to write (see :func:`ingest_paths`).
-    Raises :class:`InputError` after recording the partial run when the file is damaged.
+    Raises :class:`PartialTraceError` (an :class:`InputError`) after recording the partial run
+    when the file is damaged.
     """
     path = Path(path)
     taken = taken if taken is not None else set()
@@ -389,6 +407,8 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
         flush()
     except _StreamRefused:
         stream_failed = True
+    except RankTakenError:
+        raise  # refused before anything of this file went in: no run to record
     except InputError as exc:
         flush()
         failure = exc
@@ -405,7 +425,12 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
         _claim(taken, path, run_id, result.rank)
         delete_rank(store, run_id, result.rank)  # a trace with no events still replaces an old one
     if failure is None and rank is None and header.rank is not None and header.rank != result.rank:
-        _claim(taken, path, run_id, header.rank)
+        try:
+            _claim(taken, path, run_id, header.rank)
+        except RankTakenError:
+            taken.discard((run_id, result.rank))
+            delete_rank(store, run_id, result.rank)  # nothing of this file stays under its guessed rank
+            raise
         _move_rank(store, run_id, result.rank, header.rank)  # rank was only known from the tail
         taken.discard((run_id, result.rank))
         result.rank = header.rank
@@ -420,7 +445,7 @@ def ingest_trace(store: Store, path: str | Path, run_id: str | None = None, rank
     else:
         pending_runs.append(_run_row(path, result, header))
     if failure is not None:
-        raise failure
+        raise PartialTraceError(str(failure), result) from None
     return result
 
 
@@ -508,9 +533,13 @@ def spill_block(buf: bytes, end: int, min_split_bytes: int = 1 << 20) -> Spilled
     return spill
 
 
+class RankTakenError(InputError):
+    """Two files of one batch are the same rank of the same run; the second is not ingested."""
+
+
 def _claim(taken: set[tuple[str, int]], path: Path, run_id: str, rank: int) -> None:
     if (run_id, rank) in taken:
-        raise InputError(f"{path}: rank {rank} of run {run_id!r} was already ingested from another file "
+        raise RankTakenError(f"{path}: rank {rank} of run {run_id!r} was already ingested from another file "
                          "in this batch; give each job its own directory or --run-id")
     taken.add((run_id, rank))
 
@@ -606,6 +635,8 @@ def _ingest_each(store: Store, files: list[tuple[Path, str | None]], run_id: str
             res = ingest_trace(store, file, run_id=run_id or dir_run, on_progress=on_progress,
                                default_rank=index, taken=taken, pending_runs=pending_runs)
         except InputError as exc:
+            if isinstance(exc, PartialTraceError):
+                results.append(exc.result)  # what went in before the damage is listed too
             if on_file:
                 on_file(exc)
             continue

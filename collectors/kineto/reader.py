@@ -64,7 +64,50 @@ class TraceEvent(msgspec.Struct, frozen=True):
     # Decimal keeps the exact text: epoch microseconds with 3 decimals exceed float64 precision.
     ts: Decimal = Decimal(0)
     dur: Decimal = Decimal(0)
-    args: EventArgs | None = None
+    # Anything else than an object (an array, a string, a number) carries none of the keys used:
+    # read like ClickHouse's JSONExtract reads it, as absent (see :func:`event_args`).
+    args: EventArgs | list[Any] | str | int | float | bool | None = None
+
+
+def event_args(event: TraceEvent) -> EventArgs | None:
+    """The event's ``args`` when it is an object, else None."""
+    return event.args if isinstance(event.args, EventArgs) else None
+
+
+# Microsecond timestamps whose nanoseconds surely fit Int64 (larger ones are checked exactly).
+_SAFE_US = Decimal(9_000_000_000_000_000)
+_INT64_MAX = (1 << 63) - 1
+
+
+def _ns_out_of_range(us: Decimal) -> bool:
+    if not us.is_finite():
+        return True
+    if -_SAFE_US < us < _SAFE_US:
+        return False
+    ns = (us * 1000).to_integral_value()
+    return not -_INT64_MAX - 1 <= ns <= _INT64_MAX
+
+
+def event_problem(event: TraceEvent) -> str | None:
+    """Why a complete (``ph: X``) event cannot be stored, or None: a time outside Int64
+    nanoseconds, or a string with a lone UTF-16 surrogate (``"\\ud800"``, which ClickHouse
+    refuses too). Other events are not stored and not checked."""
+    if event.ph != "X":
+        return None
+    for key, us in (("ts", event.ts), ("dur", event.dur)):
+        if _ns_out_of_range(us):
+            return f"{key} {us} us is outside the Int64 nanosecond range"
+    args = event_args(event)
+    texts = [event.cat, event.name, event.pid, event.tid]
+    if args is not None:
+        texts += [args.collective, args.dtype, args.pg_name, args.pg_ranks]
+    for text in texts:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return "a string holds a lone UTF-16 surrogate"
+    return None
 
 
 _block_decoder = msgspec.json.Decoder(list[TraceEvent])
@@ -218,9 +261,12 @@ class _TraceParser:
         if self.raw_sink is not None:
             return [] if self.raw_sink(array) else None
         try:
-            return _block_decoder.decode(array)
+            events = _block_decoder.decode(array)
         except msgspec.DecodeError:
             return None
+        if any(event_problem(e) for e in events):
+            return None  # the event-by-event decode names the event and its offset
+        return events
 
     def blocks(self) -> Iterator[list[TraceEvent]]:
         buf = b""
@@ -269,7 +315,11 @@ class _TraceParser:
                 continue
             events = None if refused else self._decode_array(buf, cut[0])
             if events is None:  # wrong cut or damage: decode event by event
-                events, leftover = self._decode_slow(buf, final=False)
+                events, leftover, invalid = self._decode_slow(buf)
+                if invalid is not None:  # keep the events before the invalid one, then report it
+                    if events:
+                        yield events
+                    raise self._kept(invalid, len(events))
                 if not events:
                     # No complete event yet: a huge event, or damage. Read on, within bounds.
                     if len(buf) > _MAX_STALL_BLOCKS * self.block_bytes:
@@ -292,10 +342,10 @@ class _TraceParser:
         pending = None
         if read_error is not None:
             # Keep every complete event that arrived before the stream broke, then report.
-            events, _ = self._decode_slow(buf, final=False, strict=False)
+            events, _, _ = self._decode_slow(buf)
             if events:
                 yield events
-            raise InputError(f"{read_error}; the {len(events)} complete events of the last block were kept")
+            raise self._kept(read_error, len(events))
         # Several "]" can close a parseable document (a list-valued key after traceEvents, like
         # deviceProperties): the real end of traceEvents is the one that leaves the most keys after it.
         candidates = sorted(self._tail_candidates(head, buf), key=lambda c: -len(c[1]))
@@ -307,19 +357,20 @@ class _TraceParser:
                 self.header.metadata = metadata
                 return
         # No clean split: decode event by event; the array ends where decoding stops at "]".
-        events, rest = self._decode_slow(buf, final=True, strict=False)
+        events, rest, invalid = self._decode_slow(buf)
         metadata = None
-        if rest.lstrip().startswith(b"]"):
+        if invalid is None and rest.lstrip().startswith(b"]"):
             try:
                 metadata = json.loads(head + b'"traceEvents": []' + rest.lstrip()[1:])
             except (json.JSONDecodeError, UnicodeDecodeError):
                 metadata = None
         if events:
             yield events
+        if invalid is not None:
+            raise self._kept(invalid, len(events))
         if not isinstance(metadata, dict):
-            raise InputError(f"{self.name}: trace is truncated or corrupt after byte "
-                             f"{self.consumed + len(buf) - len(rest)}; the {len(events)} complete events "
-                             "of the last block were kept")
+            raise self._kept(InputError(f"{self.name}: trace is truncated or corrupt after byte "
+                                        f"{self.consumed + len(buf) - len(rest)}"), len(events))
         metadata.pop("traceEvents", None)
         self.header.metadata = metadata
 
@@ -364,11 +415,14 @@ class _TraceParser:
         if isinstance(meta, dict):
             self.header.metadata = meta
 
-    def _decode_slow(self, buf: bytes, final: bool, strict: bool = True) -> tuple[list[TraceEvent], bytes]:
-        """Decode events one at a time; returns events and the undecoded remainder.
+    @staticmethod
+    def _kept(error: InputError, count: int) -> InputError:
+        return InputError(f"{error}; the {count} complete events of the last block were kept")
 
-        With ``strict=False`` decoding stops quietly at the first damaged event.
-        """
+    def _decode_slow(self, buf: bytes) -> tuple[list[TraceEvent], bytes, InputError | None]:
+        """Decode events one at a time, up to the first that does not parse (it may continue in
+        the next block, or be damage: the caller decides) or is invalid. Returns the events, the
+        undecoded remainder, and the error naming the invalid item and its offset (or None)."""
         text = buf.decode("utf-8", errors="replace")
         decoder = json.JSONDecoder(parse_float=Decimal)
         events: list[TraceEvent] = []
@@ -381,22 +435,23 @@ class _TraceParser:
                 break
             try:
                 obj, end = decoder.raw_decode(text, pos)
-            except json.JSONDecodeError as exc:
-                if not strict or not final:
-                    break  # the event may continue in the next block; damage is reported at the end
-                raise self._error(len(text[:exc.pos].encode()), f"corrupt JSON ({exc.msg})") from None
+            except json.JSONDecodeError:
+                break  # the event may continue in the next block; damage is reported at the end
             if not isinstance(obj, dict):
-                if not strict:
-                    break
-                raise self._error(len(text[:pos].encode()), "traceEvents item is not an object")
+                return events, text[pos:].encode(), self._error(len(text[:pos].encode()),
+                                                                "traceEvents item is not an object")
             try:
-                events.append(msgspec.convert(obj, TraceEvent))
+                event = msgspec.convert(obj, TraceEvent)
             except msgspec.ValidationError as exc:
-                if not strict:
-                    break
-                raise self._error(len(text[:pos].encode()), f"invalid event ({exc})") from None
+                problem: str | None = str(exc)
+            else:
+                problem = event_problem(event)
+            if problem is not None:
+                return events, text[pos:].encode(), self._error(len(text[:pos].encode()),
+                                                                f"invalid event ({problem})")
+            events.append(event)
             pos = end
-        return events, text[pos:].encode()
+        return events, text[pos:].encode(), None
 
 
 def _as_array(events: bytes | memoryview) -> bytes:
@@ -431,4 +486,5 @@ def read_all(path: str | Path) -> tuple[TraceHeader, list[TraceEvent]]:
     return header, events
 
 
-__all__ = ["EventArgs", "TraceEvent", "TraceHeader", "open_binary", "read_all", "read_trace"]
+__all__ = ["EventArgs", "TraceEvent", "TraceHeader", "event_args", "event_problem", "open_binary", "read_all",
+           "read_trace"]

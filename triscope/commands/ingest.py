@@ -55,7 +55,7 @@ def run_trace(args: argparse.Namespace) -> int:
     else:
         for r in results:
             print(f"{r.path}: run {r.run_id} rank {r.rank}: {r.events:,} events "
-                  f"({r.gpu_events:,} GPU) in {r.seconds:.2f}s")
+                  f"({r.gpu_events:,} GPU) in {r.seconds:.2f}s" + ("" if r.status == "complete" else f" ({r.status})"))
         if failures:
             print(f"{len(failures)} file(s) failed (errors above)", file=sys.stderr)
     return 1 if failures else 0
