@@ -49,7 +49,7 @@ class AnonPeak:
     """Peak anonymous (private, non file-backed) RSS of this process, sampled every 2 ms.
 
     Peak RSS counts the pages of mapped libraries too: chDB's shared library alone brings
-    ~360 MB of file-backed, shared, reclaimable pages before any trace is read. RssAnon is the
+    ~270-330 MB of file-backed, shared, reclaimable pages before any trace is read. RssAnon is the
     memory a tool really allocates for the work (heap, parsed columns, DataFrames).
     """
 
