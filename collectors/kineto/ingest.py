@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,14 @@ from triscope.collectors.kineto.classify import GPU_WORK_KINDS, KIND_BY_CATEGORY
 from triscope.collectors.kineto.pipe_insert import PipeInsert
 from triscope.collectors.kineto.reader import (
     BLOCK_BYTES,
+    INT64_MAX,
+    INT64_MIN,
     TraceEvent,
     TraceHeader,
     event_args,
     last_boundary,
     read_trace,
+    us_to_ns,
 )
 from triscope.errors import InputError, StoreError
 from triscope.schema import qualified
@@ -73,7 +76,6 @@ class _Columns:
             values.clear()
 
 
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _DECIMAL_TEXT = re.compile(r"[+-]?\d+")
 _NUMBER_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
@@ -86,13 +88,13 @@ def _int(value: Any, default: int) -> int:
     -> ``default``. (ClickHouse reads the text "nan" as Int64 min; here it is ``default``.)
     """
     if isinstance(value, int):
-        if _INT64_MIN <= value <= _INT64_MAX:
+        if INT64_MIN <= value <= INT64_MAX:
             return value
         value = float(value)  # ClickHouse's JSON parser reads integers beyond Int64 as doubles
     elif isinstance(value, str):
         if _DECIMAL_TEXT.fullmatch(value):
             number = int(value)
-            return number if _INT64_MIN <= number <= _INT64_MAX else default
+            return number if INT64_MIN <= number <= INT64_MAX else default
         if not _NUMBER_TEXT.fullmatch(value):
             return default
         value = float(value)
@@ -101,7 +103,7 @@ def _int(value: Any, default: int) -> int:
     if not math.isfinite(value):
         return default
     out = int(value)
-    return out if _INT64_MIN <= out <= _INT64_MAX else default
+    return out if INT64_MIN <= out <= INT64_MAX else default
 
 
 def _text(value: Any) -> str:
@@ -115,11 +117,6 @@ def _text(value: Any) -> str:
     if isinstance(value, Decimal):
         return str(value)
     return json.dumps(value, separators=(",", ":"), default=str)
-
-
-def _ns(us: Decimal) -> int:
-    """Exact nanoseconds of a microsecond timestamp (half away from zero, as ClickHouse's round)."""
-    return int((us * 1000).to_integral_value(rounding=ROUND_HALF_UP))
 
 
 def _append_block(cols: _Columns, events: list[TraceEvent], run_id: str, rank: int) -> None:
@@ -140,8 +137,8 @@ def _append_block(cols: _Columns, events: list[TraceEvent], run_id: str, rank: i
     d["name"].extend(names)
     d["pid"].extend([str(e.pid) for e in xs])
     d["tid"].extend([str(e.tid) for e in xs])
-    d["ts_ns"].extend([_ns(e.ts) for e in xs])
-    d["dur_ns"].extend([_ns(e.dur) for e in xs])
+    d["ts_ns"].extend([us_to_ns(e.ts) for e in xs])
+    d["dur_ns"].extend([us_to_ns(e.dur) for e in xs])
     d["device"].extend([_int(a.device, -1) if a else -1 for a in args])
     d["stream"].extend([_int(a.stream, -1) if a else -1 for a in args])
     d["correlation"].extend([_int(a.correlation, 0) if a else 0 for a in args])

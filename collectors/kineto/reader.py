@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -74,9 +74,14 @@ def event_args(event: TraceEvent) -> EventArgs | None:
     return event.args if isinstance(event.args, EventArgs) else None
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # Microsecond timestamps whose nanoseconds surely fit Int64 (larger ones are checked exactly).
 _SAFE_US = Decimal(9_000_000_000_000_000)
-_INT64_MAX = (1 << 63) - 1
+
+
+def us_to_ns(us: Decimal) -> int:
+    """Exact nanoseconds of a microsecond timestamp (half away from zero, as ClickHouse's round)."""
+    return int((us * 1000).to_integral_value(rounding=ROUND_HALF_UP))
 
 
 def _ns_out_of_range(us: Decimal) -> bool:
@@ -84,8 +89,7 @@ def _ns_out_of_range(us: Decimal) -> bool:
         return True
     if -_SAFE_US < us < _SAFE_US:
         return False
-    ns = (us * 1000).to_integral_value()
-    return not -_INT64_MAX - 1 <= ns <= _INT64_MAX
+    return not INT64_MIN <= us_to_ns(us) <= INT64_MAX
 
 
 def event_problem(event: TraceEvent) -> str | None:
@@ -426,6 +430,7 @@ class _TraceParser:
         text = buf.decode("utf-8", errors="replace")
         decoder = json.JSONDecoder(parse_float=Decimal)
         events: list[TraceEvent] = []
+        invalid: InputError | None = None
         pos = 0
         n = len(text)
         while True:
@@ -438,8 +443,8 @@ class _TraceParser:
             except json.JSONDecodeError:
                 break  # the event may continue in the next block; damage is reported at the end
             if not isinstance(obj, dict):
-                return events, text[pos:].encode(), self._error(len(text[:pos].encode()),
-                                                                "traceEvents item is not an object")
+                invalid = self._error(len(text[:pos].encode()), "traceEvents item is not an object")
+                break
             try:
                 event = msgspec.convert(obj, TraceEvent)
             except msgspec.ValidationError as exc:
@@ -447,11 +452,11 @@ class _TraceParser:
             else:
                 problem = event_problem(event)
             if problem is not None:
-                return events, text[pos:].encode(), self._error(len(text[:pos].encode()),
-                                                                f"invalid event ({problem})")
+                invalid = self._error(len(text[:pos].encode()), f"invalid event ({problem})")
+                break
             events.append(event)
             pos = end
-        return events, text[pos:].encode(), None
+        return events, text[pos:].encode(), invalid
 
 
 def _as_array(events: bytes | memoryview) -> bytes:
@@ -486,5 +491,5 @@ def read_all(path: str | Path) -> tuple[TraceHeader, list[TraceEvent]]:
     return header, events
 
 
-__all__ = ["EventArgs", "TraceEvent", "TraceHeader", "event_args", "event_problem", "open_binary", "read_all",
-           "read_trace"]
+__all__ = ["INT64_MAX", "INT64_MIN", "EventArgs", "TraceEvent", "TraceHeader", "event_args", "event_problem",
+           "open_binary", "read_all", "read_trace", "us_to_ns"]
