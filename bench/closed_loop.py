@@ -48,12 +48,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from haproxy_ctl import HAProxy, Server, free_port  # noqa: E402
-from loadgen import LoadShape, Result, drive, percentile  # noqa: E402
-from sim_backend import CLASSES, BackendSpec  # noqa: E402
+from haproxy_ctl import HAProxy, Server, free_port
+from loadgen import LoadShape, Result, drive, percentile
+from sim_backend import CLASSES, BackendSpec
 
-from triscope.exporters.haproxy_gate import gate_limits  # noqa: E402
-from triscope.exporters.weights import WeightParams  # noqa: E402
+from triscope.exporters.haproxy_gate import gate_limits
+from triscope.exporters.weights import WeightParams
 
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -136,7 +136,7 @@ class PolicyReport:
 
 def _http_json(url: str, method: str = "GET", timeout: float = 2.0) -> Any:
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - 127.0.0.1 only
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
@@ -402,7 +402,7 @@ def summarize(policy: Policy, runs: list[RawRun], shape: LoadShape, max_error: f
                "lb_reject_rate_by_class": {c: _share(results, c, is_lb_reject) for c in CLASSES}})
 
 
-def _share(results: list[Result], cls: str, pred) -> float:  # noqa: ANN001
+def _share(results: list[Result], cls: str, pred) -> float:
     """Share of the class's offered requests for which ``pred`` holds (NaN when none were offered)."""
     rs = [r for r in results if r.cls == cls]
     return sum(1 for r in rs if pred(r)) / len(rs) if rs else math.nan

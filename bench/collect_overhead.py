@@ -29,14 +29,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from nvml_standin import FakeGpu, advance, standin  # noqa: E402 - tests/ on the path first
+from nvml_standin import FakeGpu, advance, standin
 
-from triscope.collectors.nvml import NvmlSampler  # noqa: E402
-from triscope.collectors.span_mapping import ns_to_ts_text  # noqa: E402
-from triscope.schema import qualified  # noqa: E402
-from triscope.schema.gpu import GPU_SAMPLES  # noqa: E402
-from triscope.store import open_store  # noqa: E402
-from triscope.writer import Writer  # noqa: E402
+from triscope.collectors.nvml import NvmlSampler
+from triscope.schema import (
+    encode_ts,
+    qualified,
+)
+from triscope.schema.gpu import GPU_SAMPLES
+from triscope.store import open_store
+from triscope.writer import Writer
 
 GPUS = 8
 HZ = 10.0
@@ -114,7 +116,7 @@ def columns_like_sampler(n: int, start_ns: int) -> dict[str, list[Any]]:
     sampler.close()
     reps = -(-n // GPUS)
     cols = {c: (v * reps)[:n] for c, v in one.items()}
-    cols["ts"] = [ns_to_ts_text(start_ns + (i // GPUS) * 100_000_000) for i in range(n)]
+    cols["ts"] = [encode_ts(start_ns + (i // GPUS) * 100_000_000) for i in range(n)]
     return cols
 
 

@@ -30,9 +30,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from closed_loop import BENCH_WEIGHTS, FeedWorker, SimFleet  # noqa: E402
-from haproxy_ctl import HAProxy, Server, free_port, wait_port  # noqa: E402
-from sim_backend import BackendSpec  # noqa: E402
+from closed_loop import BENCH_WEIGHTS, FeedWorker, SimFleet
+from haproxy_ctl import HAProxy, Server, free_port, wait_port
+from sim_backend import BackendSpec
 
 _UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 
@@ -128,7 +128,7 @@ http {{
 
 
 def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310 - 127.0.0.1 only
+    with urllib.request.urlopen(url, timeout=2) as resp:
         return resp.read()
 
 

@@ -88,7 +88,7 @@ class BackendProbe:
             pass
 
     def scrape(self) -> str:
-        with urllib.request.urlopen(self.base_url + "/metrics", timeout=self.timeout_s) as resp:  # noqa: S310
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=self.timeout_s) as resp:
             return resp.read(4 << 20).decode()
 
     def sample(self, now: float | None = None) -> dict[str, Any]:
@@ -106,7 +106,7 @@ class BackendProbe:
                 kv, success = rows["kv_cache_usage_ratio"][0], rows["requests_total"][0]
                 running, waiting = rows["running_requests"][0], rows["queue_length"][0]
                 samples = [x for x in samples if x[0].startswith(CLASS_HIST)]
-            except Exception:  # noqa: BLE001 - a collector failure marks the backend unhealthy
+            except Exception:
                 return {"backend": self.name, "healthy": False, "sources": {"serving": now}}
         hist: dict[str, dict[float, float]] = {}
         for name, labels, value in samples:
@@ -219,7 +219,7 @@ class _FallbackFeed:
             while not self._stop.wait(self.params.interval_s):
                 try:
                     self.update()
-                except Exception as exc:  # noqa: BLE001 - keep the loop alive, report once
+                except Exception as exc:
                     print(f"feed update failed: {exc}", flush=True)
 
         threading.Thread(target=loop, daemon=True).start()
@@ -240,7 +240,7 @@ def run_feed_worker(backends: dict[str, str], overrides: dict[str, Any], window_
         from triscope.exporters.feed import WeightFeed
         kind = "triscope.exporters.feed"
     except ImportError:
-        WeightFeed, kind = _FallbackFeed, "fallback agent (triscope.exporters.feed absent)"  # noqa: N806
+        WeightFeed, kind = _FallbackFeed, "fallback agent (triscope.exporters.feed absent)"
 
     params = WeightParams.from_config(weights_config(overrides))
     probes = [BackendProbe(name, url, window_s=window_s) for name, url in backends.items()]

@@ -24,15 +24,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from triscope.analyzers.stalls import diagnose_stalls  # noqa: E402
-from triscope.collectors.nccl_common import ns_text  # noqa: E402
-from triscope.schema import qualified  # noqa: E402
-from triscope.store import open_store  # noqa: E402
+from triscope.analyzers.stalls import diagnose_stalls
+from triscope.collectors.nccl_common import ns_text
+from triscope.schema import qualified
+from triscope.store import open_store
 
 MS = 1_000_000
 
 
-def seed(store, ranks: int, events: int, seconds: float, t0: int, rng: np.random.Generator) -> None:  # noqa: ANN001
+def seed(store, ranks: int, events: int, seconds: float, t0: int, rng: np.random.Generator) -> None:
     span = int(seconds * 1e9)
     for rank in range(ranks):
         gaps = rng.exponential(span / events * 0.05, events).astype(np.int64)
@@ -68,7 +68,7 @@ def seed(store, ranks: int, events: int, seconds: float, t0: int, rng: np.random
         "p99_seconds": rng.uniform(0.0005, 0.003, k).tolist(), "queue_depth": rng.uniform(1, 128, k).tolist()})
 
 
-def baseline(store, ranks: int, t0: int, seconds: float) -> tuple[float, dict[tuple[int, int], float]]:  # noqa: ANN001
+def baseline(store, ranks: int, t0: int, seconds: float) -> tuple[float, dict[tuple[int, int], float]]:
     """Per (rank, window) comm share with plain Python; returns (seconds, shares)."""
     rows = store.query(f"SELECT rank, kernel_class, ts_ns, ts_ns + dur_ns FROM {qualified(store, 'trace_events')} "
                        "WHERE run_id = 'bench' ORDER BY rank, ts_ns").rows

@@ -36,8 +36,8 @@ from triscope.collectors.blockio_parse import (
     parse_ebpf_exporter,
     percentile,
 )
-from triscope.collectors.span_mapping import ns_to_ts_text
 from triscope.errors import InputError, TriscopeError
+from triscope.schema import encode_ts
 
 log = logging.getLogger(__name__)
 TABLE = "io_latency"
@@ -254,7 +254,7 @@ def hist_row(rows: dict[str, list[Any]], ts_ns: int, host: str, source: str, dev
     ios = float(sum(b.count for b in buckets))
     if math.isnan(mean_s):
         mean_s = mean_estimate(buckets) / 1e6
-    _append(rows, ts=ns_to_ts_text(ts_ns), host=host, device=device, source=source, op=op,
+    _append(rows, ts=encode_ts(ts_ns), host=host, device=device, source=source, op=op,
             window_seconds=window_s, ios=ios, p50_seconds=percentile(buckets, 0.5) / 1e6,
             p99_seconds=percentile(buckets, 0.99) / 1e6, mean_seconds=mean_s, queue_depth=qd)
 
@@ -392,7 +392,7 @@ class WindowAssembler:
             base, w, k = split
             if base == "usecs":
                 self._cur = (w, int(k[0]), int(k[1]), k[2])
-                self._wins[w].hists[(int(k[0]), int(k[1]), k[2])]  # noqa: B018 - create the entry
+                self._wins[w].hists[(int(k[0]), int(k[1]), k[2])]
                 return
         if m := _BT_SCALAR.match(s):
             self._store("@" + m["name"], _text_key(m["key"]), int(m["v"]))
@@ -722,7 +722,7 @@ class DiskstatsCollector:
         for d in diskstats_delta(before, after, window):
             if d.ios == 0 and d.queue_depth == 0:
                 continue
-            _append(rows, ts=ns_to_ts_text(t0), host=self.host, device=d.device, source="diskstats", op=d.op,
+            _append(rows, ts=encode_ts(t0), host=self.host, device=d.device, source="diskstats", op=d.op,
                     window_seconds=window, ios=d.ios, p50_seconds=math.nan, p99_seconds=math.nan,
                     mean_seconds=d.mean_seconds, queue_depth=d.queue_depth)
         return {TABLE: rows} if rows["ts"] else {}
@@ -749,7 +749,7 @@ class EbpfExporterCollector:
 
     def fetch(self) -> str:
         try:
-            with urllib.request.urlopen(self.url, timeout=5) as resp:  # noqa: S310
+            with urllib.request.urlopen(self.url, timeout=5) as resp:
                 body = resp.read(self.max_body_bytes + 1)
         except (OSError, ValueError) as exc:
             raise InputError(f"{self.url}: scrape failed: {getattr(exc, 'reason', exc)}") from None

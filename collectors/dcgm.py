@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from triscope.collectors.span_mapping import ns_to_ts_text
 from triscope.errors import ConfigError, InputError
+from triscope.schema import encode_ts
 from triscope.schema.gpu import GPU_SAMPLES
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ def rows_from_text(text: str, default_host: str, ts_ns: int, source: str = "metr
     warning = ""
     if parsed.bad_lines:
         warning = f"{source}: skipped {parsed.bad_lines} malformed lines (first {parsed.first_bad})"
-    ts = ns_to_ts_text(ts_ns)
+    ts = encode_ts(ts_ns)
     return [_row(ts, g, "ok", warning) for g in gpus], warning
 
 
@@ -281,7 +281,7 @@ def fetch(url: str, timeout_s: float, max_body_bytes: int) -> str:
     """GET ``url``; at most ``max_body_bytes``; UnreachableError / InputError (one line) on failure."""
     req = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - http(s) checked in Target
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             body = resp.read(max_body_bytes + 1)
     except urllib.error.HTTPError as exc:
         raise UnreachableError(f"{url}: HTTP {exc.code} {exc.reason}") from None
@@ -335,7 +335,7 @@ class DcgmScraper:
             if message != target.last_error:
                 log.warning("dcgm: %s", message)
             target.last_error = message
-            ts = ns_to_ts_text(ts_ns)
+            ts = encode_ts(ts_ns)
             known = list(target.seen.values()) or [_Gpu(target.host, NO_GPU)]
             return [_row(ts, _Gpu(g.host, g.index, g.uuid, g.model), state, message) for g in known]
         if target.last_error and not warning:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from triscope.collectors.span_mapping import ns_to_ts_text
+from triscope.schema import encode_ts
 from triscope.schema.gpu import GPU_PROCESS_MEMORY, GPU_SAMPLES
 
 log = logging.getLogger(__name__)
@@ -499,7 +499,7 @@ class NvmlSampler:
             if not self.devices:
                 return {}
         now_ns = time.time_ns() if now_ns is None else now_ns
-        ts = ns_to_ts_text(now_ns)
+        ts = encode_ts(now_ns)
         now_us = now_ns // 1000
         cols = _empty(SAMPLE_COLUMNS)
         procs = None

@@ -226,7 +226,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     receiver: OtlpReceiver  # set on the subclass made per receiver
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         log.debug("otlp %s " + format, self.address_string(), *args)
 
     def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
@@ -249,7 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if kind in (PROTOBUF, JSON) else (message + "\n").encode())
         self._send(err.status, body, kind, err.headers)
 
-    def do_POST(self) -> None:  # noqa: N802 - stdlib name
+    def do_POST(self) -> None:
         try:
             self._post()
         except _HttpError as err:
@@ -261,7 +261,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         self._fail(_HttpError(405, f"method {self.command} not allowed; POST {TRACES_PATH}", {"Allow": "POST"}))
 
-    do_GET = do_PUT = do_DELETE = do_PATCH = _reject_method  # noqa: N815
+    do_GET = do_PUT = do_DELETE = do_PATCH = _reject_method
 
     def _post(self) -> None:
         rx = self.receiver
@@ -313,7 +313,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class OtlpReceiver:
-    """OTLP/HTTP trace receiver implementing the :class:`triscope.collector.Collector` protocol."""
+    """OTLP/HTTP trace receiver implementing the :class:`triscope.component.Collector` protocol."""
 
     name = "otlp"
 

@@ -107,7 +107,7 @@ class FlushLoop:
             for table, columns in self.buffer.drain().items():
                 try:
                     written += self.store.insert(qualified(self.store, table), columns)
-                except Exception as exc:  # noqa: BLE001 - any store failure: keep the rows, retry later
+                except Exception as exc:
                     self.failures += 1
                     self.last_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     log.warning("store write of %s failed, will retry: %s", table, self.last_error)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from triscope.collectors.span_mapping import ns_to_ts_text
 from triscope.errors import ConfigError, InputError
+from triscope.schema import encode_ts
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class ServingMetricsScraper:
         """GET the exposition text, bounded; InputError (one line) on any failure."""
         req = urllib.request.Request(target.url, headers={"Accept": "text/plain;version=0.0.4"})
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:  # noqa: S310 - http(s) only
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 body = resp.read(self.max_body_bytes + 1)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
@@ -288,7 +288,7 @@ class ServingMetricsScraper:
             ttft = bucket_delta(snap.ttft_buckets, prev.ttft_buckets if prev else None)
             self._previous[(target.url, model)] = snap
             for key, value in (
-                ("ts", ns_to_ts_text(ts_ns)), ("host", target.host), ("backend", target.backend),
+                ("ts", encode_ts(ts_ns)), ("host", target.host), ("backend", target.backend),
                 ("server", server), ("model", model), ("queue_length", snap.queue_length),
                 ("running_requests", snap.running_requests),
                 ("kv_cache_usage_ratio", snap.kv_cache_usage_ratio), ("requests_total", snap.requests_total),

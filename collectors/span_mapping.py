@@ -7,13 +7,12 @@ GenAI semantic conventions plus the ``gen_ai.latency.*`` names vLLM emits (vllm/
 
 from __future__ import annotations
 
-import datetime as dt
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from triscope.schema.requests import REQUESTS
+from triscope.schema import REQUESTS, encode_ts
 
 VLLM_SPAN_NAME = "llm_request"
 
@@ -71,13 +70,6 @@ def is_request_span(span: SpanView) -> bool:
     return span.name == VLLM_SPAN_NAME or any(k.startswith("gen_ai.") for k in span.attributes)
 
 
-def ns_to_ts_text(ns: int) -> str:
-    """Epoch nanoseconds as the exact ``YYYY-MM-DD hh:mm:ss.nnnnnnnnn`` text a DateTime64(9) column parses."""
-    sec, frac = divmod(int(ns), 1_000_000_000)
-    base = dt.datetime.fromtimestamp(sec, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
-    return f"{base}.{frac:09d}"
-
-
 def _first(span: SpanView, names: tuple[str, ...], resource_too: bool = True) -> Any:
     for name in names:
         if name in span.attributes and span.attributes[name] not in (None, ""):
@@ -131,7 +123,7 @@ def map_span(span: SpanView) -> dict[str, Any]:
         raise SpanRejected("start_time_unix_nano is missing")
     if span.end_ns and span.end_ns < span.start_ns:
         raise SpanRejected("end_time_unix_nano is before start_time_unix_nano")
-    row: dict[str, Any] = {"ts": ns_to_ts_text(span.start_ns)}
+    row: dict[str, Any] = {"ts": encode_ts(span.start_ns)}
     for column, names in LATENCY_ATTRS.items():
         value = _first(span, names, resource_too=False)
         row[column] = _number(value, names[0]) if value is not None else math.nan

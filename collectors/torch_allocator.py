@@ -29,8 +29,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from triscope.collectors.span_mapping import ns_to_ts_text
 from triscope.errors import ConfigError, TriscopeError
+from triscope.schema import encode_ts
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class TorchAllocatorCollector:
             return {}
         rows: dict[str, list[Any]] = {c: [] for c in COLUMNS}
         try:
-            ts = ns_to_ts_text(time.time_ns())
+            ts = encode_ts(time.time_ns())
             for device, stats in self._device_stats(cuda).items():
                 values = sample_values(stats)
                 for column, value in (("ts", ts), ("host", self.host), ("gpu", device), ("pid", self.pid),

@@ -190,13 +190,13 @@ class WeightFeed:
     def _safe_flush(self) -> None:
         try:
             self.flush_history()
-        except Exception as exc:  # noqa: BLE001 - the store may be down; rows stay buffered
+        except Exception as exc:
             log.warning("weights history not written (%d rows buffered): %s", len(self._history), _one_line(exc))
 
     def _safe_update(self) -> None:
         try:
             self.update()
-        except Exception as exc:  # noqa: BLE001 - a failing read must not stop the feed
+        except Exception as exc:
             self.update_errors_total += 1
             message = _one_line(exc)
             if message != self.last_error:
@@ -371,7 +371,7 @@ def _make_http_server(feed: WeightFeed, bind: str, port: int, max_connections: i
         def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
             pass  # per-request access logs cost more than the request itself at feed rates
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        def log_message(self, format: str, *args: Any) -> None:
             log.debug("%s " + format, self.address_string(), *args)
 
         def _send(self, status: int, ctype: str, body: bytes, close: bool = False) -> None:
@@ -428,18 +428,18 @@ def _make_http_server(feed: WeightFeed, bind: str, port: int, max_connections: i
                     out = (405, JSON_TYPE, _json_error(f"{method} not allowed on {path}"))
                 else:
                     out = (404, JSON_TYPE, _json_error(f"no such endpoint {path}"))
-            except Exception as exc:  # noqa: BLE001 - one bad request must not kill the server
+            except Exception as exc:
                 log.warning("feed %s %s failed: %s", method, path, _one_line(exc))
                 out = (500, JSON_TYPE, _json_error(_one_line(exc)))
             self._send(*out)
 
-        def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        def do_GET(self) -> None:
             self._route("GET")
 
-        def do_HEAD(self) -> None:  # noqa: N802
+        def do_HEAD(self) -> None:
             self._route("GET")
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             self._route("POST")
 
     class Server(BoundedThreadingMixIn, HTTPServer):

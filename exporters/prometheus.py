@@ -231,7 +231,7 @@ class TriscopeCollector:
             return {}
         try:
             snap = self.stats() or {}
-        except Exception as exc:  # noqa: BLE001 - a broken hook must not break the scrape
+        except Exception as exc:
             log.warning("prometheus exporter: stats callable failed: %s", exc)
             return {}
         writer = snap.get("writer") or {}
@@ -305,7 +305,7 @@ class TriscopeCollector:
         out = Derived(at=time.monotonic())
         try:
             store = self._open()
-        except Exception as exc:  # noqa: BLE001 - counted and reported, never raised into a scrape
+        except Exception as exc:
             self._warn("store not available", exc)
             for name in QUERIES:
                 self.query_errors[name] += 1
@@ -320,7 +320,7 @@ class TriscopeCollector:
                     got = fn(store, now_ns, self.cfg["stall_window_s"], self.config)
                 else:
                     got = fn(store, now_ns, self.cfg["window_s"])
-            except Exception as exc:  # noqa: BLE001 - one bad query must not blank the rest
+            except Exception as exc:
                 self.query_errors[name] += 1
                 self._warn(f"{name} query failed", exc)
                 continue
@@ -395,7 +395,7 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         log.debug("prometheus exporter: " + format, *args)
 
 

@@ -58,7 +58,7 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
     w = MetricWriter()
     backends = sorted(result.backends.items()) if result is not None else []
 
-    def per_backend(fn) -> list[tuple[dict[str, str], float]]:  # noqa: ANN001
+    def per_backend(fn) -> list[tuple[dict[str, str], float]]:
         return [({"backend": n}, float(fn(b))) for n, b in backends]
 
     w.family("triscope_backend_weight", "gauge", "Routing weight of the backend (0..1, 0 = drained).",

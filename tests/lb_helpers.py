@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from conftest import free_port  # noqa: F401 - re-exported for the LB tests
+from conftest import free_port
 
 from triscope.exporters.feed import WeightFeed
 from triscope.exporters.weights import BackendInputs, WeightParams
@@ -29,7 +29,7 @@ class _NameHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     wbufsize = 1 << 16  # headers and body in one segment (no Nagle / delayed-ACK stalls)
 
-    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+    def do_GET(self) -> None:
         body = self.server.backend_name.encode()  # type: ignore[attr-defined]
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
@@ -37,7 +37,7 @@ class _NameHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 

@@ -46,14 +46,14 @@ CLASSES = ["realtime_speech", "interactive_image_text", "offline_video"]
 MODALITIES = {"realtime_speech": "speech", "interactive_image_text": "image", "offline_video": "video"}
 
 
-def _ins(store, table: str, rows: list[dict[str, Any]]) -> None:  # noqa: ANN001
+def _ins(store, table: str, rows: list[dict[str, Any]]) -> None:
     cols = {k: [r[k] for r in rows] for k in rows[0]}
     if "ts" in cols:
         cols["ts"] = [ns_text(v) for v in cols["ts"]]
     store.insert(qualified(store, table), cols)
 
 
-def seed(store, seed: int = 3) -> dict[str, list[dict[str, Any]]]:  # noqa: ANN001
+def seed(store, seed: int = 3) -> dict[str, list[dict[str, Any]]]:
     """Rows in every table the boards read, over [T0, T0 + 4 s)."""
     rng = np.random.default_rng(seed)
     nan = float("nan")
@@ -148,7 +148,7 @@ def seed(store, seed: int = 3) -> dict[str, list[dict[str, Any]]]:  # noqa: ANN0
 
 
 @pytest.fixture(scope="module")
-def seeded(store_path: Path):  # noqa: ANN201
+def seeded(store_path: Path):
     """One seeded database for the read-only tests of this module (in the session's chDB directory,
     like the ``store`` fixture; seeding once keeps the file fast)."""
     import os
@@ -164,7 +164,7 @@ def _ctx(variables: dict[str, Var]) -> Context:
     return Context(START, END, interval_s=1.0, variables=variables)
 
 
-def resolve_variables(store, board: dict[str, Any], selected: dict[str, list[str]] | None = None  # noqa: ANN001
+def resolve_variables(store, board: dict[str, Any], selected: dict[str, list[str]] | None = None
                       ) -> dict[str, Var]:
     """Run every variable's own query in order (as Grafana does) and select All or ``selected``."""
     state: dict[str, Var] = {}
@@ -184,7 +184,7 @@ def sql_targets(board: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, A
     return [(p, tg) for p in board["panels"] for tg in p.get("targets", []) if "rawSql" in tg]
 
 
-def run_panels(store, board: dict[str, Any], variables: dict[str, Var]) -> dict[str, Any]:  # noqa: ANN001
+def run_panels(store, board: dict[str, Any], variables: dict[str, Var]) -> dict[str, Any]:
     out = {}
     for panel, target in sql_targets(board):
         sql = expand(target["rawSql"], _ctx(variables))
@@ -201,7 +201,7 @@ BOARDS = all_boards()
 
 
 @pytest.mark.parametrize("name", sorted(BOARDS))
-def test_every_query_returns_rows(seeded, name: str) -> None:  # noqa: ANN001
+def test_every_query_returns_rows(seeded, name: str) -> None:
     store = seeded
     board = BOARDS[name]
     variables = resolve_variables(store, board)
@@ -223,7 +223,7 @@ SELECTION = {"host": ["h1"], "gpu": ["0"], "backend": ["h1:8000", "h1:8001"], "m
 
 
 @pytest.mark.parametrize("name", sorted(BOARDS))
-def test_queries_with_a_selection(seeded, name: str) -> None:  # noqa: ANN001
+def test_queries_with_a_selection(seeded, name: str) -> None:
     """Specific values (the ``IN (...)`` branch of every filter) still run and narrow the result."""
     store = seeded
     board = BOARDS[name]
@@ -250,13 +250,13 @@ def test_queries_with_a_selection(seeded, name: str) -> None:  # noqa: ANN001
     assert [r[0] for r in by_gpu.rows] == ["h1:8001"]
 
 
-def store_requests(store) -> list[str]:  # noqa: ANN001
+def store_requests(store) -> list[str]:
     return [r[0] for r in store.query(f"SELECT backend FROM {qualified(store, 'requests')}").rows]
 
 
 # ---------------------------------------------------------------- agreement with the analyzers
 
-def test_heatmap_panels_match_the_analyzer(seeded) -> None:  # noqa: ANN001
+def test_heatmap_panels_match_the_analyzer(seeded) -> None:
     """The heatmap board's slices equal triscope.analyzers.heatmap's tensor over the same range."""
     from triscope.analyzers.heatmap import HeatmapSpec, compute_heatmap
     from triscope.dashboards.heatmap import slice_sql
@@ -287,7 +287,7 @@ def test_heatmap_panels_match_the_analyzer(seeded) -> None:  # noqa: ANN001
     np.testing.assert_array_equal(got, ref)
 
 
-def _whole_host_rules_differ(store, spec) -> int:  # noqa: ANN001
+def _whole_host_rules_differ(store, spec) -> int:
     """Windows of h2:8000 (empty ``gpu``: the whole host) whose memory bin under the analyzer's rule
     (each GPU's latest window mean within ``memory_max_age_s``) differs from the old rule (the sum
     over the GPUs that reported in that window): the seed must tell the two apart."""
@@ -300,7 +300,7 @@ def _whole_host_rules_differ(store, spec) -> int:  # noqa: ANN001
         f"SELECT DISTINCT intDiv(toUnixTimestamp64Nano(ts), {WNS}) FROM {qualified(store, 'requests')} "
         "WHERE backend = 'h2:8000'").rows}
     max_age_w = int(spec.memory_max_age_s * 1e9) // WNS
-    mbin = lambda used: min(int(used // spec.memory_bin_bytes), spec.memory_bins - 1)  # noqa: E731
+    mbin = lambda used: min(int(used // spec.memory_bin_bytes), spec.memory_bins - 1)
     differ = 0
     for w in windows:
         if not any(w in by_w for by_w in means.values()):
@@ -312,7 +312,7 @@ def _whole_host_rules_differ(store, spec) -> int:  # noqa: ANN001
     return differ
 
 
-def test_stragglers_match_the_analyzer(seeded) -> None:  # noqa: ANN001
+def test_stragglers_match_the_analyzer(seeded) -> None:
     from triscope.analyzers.nccl_crossrank import stragglers
     from triscope.dashboards.nccl import stragglers_sql
 
@@ -330,7 +330,7 @@ def test_stragglers_match_the_analyzer(seeded) -> None:  # noqa: ANN001
         assert g["max_lateness_seconds"] == pytest.approx(w["max_lateness_seconds"])
 
 
-def test_stall_shares_follow_the_rules(seeded) -> None:  # noqa: ANN001
+def test_stall_shares_follow_the_rules(seeded) -> None:
     """Seeded: h1 GPU 0 compute-bound in its first 20 windows; nvme0n1 IO-bound for 2 s; rank 0 90% comm
     in 10 of its 20 traced windows."""
     store = seeded
@@ -389,7 +389,7 @@ def test_macros_expand_like_the_plugin() -> None:
             expand(bad, ctx)
 
 
-def test_macro_output_runs_in_clickhouse(store) -> None:  # noqa: ANN001
+def test_macro_output_runs_in_clickhouse(store) -> None:
     """Time filters of the plugin's forms select exactly the rows in [from, to] (second resolution)."""
     seed(store)
     ctx = Context(datetime.fromtimestamp(T0_S, UTC), datetime.fromtimestamp(T0_S + 2, UTC), interval_s=1.0,
@@ -601,7 +601,7 @@ class _Grafana(BaseHTTPRequestHandler):
         self.calls.append(call)
         return call
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._record()
         if self.status != 200:
             return self._reply(self.status, {"message": "invalid API key"})
@@ -610,7 +610,7 @@ class _Grafana(BaseHTTPRequestHandler):
             return self._reply(200, {"uid": uid, "title": "triscope", "id": 7})
         return self._reply(404, {"message": "folder not found"})
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         call = self._record()
         if self.status != 200:
             return self._reply(self.status, {"message": "invalid API key"})
@@ -627,7 +627,7 @@ class _Grafana(BaseHTTPRequestHandler):
 
 
 @pytest.fixture()
-def grafana():  # noqa: ANN201
+def grafana():
     _Grafana.calls, _Grafana.folders, _Grafana.status = [], set(), 200
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Grafana)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -663,7 +663,7 @@ def test_push_creates_the_folder_and_saves_every_board(grafana: str) -> None:
     assert _Grafana.calls[0]["auth"].startswith("Basic ")
 
 
-def test_push_cli_errors_are_one_line(grafana: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # noqa: ANN001
+def test_push_cli_errors_are_one_line(grafana: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     from triscope.cli import main
 
     monkeypatch.delenv("GRAFANA_TOKEN", raising=False)
@@ -689,7 +689,7 @@ def test_push_cli_errors_are_one_line(grafana: str, monkeypatch: pytest.MonkeyPa
     assert _Grafana.calls[-1]["body"]["folderUid"] == "gpu-fleet"
 
 
-def test_weights_history_panels(seeded) -> None:  # noqa: ANN001
+def test_weights_history_panels(seeded) -> None:
     store = seeded
     board = BOARDS["weights"]
     results = run_panels(store, board, resolve_variables(store, board))
@@ -710,7 +710,7 @@ def _grouping_to_matrix(rows: list[tuple[Any, ...]]) -> tuple[list[Any], list[An
     return xs, ys, cells
 
 
-def test_heatmap_panels_give_grafana_a_rows_frame(seeded) -> None:  # noqa: ANN001
+def test_heatmap_panels_give_grafana_a_rows_frame(seeded) -> None:
     """What the heatmap panel needs after the pivot: x ascending; with a numeric x the y fields already in
     ascending order (Grafana sorts them only when x is time); bucket names without float noise."""
     store = seeded

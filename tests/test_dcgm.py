@@ -33,7 +33,7 @@ from triscope.collectors.dcgm import (
 from triscope.errors import ConfigError, InputError
 from triscope.schema import add_columns, migrate, qualified, schema_versions
 from triscope.schema import gpu as gpu_schema
-from triscope.schema.gpu import _GPU_SAMPLES_V1, GPU_SAMPLES, GPU_SAMPLES_V2_COLUMNS
+from triscope.schema.gpu import GPU_SAMPLES
 from triscope.schema.model import create_table_sql
 
 MiB = 1 << 20
@@ -187,7 +187,7 @@ def test_every_field_of_the_exporter_counter_lists(csv_name: str) -> None:
 class _Handler(http.server.BaseHTTPRequestHandler):
     routes: dict[str, bytes] = {}
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server API
+    def do_GET(self) -> None:
         if self.path == "/slow":
             time.sleep(6.0)  # past the scraper's timeout, with room for a loaded machine
         body = self.routes.get(self.path)
@@ -299,7 +299,7 @@ def test_gpu_schema_v1_store_upgrades_to_v2(store: Any) -> None:
     """A store created before migration 2 gets the new columns; its old rows read '' there."""
     table = qualified(store, "gpu_samples")
     store.command(f"DROP TABLE {table}")
-    for sql in create_table_sql(_GPU_SAMPLES_V1, store.database):
+    for sql in create_table_sql(GPU_SAMPLES, store.database, version=1):
         store.command(sql)
     store.insert(table, {"ts": ["2025-06-15 15:06:40"], "host": ["old"], "gpu": [0], "state": ["ok"]})
     store.command(f"ALTER TABLE {qualified(store, 'schema_migrations')} DELETE WHERE domain = 'gpu' AND version >= 2 "
@@ -309,5 +309,5 @@ def test_gpu_schema_v1_store_upgrades_to_v2(store: Any) -> None:
     names = [r[0] for r in store.query(f"DESCRIBE TABLE {table}").rows]
     assert names == GPU_SAMPLES.column_names()
     assert store.query(f"SELECT host, pod, error FROM {table}").rows == [("old", "", "")]
-    assert add_columns("gpu_samples", *GPU_SAMPLES_V2_COLUMNS)(store.database, "")[0].startswith(
+    assert add_columns(GPU_SAMPLES, 2)(store.database, "")[0].startswith(
         f"ALTER TABLE {store.database}.gpu_samples ADD COLUMN IF NOT EXISTS `pod`")

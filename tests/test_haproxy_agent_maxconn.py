@@ -26,7 +26,7 @@ def params(backends: dict | None = None, **weights: object) -> WeightParams:
     return WeightParams.from_config({"weights": cfg})
 
 
-def result_for(kv: dict[str, float], p: WeightParams):  # noqa: ANN201
+def result_for(kv: dict[str, float], p: WeightParams):
     now = time.time()
     inputs = [BackendInputs(n, kv_cache_usage_ratio=v, sources={"serving": now}) for n, v in kv.items()]
     return compute_weights(inputs, None, p, now)[0]

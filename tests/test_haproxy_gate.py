@@ -34,7 +34,7 @@ class _Holder:
         holder = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 if "hold=1" in self.path:
                     holder.release.wait(20)
                 body = holder.name.encode()
@@ -67,11 +67,11 @@ def _get(port: int, path: str) -> tuple[int, str]:
         return err.code, err.headers.get("X-Backend", "")
 
 
-def _in_flight(hap, name: str) -> int:  # noqa: ANN001 - bench helper
+def _in_flight(hap, name: str) -> int:
     return sum(int(r["scur"] or 0) for r in hap.stats(None) if r["svname"] == name)
 
 
-def _hold(hap, path: str, holds: list[threading.Thread], name: str, expect: int) -> None:  # noqa: ANN001
+def _hold(hap, path: str, holds: list[threading.Thread], name: str, expect: int) -> None:
     """Send a held request and wait until HAProxy counts ``expect`` in flight on ``name``."""
     t = threading.Thread(target=_get, args=(hap.port, path), daemon=True)
     t.start()

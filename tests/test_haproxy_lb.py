@@ -143,7 +143,7 @@ def traffic(hap: HAProxy, n: int) -> Counter:
     return hits
 
 
-def test_haproxy_weights_and_traffic_follow_memory(stack) -> None:  # noqa: ANN001
+def test_haproxy_weights_and_traffic_follow_memory(stack) -> None:
     hap, inputs, feed = stack
     wait_weights(hap, {"s0": 100, "s1": 100, "s2": 100})
     # s1 at 50% memory: penalty 2 -> target 0.5 -> "ready 50%"; s2 at 75%: penalty 4 -> 25%
@@ -165,7 +165,7 @@ def test_haproxy_weights_and_traffic_follow_memory(stack) -> None:  # noqa: ANN0
     wait_weights(hap, {"s0": 100, "s1": 100, "s2": 100})
 
 
-def test_drain_puts_the_server_in_drain_and_ready_lifts_it(stack) -> None:  # noqa: ANN001
+def test_drain_puts_the_server_in_drain_and_ready_lifts_it(stack) -> None:
     hap, inputs, _feed = stack
     wait_weights(hap, {"s0": 100, "s1": 100, "s2": 100})
     inputs.mem["s2"] = 0.99  # >= drain_memory_ratio 0.97

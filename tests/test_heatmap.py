@@ -33,7 +33,7 @@ BACKENDS = {
 GPUS = [("h1", 0, "GPU-a0"), ("h1", 1, "GPU-b1"), ("h2", 0, "GPU-c0"), ("h2", 1, "GPU-c1")]
 
 
-def _seed(store, seed: int = 7, windows: int = 120) -> tuple[list[dict], list[dict]]:  # noqa: ANN001
+def _seed(store, seed: int = 7, windows: int = 120) -> tuple[list[dict], list[dict]]:
     """Insert requests and GPU samples; returns both as row dicts for the reference."""
     rng = np.random.default_rng(seed)
     reqs: list[dict] = []
@@ -122,7 +122,7 @@ def _reference(reqs: list[dict], gpus: list[dict], spec: HeatmapSpec, start: int
     return hist.astype(np.uint64), unmatched, cells
 
 
-def test_tensor_matches_numpy_histogramdd(store) -> None:  # noqa: ANN001
+def test_tensor_matches_numpy_histogramdd(store) -> None:
     reqs, gpus = _seed(store)
     spec = HeatmapSpec()
     res = compute_heatmap(store, spec, T0, T0 + 120 * WNS)
@@ -148,7 +148,7 @@ def test_tensor_matches_numpy_histogramdd(store) -> None:  # noqa: ANN001
     assert res.tensor[:, -1].sum() > 0  # > 12.8 GB (and the h2 host sums) in the last memory bin
 
 
-def test_filters_range_and_custom_spec(store) -> None:  # noqa: ANN001
+def test_filters_range_and_custom_spec(store) -> None:
     reqs, gpus = _seed(store, seed=11)
     spec = HeatmapSpec(window_ms=200, qps_bin=10, qps_bins=8, memory_bin_bytes=1e9, memory_bins=10,
                        latency_bin_s=0.05, latency_bins=16, memory_max_age_s=0.2)
@@ -165,7 +165,7 @@ def test_filters_range_and_custom_spec(store) -> None:  # noqa: ANN001
     assert compute_heatmap(store, spec, start, end, backends=["nope"]).tensor.sum() == 0
 
 
-def test_slices_by_any_two_axes(store) -> None:  # noqa: ANN001
+def test_slices_by_any_two_axes(store) -> None:
     _seed(store, seed=3, windows=60)
     res = compute_heatmap(store, HeatmapSpec(), T0, T0 + 60 * WNS, summaries=False)
     t = res.tensor
@@ -191,7 +191,7 @@ def test_slices_by_any_two_axes(store) -> None:  # noqa: ANN001
     assert set(AXES) == {"qps", "memory", "latency"}
 
 
-def test_p95_per_cell_and_patterns(store) -> None:  # noqa: ANN001
+def test_p95_per_cell_and_patterns(store) -> None:
     reqs, gpus = _seed(store, seed=5)
     spec = HeatmapSpec()
     res = compute_heatmap(store, spec, T0, T0 + 120 * WNS, top=5)
@@ -221,7 +221,7 @@ def test_p95_per_cell_and_patterns(store) -> None:  # noqa: ANN001
     assert doc["shape"] == [32, 64, 128] and len(doc["patterns"]) == 5
 
 
-def test_empty_range_and_bad_spec(store) -> None:  # noqa: ANN001
+def test_empty_range_and_bad_spec(store) -> None:
     with pytest.raises(InputError, match="empty time range"):
         compute_heatmap(store)  # no requests at all
     _seed(store, seed=1, windows=10)
@@ -243,7 +243,7 @@ def test_empty_range_and_bad_spec(store) -> None:  # noqa: ANN001
     assert spec.shape == (16, 64, 128) and spec.window_ns == 50_000_000
 
 
-def test_bench_numpy_baseline_agrees(store) -> None:  # noqa: ANN001
+def test_bench_numpy_baseline_agrees(store) -> None:
     """bench/heatmap.py's numpy baseline (load out of the store + histogramdd) gives the same tensor
     on the seeded rows (GPU by index, by uuid, whole host, missing samples)."""
     import importlib.util

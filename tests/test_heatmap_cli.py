@@ -23,7 +23,7 @@ FROM, TO = "2026-01-01T00:00:00Z", "2026-01-01T00:00:12Z"  # T0 .. T0 + 120 wind
 
 
 @pytest.fixture()
-def cli(store, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN201
+def cli(store, monkeypatch: pytest.MonkeyPatch):
     """``main([...])`` against the fixture's store; returns (exit code, stdout, stderr)."""
     monkeypatch.delenv("TRISCOPE_CONFIG", raising=False)
     monkeypatch.setenv("TRISCOPE_STORE__PATH", store.path)
@@ -38,7 +38,7 @@ def cli(store, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN201
     return call
 
 
-def test_json_npz_png_match_the_analyzer(store, cli, capsys, tmp_path: Path) -> None:  # noqa: ANN001
+def test_json_npz_png_match_the_analyzer(store, cli, capsys, tmp_path: Path) -> None:
     _seed(store)
     expected = compute_heatmap(store, HeatmapSpec(), T0, T0 + 120 * WNS, top=4)
     npz, png = tmp_path / "h.npz", tmp_path / "h.png"
@@ -77,7 +77,7 @@ def test_json_npz_png_match_the_analyzer(store, cli, capsys, tmp_path: Path) -> 
     assert pixels.shape[0] > 500 and pixels.shape[1] > 500 and pixels.std() > 0
 
 
-def test_table_filters_and_bins(store, cli, capsys) -> None:  # noqa: ANN001
+def test_table_filters_and_bins(store, cli, capsys) -> None:
     _seed(store, seed=2)
     code, out, err = cli(capsys, "--from", FROM, "--to", TO, "--top", "3")
     assert code == 0, err
@@ -101,7 +101,7 @@ def test_table_filters_and_bins(store, cli, capsys) -> None:  # noqa: ANN001
     assert doc["spec"]["qps_bin"] == 10 and doc["spec"]["latency_bin_s"] == pytest.approx(0.05)
 
 
-def test_config_env_and_since(store, cli, capsys, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+def test_config_env_and_since(store, cli, capsys, monkeypatch: pytest.MonkeyPatch,
                               tmp_path: Path) -> None:
     """``[heatmap]`` keys via environment overrides; ``--since`` ends now, so rows are inserted at now."""
     now = time.time_ns() // WNS * WNS
@@ -140,14 +140,14 @@ def test_config_env_and_since(store, cli, capsys, monkeypatch: pytest.MonkeyPatc
     (["--all", "--slice", "qps,qps"], "--slice needs two different axes"),
     (["--all", "--npz", "/nonexistent-dir/x.npz"], "output directory does not exist"),
 ])
-def test_one_line_errors(store, cli, capsys, argv: list[str], message: str) -> None:  # noqa: ANN001
+def test_one_line_errors(store, cli, capsys, argv: list[str], message: str) -> None:
     _seed(store, seed=4, windows=20)
     code, out, err = cli(capsys, *argv)
     assert code == 2 and out == ""
     assert message in err and err.startswith("triscope: error: ") and err.count("\n") == 1, err
 
 
-def test_empty_store_and_bad_config(store, cli, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_empty_store_and_bad_config(store, cli, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     code, _, err = cli(capsys, "--all")
     assert code == 2 and "the store has no requests" in err
     monkeypatch.setenv("TRISCOPE_HEATMAP__QPS_BINZ", "4")

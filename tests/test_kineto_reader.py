@@ -140,7 +140,7 @@ def test_pipelined_sink_steps_back_over_refused_blocks(tmp_path: Path, truncate:
 
     stream: list[tuple[str, list[str]]] = []
     with ThreadPoolExecutor(max_workers=1) as pool:
-        def submit(buf: bytes, end: int):  # noqa: ANN202
+        def submit(buf: bytes, end: int):
             nonlocal offers
             offers += 1
             return pool.submit(sink, bytes(buf[:end]), offers)  # the sink keeps its own copy

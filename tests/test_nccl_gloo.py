@@ -38,13 +38,13 @@ def gloo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _ingest(store, out: Path) -> str:  # noqa: ANN001
+def _ingest(store, out: Path) -> str:
     for r in (0, 1):
         ingest_trace(store, out / f"rank{r}.json", run_id="gloo-live")
     return "gloo-live"
 
 
-def test_host_side_collectives_extracted(store, gloo_run: Path) -> None:  # noqa: ANN001
+def test_host_side_collectives_extracted(store, gloo_run: Path) -> None:
     run = _ingest(store, gloo_run)
     rows = extract_kineto(store, run)
     for rank in (0, 1):
@@ -56,7 +56,7 @@ def test_host_side_collectives_extracted(store, gloo_run: Path) -> None:  # noqa
     assert min(waits) > DELAY_S * 0.6  # rank 0 sat in every all_reduce until rank 1 arrived
 
 
-def test_straggler_is_the_delayed_rank(store, gloo_run: Path) -> None:  # noqa: ANN001
+def test_straggler_is_the_delayed_rank(store, gloo_run: Path) -> None:
     run = _ingest(store, gloo_run)
     ingest_kineto_run(store, run)
     report = stragglers(store, run_ids=[run], sources=("kineto",))
@@ -68,7 +68,7 @@ def test_straggler_is_the_delayed_rank(store, gloo_run: Path) -> None:  # noqa: 
     assert report.by_rank()[0]["rank"] == 1
 
 
-def test_flight_recorder_of_the_same_job(store, gloo_run: Path) -> None:  # noqa: ANN001
+def test_flight_recorder_of_the_same_job(store, gloo_run: Path) -> None:
     for r in (0, 1):
         res = ingest_path(store, gloo_run / f"fr_rank{r}", run_id="fr-live")
         assert res.errors == [] and res.rows >= 2 * ITERS
@@ -86,7 +86,7 @@ def test_flight_recorder_of_the_same_job(store, gloo_run: Path) -> None:  # noqa
     assert size == 256 * 1024 * 4
 
 
-def test_comm_verdict_on_the_waiting_rank(store, gloo_run: Path) -> None:  # noqa: ANN001
+def test_comm_verdict_on_the_waiting_rank(store, gloo_run: Path) -> None:
     run = _ingest(store, gloo_run)
     ingest_kineto_run(store, run)
     from triscope.analyzers.stalls import trace_span

@@ -36,7 +36,7 @@ def _key(rows: list[dict]) -> list[tuple]:
     return [(r["ts"], r["collective"], r["msg_bytes"], r["nranks"], r["dtype"], r["comm_id"], r["seq"]) for r in rows]
 
 
-def test_a100_kernels_with_args(store) -> None:  # noqa: ANN001
+def test_a100_kernels_with_args(store) -> None:
     ingest_trace(store, shared_data(*A100), run_id="a100")
     rows = extract_kineto(store, "a100")
     assert [r["collective"] for r in rows].count("AllReduce") == 15
@@ -52,7 +52,7 @@ def test_a100_kernels_with_args(store) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("drop_external", [False, True], ids=["external-id", "correlation"])
-def test_params_joined_from_record_param_comms(store, tmp_path: Path, drop_external: bool) -> None:  # noqa: ANN001
+def test_params_joined_from_record_param_comms(store, tmp_path: Path, drop_external: bool) -> None:
     ingest_trace(store, shared_data(*A100), run_id="full")
     stripped = tmp_path / "stripped_rank0.json"
     _strip(shared_data(*A100), stripped, drop_external)
@@ -63,7 +63,7 @@ def test_params_joined_from_record_param_comms(store, tmp_path: Path, drop_exter
     assert _key(extract_kineto(store, "stripped")) == _key(extract_kineto(store, "full"))
 
 
-def test_stored_and_replaced(store) -> None:  # noqa: ANN001
+def test_stored_and_replaced(store) -> None:
     ingest_trace(store, shared_data(*A100), run_id="a100")
     assert ingest_kineto_run(store, "a100") == 21
     assert ingest_kineto_run(store, "a100") == 21
@@ -71,12 +71,12 @@ def test_stored_and_replaced(store) -> None:  # noqa: ANN001
     assert n == 21
 
 
-def test_unknown_run_is_an_input_error(store) -> None:  # noqa: ANN001
+def test_unknown_run_is_an_input_error(store) -> None:
     with pytest.raises(InputError, match="not in the store"):
         extract_kineto(store, "nope")
 
 
-def test_pre_2024_trace_keeps_kernels_without_sizes(store) -> None:  # noqa: ANN001
+def test_pre_2024_trace_keeps_kernels_without_sizes(store) -> None:
     ingest_trace(store, shared_data("kineto", "sampled_128rank_job_rank0.json.gz"), run_id="s128")
     rows = extract_kineto(store, "s128")
     assert len(rows) == 10 and {r["collective"] for r in rows} == {"SendRecv"}

@@ -114,7 +114,7 @@ def test_flight_recorder_pickle_and_json_agree() -> None:
 
 
 class _Evil:
-    def __reduce__(self):  # noqa: ANN204
+    def __reduce__(self):
         return (os.system, ("touch /tmp/triscope-should-not-exist",))
 
 
@@ -130,7 +130,7 @@ def test_flight_recorder_unpickler_refuses_code(tmp_path: Path) -> None:
                                                                                               "s": {1, 2}}
 
 
-def test_detect_and_ingest_every_sample(store) -> None:  # noqa: ANN001
+def test_detect_and_ingest_every_sample(store) -> None:
     data = shared_data("nccl")
     assert detect_format(data / "inspector_examples.jsonl") == "inspector"
     assert detect_format(data / "inspector_example.prom") == "inspector"
@@ -151,7 +151,7 @@ def test_detect_and_ingest_every_sample(store) -> None:  # noqa: ANN001
     assert exact == 1796206941940984103  # nanosecond-exact creation time of rank 1's first all_reduce
 
 
-def test_unrecognised_file_is_a_one_line_error(tmp_path: Path, store) -> None:  # noqa: ANN001
+def test_unrecognised_file_is_a_one_line_error(tmp_path: Path, store) -> None:
     path = tmp_path / "x.txt"
     path.write_text("hello\nworld\n")
     with pytest.raises(InputError, match="not a recognised"):

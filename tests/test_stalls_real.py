@@ -38,7 +38,7 @@ prof.export_chrome_trace(sys.argv[1])
 """
 
 
-def test_cpu_bound_torch_loop_is_compute(store, tmp_path: Path) -> None:  # noqa: ANN001
+def test_cpu_bound_torch_loop_is_compute(store, tmp_path: Path) -> None:
     """The loop runs in its own process, as a user's job would: in the test process, threads left
     by earlier tests take the GIL between two ops and open gaps in the ops' coverage of a step."""
     import sys
@@ -109,7 +109,7 @@ def _io_rows(device: str, reads: list[tuple[int, float]], disk: list[tuple[int, 
     return cols
 
 
-def test_real_disk_reads_are_io(store, tmp_path: Path) -> None:  # noqa: ANN001
+def test_real_disk_reads_are_io(store, tmp_path: Path) -> None:
     """fio reads a file with O_DIRECT at queue depth 1, then 128; io_latency rows come from the real latencies."""
     require_binary("fio")
     data = tmp_path / "reads.bin"
@@ -153,7 +153,7 @@ def test_real_disk_reads_are_io(store, tmp_path: Path) -> None:  # noqa: ANN001
     assert crossed >= 1  # the deep queue drove at least one window past both seed thresholds
 
 
-def test_bpftrace_collector_rows_make_the_io_verdict(store, tmp_path: Path) -> None:  # noqa: ANN001
+def test_bpftrace_collector_rows_make_the_io_verdict(store, tmp_path: Path) -> None:
     """The whole IO path for real: fio reads at depth 1 then 128, the bpftrace collector measures them
     on the block tracepoints, its io_latency rows go into the store, and the classifier calls exactly the
     windows whose measured read p99 and queue depth pass the seed thresholds IO."""

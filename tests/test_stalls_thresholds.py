@@ -24,7 +24,7 @@ def _t0() -> int:
     return (time.time_ns() // 10**9 - 600) * 10**9  # aligned to the 100 ms grid, inside "the last 10m"
 
 
-def _samples(store, t0: int, rows: list[tuple], host: str = "h1", gpu: int = 0, model: str = "H100") -> None:  # noqa: ANN001
+def _samples(store, t0: int, rows: list[tuple], host: str = "h1", gpu: int = 0, model: str = "H100") -> None:
     """rows: (window index, sm, dram, l2, util) -> one sample in the middle of each 100 ms window."""
     store.insert(qualified(store, "gpu_samples"), {
         "ts": [ns_text(t0 + i * 100 * MS + 50 * MS) for i, *_ in rows], "host": [host] * len(rows),
@@ -34,7 +34,7 @@ def _samples(store, t0: int, rows: list[tuple], host: str = "h1", gpu: int = 0, 
     })
 
 
-def _io(store, t0: int, rows: list[tuple], host: str = "h1") -> None:  # noqa: ANN001
+def _io(store, t0: int, rows: list[tuple], host: str = "h1") -> None:
     """rows: (window index, device, p99 seconds, queue depth)."""
     store.insert(qualified(store, "io_latency"), {
         "ts": [ns_text(t0 + r[0] * 100 * MS) for r in rows], "host": [host] * len(rows),
@@ -45,7 +45,7 @@ def _io(store, t0: int, rows: list[tuple], host: str = "h1") -> None:  # noqa: A
     })
 
 
-def _trace(store, t0: int, events: list[tuple], host: str = "h1", run: str = "r", rank: int = 0) -> None:  # noqa: ANN001
+def _trace(store, t0: int, events: list[tuple], host: str = "h1", run: str = "r", rank: int = 0) -> None:
     """events: (kind, kernel_class, name, start ms, dur ms) relative to t0 (the trace's base time)."""
     store.insert(qualified(store, "trace_runs"), {
         "run_id": [run], "rank": [rank], "host": [host], "base_time_ns": [t0], "time_base": ["relative"],
@@ -60,12 +60,12 @@ def _trace(store, t0: int, events: list[tuple], host: str = "h1", run: str = "r"
     })
 
 
-def _run(store, t0: int, windows: int, config: dict | None = None, **kw):  # noqa: ANN001, ANN202
+def _run(store, t0: int, windows: int, config: dict | None = None, **kw):
     report = diagnose_stalls(store, t0, t0 + windows * 100 * MS, config or {}, **kw)
     return report, {(w.unit, (w.start_ns - t0) // (100 * MS)): w for w in report.windows}
 
 
-def test_compute_rule_at_the_default_thresholds(store) -> None:  # noqa: ANN001
+def test_compute_rule_at_the_default_thresholds(store) -> None:
     t0 = _t0()
     _samples(store, t0, [(0, 0.951, 0.5, 0.5, 1.0), (1, 0.949, 0.5, 0.5, 1.0), (2, 0.99, 0.61, 0.2, 1.0),
                          (3, 0.99, NAN, 0.59, 1.0), (4, 0.99, 0.2, 0.605, 1.0)])
@@ -78,7 +78,7 @@ def test_compute_rule_at_the_default_thresholds(store) -> None:  # noqa: ANN001
     assert ev["sm_active_ratio"].value == pytest.approx(0.951, abs=1e-6)
 
 
-def test_compute_rule_exactly_at_configured_thresholds(store) -> None:  # noqa: ANN001
+def test_compute_rule_exactly_at_configured_thresholds(store) -> None:
     """0.75 and 0.5 are exact in Float32: the value equal to the threshold does not count."""
     t0 = _t0()
     up = float(np.nextafter(np.float32(0.75), np.float32(1)))
@@ -90,7 +90,7 @@ def test_compute_rule_exactly_at_configured_thresholds(store) -> None:  # noqa: 
     assert [w[("h1/gpu0", i)].verdict for i in range(4)] == ["unclassified", "compute", "unclassified", "compute"]
 
 
-def test_io_rule_needs_latency_and_depth_on_one_device(store) -> None:  # noqa: ANN001
+def test_io_rule_needs_latency_and_depth_on_one_device(store) -> None:
     t0 = _t0()
     _samples(store, t0, [(i, 0.5, 0.1, 0.1, 0.5) for i in range(5)])
     _io(store, t0, [(0, "nvme0n1", 0.0012, 65.0), (1, "nvme0n1", 0.0012001, 65.0), (2, "nvme0n1", 0.002, 64.0),
@@ -104,7 +104,7 @@ def test_io_rule_needs_latency_and_depth_on_one_device(store) -> None:  # noqa: 
     assert w[("h1/gpu0", 4)].evidence["io"][0].source == "io_latency[nvme1n1]"
 
 
-def _gpu_trace(store, t0: int) -> None:  # noqa: ANN001
+def _gpu_trace(store, t0: int) -> None:
     k = ("kernel", "compute", "gemm")
     c = ("kernel", "comm", "ncclDevKernel_AllReduce_Sum_f32_RING_LL")
     _trace(store, t0, [
@@ -116,7 +116,7 @@ def _gpu_trace(store, t0: int) -> None:  # noqa: ANN001
     ])
 
 
-def test_trace_rules_comm_compute_host_idle(store) -> None:  # noqa: ANN001
+def test_trace_rules_comm_compute_host_idle(store) -> None:
     t0 = _t0()
     _gpu_trace(store, t0)
     report, w = _run(store, t0, 5)
@@ -129,7 +129,7 @@ def test_trace_rules_comm_compute_host_idle(store) -> None:  # noqa: ANN001
     assert report.share_text() == "unclassified 20%, comm 20%, compute 20%, host 20%, idle 20%"
 
 
-def test_precedence_and_also_matched(store) -> None:  # noqa: ANN001
+def test_precedence_and_also_matched(store) -> None:
     t0 = _t0()
     _gpu_trace(store, t0)
     _samples(store, t0, [(1, 0.99, 0.1, 0.1, 1.0)])  # the comm window also has SMs > 95 % busy
@@ -139,7 +139,7 @@ def test_precedence_and_also_matched(store) -> None:  # noqa: ANN001
     assert w2[("h1/gpu0", 1)].verdict == "compute"
 
 
-def test_host_bound_from_serving_queue(store) -> None:  # noqa: ANN001
+def test_host_bound_from_serving_queue(store) -> None:
     t0 = _t0()
     _samples(store, t0, [(0, 0.3, 0.1, 0.1, 0.4), (1, 0.3, 0.1, 0.1, 0.4), (2, 0.01, NAN, NAN, 0.01)])
     store.insert(qualified(store, "serving_metrics"), {
@@ -149,7 +149,7 @@ def test_host_bound_from_serving_queue(store) -> None:  # noqa: ANN001
     assert [w[("h1/gpu0", i)].verdict for i in range(3)] == ["host", "unclassified", "idle"]
 
 
-def test_shares_top_windows_and_breach(store) -> None:  # noqa: ANN001
+def test_shares_top_windows_and_breach(store) -> None:
     t0 = _t0()
     _samples(store, t0, [(i, 0.99, 0.1, 0.1, 1.0) for i in range(3)] + [(i, 0.5, 0.1, 0.1, 0.5) for i in range(3, 10)])
     _io(store, t0, [(i, "sda", 0.002 + i * 1e-4, 100.0) for i in range(3, 8)])
@@ -165,7 +165,7 @@ def test_shares_top_windows_and_breach(store) -> None:  # noqa: ANN001
     assert quiet.to_json()["actions"].keys() >= {"io", "compute"}
 
 
-def test_host_gpu_and_model_filters(store) -> None:  # noqa: ANN001
+def test_host_gpu_and_model_filters(store) -> None:
     t0 = _t0()
     _samples(store, t0, [(0, 0.99, 0.1, 0.1, 1.0)], host="h1", gpu=0)
     _samples(store, t0, [(0, 0.01, 0.1, 0.1, 0.0)], host="h1", gpu=1)
@@ -191,7 +191,7 @@ def test_config_section_and_env_override() -> None:
     assert verdict == "comm" and matched == ["comm"]
 
 
-def test_empty_range_is_an_error(store) -> None:  # noqa: ANN001
+def test_empty_range_is_an_error(store) -> None:
     with pytest.raises(InputError):
         diagnose_stalls(store, 10, 10, {})
 

@@ -199,11 +199,11 @@ def test_real_torch_without_cuda_is_a_clean_state(store: Any, tmp_path: Any,
 def test_allocator_table_v1_upgrades_with_active_bytes(store: Any) -> None:
     """A store from before gpu migration 3 gains active_bytes; old rows read 0 there."""
     from triscope.schema import create_table_sql, migrate, schema_versions
-    from triscope.schema.gpu import _ALLOCATOR_SAMPLES_V1, ALLOCATOR_SAMPLES
+    from triscope.schema.gpu import ALLOCATOR_SAMPLES
 
     table = qualified(store, "allocator_samples")
     store.command(f"DROP TABLE {table}")
-    for sql in create_table_sql(_ALLOCATOR_SAMPLES_V1, store.database):
+    for sql in create_table_sql(ALLOCATOR_SAMPLES, store.database, version=1):
         store.command(sql)
     store.insert(table, {"ts": ["2026-01-01 00:00:00"], "host": ["old"], "gpu": [0], "pid": [1],
                          "reserved_bytes": [2.0 * MIB]})

@@ -87,7 +87,7 @@ def weights(feed: WeightFeed) -> dict:
     return json.loads(body)
 
 
-def wait_for(pred, timeout_s: float = 5.0, every_s: float = 0.02):  # noqa: ANN001
+def wait_for(pred, timeout_s: float = 5.0, every_s: float = 0.02):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = pred()
@@ -178,7 +178,7 @@ def test_metrics_exposition(feed: WeightFeed, fleet: Fleet) -> None:
     assert by[("triscope_weights_last_update_timestamp_seconds", ())] == pytest.approx(time.time(), abs=5)
 
 
-def test_metrics_pass_promtool(feed: WeightFeed, tmp_path) -> None:  # noqa: ANN001
+def test_metrics_pass_promtool(feed: WeightFeed, tmp_path) -> None:
     promtool = require_binary("promtool")
     body = get(feed, "/metrics")[2]
     proc = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=30)
@@ -343,7 +343,7 @@ def _ts(t: float) -> str:
     return f"{ns // 1_000_000_000}.{ns % 1_000_000_000:09d}"
 
 
-def _seed(store, now: float) -> None:  # noqa: ANN001
+def _seed(store, now: float) -> None:
     from triscope.schema import qualified
 
     gpu_rows = [  # gpu-a: GPUs 0 (40%) and 1 (90%, worst); gpu-b: GPU 0 lost; an old sample is superseded
@@ -368,7 +368,7 @@ def _seed(store, now: float) -> None:  # noqa: ANN001
         "request_class": [r[5] for r in reqs]})
 
 
-def test_store_reader_and_feed(store) -> None:  # noqa: ANN001
+def test_store_reader_and_feed(store) -> None:
     from triscope.exporters.weights import read_inputs
 
     now = time.time()
@@ -414,14 +414,14 @@ def test_store_reader_and_feed(store) -> None:  # noqa: ANN001
 # --------------------------------------------------------------------------- CLI
 
 
-def _config_file(tmp_path, store, extra: str = "") -> str:  # noqa: ANN001
+def _config_file(tmp_path, store, extra: str = "") -> str:
     path = tmp_path / "triscope.toml"
     path.write_text(f'[store]\nbackend = "embedded"\npath = "{store.path}"\ndatabase = "{store.database}"\n'
                     f'[weights]\ndiscover = true\n{extra}')
     return str(path)
 
 
-def test_cli_serve_once_json_and_table(store, tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+def test_cli_serve_once_json_and_table(store, tmp_path, capsys, monkeypatch) -> None:
     from triscope.cli import main
 
     monkeypatch.delenv("TRISCOPE_CONFIG", raising=False)
@@ -450,7 +450,7 @@ def test_cli_serve_once_json_and_table(store, tmp_path, capsys, monkeypatch) -> 
     assert err.count("\n") == 1 and "floor" in err
 
 
-def test_cli_serve_runs_until_sigterm(tmp_path) -> None:  # noqa: ANN001
+def test_cli_serve_runs_until_sigterm(tmp_path) -> None:
     import os
     import re
     import signal
@@ -483,7 +483,7 @@ def test_cli_serve_runs_until_sigterm(tmp_path) -> None:  # noqa: ANN001
 # --------------------------------------------------------------------------- triscope run
 
 
-def test_triscope_run_serves_weights_from_scraped_metrics(tmp_path) -> None:  # noqa: ANN001
+def test_triscope_run_serves_weights_from_scraped_metrics(tmp_path) -> None:
     """``triscope run`` (own chDB dir): serving_metrics scrapes a vLLM-style /metrics into the store,
     the ``weights_feed`` exporter reads it back and publishes the backend's weight."""
     import os
@@ -580,7 +580,7 @@ def test_connection_cap_closes_extra_connections(fleet: Fleet) -> None:
             WeightFeed(WeightParams.from_config({"weights": {"feed": {"max_connections": 0}}}), inputs_fn=fleet)
 
 
-def test_history_rows_survive_a_refusing_store(store) -> None:  # noqa: ANN001
+def test_history_rows_survive_a_refusing_store(store) -> None:
     from triscope.schema import create_table_sql, qualified
     from triscope.schema.weights import WEIGHTS_HISTORY
 
@@ -591,7 +591,7 @@ def test_history_rows_survive_a_refusing_store(store) -> None:  # noqa: ANN001
     feed.update()
     feed.update()
     store.command(f"DROP TABLE {qualified(store, 'weights_history')}")
-    with pytest.raises(Exception):  # noqa: B017 - whatever the store raises for a missing table
+    with pytest.raises(Exception):
         feed.flush_history()
     assert len(feed._history) == 4 and feed.history_rows_written == 0  # kept for the next flush
     for sql in create_table_sql(WEIGHTS_HISTORY, store.database):
@@ -602,7 +602,7 @@ def test_history_rows_survive_a_refusing_store(store) -> None:  # noqa: ANN001
     assert tuple(versions) == (6, 3)
 
 
-def test_store_reader_counter_rate_and_lookback(store) -> None:  # noqa: ANN001
+def test_store_reader_counter_rate_and_lookback(store) -> None:
     from triscope.exporters.weights import read_inputs
     from triscope.schema import qualified
 

@@ -266,7 +266,7 @@ def _handler_for(backend: SimBackend) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        def log_message(self, format: str, *args: Any) -> None:
             """Quiet: the demo prints its own summary."""
 
         def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
@@ -279,7 +279,7 @@ def _handler_for(backend: SimBackend) -> type[BaseHTTPRequestHandler]:
         def _json(self, status: int, doc: dict[str, Any]) -> None:
             self._send(status, json.dumps(doc).encode())
 
-        def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        def do_GET(self) -> None:
             if self.path == "/metrics":
                 self._send(200, backend.metrics_text().encode(), "text/plain; version=0.0.4; charset=utf-8")
             elif self.path in ("/health", "/healthz"):
@@ -287,7 +287,7 @@ def _handler_for(backend: SimBackend) -> type[BaseHTTPRequestHandler]:
             else:
                 self._json(404, {"error": f"no route {self.path}"})
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             try:
                 length = int(self.headers.get("Content-Length") or 0)
             except ValueError:

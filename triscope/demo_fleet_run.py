@@ -185,7 +185,7 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
 
     from triscope.collectors.otel_exporter import TriscopeSpanExporter
     from triscope.collectors.serving_metrics import ServingMetricsScraper
-    from triscope.collectors.span_mapping import ns_to_ts_text
+    from triscope.schema import encode_ts
     from triscope.writer import Writer
 
     def say(text: str) -> None:
@@ -208,7 +208,7 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
                     writer.submit(table, cols)
 
             def sample_gpus() -> None:
-                writer.submit("gpu_samples", _gpu_rows(backends, ns_to_ts_text(time.time_ns())))
+                writer.submit("gpu_samples", _gpu_rows(backends, encode_ts(time.time_ns())))
 
             exporter = TriscopeSpanExporter(store, interval_s=0.5)
             provider = TracerProvider(resource=Resource.create({"service.name": "triscope-demo-loadgen"}))

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from triscope.component import ComponentConfig, non_negative, positive
 from triscope.errors import ConfigError, InputError, StoreError
 from triscope.schema import qualified
 from triscope.spool import TABLE_NAME, OpenBatch, Spool, SpoolFile
@@ -34,16 +35,32 @@ from triscope.store.base import Store
 
 log = logging.getLogger(__name__)
 
-DEFAULTS: dict[str, Any] = {
-    "spool_dir": "var/triscope-spool",
-    "batch_rows": 100_000,
-    "flush_interval_s": 1.0,
-    "max_memory_rows": 2_000_000,
-    "spool_max_bytes": 2 << 30,
-    "fsync": True,
-    "retry_max_s": 30.0,
-    "dedup_window": 1000,
-}
+
+
+@dataclass(frozen=True)
+class WriterConfig(ComponentConfig):
+    """``[writer]``: batching, memory bound, spool and retry settings (see the module docstring)."""
+
+    section = "writer"
+    spool_dir: str = "var/triscope-spool"
+    batch_rows: int = 100_000
+    flush_interval_s: float = 1.0
+    max_memory_rows: int = 2_000_000
+    spool_max_bytes: int = 2 << 30
+    fsync: bool = True
+    retry_max_s: float = 30.0
+    dedup_window: int = 1000
+
+    def validate(self, where: str) -> None:
+        if not self.spool_dir:
+            raise ConfigError(f"{where} spool_dir must not be empty")
+        positive(where, batch_rows=self.batch_rows, flush_interval_s=self.flush_interval_s,
+                 max_memory_rows=self.max_memory_rows, spool_max_bytes=self.spool_max_bytes,
+                 retry_max_s=self.retry_max_s)
+        non_negative(where, dedup_window=self.dedup_window)
+
+
+_DEFAULT = WriterConfig()
 STAT_NAMES = ("rows_submitted", "rows_written", "rows_replayed", "rows_dropped", "rows_rejected",
               "batches_written", "insert_failures")
 
@@ -77,10 +94,11 @@ class Writer:
     again after a failure, so a server that is down at start is picked up when it comes back.
     """
 
-    def __init__(self, store: Store | Callable[[], Store], spool_dir: str, *, batch_rows: int = 100_000,
-                 flush_interval_s: float = 1.0, max_memory_rows: int = 2_000_000,
-                 spool_max_bytes: int = 2 << 30, fsync: bool = True, retry_max_s: float = 30.0,
-                 dedup_window: int = 1000) -> None:
+    def __init__(self, store: Store | Callable[[], Store], spool_dir: str, *,
+                 batch_rows: int = _DEFAULT.batch_rows, flush_interval_s: float = _DEFAULT.flush_interval_s,
+                 max_memory_rows: int = _DEFAULT.max_memory_rows, spool_max_bytes: int = _DEFAULT.spool_max_bytes,
+                 fsync: bool = _DEFAULT.fsync, retry_max_s: float = _DEFAULT.retry_max_s,
+                 dedup_window: int = _DEFAULT.dedup_window) -> None:
         if isinstance(store, Store):
             self._store: Store | None = store
             self._connect: Callable[[], Store] | None = None
@@ -117,16 +135,10 @@ class Writer:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], store: Store | Callable[[], Store]) -> Writer:
-        """A writer configured by the ``[writer]`` section (defaults in :data:`DEFAULTS`)."""
-        cfg = {**DEFAULTS, **(config.get("writer") or {})}
-        unknown = set(cfg) - set(DEFAULTS)
-        if unknown:
-            raise ConfigError(f"[writer] has unknown keys: {', '.join(sorted(unknown))}")
-        try:
-            kwargs = {k: type(DEFAULTS[k])(v) for k, v in cfg.items() if k != "spool_dir"}
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"[writer] has a bad value: {exc}") from None
-        return cls(store, str(cfg["spool_dir"]), **kwargs)
+        """A writer configured by the ``[writer]`` section (:class:`WriterConfig`)."""
+        cfg = WriterConfig.from_config(config)
+        kwargs = cfg.as_dict()
+        return cls(store, kwargs.pop("spool_dir"), **kwargs)
 
     # ---- recovery -----------------------------------------------------------------------------
     def _recover(self) -> None:
@@ -321,7 +333,7 @@ class Writer:
             self._ensure_dedup(store, item.table)
             store.insert(qualified(store, item.table), columns,
                          settings={"insert_deduplication_token": item.batch_id})
-        except Exception as exc:  # noqa: BLE001 - classify below: store down vs bad batch
+        except Exception as exc:
             return self._failed(queued, exc)
         self.spool.remove(item)
         self.stats["rows_written"] += item.rows
@@ -357,7 +369,7 @@ class Writer:
     def _healthy(store: Store) -> bool:
         try:
             return store.query("SELECT 1").scalar() == 1
-        except Exception:  # noqa: BLE001 - any failure means not healthy
+        except Exception:
             return False
 
     # ---- control ------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def run_stalls(args: argparse.Namespace) -> int:
     return EXIT_BREACH if report.breaches() else 0
 
 
-def render(report) -> None:  # noqa: ANN001 - StallReport, imported lazily
+def render(report) -> None:
     """Rich tables: shares per unit, worst windows with evidence, stragglers, actions."""
     from rich.table import Table
 

@@ -13,6 +13,8 @@ import pkgutil
 from types import ModuleType
 
 from triscope.errors import StoreError
+from triscope.schema.gpu import ALLOCATOR_SAMPLES, GPU_PROCESS_MEMORY, GPU_SAMPLES
+from triscope.schema.io import IO_LATENCY
 from triscope.schema.model import (
     Column,
     Migration,
@@ -20,12 +22,20 @@ from triscope.schema.model import (
     add_columns,
     create_table_sql,
     create_tables,
+    default_for,
+    encode_ts,
     qualified,
 )
+from triscope.schema.nccl import NCCL_OPS
+from triscope.schema.requests import REQUESTS, SERVING_METRICS
+from triscope.schema.trace import TRACE_EVENTS, TRACE_RUNS
+from triscope.schema.weights import WEIGHTS_HISTORY
 from triscope.store.base import Store
 
-__all__ = ["Column", "Migration", "Table", "add_columns", "create_tables", "create_table_sql",
-           "domains", "migrate", "qualified", "schema_versions"]
+__all__ = ["ALLOCATOR_SAMPLES", "GPU_PROCESS_MEMORY", "GPU_SAMPLES", "IO_LATENCY", "NCCL_OPS", "REQUESTS",
+           "SERVING_METRICS", "TABLES", "TRACE_EVENTS", "TRACE_RUNS", "WEIGHTS_HISTORY",
+           "Column", "Migration", "Table", "add_columns", "create_table_sql", "create_tables", "default_for",
+           "domains", "encode_ts", "migrate", "qualified", "schema_versions", "table"]
 
 _MIGRATIONS_TABLE = Table(
     name="schema_migrations",
@@ -38,6 +48,20 @@ _MIGRATIONS_TABLE = Table(
     order_by="domain, version",
     engine="ReplacingMergeTree",
 )
+
+
+TABLES: dict[str, Table] = {t.name: t for t in (
+    GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES, IO_LATENCY, NCCL_OPS, REQUESTS, SERVING_METRICS,
+    TRACE_RUNS, TRACE_EVENTS, WEIGHTS_HISTORY)}
+"""Every data table by name (``schema_migrations`` is the migrator's own)."""
+
+
+def table(name: str) -> Table:
+    """The schema's table called ``name``; StoreError for a name the schema does not have."""
+    try:
+        return TABLES[name]
+    except KeyError:
+        raise StoreError(f"no table {name!r} in the schema") from None
 
 
 def domains() -> dict[str, ModuleType]:

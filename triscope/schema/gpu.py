@@ -5,8 +5,6 @@ a float that a source could not measure is NaN (aggregate with ``...If(x, isFini
 units are in the column names (``_bytes``, ``_seconds``, ``_ratio`` in 0..1, ``_hz``, ``_watts``).
 """
 
-from dataclasses import replace
-
 from triscope.schema.model import Column, Migration, Table, add_columns, create_tables
 
 DOMAIN = "gpu"
@@ -14,7 +12,7 @@ DOMAIN = "gpu"
 TS = Column("ts", "DateTime64(9, 'UTC')")
 HOST = Column("host", "LowCardinality(String)")
 
-_GPU_SAMPLES_V1 = Table(
+GPU_SAMPLES = Table(
     name="gpu_samples",
     columns=[
         TS, HOST,
@@ -42,20 +40,15 @@ _GPU_SAMPLES_V1 = Table(
         Column("ecc_corrected_total", "Float64"),
         Column("ecc_uncorrected_total", "Float64"),
         Column("state", "LowCardinality(String)", "ok, lost, unavailable"),
+        Column("pod", "LowCardinality(String)", "Kubernetes pod using the GPU (dcgm-exporter -k), comma-joined", since=2),
+        Column("namespace", "LowCardinality(String)", "Kubernetes namespace of that pod", since=2),
+        Column("container", "LowCardinality(String)", "Kubernetes container of that pod", since=2),
+        Column("error", "String", "one-line reason when state is not ok", since=2),
     ],
     order_by="host, gpu, ts",
     partition_by="toYYYYMMDD(ts)",
 )
 
-GPU_SAMPLES_V2_COLUMNS = (
-    Column("pod", "LowCardinality(String)", "Kubernetes pod using the GPU (dcgm-exporter -k), comma-joined"),
-    Column("namespace", "LowCardinality(String)", "Kubernetes namespace of that pod"),
-    Column("container", "LowCardinality(String)", "Kubernetes container of that pod"),
-    Column("error", "String", "one-line reason when state is not ok"),
-)
-
-GPU_SAMPLES = replace(_GPU_SAMPLES_V1, columns=[*_GPU_SAMPLES_V1.columns, *GPU_SAMPLES_V2_COLUMNS])
-"""Current ``gpu_samples`` columns (version 1 plus the columns migration 2 adds)."""
 
 GPU_PROCESS_MEMORY = Table(
     name="gpu_process_memory",
@@ -65,7 +58,7 @@ GPU_PROCESS_MEMORY = Table(
     partition_by="toYYYYMMDD(ts)",
 )
 
-_ALLOCATOR_SAMPLES_V1 = Table(
+ALLOCATOR_SAMPLES = Table(
     name="allocator_samples",
     columns=[
         TS, HOST, Column("gpu", "UInt16"), Column("pid", "UInt32"),
@@ -75,22 +68,16 @@ _ALLOCATOR_SAMPLES_V1 = Table(
         Column("alloc_retries_total", "UInt64"),
         Column("ooms_total", "UInt64"),
         Column("fragmentation_ratio", "Float32", "1 - allocated/reserved"),
+        Column("active_bytes", "Float64", "torch allocator active blocks: allocated, or freed but awaiting stream events", since=3),
     ],
     order_by="host, gpu, pid, ts",
     partition_by="toYYYYMMDD(ts)",
 )
 
-ALLOCATOR_SAMPLES_V3_COLUMNS = (
-    Column("active_bytes", "Float64", "torch allocator active blocks: allocated, or freed but awaiting stream events"),
-)
-ALLOCATOR_SAMPLES = replace(_ALLOCATOR_SAMPLES_V1,
-                            columns=[*_ALLOCATOR_SAMPLES_V1.columns, *ALLOCATOR_SAMPLES_V3_COLUMNS])
-"""Current ``allocator_samples`` columns (version 1 plus the column migration 3 adds)."""
 
 MIGRATIONS = [
-    Migration(1, "gpu samples, process memory, allocator", create_tables(_GPU_SAMPLES_V1, GPU_PROCESS_MEMORY,
-                                                                          _ALLOCATOR_SAMPLES_V1)),
-    Migration(2, "gpu samples: kubernetes pod labels and error text",
-              add_columns("gpu_samples", *GPU_SAMPLES_V2_COLUMNS)),
-    Migration(3, "allocator samples: active bytes", add_columns("allocator_samples", *ALLOCATOR_SAMPLES_V3_COLUMNS)),
+    Migration(1, "gpu samples, process memory, allocator",
+              create_tables(GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES, version=1)),
+    Migration(2, "gpu samples: kubernetes pod labels and error text", add_columns(GPU_SAMPLES, 2)),
+    Migration(3, "allocator samples: active bytes", add_columns(ALLOCATOR_SAMPLES, 3)),
 ]

@@ -8,10 +8,47 @@ over it, sharded by ``rand()``; reads and inserts go through ``T``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import datetime as dt
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from triscope.errors import InputError
 from triscope.store.base import Store
+
+
+def encode_ts(ns: int) -> str:
+    """Epoch nanoseconds as the exact ``YYYY-MM-DD hh:mm:ss.nnnnnnnnn`` text a DateTime64(9) column parses.
+
+    The one timestamp encoder for rows handed to the writer (text survives the spool's msgpack
+    and both store backends unchanged, to the nanosecond).
+    """
+    sec, frac = divmod(int(ns), 1_000_000_000)
+    base = dt.datetime.fromtimestamp(sec, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return f"{base}.{frac:09d}"
+
+
+def default_for(ch_type: str) -> Any:
+    """The value a column of ClickHouse type ``ch_type`` gets when a row does not set it."""
+    t = ch_type
+    while True:  # unwrap LowCardinality(...) / Nullable(...)
+        if t.startswith("LowCardinality(") and t.endswith(")"):
+            t = t[len("LowCardinality("):-1]
+        elif t.startswith("Nullable("):
+            return None
+        else:
+            break
+    if t.startswith(("Array(", "Tuple(")):
+        return []
+    if t.startswith("Map("):
+        return {}
+    if t.startswith("Float"):
+        return 0.0
+    if t.startswith(("Int", "UInt", "Decimal", "DateTime", "Date")):
+        return 0
+    if t == "Bool":
+        return False
+    return ""
 
 
 @dataclass(frozen=True)
@@ -21,6 +58,8 @@ class Column:
     name: str
     type: str
     comment: str = ""
+    since: int = 1
+    """The domain's schema version whose migration added this column."""
 
     def ddl(self) -> str:
         comment = self.comment.replace("\\", "\\\\").replace("'", "\\'")
@@ -41,12 +80,41 @@ class Table:
     settings: dict[str, str] = field(default_factory=dict)
 
     def column_names(self) -> list[str]:
+        """Current columns, in order."""
         return [c.name for c in self.columns]
 
+    def columns_at(self, version: int) -> list[Column]:
+        """The columns this table had at schema ``version`` of its domain."""
+        return [c for c in self.columns if c.since <= version]
 
-def qualified(store: Store, name: str) -> str:
-    """``database.name`` for a table name from the schema."""
-    return f"{store.database}.{name}"
+    def defaults(self) -> dict[str, Any]:
+        """``{column: value a row gets when it does not set the column}``."""
+        return {c.name: default_for(c.type) for c in self.columns}
+
+    def empty_columns(self) -> dict[str, list[Any]]:
+        """``{column: []}`` for every current column: a column-oriented batch to append to."""
+        return {c.name: [] for c in self.columns}
+
+    def columns_of(self, rows: Iterable[Mapping[str, Any]], *,
+                   defaults: Mapping[str, Any] | None = None) -> dict[str, list[Any]]:
+        """Row dicts as a column-oriented batch of every current column; a key that is not a
+        column raises InputError (a typo must not vanish), a missing key takes its default."""
+        base = self.defaults()
+        if defaults:
+            base.update(defaults)
+        out: dict[str, list[Any]] = {name: [] for name in base}
+        for row in rows:
+            extra = row.keys() - base.keys()
+            if extra:
+                raise InputError(f"{self.name}: unknown column(s) {', '.join(sorted(extra))}")
+            for name, values in out.items():
+                values.append(row.get(name, base[name]))
+        return out
+
+
+def qualified(store: Store, table: Table | str) -> str:
+    """``database.name`` for a table of the schema."""
+    return f"{store.database}.{table.name if isinstance(table, Table) else table}"
 
 
 def _replicated(engine: str, table: str) -> str:
@@ -56,9 +124,11 @@ def _replicated(engine: str, table: str) -> str:
     return f"Replicated{base}({zk}{', ' + args if args else ''})"
 
 
-def create_table_sql(table: Table, database: str, cluster: str = "") -> list[str]:
-    """DDL statements creating ``table`` (one for single node, two for cluster mode)."""
-    cols = ",\n  ".join(c.ddl() for c in table.columns)
+def create_table_sql(table: Table, database: str, cluster: str = "", version: int | None = None) -> list[str]:
+    """DDL statements creating ``table`` (one for single node, two for cluster mode), with the
+    columns it had at ``version`` (all current columns when None)."""
+    columns = table.columns if version is None else table.columns_at(version)
+    cols = ",\n  ".join(c.ddl() for c in columns)
     tail = f"ORDER BY ({table.order_by})"
     if table.partition_by:
         tail = f"PARTITION BY {table.partition_by}\n{tail}"
@@ -99,15 +169,21 @@ class Migration:
     statements: Callable[[str, str], list[str]]
 
 
-def create_tables(*tables: Table) -> Callable[[str, str], list[str]]:
-    """Migration body creating the given tables."""
+def create_tables(*tables: Table, version: int = 1) -> Callable[[str, str], list[str]]:
+    """Migration body (step ``version`` of the domain) creating the given tables with the
+    columns they had at that version."""
     def render(database: str, cluster: str) -> list[str]:
-        return [sql for t in tables for sql in create_table_sql(t, database, cluster)]
+        return [sql for t in tables for sql in create_table_sql(t, database, cluster, version)]
     return render
 
 
-def add_columns(table: str, *columns: Column) -> Callable[[str, str], list[str]]:
-    """Migration body adding columns to an existing table."""
+def add_columns(table: Table, version: int) -> Callable[[str, str], list[str]]:
+    """Migration body (step ``version`` of the domain) adding the columns of ``table`` marked
+    ``since=version``."""
+    columns = [c for c in table.columns if c.since == version]
+    if not columns:
+        raise ValueError(f"{table.name}: no column has since={version}")
+
     def render(database: str, cluster: str) -> list[str]:
-        return [sql for c in columns for sql in add_column_sql(table, c, database, cluster)]
+        return [sql for c in columns for sql in add_column_sql(table.name, c, database, cluster)]
     return render

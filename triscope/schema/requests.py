@@ -29,6 +29,8 @@ REQUESTS = Table(
         Column("image_pixels", "UInt64", "width*height of the input image(s), 0 when none"),
         Column("input_resolution", "LowCardinality(String)", "e.g. 1024x768"),
         Column("status", "LowCardinality(String)", "ok or error"),
+        Column("service_name", "LowCardinality(String)", "resource service.name", since=2),
+        Column("operation", "LowCardinality(String)", "gen_ai.operation.name, e.g. chat, embeddings", since=2),
     ],
     order_by="backend, ts",
     partition_by="toYYYYMMDD(ts)",
@@ -55,10 +57,6 @@ SERVING_METRICS = Table(
 )
 
 MIGRATIONS = [
-    Migration(1, "requests and serving metrics", create_tables(REQUESTS, SERVING_METRICS)),
-    Migration(2, "requests: service name and gen_ai operation", add_columns(
-        "requests",
-        Column("service_name", "LowCardinality(String)", "resource service.name"),
-        Column("operation", "LowCardinality(String)", "gen_ai.operation.name, e.g. chat, embeddings"),
-    )),
+    Migration(1, "requests and serving metrics", create_tables(REQUESTS, SERVING_METRICS, version=1)),
+    Migration(2, "requests: service name and gen_ai operation", add_columns(REQUESTS, 2)),
 ]

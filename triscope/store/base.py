@@ -84,7 +84,7 @@ class Store(ABC):
         query ``settings`` where the backend takes them (see :attr:`reads_local_files`)."""
         self.insert_from_json(insert_sql, structure, Path(path).read_bytes(), params)
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release connections."""
 
     def __enter__(self) -> Store:

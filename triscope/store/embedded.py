@@ -103,7 +103,7 @@ class EmbeddedStore(Store):
                     f"chDB allows one data path per process (asked for {self.path})"
                 )
             Path(self.path).mkdir(parents=True, exist_ok=True)
-            self._lock_file = open(Path(self.path) / ".triscope.lock", "a+")  # noqa: SIM115
+            self._lock_file = open(Path(self.path) / ".triscope.lock", "a+")
             try:
                 fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -1,0 +1,259 @@
+"""The component contract: what the daemon drives, how components are configured and created.
+
+Every collector and exporter is a package-level ``create(config, context)`` factory:
+
+* ``config`` is the whole configuration (``dict``); the component reads its own section through
+  its typed config class, a :class:`ComponentConfig` subclass (defaults written once, types
+  checked, unknown keys rejected with a one-line :class:`~triscope.errors.ConfigError`).
+* ``context`` (:class:`Context`) carries what the daemon provides: the store opener, the
+  writer's ``submit`` (the one write path, see :mod:`triscope.writer`) and the live counters.
+
+The daemon (:mod:`triscope.daemon`) types what it holds with :class:`Collector` and
+:class:`Exporter`; the registry of names usable in ``[run]`` lives in :mod:`triscope.registry`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
+
+from triscope.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+Rows = Mapping[str, Sequence[Any]]
+"""Column-oriented rows: ``{column: values}``, every sequence the same length."""
+
+Submit = Callable[[str, Rows], int]
+"""Hands rows for one table to the writer (spooled before it returns); returns the row count."""
+
+
+@runtime_checkable
+class Collector(Protocol):
+    """A source of rows for one or more tables, polled by the daemon every ``interval_s``.
+
+    Long-running sources (bpftrace, an OTLP receiver) buffer between calls or submit through
+    ``context.submit`` themselves.
+    """
+
+    name: str
+    interval_s: float
+
+    def start(self) -> None:
+        """Acquire resources (open NVML, spawn a subprocess, bind a port). May raise TriscopeError."""
+
+    def collect(self) -> dict[str, Rows]:
+        """Rows since the last call, keyed by unqualified table name; ``{}`` when there is nothing new.
+
+        Must not raise for a transient source failure: record it (e.g. a ``state`` column) instead.
+        """
+
+    def close(self) -> None:
+        """Release resources; safe to call twice."""
+
+
+@runtime_checkable
+class Exporter(Protocol):
+    """Serves or pushes what the store holds (a weight feed, a Prometheus endpoint)."""
+
+    def start(self) -> None:
+        """Bind ports, start threads. May raise TriscopeError."""
+
+    def close(self) -> None:
+        """Stop serving; safe to call twice."""
+
+
+def _no_submit(table: str, rows: Rows) -> int:
+    raise ConfigError(f"no writer in this context to take rows for {table!r}")
+
+
+def _no_store() -> Any:
+    raise ConfigError("no store in this context")
+
+
+def _no_stats() -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a component gets from whoever runs it (the daemon, the CLI, a test)."""
+
+    open_store: Callable[[], Any] = _no_store
+    """Opens a :class:`~triscope.store.base.Store` (a new connection per call)."""
+    submit: Submit = _no_submit
+    """The writer's :meth:`~triscope.writer.Writer.submit`."""
+    stats: Callable[[], dict[str, Any]] = _no_stats
+    """The pipeline's live counters (:meth:`triscope.daemon.Daemon.stats`)."""
+
+
+Factory = Callable[[dict[str, Any], Context], Any]
+"""``create(config, context)``: returns a :class:`Collector` or an :class:`Exporter`."""
+
+
+# ---------------------------------------------------------------------------- typed configs
+
+C = TypeVar("C", bound="ComponentConfig")
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+                "list": "a list", "dict": "a table"}.get(tp.__name__, tp.__name__)
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list or origin is tuple:
+        return "a list"
+    if origin is dict or origin is Mapping:
+        return "a table"
+    return str(tp)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """``value`` checked against (and, for numbers, converted to) the annotation ``tp``."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r}")
+    if origin is list or origin is tuple or tp in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        args = typing.get_args(tp)
+        item = args[0] if args else Any
+        items = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (origin is tuple or tp is tuple) else items
+    if origin is dict or tp is dict or origin is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a table, got {value!r}")
+        args = typing.get_args(tp)
+        vt = args[1] if len(args) == 2 else Any
+        return {str(k): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where} must be a finite number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp) and issubclass(tp, ComponentConfig):
+        return tp.from_mapping(value, where)
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ComponentConfig:
+    """Base of every typed config section.
+
+    Subclasses are frozen dataclasses whose fields hold the defaults; ``section`` names the TOML
+    table (``[nvml]``), ``aliases`` maps deprecated key names to current ones (accepted for one
+    release with a warning). :meth:`validate` checks ranges after types are checked.
+    """
+
+    section: ClassVar[str] = ""
+    aliases: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None, where: str | None = None) -> Self:
+        """The config in ``data`` (one section's keys); ConfigError naming the key on any mistake."""
+        where = where or f"[{cls.section}]"
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where} must be a table, got {data!r}")
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        values: dict[str, Any] = {}
+        unknown: list[str] = []
+        for key, value in data.items():
+            name = cls.aliases.get(key, key)
+            if name != key:
+                log.warning("%s %s is deprecated; use %s", where, key, name)
+                if name in data:
+                    continue  # the current name wins over its alias
+            if name not in names:
+                unknown.append(str(key))
+                continue
+            values[name] = _coerce(value, hints[name], f"{where} {name}")
+        if unknown:
+            raise ConfigError(f"{where} has unknown keys: {', '.join(sorted(unknown))} "
+                              f"(known: {', '.join(sorted(names))})")
+        try:
+            config = cls(**values)
+        except TypeError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        config.validate(where)
+        return config
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | None) -> Self:
+        """This component's section of the whole configuration."""
+        return cls.from_mapping((config or {}).get(cls.section))
+
+    def validate(self, where: str) -> None:
+        """Range checks; raise ConfigError with ``where`` and the key. Default: none."""
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with ``changes`` applied (validated like a section)."""
+        out = dataclasses.replace(self, **changes)
+        out.validate(f"[{self.section}]")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def positive(where: str, **values: float) -> None:
+    """ConfigError unless every value is > 0 (``positive(where, interval_s=...)``)."""
+    for key, value in values.items():
+        if not value > 0:
+            raise ConfigError(f"{where} {key} must be > 0, got {value!r}")
+
+
+def non_negative(where: str, **values: float) -> None:
+    """ConfigError unless every value is >= 0."""
+    for key, value in values.items():
+        if not value >= 0:
+            raise ConfigError(f"{where} {key} must be >= 0, got {value!r}")
+
+
+def port(where: str, key: str, value: int) -> None:
+    """ConfigError unless ``value`` is a TCP port (0 picks a free one)."""
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{where} {key} must be a port 0-65535, got {value}")
+
+
+def config_field(default: Any) -> Any:
+    """A dataclass field with a mutable default (a list or table), copied per instance."""
+    return field(default_factory=lambda: typing.cast(Any, type(default))(default))
