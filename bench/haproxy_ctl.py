@@ -162,7 +162,7 @@ class HAProxy:
                                capture_output=True, text=True)
         if check.returncode != 0:
             raise RuntimeError(f"haproxy rejected its config: {check.stderr.strip() or check.stdout.strip()}")
-        log = open(self.workdir / "haproxy.log", "wb")
+        log = open(self.workdir / "haproxy.log", "wb")  # noqa: SIM115 - owned by the process lifetime
         self.proc = subprocess.Popen([self.binary, "-db", "-f", str(self.config_path)],
                                      stdout=log, stderr=subprocess.STDOUT)
         log.close()

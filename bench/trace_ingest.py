@@ -87,7 +87,7 @@ def worker_triscope(folder: Path) -> dict:
     store_dir = tempfile.mkdtemp(prefix="bench-store-")
     store = open_store({"store": {"path": store_dir}})
     store.query("SELECT 1")
-    import pyarrow
+    import pyarrow  # noqa: F401 - imported before timing starts
     base = _rss_mb()
     anon = AnonPeak()
     start = time.perf_counter()

@@ -24,15 +24,16 @@ from triscope.dashboards.model import (
     table,
     timeseries,
 )
+from triscope.schema import GPU_SAMPLES, REQUESTS, SERVING_METRICS
 
 UID = "triscope-fleet"
 HEATMAP_UID = "triscope-heatmap"
 STALLS_UID = "triscope-stalls"
 WEIGHTS_UID = "triscope-weights"
 
-REQ = t("requests")
-GPU = t("gpu_samples")
-SERVING = t("serving_metrics")
+REQ = t(REQUESTS)
+GPU = t(GPU_SAMPLES)
+SERVING = t(SERVING_METRICS)
 _LAT = "isFinite(latency_seconds)"
 _RANGE_S = "greatest(1, toUnixTimestamp($__toTime) - toUnixTimestamp($__fromTime))"
 
@@ -51,7 +52,7 @@ def _self(column: str) -> dict[str, object]:
 
 def board() -> Board:
     """The fleet-overview dashboard."""
-    variables = [DATABASE, host_var("gpu_samples", "requests", "serving_metrics"), gpu_var(), backend_var(),
+    variables = [DATABASE, host_var(GPU_SAMPLES, REQUESTS, SERVING_METRICS), gpu_var(), backend_var(),
                  *request_vars()]
     panels = [
         row("Traffic, memory and tail latency"),
@@ -102,7 +103,8 @@ def board() -> Board:
             "GROUP BY time, backend ORDER BY time, backend")],
             "scale up at >= 85% for 2 s, down at <= 40% for 5 s", unit="percentunit",
             thresholds=[(None, "green"), (0.40, "blue"), (0.85, "red")],
-            links=[link("Weights of ${__field.labels.backend}", WEIGHTS_UID, {"backend": "${__field.labels.backend}"})]),
+            links=[link("Weights of ${__field.labels.backend}", WEIGHTS_UID,
+                        {"backend": "${__field.labels.backend}"})]),
         timeseries("Queue length per backend", [sql_target(
             "SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, "
             "avgIf(queue_length, isFinite(queue_length)) AS queue_length, "

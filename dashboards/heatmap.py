@@ -25,6 +25,7 @@ from triscope.dashboards.common import (
     t,
 )
 from triscope.dashboards.model import Board, Panel, heatmap, link, row, sql_target, stat, table, text
+from triscope.schema import GPU_SAMPLES, REQUESTS
 
 UID = "triscope-heatmap"
 FLEET_UID = "triscope-fleet"
@@ -49,14 +50,14 @@ WITH
            groupArrayIf(latency_seconds, {sel}) AS lats,
            groupArrayIf(toString(modality), {sel}) AS mods,
            groupArrayIf(toString(request_class), {sel}) AS classes
-    FROM {t('requests')}
+    FROM {t(REQUESTS)}
     WHERE $__timeFilter(ts) AND {BACKEND_FILTER}
     GROUP BY b, w
   ),
   per_gpu AS (
     SELECT toString(host) AS h, gpu, any(toString(gpu_uuid)) AS uuid,
            intDiv(toUnixTimestamp64Nano(ts), {wns}) AS w, avg(memory_used_bytes) AS used
-    FROM {t('gpu_samples')}
+    FROM {t(GPU_SAMPLES)}
     WHERE ts >= $__fromTime - INTERVAL {reach_s} SECOND AND ts <= $__toTime AND isFinite(memory_used_bytes)
     GROUP BY h, gpu, w
   ),
@@ -124,7 +125,7 @@ def _slice_panel(title: str, x: str, y: str, description: str) -> Panel:
 def board() -> Board:
     """The heatmap dashboard."""
     s = SPEC
-    variables = [DATABASE, host_var("requests"), backend_var(), *request_vars()]
+    variables = [DATABASE, host_var(REQUESTS), backend_var(), *request_vars()]
     note = (f"Windows of {s.window_ms:g} ms per backend; bins of {s.qps_bin:g} QPS x {s.qps_bins}, "
             f"{s.memory_bin_bytes / 1e6:g} MB x {s.memory_bins}, {s.latency_bin_s * 1e3:g} ms x {s.latency_bins} "
             "(values past the last bin are clamped into it). The same tensor as `triscope heatmap`; "

@@ -5,10 +5,11 @@ from __future__ import annotations
 from triscope.analyzers.stalls import STALL_DEFAULTS
 from triscope.dashboards.common import DATABASE, conds, distinct, host_var, t
 from triscope.dashboards.model import Board, Variable, link, row, sql_target, table, timeseries
+from triscope.schema import IO_LATENCY
 
 UID = "triscope-io"
 STALLS_UID = "triscope-stalls"
-IO = t("io_latency")
+IO = t(IO_LATENCY)
 FILTER = conds([("host", "host"), ("device", "device")])
 P99_MIN = STALL_DEFAULTS["io_read_p99_min_seconds"]
 QD_MIN = STALL_DEFAULTS["io_queue_depth_min"]
@@ -23,8 +24,8 @@ GROUP BY time, host, device ORDER BY time, host, device"""
 
 def board() -> Board:
     """The block-IO dashboard."""
-    variables = [DATABASE, host_var("io_latency"),
-                 Variable("device", "Device", distinct("device", ["io_latency"], [("host", "host")]))]
+    variables = [DATABASE, host_var(IO_LATENCY),
+                 Variable("device", "Device", distinct("device", [IO_LATENCY], [("host", "host")]))]
     stall_link = [link("Stalls on ${__field.labels.host}", STALLS_UID, {"host": "${__field.labels.host}"})]
     panels = [
         row("Latency"),

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from triscope.dashboards.common import DATABASE, conds, distinct, host_var, t
 from triscope.dashboards.model import Board, Variable, bargauge, link, row, sql_target, table, timeseries
+from triscope.schema import NCCL_OPS
 
 UID = "triscope-nccl"
 STALLS_UID = "triscope-stalls"
-OPS = t("nccl_ops")
+OPS = t(NCCL_OPS)
 FILTER = conds([("host", "host"), ("run_id", "run_id"), ("collective", "collective")])
 MIN_LATENESS_S = 0.001
 
@@ -47,9 +48,9 @@ GROUP BY run_id, rank ORDER BY total_lateness_seconds DESC, rank"""
 def board() -> Board:
     """The NCCL dashboard."""
     variables = [
-        DATABASE, host_var("nccl_ops"),
-        Variable("run_id", "Run", distinct("run_id", ["nccl_ops"], [("host", "host")])),
-        Variable("collective", "Collective", distinct("collective", ["nccl_ops"],
+        DATABASE, host_var(NCCL_OPS),
+        Variable("run_id", "Run", distinct("run_id", [NCCL_OPS], [("host", "host")])),
+        Variable("collective", "Collective", distinct("collective", [NCCL_OPS],
                                                        [("host", "host"), ("run_id", "run_id")])),
     ]
     where = f"$__timeFilter(ts) AND {FILTER}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 from triscope.analyzers.stalls import STALL_DEFAULTS
 from triscope.dashboards.common import DATABASE, GPU_FILTER, cond, gpu_var, host_var, t
 from triscope.dashboards.model import Board, bargauge, link, row, sql_target, table, text, timeseries
+from triscope.schema import GPU_SAMPLES, IO_LATENCY, NCCL_OPS, TRACE_EVENTS, TRACE_RUNS
 
 UID = "triscope-stalls"
 IO_UID = "triscope-io"
@@ -48,7 +49,7 @@ GPU_WINDOWS = f"""
            isFinite(sm) AND sm > {_g(C['compute_sm_active_min'])}
              AND (NOT isFinite(l2) OR l2 < {_g(C['compute_bandwidth_max'])})
              AND (NOT isFinite(dram) OR dram < {_g(C['compute_bandwidth_max'])}) AS compute_bound
-    FROM {t('gpu_samples')}
+    FROM {t(GPU_SAMPLES)}
     WHERE $__timeFilter(ts) AND {GPU_FILTER}
     GROUP BY host, gpu, w
   )"""
@@ -58,7 +59,7 @@ IO_WINDOWS = f"""
     SELECT toString(host) AS host, toString(device) AS device, toUnixTimestamp64Nano(ts) AS t0,
            t0 + toInt64(round(greatest(window_seconds, 0) * 1e6)) * 1000 AS t1,
            p99_seconds > {_g(C['io_read_p99_min_seconds'])} AND queue_depth > {_g(C['io_queue_depth_min'])} AS bound
-    FROM {t('io_latency')}
+    FROM {t(IO_LATENCY)}
     WHERE ts >= $__fromTime - INTERVAL 1 HOUR AND ts <= $__toTime AND op IN ('read', 'all')
       AND {cond('host', 'host')}
   ),
@@ -72,12 +73,12 @@ IO_WINDOWS = f"""
 COMM_WINDOWS = f"""
   runs AS (
     SELECT run_id, rank, argMax(host, ingested_at) AS host, argMax(base_time_ns, ingested_at) AS base
-    FROM {t('trace_runs')} GROUP BY run_id, rank
+    FROM {t(TRACE_RUNS)} GROUP BY run_id, rank
   ),
   kernels AS (
     SELECT toString(e.run_id) AS run_id, e.rank AS rank, r.host AS host,
            e.ts_ns + r.base AS k0, e.ts_ns + e.dur_ns + r.base AS k1, e.kernel_class = 'comm' AS is_comm
-    FROM {t('trace_events')} AS e INNER JOIN runs AS r ON toString(e.run_id) = r.run_id AND e.rank = r.rank
+    FROM {t(TRACE_EVENTS)} AS e INNER JOIN runs AS r ON toString(e.run_id) = r.run_id AND e.rank = r.rank
     WHERE e.kind IN ('kernel', 'memcpy', 'memset') AND e.dur_ns > 0
       AND e.ts_ns + e.dur_ns + r.base >= toInt64(toUnixTimestamp($__fromTime)) * 1000000000
       AND e.ts_ns + r.base <= toInt64(toUnixTimestamp($__toTime)) * 1000000000
@@ -111,7 +112,7 @@ SELECT signal, share FROM (
 
 def board() -> Board:
     """The stall-breakdown dashboard."""
-    variables = [DATABASE, host_var("gpu_samples", "io_latency", "nccl_ops"), gpu_var()]
+    variables = [DATABASE, host_var(GPU_SAMPLES, IO_LATENCY, NCCL_OPS), gpu_var()]
     th = C
     panels = [
         text("Rules", f"Windows of {WINDOW_MS} ms. **compute**: SM active > {th['compute_sm_active_min']:.0%} with "
@@ -152,7 +153,7 @@ FROM gpu_w GROUP BY time, host, gpu ORDER BY time, host, gpu""")],
             w=8),
         timeseries("Block-IO read p99", [sql_target(f"""
 SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(device) AS device, max(p99_seconds) AS read_p99_seconds
-FROM {t('io_latency')} WHERE $__timeFilter(ts) AND op IN ('read', 'all') AND {cond('host', 'host')}
+FROM {t(IO_LATENCY)} WHERE $__timeFilter(ts) AND op IN ('read', 'all') AND {cond('host', 'host')}
 GROUP BY time, host, device ORDER BY time, host, device""")],
             "threshold: the IO rule's read p99", unit="s",
             thresholds=[(None, "green"), (th["io_read_p99_min_seconds"], "red")],
@@ -160,7 +161,7 @@ GROUP BY time, host, device ORDER BY time, host, device""")],
                                                                   "device": "${__field.labels.device}"})], w=8),
         timeseries("Block-IO queue depth", [sql_target(f"""
 SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(device) AS device, max(queue_depth) AS queue_depth
-FROM {t('io_latency')} WHERE $__timeFilter(ts) AND op IN ('read', 'all') AND {cond('host', 'host')}
+FROM {t(IO_LATENCY)} WHERE $__timeFilter(ts) AND op IN ('read', 'all') AND {cond('host', 'host')}
 GROUP BY time, host, device ORDER BY time, host, device""")],
             "threshold: the IO rule's queue depth", unit="short",
             thresholds=[(None, "green"), (th["io_queue_depth_min"], "red")], w=8),

@@ -23,11 +23,12 @@ from triscope.dashboards.common import (
 )
 from triscope.dashboards.model import Board, link, prom_target, row, sql_target, table, text, timeseries
 from triscope.exporters.weights import DEFAULT_CLASSES, DEFAULTS
+from triscope.schema import GPU_SAMPLES, REQUESTS, SERVING_METRICS, WEIGHTS_HISTORY
 
 UID = "triscope-weights"
 HEATMAP_UID = "triscope-heatmap"
 FLEET_UID = "triscope-fleet"
-HISTORY = t("weights_history")
+HISTORY = t(WEIGHTS_HISTORY)
 PENALTY_FLOOR = 0.05  # headroom_penalty: 1 / max(0.05, 1 - ratio)
 
 
@@ -50,7 +51,7 @@ SELECT time, request_class,
 FROM (
   SELECT $__timeInterval(ts) AS time, toString(request_class) AS request_class,
          quantileIf(0.99)(latency_seconds, isFinite(latency_seconds)) AS p99
-  FROM {t('requests')}
+  FROM {t(REQUESTS)}
   WHERE $__timeFilter(ts) AND request_class IN {quoted} AND {BACKEND_FILTER}
     AND {cond('request_class', 'request_class')}
   GROUP BY time, request_class
@@ -60,7 +61,7 @@ ORDER BY time, request_class"""
 
 def board() -> Board:
     """The routing-weights dashboard."""
-    variables = [DATABASE, host_var("gpu_samples", "requests", "serving_metrics"), gpu_var(), backend_var(),
+    variables = [DATABASE, host_var(GPU_SAMPLES, REQUESTS, SERVING_METRICS), gpu_var(), backend_var(),
                  request_var("request_class", "Request class")]
     drain, release = DEFAULTS["drain_memory_ratio"], DEFAULTS["release_memory_ratio"]
     panels = [
@@ -122,7 +123,7 @@ GROUP BY backend, state, reasons, stale ORDER BY last_seen DESC LIMIT 100""", ta
 SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(gpu) AS gpu,
        1 / greatest({PENALTY_FLOOR!r}, 1 - least(1, greatest(0, avgIf(memory_used_bytes / memory_total_bytes,
            isFinite(memory_used_bytes) AND memory_total_bytes > 0)))) AS memory_penalty
-FROM {t('gpu_samples')} WHERE $__timeFilter(ts) AND {GPU_FILTER}
+FROM {t(GPU_SAMPLES)} WHERE $__timeFilter(ts) AND {GPU_FILTER}
 GROUP BY time, host, gpu ORDER BY time, host, gpu""")],
             f"1 / max(0.05, 1 - used/total); drained at {drain:.0%} used ({1 / max(PENALTY_FLOOR, 1 - drain):.0f}x), "
             f"released at {release:.0%}", unit="short", w=12),
@@ -130,14 +131,14 @@ GROUP BY time, host, gpu ORDER BY time, host, gpu""")],
 SELECT $__timeInterval(ts) AS time, toString(backend) AS backend,
        1 / greatest({PENALTY_FLOOR!r}, 1 - least(1, greatest(0, avgIf(kv_cache_usage_ratio, isFinite(kv_cache_usage_ratio)))))
          AS kv_cache_penalty
-FROM {t('serving_metrics')} WHERE $__timeFilter(ts) AND {BACKEND_FILTER}
+FROM {t(SERVING_METRICS)} WHERE $__timeFilter(ts) AND {BACKEND_FILTER}
 GROUP BY time, backend ORDER BY time, backend""")], "1 / max(0.05, 1 - KV-cache usage)", unit="short", w=12),
         timeseries("P99 priority weight per request class", [sql_target(priority_sql())],
                    "weight x max(1, p99/sla)^alpha: realtime speech 200 ms / 8 / 2.5, interactive image-text "
                    "800 ms / 4 / 2.0, offline video 5000 ms / 1 / 1.0", unit="short", w=12),
         timeseries("QPS per backend", [sql_target(f"""
 SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, count() / $__interval_s AS qps
-FROM {t('requests')} WHERE $__timeFilter(ts) AND {BACKEND_FILTER} AND {cond('request_class', 'request_class')}
+FROM {t(REQUESTS)} WHERE $__timeFilter(ts) AND {BACKEND_FILTER} AND {cond('request_class', 'request_class')}
 GROUP BY time, backend ORDER BY time, backend""")], "the load input (capacity_qps per backend in the config)",
             unit="reqps", w=12),
     ]

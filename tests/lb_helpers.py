@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from conftest import free_port
+from conftest import free_port  # noqa: F401 - re-exported for the LB tests
 
 from triscope.exporters.feed import WeightFeed
 from triscope.exporters.weights import BackendInputs, WeightParams

@@ -22,10 +22,10 @@ import yaml
 
 from tests.conftest import REPO, require, require_binary
 from triscope.config import load_config
-from triscope.daemon import COLLECTORS, EXPORTERS, resolve
 from triscope.exporters.feed import WeightFeed
 from triscope.exporters.prometheus import prometheus_config
 from triscope.exporters.weights import WeightParams
+from triscope.registry import COLLECTORS, EXPORTERS, resolve
 
 COMPOSE = REPO / "compose"
 FILES = ("compose.yaml", "compose.gpu.yaml")
@@ -105,7 +105,8 @@ def test_no_default_credentials(stack: dict[str, Any]) -> None:
     config = load_config(COMPOSE / "triscope.toml", environ={})
     assert config["store"]["password"] == "" and config["store"]["username"] == ""
     assert not config.get("otlp", {}).get("token")
-    assert not re.search(r"(?im)^\s*(password|basic_auth|bearer_token)\s*[:=]", (COMPOSE / "prometheus.yml").read_text())
+    prometheus_yml = (COMPOSE / "prometheus.yml").read_text()
+    assert not re.search(r"(?im)^\s*(password|basic_auth|bearer_token)\s*[:=]", prometheus_yml)
 
 
 def test_required_variables_are_exactly_the_passwords(stack: dict[str, Any]) -> None:

@@ -300,7 +300,7 @@ def _whole_host_rules_differ(store, spec) -> int:
         f"SELECT DISTINCT intDiv(toUnixTimestamp64Nano(ts), {WNS}) FROM {qualified(store, 'requests')} "
         "WHERE backend = 'h2:8000'").rows}
     max_age_w = int(spec.memory_max_age_s * 1e9) // WNS
-    mbin = lambda used: min(int(used // spec.memory_bin_bytes), spec.memory_bins - 1)
+    mbin = lambda used: min(int(used // spec.memory_bin_bytes), spec.memory_bins - 1)  # noqa: E731
     differ = 0
     for w in windows:
         if not any(w in by_w for by_w in means.values()):

@@ -45,7 +45,7 @@ def envoy_binary() -> Path:
 
 def bootstrap(admin_port: int, listen_port: int, feed_port: int) -> dict:
     """Envoy bootstrap: a listener routing to EDS cluster ``triscope`` fed by REST from the feed."""
-    sock = lambda port: {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+    sock = lambda port: {"socket_address": {"address": "127.0.0.1", "port_value": port}}  # noqa: E731
     return {
         "node": {"id": "triscope-test", "cluster": "test"},  # REST xDS needs both
         "admin": {"address": sock(admin_port)},

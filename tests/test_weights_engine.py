@@ -228,8 +228,8 @@ def test_no_class_data_gives_base_priority() -> None:
 
 
 def test_drain_hysteresis_and_slow_start() -> None:
-    a = lambda mem, t: mk("a:1", mem=mem, at=t)
-    b = lambda t: mk("b:2", mem=0.1, at=t)
+    a = lambda mem, t: mk("a:1", mem=mem, at=t)  # noqa: E731
+    b = lambda t: mk("b:2", mem=0.1, at=t)  # noqa: E731
     r, s = compute_weights([a(0.5, NOW), b(NOW)], None, P, NOW)
     assert r.backends["a:1"].state == "ready"
     r, s = compute_weights([a(0.97, NOW + 1), b(NOW + 1)], s, P, NOW + 1)

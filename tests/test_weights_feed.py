@@ -591,7 +591,7 @@ def test_history_rows_survive_a_refusing_store(store) -> None:
     feed.update()
     feed.update()
     store.command(f"DROP TABLE {qualified(store, 'weights_history')}")
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017
         feed.flush_history()
     assert len(feed._history) == 4 and feed.history_rows_written == 0  # kept for the next flush
     for sql in create_table_sql(WEIGHTS_HISTORY, store.database):

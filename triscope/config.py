@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from triscope.errors import ConfigError
+from triscope.store import StoreConfig
 
 ENV_PREFIX = "TRISCOPE_"
 # Variables with the prefix that are flags for the test-suite, not configuration.
@@ -25,20 +26,8 @@ _NON_CONFIG_ENV = {"TRISCOPE_REQUIRE_ALL", "TRISCOPE_CONFIG"}
 VERBATIM_KEYS = {"password", "username", "user", "token", "bearer_token", "secret", "api_key", "database"}
 
 DEFAULTS: dict[str, Any] = {
-    "store": {
-        # "embedded" (chDB, a data directory) or "server" (clickhouse-connect).
-        "backend": "embedded",
-        "path": "var/triscope-data",
-        "url": "",
-        "database": "triscope",
-        "username": "",
-        "password": "",
-        # Cluster mode: ON CLUSTER DDL, ReplicatedMergeTree + Distributed tables.
-        "cluster": "",
-    },
-    "analysis": {
-        "window_ms": 100,
-    },
+    "store": StoreConfig().as_dict(),  # the defaults are StoreConfig's; here so config["store"][k] works
+    "analysis": {"window_ms": 100},
 }
 
 

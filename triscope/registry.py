@@ -46,4 +46,4 @@ def resolve(spec: str, registry: Mapping[str, str], kind: str) -> Factory:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ConfigError(f"{kind} {spec!r}: {module_name} has no factory {attr!r}")
-    return factory  # type: ignore[no-any-return]
+    return factory

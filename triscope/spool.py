@@ -153,7 +153,7 @@ class Spool:
         self.fsync = fsync
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "rejected").mkdir(exist_ok=True)
-        self._lock_file = open(self.dir / "LOCK", "a+")
+        self._lock_file = open(self.dir / "LOCK", "a+")  # noqa: SIM115 - held for the spool's life
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

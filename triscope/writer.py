@@ -1,19 +1,13 @@
 """The batching writer between collectors and the store: bounded memory, disk spool, exactly-once replay.
 
-Collectors call :meth:`Writer.submit` (never blocks on the store). Rows go to a per-table batch,
-written to the spool (:mod:`triscope.spool`) on every submit, so a ``kill -9`` loses no submitted
-row. A background thread seals a batch at ``batch_rows`` rows or ``flush_interval_s`` seconds
-and inserts it with ``insert_deduplication_token = <batch id>``; the writer first sets
-``non_replicated_deduplication_window`` on each single-node MergeTree table it writes, so a
-batch inserted just before a crash and replayed after restart is dropped by ClickHouse itself
-(ReplicatedMergeTree deduplicates by default).
-
-When the store is unreachable, sealed batches stay in the spool and are retried with backoff,
-oldest first. Memory is bounded: at most ``max_memory_rows`` rows are held in memory; batches
-beyond that are only on disk and are read back when their turn comes. The spool is bounded by
-``spool_max_bytes``: past it the oldest batches are deleted and counted in ``rows_dropped``
-(logged). A batch the store refuses while ``SELECT 1`` still works is bad data: it moves to
-``spool/rejected/`` and counts in ``rows_rejected`` instead of blocking the queue.
+This is the one write path for streaming telemetry. :meth:`Writer.submit` never blocks on the
+store and returns once the rows are in the spool (:mod:`triscope.spool`), so a ``kill -9`` loses
+no submitted row. A background thread seals a batch at ``batch_rows`` rows or
+``flush_interval_s`` seconds and inserts it with ``insert_deduplication_token = <batch id>``, so
+a batch replayed after a crash is dropped by ClickHouse itself. Store down: batches stay spooled
+and are retried oldest first with backoff; a batch the store refuses while ``SELECT 1`` works is
+bad data and moves to ``spool/rejected/``. Memory (``max_memory_rows``) and spool size
+(``spool_max_bytes``, oldest dropped and counted) are bounded. Details: docs/run.md.
 """
 
 from __future__ import annotations
@@ -280,18 +274,8 @@ class Writer:
         return self._store
 
     def _ensure_dedup(self, store: Store, table: str) -> None:
-        """Turn on block deduplication for a single-node MergeTree table (once per table)."""
-        if table in self._dedup_ready or self.dedup_window <= 0:
-            return
-        res = store.query("SELECT engine, create_table_query FROM system.tables "
-                          "WHERE database = {db:String} AND name = {t:String}",
-                          {"db": store.database, "t": table})
-        if res.rows:
-            engine, ddl = res.rows[0]
-            if (engine.endswith("MergeTree") and not engine.startswith("Replicated")
-                    and "non_replicated_deduplication_window" not in ddl):
-                store.command(f"ALTER TABLE {qualified(store, table)} MODIFY SETTING "
-                              f"non_replicated_deduplication_window = {self.dedup_window}")
+        if table not in self._dedup_ready and self.dedup_window > 0:
+            store.ensure_dedup_window(table, self.dedup_window)
         self._dedup_ready.add(table)
 
     def _drain(self) -> None:

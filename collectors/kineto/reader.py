@@ -193,7 +193,7 @@ def open_binary(path: str | Path) -> BinaryIO:
     """Open ``path`` for reading, decompressing gzip when the file starts with its magic bytes."""
     path = Path(path)
     try:
-        raw = open(path, "rb")
+        raw = open(path, "rb")  # noqa: SIM115 - returned to the caller
     except OSError as exc:
         raise InputError(f"{path}: cannot open ({exc.strerror})") from None
     if raw.read(2) == b"\x1f\x8b":

@@ -22,7 +22,8 @@ NCCL_OPS = Table(
         Column("comm_id", "String", "process group name / NCCL communicator id"),
         Column("pg_desc", "LowCardinality(String)", "process group description (default_pg, tp_group, ...)"),
         Column("collective", "LowCardinality(String)",
-               "AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast, Reduce, SendRecv, Send, Recv, Barrier, Gather, Scatter"),
+               "AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast, Reduce, SendRecv, Send, Recv, "
+               "Barrier, Gather, Scatter"),
         Column("op_name", "String", "the source's own name (kernel, profiling_name, ...)"),
         Column("seq", "Int64", "collective sequence number within comm_id; -1 when unknown"),
         Column("is_p2p", "UInt8"),

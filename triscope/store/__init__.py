@@ -2,34 +2,59 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from triscope.component import ComponentConfig
 from triscope.errors import ConfigError
 from triscope.store.base import Result, Store
 
-__all__ = ["Result", "Store", "open_store"]
+__all__ = ["Result", "Store", "StoreConfig", "open_store"]
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def open_store(config: dict[str, Any], migrate: bool = True) -> Store:
+@dataclass(frozen=True)
+class StoreConfig(ComponentConfig):
+    """``[store]``: which ClickHouse and where (docs/run.md)."""
+
+    section = "store"
+    backend: str = "embedded"
+    """``embedded`` (chDB in ``path``) or ``server`` (clickhouse-connect to ``url``)."""
+    path: str = "var/triscope-data"
+    url: str = ""
+    database: str = "triscope"
+    username: str = ""
+    password: str = ""
+    cluster: str = ""
+    """Cluster name: ON CLUSTER DDL, ReplicatedMergeTree + Distributed tables."""
+
+    def validate(self, where: str) -> None:
+        if self.backend not in ("embedded", "server"):
+            raise ConfigError(f"unknown store.backend {self.backend!r}; use 'embedded' or 'server'")
+        if self.backend == "embedded" and not self.path.strip():
+            raise ConfigError(f"{where} path must not be empty")
+        if self.backend == "server" and not self.url:
+            raise ConfigError("store.backend = 'server' needs store.url (e.g. http://127.0.0.1:8123)")
+        if not _IDENTIFIER.fullmatch(self.database):
+            raise ConfigError(f"{where} database must be a plain identifier, got {self.database!r}")
+
+
+def open_store(config: Mapping[str, Any], migrate: bool = True) -> Store:
     """Open the store described by ``config['store']`` and bring its schema up to date."""
-    cfg = config.get("store", {})
-    backend = cfg.get("backend", "embedded")
-    database = cfg.get("database", "triscope")
-    cluster = cfg.get("cluster", "")
+    cfg = StoreConfig.from_config(config)
     store: Store
-    if backend == "embedded":
+    if cfg.backend == "embedded":
         from triscope.store.embedded import EmbeddedStore
 
-        store = EmbeddedStore(cfg.get("path", "var/triscope-data"), database=database, cluster=cluster)
-    elif backend == "server":
+        store = EmbeddedStore(cfg.path, database=cfg.database, cluster=cfg.cluster)
+    else:
         from triscope.store.server import ServerStore
 
-        if not cfg.get("url"):
-            raise ConfigError("store.backend = 'server' needs store.url (e.g. http://127.0.0.1:8123)")
-        store = ServerStore(cfg["url"], database=database, username=cfg.get("username", ""),
-                            password=cfg.get("password", ""), cluster=cluster)
-    else:
-        raise ConfigError(f"unknown store.backend {backend!r}; use 'embedded' or 'server'")
+        store = ServerStore(cfg.url, database=cfg.database, username=cfg.username,
+                            password=cfg.password, cluster=cfg.cluster)
     if migrate:
         from triscope.schema import migrate as run_migrations
 

@@ -84,7 +84,21 @@ class Store(ABC):
         query ``settings`` where the backend takes them (see :attr:`reads_local_files`)."""
         self.insert_from_json(insert_sql, structure, Path(path).read_bytes(), params)
 
-    def close(self) -> None:
+    def ensure_dedup_window(self, table: str, window: int) -> None:
+        """Let a single-node MergeTree ``table`` drop a repeated insert block (same
+        ``insert_deduplication_token``) among its last ``window`` blocks; Replicated tables do
+        so already, other engines are left alone."""
+        res = self.query("SELECT engine, create_table_query FROM system.tables "
+                         "WHERE database = {db:String} AND name = {t:String}",
+                         {"db": self.database, "t": table})
+        if res.rows:
+            engine, ddl = res.rows[0]
+            if (engine.endswith("MergeTree") and not engine.startswith("Replicated")
+                    and "non_replicated_deduplication_window" not in ddl):
+                self.command(f"ALTER TABLE {self.database}.{table} MODIFY SETTING "
+                             f"non_replicated_deduplication_window = {int(window)}")
+
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
     def __enter__(self) -> Store:

@@ -16,7 +16,7 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -103,11 +103,13 @@ class EmbeddedStore(Store):
                     f"chDB allows one data path per process (asked for {self.path})"
                 )
             Path(self.path).mkdir(parents=True, exist_ok=True)
-            self._lock_file = open(Path(self.path) / ".triscope.lock", "a+")
+            # Held while the store is open: the flock keeps a second process off this data path.
+            lock = open(Path(self.path) / ".triscope.lock", "a+")  # noqa: SIM115
+            self._lock_file: IO[str] | None = lock
             try:
-                fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                self._lock_file.close()
+                lock.close()
                 if _process_path == self.path:
                     # Same process re-opening its own path: the flock is already ours.
                     self._lock_file = None

@@ -30,7 +30,7 @@ class ServerStore(Store):
         self.url = url
         self.database = database
         self.cluster = cluster
-        self._kwargs = dict(
+        self._kwargs: dict[str, Any] = dict(
             host=parsed.hostname,
             port=parsed.port or (8443 if parsed.scheme == "https" else 8123),
             secure=parsed.scheme == "https",
