@@ -11,7 +11,7 @@ import pytest
 from conftest import shared_data
 
 from triscope.collectors.blockio import AHEAD, BUFFERS, EbpfExporterCollector, WindowAssembler
-from triscope.collectors.blockio_parse import (
+from triscope.collectors.blockio.parse import (
     Bucket,
     bpftrace_text_bucket,
     diskstats_delta,
@@ -434,7 +434,7 @@ def test_skipped_probe_runs_are_read_per_process_and_logged_at_each_decade_and_f
     swaps: list[int] = []
     monkeypatch.setattr(collector, "restart", lambda: swaps.append(collector.asm.map_keys_held))
     counts = iter([None, 0, 3, 5, 29, 31, 1999, 2000, 2100])
-    monkeypatch.setattr(blockio, "bpf_recursion_misses", lambda pid: next(counts))
+    monkeypatch.setattr(blockio.bpftrace, "bpf_recursion_misses", lambda pid: next(counts))
     held = iter([0, 40, 35, 1999, 2000, 2100, 1500, 2500, 30])  # @start entries printed before each collect
     seen = []
     with caplog.at_level("WARNING", logger="triscope.collectors.blockio"):

@@ -15,13 +15,13 @@ import contextlib
 import logging
 import signal
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from triscope.collector_loop import CollectorLoop
 from triscope.component import Collector, ComponentConfig, Context, Exporter, Factory, non_negative, positive
-from triscope.errors import ConfigError, InputError, StoreError, TriscopeError
+from triscope.errors import ConfigError, StoreError, TriscopeError
 from triscope.registry import COLLECTORS, EXPORTERS, resolve
 from triscope.store.base import Store
 from triscope.writer import Writer
@@ -38,58 +38,12 @@ class RunConfig(ComponentConfig):
     exporters: list[str] = field(default_factory=list)
     status_interval_s: float = 30.0
     shutdown_timeout_s: float = 10.0
+    max_pending_rows: int = 200_000
+    """Per collector: rows kept in memory while the writer's spool cannot take them."""
 
     def validate(self, where: str) -> None:
         non_negative(where, status_interval_s=self.status_interval_s)
-        positive(where, shutdown_timeout_s=self.shutdown_timeout_s)
-
-
-class CollectorLoop(threading.Thread):
-    """Calls one collector every ``interval_s`` and submits its rows."""
-
-    def __init__(self, collector: Collector, writer: Writer, stop: threading.Event) -> None:
-        super().__init__(name=f"collect-{collector.name}", daemon=True)
-        self.collector, self.writer, self.stop = collector, writer, stop
-        self.interval_s = max(0.001, float(getattr(collector, "interval_s", 1.0)))
-        self.rows = 0
-        self.rows_by_table: dict[str, int] = {}
-        self.errors = 0
-        self.last_error = ""
-
-    def _error(self, message: str) -> None:
-        self.errors += 1
-        if message != self.last_error:  # one line per new problem, not one per tick
-            log.warning("collector %s: %s", self.collector.name, message)
-        self.last_error = message
-
-    def collect_once(self) -> int:
-        """One collect() and submit; errors are logged and counted, never raised."""
-        try:
-            out = self.collector.collect()
-        except Exception as exc:
-            self._error(f"collect failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-            return 0
-        n = 0
-        for table, columns in (out or {}).items():
-            try:
-                k = self.writer.submit(table, columns)
-            except InputError as exc:
-                self._error(str(exc))
-                continue
-            n += k
-            self.rows_by_table[table] = self.rows_by_table.get(table, 0) + k
-        self.rows += n
-        return n
-
-    def run(self) -> None:
-        deadline = time.monotonic()
-        while not self.stop.is_set():
-            self.collect_once()
-            deadline += self.interval_s
-            now = time.monotonic()
-            if deadline < now:  # overran: skip the missed ticks rather than bursting
-                deadline = now + self.interval_s
-            self.stop.wait(deadline - now)
+        positive(where, shutdown_timeout_s=self.shutdown_timeout_s, max_pending_rows=self.max_pending_rows)
 
 
 class Daemon:
@@ -136,7 +90,7 @@ class Daemon:
                 self.failed[spec] = str(exc)
                 log.error("collector %s not started: %s", spec, exc)
                 continue
-            loop = CollectorLoop(collector, self.writer, self.stop)
+            loop = CollectorLoop(collector, self.writer, self.stop, self.run_cfg.max_pending_rows)
             self.loops.append(loop)
             self.started.append(collector.name)
             loop.start()
@@ -152,8 +106,7 @@ class Daemon:
     def stats(self) -> dict[str, Any]:
         """Live counters: ``writer`` (:meth:`Writer.snapshot`), per-collector rows/errors, not started."""
         return {"writer": self.writer.snapshot() if self.writer is not None else {},
-                "collectors": {loop.collector.name: {"rows": loop.rows, "errors": loop.errors,
-                                                     "tables": dict(loop.rows_by_table)} for loop in self.loops},
+                "collectors": {loop.collector.name: loop.counters() for loop in self.loops},
                 "not_started": dict(self.failed)}
 
     def wait(self) -> None:
@@ -162,9 +115,14 @@ class Daemon:
         while not self.stop.wait(every if every > 0 else None):
             assert self.writer is not None
             s = self.writer.snapshot()
-            log.info("status: written %d, pending %d, dropped %d, rejected %d, store %s",
-                     s["rows_written"], s["rows_pending"], s["rows_dropped"], s["rows_rejected"],
-                     "up" if s["store_up"] else f"down ({s['last_error']})")
+            errors = sum(loop.errors for loop in self.loops)
+            waiting = sum(loop.pending_rows for loop in self.loops)
+            dropped = s["rows_dropped"] + sum(loop.rows_dropped for loop in self.loops)
+            log.info("status: written %d, pending %d, dropped %d, rejected %d, store %s, spool %s, "
+                     "collector errors %d, rows waiting for the spool %d",
+                     s["rows_written"], s["rows_pending"], dropped,
+                     s["rows_rejected"], "up" if s["store_up"] else f"down ({s['last_error']})",
+                     f"failing ({s['spool_error']})" if s["spool_error"] else "ok", errors, waiting)
 
     def request_stop(self, *_: object) -> None:
         self.stop.set()
@@ -185,8 +143,7 @@ class Daemon:
                 exporter.close()
         assert self.writer is not None
         complete = self.writer.close(timeout_s=self.run_cfg.shutdown_timeout_s)
-        return {"collectors": {loop.collector.name: {"rows": loop.rows, "errors": loop.errors,
-                                                     "last_error": loop.last_error} for loop in self.loops},
+        return {"collectors": {loop.collector.name: loop.counters() for loop in self.loops},
                 "not_started": self.failed, "writer": self.writer.snapshot(), "flushed": complete}
 
 

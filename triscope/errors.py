@@ -15,3 +15,8 @@ class StoreError(TriscopeError):
 
 class ConfigError(TriscopeError):
     """The configuration file or an environment override is invalid."""
+
+
+class SpoolUnavailable(TriscopeError):
+    """The writer's spool cannot take rows now (disk full, out of file descriptors); nothing was
+    queued: keep the rows and submit them again later."""

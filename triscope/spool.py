@@ -86,28 +86,43 @@ class OpenBatch:
         payload = _encoder.encode(columns)
         frame = _LEN.pack(len(payload)) + payload
         view = memoryview(frame)
-        while view:
-            done = os.write(self._fd, view)
-            view = view[done:]
+        try:
+            while view:
+                done = os.write(self._fd, view)
+                view = view[done:]
+        except OSError:
+            # Cut the torn frame off, so frames appended later are not hidden behind it.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self.size)
+            raise
         self.rows += rows
         self.size += len(frame)
         return len(frame)
 
     def seal(self, fsync: bool) -> SpoolFile:
-        """fsync, close and rename to ``.batch``; the file is then complete and immutable."""
-        if fsync:
-            os.fsync(self._fd)
-        os.close(self._fd)
+        """fsync, close and rename to ``.batch``; the file is then complete and immutable.
+
+        Safe to call again after an OSError: it resumes where it failed."""
+        if self._fd >= 0:
+            if fsync:
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
         final = self.path.with_name(f"{self.path.stem}-{self.rows}.batch")
         os.rename(self.path, final)
         if fsync:
-            _fsync_dir(final.parent)
+            try:
+                _fsync_dir(final.parent)
+            except OSError as exc:  # the batch is renamed and its data synced: queue it, say so
+                log.warning("spool: fsync of %s failed (%s); batch %s kept", final.parent, exc, final.name)
         return SpoolFile(final, self.table, self.batch_id, self.seq, self.rows, self.size)
 
     def abandon(self) -> None:
         """Close without sealing (the file stays ``.open``; recovery seals it later)."""
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
 
 
 def _fsync_dir(path: Path) -> None:

@@ -13,7 +13,6 @@ bad data and moves to ``spool/rejected/``. Memory (``max_memory_rows``) and spoo
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import time
@@ -22,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from triscope.component import ComponentConfig, non_negative, positive
-from triscope.errors import ConfigError, InputError, StoreError
-from triscope.schema import qualified
+from triscope.errors import ConfigError, InputError, SpoolUnavailable, StoreError
 from triscope.spool import TABLE_NAME, OpenBatch, Spool, SpoolFile
 from triscope.store.base import Store
+from triscope.store_link import StoreLink, one_line
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class WriterConfig(ComponentConfig):
 
 _DEFAULT = WriterConfig()
 STAT_NAMES = ("rows_submitted", "rows_written", "rows_replayed", "rows_dropped", "rows_rejected",
-              "batches_written", "insert_failures")
+              "batches_written", "insert_failures", "spool_failures")
 
 
 @dataclass
@@ -76,11 +75,6 @@ class _Building:
         self.columns: dict[str, list[Any]] = {n: [] for n in names}
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 class Writer:
     """Buffers, batches, spools and writes rows to a store (see the module docstring).
 
@@ -93,22 +87,15 @@ class Writer:
                  max_memory_rows: int = _DEFAULT.max_memory_rows, spool_max_bytes: int = _DEFAULT.spool_max_bytes,
                  fsync: bool = _DEFAULT.fsync, retry_max_s: float = _DEFAULT.retry_max_s,
                  dedup_window: int = _DEFAULT.dedup_window) -> None:
-        if isinstance(store, Store):
-            self._store: Store | None = store
-            self._connect: Callable[[], Store] | None = None
-        else:
-            self._store, self._connect = None, store
+        self.link = StoreLink(store, float(retry_max_s), int(dedup_window))
         self.spool = Spool(spool_dir, fsync=fsync)
         self.batch_rows = max(1, int(batch_rows))
         self.flush_interval_s = float(flush_interval_s)
         self.max_memory_rows = max(self.batch_rows, int(max_memory_rows))
         self.spool_max_bytes = int(spool_max_bytes)
         self.fsync = fsync
-        self.retry_max_s = float(retry_max_s)
-        self.dedup_window = int(dedup_window)
         self.stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
-        self.store_up = True
-        self.last_error = ""
+        self.spool_error = ""  # the last spool (disk) failure, "" once the spool works again
         self._building: dict[tuple[str, tuple[str, ...]], _Building] = {}
         self._to_seal: list[_Building] = []
         self._queue: collections.deque[_Queued] = collections.deque()
@@ -116,15 +103,12 @@ class Writer:
         self._spool_bytes = 0
         self._in_flight: _Queued | None = None
         self._condemned: _Queued | None = None  # the in-flight batch the spool cap drops if its insert fails
-        self._dedup_ready: set[str] = set()
         self._lock = threading.Lock()
         self._seal_lock = threading.Lock()
         self._wake = threading.Event()
         self._idle = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._retry_at = 0.0
-        self._backoff = 0.5
         self._recover()
 
     @classmethod
@@ -147,7 +131,8 @@ class Writer:
     def submit(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
         """Queue rows for ``table`` (unqualified name); durable in the spool when this returns.
 
-        Raises InputError (nothing queued) when the table name is bad or the columns differ in length.
+        Raises InputError (nothing queued) when the table name is bad or the columns differ in
+        length, SpoolUnavailable (nothing queued; keep the rows and retry) when the disk fails.
         """
         if not TABLE_NAME.fullmatch(table):
             raise InputError(f"writer: bad table name {table!r}")
@@ -160,10 +145,15 @@ class Writer:
         names = tuple(columns)
         with self._lock:
             key = (table, names)
-            building = self._building.get(key)
-            if building is None:
-                building = self._building[key] = _Building(self.spool.open_batch(table), names)
-            self._spool_bytes += building.batch.append(columns, n)
+            try:
+                building = self._building.get(key)
+                if building is None:
+                    building = self._building[key] = _Building(self.spool.open_batch(table), names)
+                self._spool_bytes += building.batch.append(columns, n)
+            except OSError as exc:  # disk full, out of descriptors: nothing taken, the caller keeps the rows
+                self._spool_failed(exc)
+                raise SpoolUnavailable(f"writer: spool {self.spool.dir} not writable: {one_line(exc)}") from None
+            self.spool_error = ""
             for name in names:
                 building.columns[name].extend(columns[name])
             self._memory_rows += n
@@ -183,11 +173,24 @@ class Writer:
             self._thread.start()
 
     def _run(self) -> None:
+        pause = 0.0
         while not self._stop.is_set():
-            self._wake.wait(self._next_wait())
+            self._wake.wait(max(pause, self._next_wait()))
             self._wake.clear()
-            self._seal_due(force=False)
-            self._drain()
+            try:
+                self._seal_due(force=False)
+                self._drain()
+                pause = 0.0
+            except OSError as exc:  # the disk failed under the spool: keep going, retry with backoff
+                self._spool_failed(exc)
+                pause = min(self.link.retry_max_s, max(0.5, pause * 2))
+
+    def _spool_failed(self, exc: OSError) -> None:
+        self.stats["spool_failures"] += 1
+        message = one_line(exc)
+        if message != self.spool_error:
+            log.error("writer: spool %s failed: %s; retrying", self.spool.dir, message)
+        self.spool_error = message
 
     def _next_wait(self) -> float:
         wait = self.flush_interval_s
@@ -195,8 +198,8 @@ class Writer:
             if self._building:
                 oldest = min(b.batch.created for b in self._building.values())
                 wait = min(wait, max(0.0, oldest + self.flush_interval_s - time.monotonic()))
-            if self._queue and not self.store_up:
-                wait = min(wait, max(0.0, self._retry_at - time.monotonic()))
+            if self._queue and not self.link.up:
+                wait = min(wait, max(0.0, self.link.retry_at - time.monotonic()))
             elif self._queue:
                 wait = 0.0
         return max(wait, 0.005)
@@ -213,8 +216,13 @@ class Writer:
                         del self._building[key]
                         self._to_seal.append(building)
                 sealing, self._to_seal = self._to_seal, []
-            for building in sealing:
-                item = building.batch.seal(self.fsync)
+            for i, building in enumerate(sealing):
+                try:
+                    item = building.batch.seal(self.fsync)
+                except OSError:
+                    with self._lock:  # seal again on the next pass; nothing is lost
+                        self._to_seal[:0] = sealing[i:]
+                    raise
                 with self._lock:
                     self._queue.append(_Queued(item, building.columns))
                     self._spill_memory()
@@ -266,23 +274,11 @@ class Writer:
             self._memory_rows -= queued.file.rows
             queued.columns = None
 
-    def _get_store(self) -> Store:
-        if self._store is None:
-            assert self._connect is not None
-            self._store = self._connect()
-            self._dedup_ready.clear()
-        return self._store
-
-    def _ensure_dedup(self, store: Store, table: str) -> None:
-        if table not in self._dedup_ready and self.dedup_window > 0:
-            store.ensure_dedup_window(table, self.dedup_window)
-        self._dedup_ready.add(table)
-
     def _drain(self) -> None:
         """Insert queued batches oldest first until the queue is empty or the store fails."""
         while not self._stop.is_set() or self._draining_on_close:
             with self._lock:
-                if not self._queue or (not self.store_up and time.monotonic() < self._retry_at):
+                if not self._queue or self.link.waiting():
                     self._idle.notify_all()
                     return
                 queued = self._in_flight = self._queue[0]
@@ -308,53 +304,26 @@ class Writer:
             columns = queued.columns if queued.columns is not None else self.spool.load(item)
         except (OSError, StoreError) as exc:
             log.error("writer: cannot read spool file %s (%s); moving it to rejected/", item.path.name,
-                      _one_line(exc))
+                      one_line(exc))
             self.spool.reject(item)
             self.stats["rows_rejected"] += item.rows
             return False
-        try:
-            store = self._get_store()
-            self._ensure_dedup(store, item.table)
-            store.insert(qualified(store, item.table), columns,
-                         settings={"insert_deduplication_token": item.batch_id})
-        except Exception as exc:
-            return self._failed(queued, exc)
+        ok = self.link.insert(item.table, columns, item.batch_id)
+        if ok is None:
+            self.stats["insert_failures"] += 1
+            return None
+        if not ok:
+            self.stats["insert_failures"] += 1
+            log.error("writer: store refused batch %s of %s (%d rows): %s; moved to %s", item.batch_id,
+                      item.table, item.rows, self.link.last_error, self.spool.reject(item))
+            self.stats["rows_rejected"] += item.rows
+            return False
         self.spool.remove(item)
         self.stats["rows_written"] += item.rows
         self.stats["batches_written"] += 1
         if queued.replayed:
             self.stats["rows_replayed"] += item.rows
-        if not self.store_up:
-            log.info("writer: store is back; replaying the spool")
-        self.store_up, self._backoff = True, 0.5
         return True
-
-    def _failed(self, queued: _Queued, exc: Exception) -> bool | None:
-        self.stats["insert_failures"] += 1
-        self.last_error = _one_line(exc)
-        if self._store is not None and self._healthy(self._store):
-            log.error("writer: store refused batch %s of %s (%d rows): %s; moved to %s",
-                      queued.file.batch_id, queued.file.table, queued.file.rows, self.last_error,
-                      self.spool.reject(queued.file))
-            self.stats["rows_rejected"] += queued.file.rows
-            return False
-        if self.store_up:
-            log.warning("writer: store unavailable (%s); spooling to %s", self.last_error, self.spool.dir)
-        self.store_up = False
-        if self._connect is not None and self._store is not None:
-            with contextlib.suppress(Exception):  # a dead connection may fail to close
-                self._store.close()
-            self._store = None
-        self._retry_at = time.monotonic() + self._backoff
-        self._backoff = min(self.retry_max_s, self._backoff * 2)
-        return None
-
-    @staticmethod
-    def _healthy(store: Store) -> bool:
-        try:
-            return store.query("SELECT 1").scalar() == 1
-        except Exception:
-            return False
 
     # ---- control ------------------------------------------------------------------------------
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -365,7 +334,7 @@ class Writer:
             return not self._queue
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            self._retry_at = 0.0
+            self.link.retry_at = 0.0
         self._wake.set()
         with self._idle:
             while self._queue or self._in_flight is not None:
@@ -373,7 +342,7 @@ class Writer:
                 if left <= 0:
                     return False
                 self._idle.wait(min(left, 0.1))
-                if self._queue and not self.store_up and time.monotonic() < self._retry_at:
+                if self._queue and self.link.waiting():
                     self._wake.set()
         return True
 
@@ -387,12 +356,18 @@ class Writer:
             self._wake.set()
             self._thread.join(timeout=timeout_s + 5)
             self._thread = None
-        self._seal_due(force=True)
+        try:
+            self._seal_due(force=True)
+        except OSError as exc:  # what could not be sealed stays as .open files, sealed at the next start
+            self._spool_failed(exc)
+            for building in self._to_seal:
+                building.batch.abandon()
+            self._to_seal = []
         self._draining_on_close = True
         deadline = time.monotonic() + timeout_s
         try:
             while self._queue and time.monotonic() < deadline:
-                self._retry_at = 0.0
+                self.link.retry_at = 0.0
                 self._drain()
                 if self._queue:
                     time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
@@ -402,9 +377,7 @@ class Writer:
         if left:
             log.warning("writer: %d rows stay in spool %s for the next start", left, self.spool.dir)
         self.spool.close()
-        if self._connect is not None and self._store is not None:
-            self._store.close()
-            self._store = None
+        self.link.close()
         return left == 0
 
     def snapshot(self) -> dict[str, Any]:
@@ -413,4 +386,5 @@ class Writer:
             pending = sum(q.file.rows for q in self._queue) + sum(
                 b.batch.rows for b in (*self._building.values(), *self._to_seal))
             return {**self.stats, "rows_pending": pending, "memory_rows": self._memory_rows,
-                    "spool_bytes": self._spool_bytes, "store_up": self.store_up, "last_error": self.last_error}
+                    "spool_bytes": self._spool_bytes, "store_up": self.link.up, "last_error": self.link.last_error,
+                    "spool_error": self.spool_error}

@@ -1,0 +1,131 @@
+"""Faults under the pipeline's loops: the disk fills up, then space returns.
+
+The spool sits on a real 20 MiB tmpfs (mounted here; needs root, which CI has) and a filler
+file takes the space, so every write fails with the kernel's own ENOSPC. The source is a small
+collector of this test (no hardware is simulated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import require
+from triscope.collector_loop import CollectorLoop
+from triscope.schema import IO_LATENCY, encode_ts, qualified
+from triscope.writer import Writer
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str = "20m") -> Iterator[Path]:
+    require(os.geteuid() == 0, "mounting a tmpfs needs root (CI runs as root)")
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(path: Path) -> Path:
+    """Take every free byte of the filesystem holding ``path``."""
+    filler = path / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (1 << 20, 4096, 1):  # big writes, then the last partial blocks
+            with contextlib.suppress(OSError):
+                while f.write(b"\0" * chunk):
+                    pass
+    return filler
+
+
+class CountingSource:
+    """A collector producing ``rows_per_tick`` io_latency rows with increasing ``ios``."""
+
+    name = "counting"
+    interval_s = 0.05
+
+    def __init__(self, rows_per_tick: int = 200) -> None:
+        self.rows_per_tick = rows_per_tick
+        self.produced = 0
+
+    def start(self) -> None:
+        pass
+
+    def collect(self) -> dict[str, Any]:
+        now = time.time_ns()
+        rows = [{"ts": encode_ts(now + i), "host": "fault-test", "device": "sda", "source": "test", "op": "read",
+                 "ios": self.produced + i} for i in range(self.rows_per_tick)]
+        self.produced += len(rows)
+        return {IO_LATENCY.name: IO_LATENCY.columns_of(rows)}
+
+    def close(self) -> None:
+        pass
+
+
+def _wait(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_disk_full_then_space_returns_nothing_lost_nothing_stalled(store: Any, tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "spool") as spool_dir:
+        writer = Writer(store, str(spool_dir), flush_interval_s=0.1, retry_max_s=0.5)
+        writer.start()
+        stop = threading.Event()
+        source = CountingSource()
+        loop = CollectorLoop(source, writer, stop, max_pending_rows=1_000_000, retry_max_s=0.3)
+        loop.start()
+        try:
+            _wait(lambda: writer.snapshot()["rows_written"] > 0, 30, "the first rows in the store")
+            filler = fill(spool_dir)
+            _wait(lambda: loop.errors > 0 and loop.pending_rows > 0, 30, "the loop to notice the full disk")
+            time.sleep(1.0)  # several ticks on a full disk
+            assert loop.is_alive() and writer._thread is not None and writer._thread.is_alive()
+            assert "No space left" in loop.last_error
+            snap = writer.snapshot()
+            assert snap["spool_failures"] > 0 and "No space left" in snap["spool_error"]
+            filler.unlink()  # space returns
+            _wait(lambda: loop.pending_rows == 0, 30, "the held rows to reach the spool")
+            assert writer.snapshot()["spool_error"] == ""
+        finally:
+            stop.set()
+            loop.join(10)
+        assert writer.close(timeout_s=30)
+        assert loop.rows_dropped == 0
+        table = qualified(store, IO_LATENCY)
+        count, distinct = store.query(f"SELECT count(), uniqExact(ios) FROM {table} WHERE host = 'fault-test'").rows[0]
+        assert count == distinct == source.produced  # nothing lost, nothing written twice
+
+
+def test_a_full_disk_with_a_small_bound_drops_oldest_and_counts_them(store: Any, tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "spool", size="2m") as spool_dir:
+        writer = Writer(store, str(spool_dir), flush_interval_s=0.1)
+        source = CountingSource(rows_per_tick=100)
+        loop = CollectorLoop(source, writer, threading.Event(), max_pending_rows=250, retry_max_s=0.01)
+        filler = fill(spool_dir)
+        for _ in range(6):
+            loop.collect_once()
+            time.sleep(0.02)
+        assert loop.pending_rows <= 250 + 100 and loop.rows_dropped >= 300
+        assert loop.rows_dropped + loop.pending_rows == source.produced
+        assert "rows dropped" in loop.last_error or "No space left" in loop.last_error
+        filler.unlink()
+        time.sleep(0.05)
+        loop.collect_once()
+        assert loop.pending_rows == 0
+        assert writer.close(timeout_s=30)
+        table = qualified(store, IO_LATENCY)
+        written = store.query(f"SELECT count() FROM {table} WHERE host = 'fault-test'").scalar()
+        assert written == source.produced - loop.rows_dropped
