@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from triscope.component import Collector, Rows
+from triscope.component import MAX_INTERVAL_S, Collector, Rows
 from triscope.errors import InputError, SpoolUnavailable
 from triscope.store_link import one_line
 from triscope.writer import Writer
@@ -33,7 +33,7 @@ class CollectorLoop(threading.Thread):
                  max_pending_rows: int = 200_000, retry_max_s: float = 30.0) -> None:
         super().__init__(name=f"collect-{collector.name}", daemon=True)
         self.collector, self.writer, self.stop = collector, writer, stop
-        self.interval_s = max(0.001, float(collector.interval_s))
+        self.interval_s = min(max(0.001, float(collector.interval_s)), MAX_INTERVAL_S)
         self.max_pending_rows = max_pending_rows
         self.retry_max_s = retry_max_s
         self.rows = 0

@@ -248,6 +248,16 @@ def non_negative(where: str, **values: float) -> None:
             raise ConfigError(f"{where} {key} must be >= 0, got {value!r}")
 
 
+MAX_INTERVAL_S = 86_400.0
+
+
+def interval(where: str, **values: float) -> None:
+    """ConfigError unless every value is a period in (0, one day] seconds."""
+    for key, value in values.items():
+        if not 0 < value <= MAX_INTERVAL_S:
+            raise ConfigError(f"{where} {key} must be > 0 and at most {MAX_INTERVAL_S:g} s, got {value!r}")
+
+
 def port(where: str, key: str, value: int) -> None:
     """ConfigError unless ``value`` is a TCP port (0 picks a free one)."""
     if not 0 <= value <= 65535:

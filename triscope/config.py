@@ -81,9 +81,15 @@ def load_config(path: str | os.PathLike[str] | None = None,
     if path:
         file = Path(path)
         try:
-            data = tomllib.loads(file.read_text())
+            data = tomllib.loads(file.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {file}") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {file} is a directory") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {file} cannot be read: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {file} is not UTF-8 text (byte {exc.start})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
         config = deep_merge(config, data)

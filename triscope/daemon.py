@@ -46,6 +46,17 @@ class RunConfig(ComponentConfig):
         positive(where, shutdown_timeout_s=self.shutdown_timeout_s, max_pending_rows=self.max_pending_rows)
 
 
+def _build(spec: str, factory: Factory, config: dict[str, Any], context: Context, kind: type) -> Any:
+    """``factory(config, context)``, checked to return a ``kind`` (Collector or Exporter)."""
+    try:
+        component = factory(config, context)
+    except TypeError as exc:
+        raise ConfigError(f"{spec!r} is not a triscope component factory create(config, context): {exc}") from None
+    if not isinstance(component, kind):
+        raise ConfigError(f"{spec!r} did not return a {kind.__name__} (got {type(component).__name__})")
+    return component
+
+
 class Daemon:
     """The collectors, writer and exporters of one ``triscope run``."""
 
@@ -82,9 +93,16 @@ class Daemon:
         self.writer = Writer.from_config(self.config, connect)
         self.writer.start()
         context = Context(open_store=self.opener, submit=self.writer.submit, stats=self.stats)
-        for spec, factory in self.collector_factories:
+        try:  # every section is checked before anything starts: a config mistake is exit 2, one line
+            collectors = [(spec, _build(spec, factory, self.config, context, Collector))
+                          for spec, factory in self.collector_factories]
+            exporters = [_build(spec, factory, self.config, context, Exporter)
+                         for spec, factory in self.exporter_factories]
+        except ConfigError:
+            self.writer.close(timeout_s=1.0)
+            raise
+        for spec, collector in collectors:
             try:
-                collector: Collector = factory(self.config, context)
                 collector.start()
             except TriscopeError as exc:
                 self.failed[spec] = str(exc)
@@ -97,8 +115,7 @@ class Daemon:
         if not self.loops:
             self.writer.close(timeout_s=1.0)
             raise ConfigError("no collector could start: " + "; ".join(f"{k}: {v}" for k, v in self.failed.items()))
-        for _spec, factory in self.exporter_factories:
-            exporter: Exporter = factory(self.config, context)
+        for exporter in exporters:
             exporter.start()
             self.exporters.append(exporter)
         log.info("triscope run: collectors %s; spool %s", ", ".join(self.started), self.writer.spool.dir)

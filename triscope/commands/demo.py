@@ -10,7 +10,7 @@
    at them, stores every request as an OpenTelemetry span, scrapes their ``/metrics`` with the real
    collector, writes their simulated GPU memory, and prints the heatmap's typical load patterns
    (PNG in ``var/demo/heatmap.png``) and the weight engine's verdict per backend
-   (:mod:`triscope.demo_fleet_run`; docs/demo.md says what is real and what is simulated).
+   (:mod:`triscope.sim.demo_fleet`; docs/demo.md says what is real and what is simulated).
 
 Re-running replaces the demo runs (same run ids), it never duplicates rows; fleet rows are time
 series and accumulate (each run analyses only its own window and backends).
@@ -31,7 +31,8 @@ FLEET_PNG = Path("var") / "demo" / "heatmap.png"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("demo", help="the whole pipeline on the embedded store: sample traces, then a simulated serving fleet")
+    parser = subparsers.add_parser(
+        "demo", help="the whole pipeline on the embedded store: sample traces, then a simulated serving fleet")
     parser.add_argument("--traces", nargs="*", default=None, metavar="PATH",
                         help=f"trace files or directories to ingest (default: {EXAMPLES})")
     parser.add_argument("--no-capture", action="store_true", help="do not profile a torch model on this machine")
@@ -137,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
 def _fleet(store: Any, config: dict[str, Any], args: argparse.Namespace, report: dict[str, Any],
            console: Any) -> dict[str, Any] | None:
     """The simulated-fleet part; a failure is one line in ``report["errors"]``."""
-    from triscope.demo_fleet_run import FleetOptions, run_fleet
     from triscope.errors import TriscopeError
+    from triscope.sim.demo_fleet import FleetOptions, run_fleet
 
     options = FleetOptions(seconds=args.fleet_seconds, png=Path(args.fleet_png) if args.fleet_png else None)
     try:
@@ -156,7 +157,7 @@ def _fleet(store: Any, config: dict[str, Any], args: argparse.Namespace, report:
     if doc["spans_stored"] != doc["requests_sent"]:
         report["errors"].append(f"fleet: {doc['requests_sent']} requests sent but {doc['spans_stored']} spans stored")
     if not args.json:
-        from triscope.demo_fleet_report import print_fleet
+        from triscope.sim.demo_report import print_fleet
 
         print_fleet(doc, heatmap)
     return doc

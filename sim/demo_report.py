@@ -40,7 +40,7 @@ def print_fleet(doc: dict[str, Any], heatmap: Any) -> None:
     from triscope.commands.heatmap import render
 
     console = _console()
-    console.print("\n[bold]fleet[/] (simulated): 3 vLLM-style backends from triscope.demo_fleet on 127.0.0.1; "
+    console.print("\n[bold]fleet[/] (simulated): 3 vLLM-style backends from triscope.sim on 127.0.0.1; "
                   "there is no GPU, so their GPU memory rows are [bold]simulated[/] (gpu_samples.source = "
                   "'demo-sim'). Spans, scrapes, the writer, the store, the heatmap and the weight engine are "
                   "the real ones.", highlight=False)
@@ -72,12 +72,13 @@ def print_fleet(doc: dict[str, Any], heatmap: Any) -> None:
             continue
         i = w["inputs"]
         kv = i["kv_cache_usage_ratio"]
+        drained = w["drained_updates"]
         table.add_row(f"{w['name']} ({addr})",
                       f"{_gb(i['memory_used_bytes'])} / {_gb(i['memory_total_bytes'])} GB",
                       "-" if kv is None else f"{kv * 100:.0f}%", _worst_p99(i["p99_seconds"]),
                       f"{w['weight']:.2f}", str(w["lb_weight"]),
                       ("yes" if w["drained"] else "no")
-                      + (f" (in {w['drained_updates']} of {weights['updates']} updates)" if w["drained_updates"] else ""),
+                      + (f" (in {drained} of {weights['updates']} updates)" if drained else ""),
                       "-" if w["min_weight"] is None else f"{w['min_weight']:.2f}")
     console.print(table)
     scale = weights["scale"]
