@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from triscope.schema import qualified
+from triscope.schema import NCCL_OPS, qualified
 from triscope.store.base import Store
 
 
@@ -93,7 +93,7 @@ def stragglers(store: Store, run_ids: list[str] | None = None, start_ns: int | N
     res = store.query(
         "SELECT run_id, source, comm_id, collective, seq, device < 0 AS host_side, "
         "groupArray(rank), groupArray(toUnixTimestamp64Nano(ts)), groupArray(duration_seconds) "
-        f"FROM {qualified(store, 'nccl_ops')} WHERE {where} "
+        f"FROM {qualified(store, NCCL_OPS)} WHERE {where} "
         "GROUP BY run_id, source, comm_id, collective, seq, host_side HAVING uniqExact(rank) >= 2 "
         "ORDER BY run_id, source, comm_id, collective, seq", params)
     report = StragglerReport(min_lateness_seconds=min_lateness_seconds)
@@ -129,12 +129,12 @@ def flight_recorder_check(store: Store, run_ids: list[str] | None = None, start_
         where += " AND run_id IN {runs:Array(String)}"
         params["runs"] = list(run_ids)
     if start_ns is not None or end_ns is not None:
-        where += (f" AND run_id IN (SELECT DISTINCT run_id FROM {qualified(store, 'nccl_ops')} "
+        where += (f" AND run_id IN (SELECT DISTINCT run_id FROM {qualified(store, NCCL_OPS)} "
                   f"WHERE source = 'flight_recorder'{_range_sql(start_ns, end_ns)})")
     rows = store.query(
         "SELECT run_id, comm_id, pg_desc, rank, seq, collective, op_name, msg_bytes, state, "
         "JSONExtractBool(detail_json, 'pending') AS pending, toUnixTimestamp64Nano(ts) "
-        f"FROM {qualified(store, 'nccl_ops')} WHERE {where} ORDER BY run_id, comm_id, seq, rank", params).rows
+        f"FROM {qualified(store, NCCL_OPS)} WHERE {where} ORDER BY run_id, comm_id, seq, rank", params).rows
     groups: dict[tuple[str, str], list[tuple[Any, ...]]] = defaultdict(list)
     for r in rows:
         groups[(r[0], r[1])].append(r)

@@ -1,24 +1,8 @@
 """Per-rank and per-step breakdown of GPU time in a Kineto trace run, in exact int64 nanoseconds.
 
-Definitions (GPU work = events of kind kernel, memcpy and memset, selected by category):
-
-- span: first GPU work start to last GPU work end.
-- busy: length of the union of all GPU work intervals; compute: union of compute kernels;
-  non-compute = busy - compute (communication and memory work not hidden under compute);
-  idle = span - busy.
-- idle breakdown, per stream: the gap before each item (start minus the previous item's end on
-  that stream) is *host wait* when the item's launching runtime call started after the
-  previous item ended, *kernel wait* when the gap is shorter than ``kernel_wait_ns`` (launch
-  overhead between back-to-back kernels), else *other*. Negative gaps count as zero.
-- comm/compute overlap: time where the communication union and the compute union intersect,
-  as a share of the communication union.
-- launch delay: GPU start minus the end of its runtime launch call (``correlation`` join),
-  clipped at zero.
-
-Whole-run figures follow HolisticTraceAnalysis: when a rank has two or more ``ProfilerStep#N``
-annotations, GPU work launched from the last step onwards is dropped (that step is usually
-cut off by the profiler) unless ``include_last_step`` is set. Per-step figures assign GPU work
-to the step whose CPU window contains its launching runtime call.
+Span, busy, compute, non-compute and idle time, idle split per stream (host wait, kernel wait, other),
+comm/compute overlap and launch delay; whole-run figures drop the last ``ProfilerStep`` as
+HolisticTraceAnalysis does. Definitions: docs/trace-breakdown.md.
 """
 
 from __future__ import annotations
@@ -29,11 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from triscope.analyzers.intervals import intersection_length, union_length
 from triscope.errors import InputError
-from triscope.schema import qualified
+from triscope.schema import TRACE_EVENTS, TRACE_RUNS, qualified
 from triscope.store.base import Store
 
 DEFAULT_KERNEL_WAIT_NS = 30_000  # HTA's consecutive_kernel_delay default (30 us)
+GPU_WORK = "kind IN ('kernel', 'memcpy', 'memset')"
+"""SQL condition selecting GPU work in ``trace_events`` (shared with the stall classifier)."""
 _STEP_NUMBER = re.compile(r"ProfilerStep\s*#\s*(\d+)")
 
 
@@ -135,22 +122,6 @@ class RankBreakdown:
         }
 
 
-def union_length(start: np.ndarray, end: np.ndarray) -> int:
-    """Total length covered by intervals [start, end) (int64, any order)."""
-    if start.size == 0:
-        return 0
-    order = np.argsort(start, kind="stable")
-    s, e = start[order], end[order]
-    reach = np.maximum.accumulate(e)
-    # A new merged group starts where an interval begins after everything before it ended.
-    new_group = np.empty(s.size, dtype=bool)
-    new_group[0] = True
-    new_group[1:] = s[1:] > reach[:-1]
-    group_starts = s[new_group]
-    group_ends = np.append(reach[np.flatnonzero(new_group)[1:] - 1], reach[-1])
-    return int((group_ends - group_starts).sum())
-
-
 def _percentile(sorted_values: np.ndarray, q: float) -> int:
     """Nearest-rank percentile of an ascending array."""
     if sorted_values.size == 0:
@@ -200,8 +171,7 @@ def breakdown_of(cols: dict[str, np.ndarray], mask: np.ndarray | None = None,
     busy = union_length(start, end)
     compute_ns = union_length(start[compute], end[compute])
     comm_ns = union_length(start[comm], end[comm])
-    both = compute | comm
-    overlap = compute_ns + comm_ns - union_length(start[both], end[both])
+    overlap = intersection_length(start[compute], end[compute], start[comm], end[comm])
     span = int(end.max() - start.min())
     has_launch = cols["launch_ts"] >= 0
     delays = np.maximum(start[has_launch] - cols["launch_end"][has_launch], 0)
@@ -229,7 +199,7 @@ def _by_rank(ranks: list[int], rank_col: np.ndarray) -> dict[int, slice]:
 
 def _load_gpu_work(store: Store, run_id: str, ranks: list[int]) -> dict[int, dict[str, np.ndarray]]:
     """GPU work of each rank with the start/end of its launching runtime call (-1 when none)."""
-    events = qualified(store, "trace_events")
+    events = qualified(store, TRACE_EVENTS)
     cols = store.query_columns(
         f"""
         SELECT g.rank AS rank, g.ts_ns AS ts_ns, g.dur_ns AS dur_ns, g.kernel_class AS kernel_class,
@@ -237,7 +207,7 @@ def _load_gpu_work(store: Store, run_id: str, ranks: list[int]) -> dict[int, dic
                if(r.found, r.ts_ns, -1) AS launch_ts, if(r.found, r.ts_ns + r.dur_ns, -1) AS launch_end
         FROM (SELECT rank, ts_ns, dur_ns, kernel_class, stream, correlation FROM {events}
               WHERE run_id = {{run_id:String}} AND rank IN {{ranks:Array(Int32)}}
-                AND kind IN ('kernel', 'memcpy', 'memset')) AS g
+                AND {GPU_WORK}) AS g
         LEFT JOIN (SELECT rank, correlation, min(ts_ns) AS ts_ns, any(dur_ns) AS dur_ns, 1 AS found FROM {events}
                    WHERE run_id = {{run_id:String}} AND rank IN {{ranks:Array(Int32)}} AND kind = 'runtime'
                      AND correlation != 0
@@ -256,7 +226,7 @@ def _load_gpu_work(store: Store, run_id: str, ranks: list[int]) -> dict[int, dic
 def _load_steps(store: Store, run_id: str, ranks: list[int]) -> dict[int, list[tuple[int, int, int]]]:
     """``ProfilerStep#N`` annotations of each rank: (N, start, duration), in time order."""
     res = store.query(
-        f"SELECT rank, name, ts_ns, dur_ns FROM {qualified(store, 'trace_events')} "
+        f"SELECT rank, name, ts_ns, dur_ns FROM {qualified(store, TRACE_EVENTS)} "
         "WHERE run_id = {run_id:String} AND rank IN {ranks:Array(Int32)} "
         "AND kind IN ('cpu_op', 'user_annotation') AND startsWith(name, 'ProfilerStep') ORDER BY rank, ts_ns",
         {"run_id": run_id, "ranks": ranks},
@@ -271,10 +241,10 @@ def _load_steps(store: Store, run_id: str, ranks: list[int]) -> dict[int, list[t
 
 def _ranks_with_gpu_events(store: Store, run_id: str) -> dict[int, int]:
     """Ranks ingested for ``run_id`` and their GPU event counts (raises InputError when the run is unknown)."""
-    res = store.query(f"SELECT rank, max(gpu_event_count) FROM {qualified(store, 'trace_runs')} FINAL "
+    res = store.query(f"SELECT rank, max(gpu_event_count) FROM {qualified(store, TRACE_RUNS)} FINAL "
                       "WHERE run_id = {run_id:String} GROUP BY rank ORDER BY rank", {"run_id": run_id})
     if not res.rows:
-        known = store.query(f"SELECT DISTINCT run_id FROM {qualified(store, 'trace_runs')} ORDER BY run_id LIMIT 20")
+        known = store.query(f"SELECT DISTINCT run_id FROM {qualified(store, TRACE_RUNS)} ORDER BY run_id LIMIT 20")
         names = ", ".join(r[0] for r in known.rows) or "none"
         raise InputError(f"no trace run {run_id!r} in the store (known: {names})")
     return {int(rank): int(count) for rank, count in res.rows}

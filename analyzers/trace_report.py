@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
-from triscope.analyzers.trace_breakdown import Breakdown, RankBreakdown, analyze_run
+from triscope.analyzers.trace_breakdown import Breakdown, RankBreakdown
 
 
 def _ms(ns: int | float) -> str:
@@ -51,18 +50,3 @@ def print_report(run_id: str, ranks: list[RankBreakdown]) -> None:
         if rank.whole.gpu_events == 0:
             console.print("  no GPU work in this rank (CPU-only trace): nothing to break down")
 
-
-def run_trace_report(args: argparse.Namespace) -> int:
-    """CLI body for ``triscope diagnose --trace-run``."""
-    from triscope.commands._common import print_json, store_from
-
-    store = store_from(args)
-    try:
-        ranks = analyze_run(store, args.trace_run, ranks=args.rank, include_last_step=args.include_last_step)
-    finally:
-        store.close()
-    if args.json:
-        print_json(report_dict(args.trace_run, ranks))
-    else:
-        print_report(args.trace_run, ranks)
-    return 0

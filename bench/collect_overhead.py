@@ -1,7 +1,7 @@
 """Benchmark: NVML sampler CPU cost and gpu_samples write throughput into the embedded store.
 
 1. **Sampler**: :class:`triscope.collectors.nvml.NvmlSampler` over 8 simulated H100s (the
-   module-boundary stand-in of ``tests/nvml_standin.py``: the real ``pynvml`` structs, errors and
+   module-boundary stand-in ``triscope.sim.nvml_standin``: the real ``pynvml`` structs, errors and
    ctypes field-value arrays, simulated library entry points), ``--samples`` samples with traffic
    between them, default config (processes every 1 s). CPU time per sample and per GPU, and the
    share of one core at 10 Hz. Baseline in the same run: the same NVML calls issued directly,
@@ -27,16 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from nvml_standin import FakeGpu, advance, standin
-
 from triscope.collectors.nvml import NvmlSampler
-from triscope.schema import (
-    encode_ts,
-    qualified,
-)
-from triscope.schema.gpu import GPU_SAMPLES
+from triscope.schema import GPU_SAMPLES, encode_ts, qualified
+from triscope.sim.nvml_standin import FakeGpu, advance, standin
 from triscope.store import open_store
 from triscope.writer import Writer
 
@@ -64,7 +57,7 @@ def bench_sampler(samples: int) -> dict[str, float]:
         t0 = time.process_time()
         out = sampler.sample_once(now_ns=T0_NS + i * 100_000_000)
         cpu += time.process_time() - t0
-        rows += len(out["gpu_samples"]["ts"])
+        rows += len(out[GPU_SAMPLES.name]["ts"])
     assert rows == samples * GPUS
     sampler.close()
 
@@ -112,7 +105,7 @@ def columns_like_sampler(n: int, start_ns: int) -> dict[str, list[Any]]:
     sampler.start()
     sampler.sample_once(now_ns=start_ns)
     advance(gpus, nv.clock, 0.1, pcie_tx_bps=2e9, pcie_rx_bps=5e8, nvlink_tx_bps=1e11, nvlink_rx_bps=1e11)
-    one = sampler.sample_once(now_ns=start_ns)["gpu_samples"]
+    one = sampler.sample_once(now_ns=start_ns)[GPU_SAMPLES.name]
     sampler.close()
     reps = -(-n // GPUS)
     cols = {c: (v * reps)[:n] for c, v in one.items()}
@@ -123,7 +116,7 @@ def columns_like_sampler(n: int, start_ns: int) -> dict[str, list[Any]]:
 def bench_store(rows: int, batch: int, path: Path, repeat: int = 3) -> dict[str, float]:
     """Rows per second (best of ``repeat``): native generation (baseline), Store.insert, Writer (spool + insert)."""
     store = open_store({"store": {"backend": "embedded", "path": str(path / "db"), "database": "bench"}})
-    table = qualified(store, "gpu_samples")
+    table = qualified(store, GPU_SAMPLES)
     nb = -(-rows // batch)
     batches = [columns_like_sampler(min(batch, rows - b * batch), T0_NS + b * (batch // GPUS) * 100_000_000)
                for b in range(nb)]
@@ -156,7 +149,7 @@ def bench_store(rows: int, batch: int, path: Path, repeat: int = 3) -> dict[str,
         writer = Writer(store, str(spool), batch_rows=batch, fsync=True)
         writer.start()
         for cols in batches:
-            writer.submit("gpu_samples", cols)
+            writer.submit(GPU_SAMPLES.name, cols)
         assert writer.flush(timeout_s=600)
         writer.close()
 

@@ -28,11 +28,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from closed_loop import BENCH_WEIGHTS, FeedWorker, SimFleet
-from haproxy_ctl import HAProxy, Server, free_port, wait_port
-from sim_backend import BackendSpec
+from triscope.sim.backend import BackendSpec
+from triscope.sim.bench_fleet import BENCH_WEIGHTS, FeedWorker, SimFleet
+from triscope.sim.haproxy import HAProxy, Server, free_port, wait_port
 
 _UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 

@@ -77,7 +77,8 @@ INSERT INTO {qualified(store, 'gpu_samples')} (ts, host, gpu, gpu_uuid, source, 
 SELECT fromUnixTimestamp64Nano(toInt64({{t0:Int64}} + w * {{wns:Int64}} + cityHash64(w, b, 9) % {{wns:Int64}})),
   concat('node-', toString(intDiv(b, 4))), toUInt16(b % 4), concat('GPU-', toString(b)), 'nvml',
   1.5e9 + {_LOAD} * 0.55e9 + toFloat64(cityHash64(w, b, 10) % 150000000), 80e9, 'ok'
-FROM (SELECT intDiv(number, {{nb:UInt32}}) AS w, number % {{nb:UInt32}} AS b FROM numbers({{windows:UInt64}} * {{nb:UInt32}}))
+FROM (SELECT intDiv(number, {{nb:UInt32}}) AS w, number % {{nb:UInt32}} AS b \
+FROM numbers({{windows:UInt64}} * {{nb:UInt32}}))
 WHERE cityHash64(w, b, 11) % 100 >= 5
 """, params)
     return T0_NS, T0_NS + windows * wns

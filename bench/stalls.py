@@ -15,17 +15,13 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from triscope.analyzers.stalls import diagnose_stalls
-from triscope.collectors.nccl_common import ns_text
+from triscope.collectors.nccl.common import ns_text
 from triscope.schema import qualified
 from triscope.store import open_store
 

@@ -215,7 +215,8 @@ def main() -> None:
         sets[folder.name] = folder
 
     header = (f"{'trace set':<16}{'size MB':>9}{'triscope s':>12}{'HTA s':>9}{'speed-up':>10}"
-              f"{'triscope MB':>13}{'HTA MB':>9}{'mem ratio':>11}{'anon MB':>14}{'anon ratio':>12}{'max diff %':>12}{'HTA-default idle diff %':>25}")
+              f"{'triscope MB':>13}{'HTA MB':>9}{'mem ratio':>11}{'anon MB':>14}{'anon ratio':>12}"
+              f"{'max diff %':>12}{'HTA-default idle diff %':>25}")
     print(header)
     print("-" * len(header))
     for name, folder in sets.items():
@@ -230,7 +231,8 @@ def main() -> None:
         print(f"{name:<16}{size:>9.1f}{ours['seconds']:>12.3f}{hta['seconds']:>9.3f}"
               f"{hta['seconds'] / ours['seconds']:>9.1f}x{ours['peak_rss_mb']:>13.0f}{hta['peak_rss_mb']:>9.0f}"
               f"{ours['peak_rss_mb'] / hta['peak_rss_mb']:>11.2f}"
-              f"{ours['peak_anon_mb']:>7.0f}/{hta['peak_anon_mb']:<6.0f}{ours['peak_anon_mb'] / hta['peak_anon_mb']:>12.2f}"
+              f"{ours['peak_anon_mb']:>7.0f}/{hta['peak_anon_mb']:<6.0f}"
+              f"{ours['peak_anon_mb'] / hta['peak_anon_mb']:>12.2f}"
               f"{agreement(ours, hta):>12.3f}{idle_gap:>25.1f}")
         sys.stdout.flush()
     print("\nspeed-up = HTA time / triscope time (ingest into the embedded store + breakdown vs parse + "

@@ -1,25 +1,10 @@
-"""dcgm-exporter scraper for ``gpu_samples`` (one row per GPU and scrape).
+"""dcgm-exporter scraper for ``gpu_samples``: one row per GPU and scrape, from every ``[dcgm] urls`` target.
 
-Each ``[dcgm] urls`` target is fetched with a timeout and a bounded body, parsed as Prometheus
-text (a line parser that skips a malformed line instead of losing the scrape), and its
-``DCGM_FI_*`` series are folded into one row per (host, GPU) in triscope units: bytes (FB_* are
-MiB), ratios 0..1 (GPU_UTIL / MEM_COPY_UTIL are %, PROF_* already ratios), Hz (clocks are MHz).
-
-Labels: ``gpu`` (index), ``UUID``, ``modelName``, ``Hostname`` (releases before mid 2026) or
-``hostname`` (newer), and with ``-k`` ``pod`` / ``namespace`` / ``container`` (empty on
-unallocated GPUs; several pods on one GPU are comma-joined). Series of MIG instances
-(``GPU_I_ID`` set) and of non-GPU entities (no ``gpu`` label) are skipped.
-
-DCGM blank values never reach the store: int64 blanks (>= ``DCGM_INT64_BLANK`` =
-0x7ffffffffffffff0, e.g. 9223372036854775794 = NOT_SUPPORTED), fp64 blanks
-(``DCGM_FP64_BLANK`` = 2**47 .. +15) and, on gauges that cannot reach 2**31, int32 blanks
-(``DCGM_INT32_BLANK`` = 0x7ffffff0 = 2147483632 .. 0x7fffffff) become NaN.
-
-A target that fails (unreachable, HTTP error, oversized body, not Prometheus text, no DCGM GPU
-series) never raises: it yields rows with ``state`` ``unreachable`` or ``error`` and a one-line
-``error``, one per GPU last seen there (or one with ``gpu = 65535`` when none was), while the
-other targets' rows are written as usual. Config section ``[dcgm]``: urls, interval_s,
-timeout_s, max_body_bytes. Load as ``triscope.collectors.dcgm:factory``.
+Each target is fetched with a timeout and a bounded body and parsed line by line (a malformed
+line is skipped, not the scrape); its ``DCGM_FI_*`` series fold into one row per (host, GPU) in
+triscope units; DCGM blank values become NaN. A failing target never raises: it yields state rows
+(``unreachable`` / ``error`` + a one-line ``error``). Labels, units, blanks and states:
+docs/gpu-collectors.md. Registry name ``dcgm`` -> :func:`create`; config :class:`DcgmConfig`.
 """
 
 from __future__ import annotations
@@ -30,31 +15,52 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from triscope.component import ComponentConfig, Context, interval
 from triscope.errors import ConfigError, InputError
-from triscope.schema import encode_ts
-from triscope.schema.gpu import GPU_SAMPLES
+from triscope.schema import GPU_SAMPLES, encode_ts
 
 log = logging.getLogger(__name__)
 
-TABLE = "gpu_samples"
-COLUMNS = GPU_SAMPLES.column_names()
 NAN = math.nan
 MiB = float(1 << 20)
 NO_GPU = 65535
 """``gpu`` of a target-level state row (a target that failed before any GPU was seen there)."""
 
-DEFAULTS: dict[str, Any] = {
-    "urls": [],                 # e.g. ["http://gpu-node-17:9400/metrics"]
-    "interval_s": 5.0,          # dcgm-exporter refreshes every -c ms (30 s by default)
-    "timeout_s": 2.0,
-    "max_body_bytes": 8 << 20,  # ~30 series x 8 GPUs is ~100 KiB; anything far larger is not an exporter
-}
+_EMPTY_ROW: dict[str, Any] = {**GPU_SAMPLES.defaults(),
+                               **{c.name: NAN for c in GPU_SAMPLES.columns if c.type.startswith("Float")}}
+"""A row before a scrape fills it: a metric not seen is NaN, not 0."""
+
+
+@dataclass(frozen=True)
+class DcgmConfig(ComponentConfig):
+    """``[dcgm]`` (docs/gpu-collectors.md)."""
+
+    section = "dcgm"
+    urls: list[str] = field(default_factory=list)
+    """dcgm-exporter endpoints, e.g. ``["http://gpu-node-17:9400/metrics"]``."""
+    interval_s: float = 5.0
+    """No faster than dcgm-exporter refreshes (its -c, 30 s by default)."""
+    timeout_s: float = 2.0
+    max_body_bytes: int = 8 << 20
+    """~30 series x 8 GPUs is ~100 KiB; anything far larger is not an exporter."""
+
+    def validate(self, where: str) -> None:
+        if not self.urls:
+            raise ConfigError(f"{where} urls is empty; name the dcgm-exporter endpoints, e.g. "
+                              '["http://gpu-node-17:9400/metrics"]')
+        for url in self.urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConfigError(f"{where} url {url!r} is not an http(s) URL")
+        if not (self.interval_s > 0 and self.timeout_s > 0 and self.max_body_bytes > 0):
+            raise ConfigError(f"{where} interval_s, timeout_s and max_body_bytes must be positive")
+        interval(where, interval_s=self.interval_s)
 
 # DCGM blank values (dcgm_structs.h, DCGM_BLANK_VALUES): base + 0..15 (NOT_FOUND +1, NOT_SUPPORTED +2, ...).
 DCGM_INT32_BLANK = 0x7FFFFFF0
@@ -224,7 +230,7 @@ def _row(ts: str, g: _Gpu, state: str, error: str) -> dict[str, Any]:
         total = used + free + (reserved if math.isfinite(reserved) else 0.0)
     reasons = v.get("clock_event_reasons", NAN)
     pods = list(g.pods)
-    row = {c: NAN for c in COLUMNS}
+    row = dict(_EMPTY_ROW)
     row.update(v)
     row.pop("_fb_free_bytes", None)
     row.update({
@@ -267,10 +273,7 @@ class Target:
     last_error: str = ""
 
     def __post_init__(self) -> None:
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"dcgm: url {self.url!r} is not an http(s) URL")
-        self.host = self.host or parts.hostname
+        self.host = self.host or urlsplit(self.url).hostname or ""
 
 
 class UnreachableError(InputError):
@@ -295,28 +298,17 @@ def fetch(url: str, timeout_s: float, max_body_bytes: int) -> str:
 
 
 class DcgmScraper:
-    """Collector scraping dcgm-exporter targets (``[dcgm]`` config section)."""
+    """Collector scraping dcgm-exporter targets; ``config`` is a :class:`DcgmConfig` or the whole configuration."""
 
     name = "dcgm"
 
-    def __init__(self, config: dict[str, Any] | None = None,
+    def __init__(self, config: Mapping[str, Any] | DcgmConfig | None = None,
                  fetcher: Callable[[str, float, int], str] | None = None) -> None:
-        cfg = {**DEFAULTS, **((config or {}).get("dcgm") or {})}
-        urls = cfg["urls"]
-        if isinstance(urls, str) or not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
-            raise ConfigError("[dcgm] urls must be a list of http(s) URLs")
-        if not urls:
-            raise ConfigError("[dcgm] urls is empty; name the dcgm-exporter endpoints, e.g. "
-                              "[\"http://gpu-node-17:9400/metrics\"]")
-        self.targets = [Target(u) for u in urls]
-        try:
-            self.interval_s = float(cfg["interval_s"])
-            self.timeout_s = float(cfg["timeout_s"])
-            self.max_body_bytes = int(cfg["max_body_bytes"])
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"[dcgm]: {exc}") from None
-        if self.interval_s <= 0 or self.timeout_s <= 0 or self.max_body_bytes <= 0:
-            raise ConfigError("[dcgm] interval_s, timeout_s and max_body_bytes must be positive")
+        cfg = config if isinstance(config, DcgmConfig) else DcgmConfig.from_config(config)
+        self.targets = [Target(u) for u in cfg.urls]
+        self.interval_s = cfg.interval_s
+        self.timeout_s = cfg.timeout_s
+        self.max_body_bytes = cfg.max_body_bytes
         self.fetcher = fetcher or fetch
         self._pool: ThreadPoolExecutor | None = None
 
@@ -355,13 +347,8 @@ class DcgmScraper:
 
     def collect(self) -> dict[str, dict[str, list[Any]]]:
         """Scrape every target once; failed targets become state rows (never raises for a target)."""
-        ts_ns = time.time_ns()
-        cols: dict[str, list[Any]] = {c: [] for c in COLUMNS}
-        for rows in self._each(ts_ns):
-            for row in rows:
-                for c in COLUMNS:
-                    cols[c].append(row[c])
-        return {TABLE: cols} if cols["ts"] else {}
+        rows = [row for batch in self._each(time.time_ns()) for row in batch]
+        return {GPU_SAMPLES.name: GPU_SAMPLES.columns_of(rows)} if rows else {}
 
     def close(self) -> None:
         """Stop the thread pool; safe to call twice."""
@@ -370,6 +357,6 @@ class DcgmScraper:
             self._pool = None
 
 
-def factory(config: dict[str, Any]) -> DcgmScraper:
-    """Collector factory for ``triscope run``."""
-    return DcgmScraper(config)
+def create(config: dict[str, Any], context: Context) -> DcgmScraper:
+    """The dcgm-exporter scraper (``[dcgm]``)."""
+    return DcgmScraper(DcgmConfig.from_config(config))

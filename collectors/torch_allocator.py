@@ -10,8 +10,8 @@ with one line::
     ...
     handle.close()
 
-From ``triscope run`` (registry key ``torch_allocator``, section ``[torch_allocator]``:
-``interval_s``, ``host``, ``devices``) it samples the daemon's own process, which is only useful
+From ``triscope run`` (registry key ``torch_allocator`` -> :func:`create`, section
+``[torch_allocator]``, :class:`TorchAllocatorConfig`) it samples the daemon's own process, which is only useful
 when the daemon runs inside the allocating process. Without CUDA (no torch, a CPU build, no
 device) the collector starts in state ``unavailable`` and yields no rows; while the process has
 not initialised CUDA yet it is ``not_initialized`` (it never initialises CUDA itself).
@@ -27,17 +27,15 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from triscope.component import ComponentConfig, Context, interval
 from triscope.errors import ConfigError, TriscopeError
-from triscope.schema import encode_ts
+from triscope.schema import ALLOCATOR_SAMPLES, encode_ts
 
 log = logging.getLogger(__name__)
 
-TABLE = "allocator_samples"
-COLUMNS = ["ts", "host", "gpu", "pid", "allocated_bytes", "reserved_bytes", "active_bytes",
-           "inactive_split_bytes", "alloc_retries_total", "ooms_total", "fragmentation_ratio"]
-DEFAULTS: dict[str, Any] = {"interval_s": 1.0, "host": "", "devices": "used"}
 STAT_KEYS = {
     "allocated_bytes": "allocated_bytes.all.current",
     "reserved_bytes": "reserved_bytes.all.current",
@@ -47,6 +45,23 @@ STAT_KEYS = {
     "ooms_total": "num_ooms",
 }
 """Column -> ``torch.cuda.memory_stats()`` key (flattened names, torch >= 1.4)."""
+
+
+@dataclass(frozen=True)
+class TorchAllocatorConfig(ComponentConfig):
+    """``[torch_allocator]``: ``devices`` is "used" (the current device and any holding memory),
+    "all" or a list of device indexes; ``host`` defaults to the machine's hostname."""
+
+    section = "torch_allocator"
+    interval_s: float = 1.0
+    host: str = ""
+    devices: str | list[int] = "used"
+
+    def validate(self, where: str) -> None:
+        interval(where, interval_s=self.interval_s)
+        devices = self.devices
+        if devices not in ("used", "all") and not (isinstance(devices, list) and all(d >= 0 for d in devices)):
+            raise ConfigError(f'{where} devices must be "used", "all" or a list of device indexes')
 
 
 def sample_values(stats: Mapping[str, Any]) -> dict[str, float | int]:
@@ -80,24 +95,11 @@ class TorchAllocatorCollector:
 
     name = "torch_allocator"
 
-    def __init__(self, config: Mapping[str, Any] | None = None, cuda: Any = None) -> None:
-        section = (config or {}).get("torch_allocator") or {}
-        unknown = set(section) - set(DEFAULTS)
-        if unknown:
-            raise ConfigError(f"[torch_allocator] has unknown keys: {', '.join(sorted(unknown))}")
-        cfg = {**DEFAULTS, **section}
-        try:
-            self.interval_s = float(cfg["interval_s"])
-        except (TypeError, ValueError):
-            raise ConfigError(f"[torch_allocator] interval_s must be a number, not {cfg['interval_s']!r}") from None
-        if self.interval_s <= 0:
-            raise ConfigError("[torch_allocator] interval_s must be > 0")
-        devices = cfg["devices"]
-        if devices not in ("used", "all") and not (
-                isinstance(devices, list) and all(isinstance(d, int) and d >= 0 for d in devices)):
-            raise ConfigError('[torch_allocator] devices must be "used", "all" or a list of device indexes')
-        self.devices: str | list[int] = devices
-        self.host = str(cfg["host"]) or socket.gethostname()
+    def __init__(self, config: Mapping[str, Any] | TorchAllocatorConfig | None = None, cuda: Any = None) -> None:
+        cfg = config if isinstance(config, TorchAllocatorConfig) else TorchAllocatorConfig.from_config(config)
+        self.interval_s = cfg.interval_s
+        self.devices = cfg.devices
+        self.host = cfg.host or socket.gethostname()
         self.pid = os.getpid()
         self._cuda = cuda
         self.state = "stopped"
@@ -135,28 +137,24 @@ class TorchAllocatorCollector:
         if not cuda.is_initialized():
             self.state = "not_initialized"
             return {}
-        rows: dict[str, list[Any]] = {c: [] for c in COLUMNS}
         try:
             ts = encode_ts(time.time_ns())
-            for device, stats in self._device_stats(cuda).items():
-                values = sample_values(stats)
-                for column, value in (("ts", ts), ("host", self.host), ("gpu", device), ("pid", self.pid),
-                                      *values.items()):
-                    rows[column].append(value)
+            rows = [{"ts": ts, "host": self.host, "gpu": device, "pid": self.pid, **sample_values(stats)}
+                    for device, stats in self._device_stats(cuda).items()]
         except RuntimeError as exc:  # a CUDA error (device lost): report it, keep sampling
             self.state, self.reason = "error", str(exc).splitlines()[0] if str(exc) else "CUDA error"
             log.warning("torch_allocator: %s", self.reason)
             return {}
         self.state = "ok"
-        return {TABLE: rows} if rows["ts"] else {}
+        return {ALLOCATOR_SAMPLES.name: ALLOCATOR_SAMPLES.columns_of(rows)} if rows else {}
 
     def close(self) -> None:
         self.state = "stopped"
 
 
-def factory(config: dict[str, Any]) -> TorchAllocatorCollector:
-    """``triscope run`` entry point (``[run] collectors = ["torch_allocator"]``)."""
-    return TorchAllocatorCollector(config)
+def create(config: dict[str, Any], context: Context) -> TorchAllocatorCollector:
+    """``triscope run`` entry point (``[run] collectors = ["torch_allocator"]``); rows go back through collect()."""
+    return TorchAllocatorCollector(TorchAllocatorConfig.from_config(config))
 
 
 class AllocatorHook:

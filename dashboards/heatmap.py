@@ -109,7 +109,8 @@ def slice_sql(x: str, y: str, spec: HeatmapSpec = SPEC) -> str:
     FROM cells ARRAY JOIN lats AS lat WHERE matched GROUP BY xb, yb
   )
 SELECT round(g.xb * {_g(xwidth)}, 6) AS xMin, round(g.yb * {_g(ywidth)}, 6) AS yMin, counts.n AS count
-FROM (SELECT toUInt32(x.number) AS xb, toUInt32(y.number) AS yb FROM numbers({xn}) AS x CROSS JOIN numbers({yn}) AS y) AS g
+FROM (SELECT toUInt32(x.number) AS xb, toUInt32(y.number) AS yb FROM numbers({xn}) AS x \
+CROSS JOIN numbers({yn}) AS y) AS g
 LEFT JOIN counts ON g.xb = counts.xb AND g.yb = counts.yb
 ORDER BY xMin, yMin""")
 
@@ -143,7 +144,8 @@ def board() -> Board:
         _slice_panel("GPU memory over time", "time", "memory", "requests per GPU-memory bin"),
         row("Load patterns"),
         table("Busiest (QPS, memory) cells", [sql_target(
-            cells_cte() + f"SELECT qbin * {_g(s.qps_bin)} AS qps_from, mbin * {_g(s.memory_bin_bytes)} AS memory_from_bytes, "
+            cells_cte() + f"SELECT qbin * {_g(s.qps_bin)} AS qps_from, "
+            f"mbin * {_g(s.memory_bin_bytes)} AS memory_from_bytes, "
             "count() AS requests, quantileExactInclusive(0.95)(lat) AS p95_latency_seconds, "
             "topKWeighted(1)(modality, 1)[1] AS modality, topKWeighted(1)(rclass, 1)[1] AS request_class, "
             "round(max(used)) AS memory_max_bytes\n"

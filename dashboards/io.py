@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from triscope.analyzers.stalls import STALL_DEFAULTS
+from triscope.analyzers.stalls import StallsConfig
 from triscope.dashboards.common import DATABASE, conds, distinct, host_var, t
 from triscope.dashboards.model import Board, Variable, link, row, sql_target, table, timeseries
 from triscope.schema import IO_LATENCY
@@ -11,8 +11,8 @@ UID = "triscope-io"
 STALLS_UID = "triscope-stalls"
 IO = t(IO_LATENCY)
 FILTER = conds([("host", "host"), ("device", "device")])
-P99_MIN = STALL_DEFAULTS["io_read_p99_min_seconds"]
-QD_MIN = STALL_DEFAULTS["io_queue_depth_min"]
+P99_MIN = StallsConfig().io_read_p99_min_seconds
+QD_MIN = StallsConfig().io_queue_depth_min
 
 
 def _series(metric: str, alias: str, ops: str) -> str:

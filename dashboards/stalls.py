@@ -1,6 +1,6 @@
 """Stall breakdown: compute-, IO- and comm-bound shares of 100 ms windows, with their evidence.
 
-The rules and thresholds are the stall classifier's defaults (:data:`STALL_DEFAULTS`), evaluated
+The rules and thresholds are the stall classifier's defaults (:class:`StallsConfig`), evaluated
 in SQL per window so Grafana can chart them:
 
 * compute: GPU-sample window with mean SM activity > 95% and the measured L2 / DRAM bandwidth
@@ -17,7 +17,7 @@ traced windows with GPU work). ``triscope diagnose`` gives the single verdict pe
 
 from __future__ import annotations
 
-from triscope.analyzers.stalls import STALL_DEFAULTS
+from triscope.analyzers.stalls import StallsConfig
 from triscope.dashboards.common import DATABASE, GPU_FILTER, cond, gpu_var, host_var, t
 from triscope.dashboards.model import Board, bargauge, link, row, sql_target, table, text, timeseries
 from triscope.schema import GPU_SAMPLES, IO_LATENCY, NCCL_OPS, TRACE_EVENTS, TRACE_RUNS
@@ -27,7 +27,7 @@ IO_UID = "triscope-io"
 NCCL_UID = "triscope-nccl"
 FLEET_UID = "triscope-fleet"
 HEATMAP_UID = "triscope-heatmap"
-C = STALL_DEFAULTS
+C = StallsConfig()
 WINDOW_MS = 100
 WNS = WINDOW_MS * 1_000_000
 
@@ -46,9 +46,9 @@ GPU_WINDOWS = f"""
            avgIf(sm_active_ratio, isFinite(sm_active_ratio)) AS sm,
            avgIf(dram_active_ratio, isFinite(dram_active_ratio)) AS dram,
            avgIf(l2_bandwidth_ratio, isFinite(l2_bandwidth_ratio)) AS l2,
-           isFinite(sm) AND sm > {_g(C['compute_sm_active_min'])}
-             AND (NOT isFinite(l2) OR l2 < {_g(C['compute_bandwidth_max'])})
-             AND (NOT isFinite(dram) OR dram < {_g(C['compute_bandwidth_max'])}) AS compute_bound
+           isFinite(sm) AND sm > {_g(C.compute_sm_active_min)}
+             AND (NOT isFinite(l2) OR l2 < {_g(C.compute_bandwidth_max)})
+             AND (NOT isFinite(dram) OR dram < {_g(C.compute_bandwidth_max)}) AS compute_bound
     FROM {t(GPU_SAMPLES)}
     WHERE $__timeFilter(ts) AND {GPU_FILTER}
     GROUP BY host, gpu, w
@@ -58,7 +58,7 @@ IO_WINDOWS = f"""
   io_rows AS (
     SELECT toString(host) AS host, toString(device) AS device, toUnixTimestamp64Nano(ts) AS t0,
            t0 + toInt64(round(greatest(window_seconds, 0) * 1e6)) * 1000 AS t1,
-           p99_seconds > {_g(C['io_read_p99_min_seconds'])} AND queue_depth > {_g(C['io_queue_depth_min'])} AS bound
+           p99_seconds > {_g(C.io_read_p99_min_seconds)} AND queue_depth > {_g(C.io_queue_depth_min)} AS bound
     FROM {t(IO_LATENCY)}
     WHERE ts >= $__fromTime - INTERVAL 1 HOUR AND ts <= $__toTime AND op IN ('read', 'all')
       AND {cond('host', 'host')}
@@ -87,7 +87,7 @@ COMM_WINDOWS = f"""
   comm_w AS (
     SELECT run_id, rank, any(host) AS host, w,
            least(1.0, sumIf(least(k1, (w + 1) * {WNS}) - greatest(k0, w * {WNS}), is_comm) / {WNS}) AS comm_share,
-           comm_share > {_g(C['comm_share_min'])} AS comm_bound
+           comm_share > {_g(C.comm_share_min)} AS comm_bound
     FROM (SELECT *, arrayJoin(range(intDiv(k0, {WNS}), intDiv(k1 - 1, {WNS}) + 1)) AS w FROM kernels)
     GROUP BY run_id, rank, w
   )"""
@@ -113,12 +113,11 @@ SELECT signal, share FROM (
 def board() -> Board:
     """The stall-breakdown dashboard."""
     variables = [DATABASE, host_var(GPU_SAMPLES, IO_LATENCY, NCCL_OPS), gpu_var()]
-    th = C
     panels = [
-        text("Rules", f"Windows of {WINDOW_MS} ms. **compute**: SM active > {th['compute_sm_active_min']:.0%} with "
-             f"L2 / DRAM bandwidth < {th['compute_bandwidth_max']:.0%} of peak. **IO**: block-IO read p99 > "
-             f"{th['io_read_p99_min_seconds'] * 1e6:g} us and queue depth > {th['io_queue_depth_min']:g}. **comm**: "
-             f"collective kernel time > {th['comm_share_min']:.0%} of the window. Exact per-window verdicts with "
+        text("Rules", f"Windows of {WINDOW_MS} ms. **compute**: SM active > {C.compute_sm_active_min:.0%} with "
+             f"L2 / DRAM bandwidth < {C.compute_bandwidth_max:.0%} of peak. **IO**: block-IO read p99 > "
+             f"{C.io_read_p99_min_seconds * 1e6:g} us and queue depth > {C.io_queue_depth_min:g}. **comm**: "
+             f"collective kernel time > {C.comm_share_min:.0%} of the window. Exact per-window verdicts with "
              "evidence: `triscope diagnose --since 10m`.", h=2),
         row("Shares"),
         bargauge("Stall shares over the range", [sql_target(shares_sql(), table=True)],
@@ -136,7 +135,8 @@ SELECT $__timeInterval({_wtime('gpu_w.w')}) AS time, gpu_w.host AS host, avg(io_
 FROM gpu_w INNER JOIN io_w ON gpu_w.host = io_w.host AND gpu_w.w = io_w.w
 GROUP BY time, host ORDER BY time, host""")],
             "share of the host's GPU windows with an IO-bound device",
-            unit="percentunit", links=[link("IO of ${__field.labels.host}", IO_UID, {"host": "${__field.labels.host}"})]),
+            unit="percentunit",
+            links=[link("IO of ${__field.labels.host}", IO_UID, {"host": "${__field.labels.host}"})]),
         timeseries("Comm-bound share", [sql_target(_with(COMM_WINDOWS) + f"""
 SELECT $__timeInterval({_wtime()}) AS time, run_id, toString(rank) AS rank, avg(comm_bound) AS comm_bound_share
 FROM comm_w GROUP BY time, run_id, rank ORDER BY time, run_id, rank""")],
@@ -149,14 +149,15 @@ SELECT $__timeInterval({_wtime()}) AS time, host, toString(gpu) AS gpu,
        avgIf(l2, isFinite(l2)) AS l2_bandwidth_ratio
 FROM gpu_w GROUP BY time, host, gpu ORDER BY time, host, gpu""")],
             "compute-bound needs SM above the red line and bandwidth below the orange one", unit="percentunit",
-            thresholds=[(None, "green"), (th["compute_bandwidth_max"], "orange"), (th["compute_sm_active_min"], "red")],
+            thresholds=[(None, "green"), (C.compute_bandwidth_max, "orange"), (C.compute_sm_active_min, "red")],
             w=8),
         timeseries("Block-IO read p99", [sql_target(f"""
-SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(device) AS device, max(p99_seconds) AS read_p99_seconds
+SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(device) AS device, \
+max(p99_seconds) AS read_p99_seconds
 FROM {t(IO_LATENCY)} WHERE $__timeFilter(ts) AND op IN ('read', 'all') AND {cond('host', 'host')}
 GROUP BY time, host, device ORDER BY time, host, device""")],
             "threshold: the IO rule's read p99", unit="s",
-            thresholds=[(None, "green"), (th["io_read_p99_min_seconds"], "red")],
+            thresholds=[(None, "green"), (C.io_read_p99_min_seconds, "red")],
             links=[link("IO of ${__field.labels.host}", IO_UID, {"host": "${__field.labels.host}",
                                                                   "device": "${__field.labels.device}"})], w=8),
         timeseries("Block-IO queue depth", [sql_target(f"""
@@ -164,7 +165,7 @@ SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(device) AS 
 FROM {t(IO_LATENCY)} WHERE $__timeFilter(ts) AND op IN ('read', 'all') AND {cond('host', 'host')}
 GROUP BY time, host, device ORDER BY time, host, device""")],
             "threshold: the IO rule's queue depth", unit="short",
-            thresholds=[(None, "green"), (th["io_queue_depth_min"], "red")], w=8),
+            thresholds=[(None, "green"), (C.io_queue_depth_min, "red")], w=8),
         row("Drill down"),
         table("GPUs by stall share", [sql_target(_with(GPU_WINDOWS, IO_WINDOWS) + """
 SELECT gpu_w.host AS host, toString(gpu_w.gpu) AS gpu, count() AS windows,

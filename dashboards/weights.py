@@ -10,6 +10,7 @@ penalty ``1 / max(0.05, 1 - used/total)``, KV-cache penalty, QPS and the P99 pri
 
 from __future__ import annotations
 
+from triscope.analyzers.routing import DEFAULT_CLASSES, WeightsConfig
 from triscope.dashboards.common import (
     BACKEND_FILTER,
     DATABASE,
@@ -22,7 +23,6 @@ from triscope.dashboards.common import (
     t,
 )
 from triscope.dashboards.model import Board, link, prom_target, row, sql_target, table, text, timeseries
-from triscope.exporters.weights import DEFAULT_CLASSES, DEFAULTS
 from triscope.schema import GPU_SAMPLES, REQUESTS, SERVING_METRICS, WEIGHTS_HISTORY
 
 UID = "triscope-weights"
@@ -30,6 +30,9 @@ HEATMAP_UID = "triscope-heatmap"
 FLEET_UID = "triscope-fleet"
 HISTORY = t(WEIGHTS_HISTORY)
 PENALTY_FLOOR = 0.05  # headroom_penalty: 1 / max(0.05, 1 - ratio)
+DEFAULTS = WeightsConfig()
+KV_PENALTY = (f"1 / greatest({PENALTY_FLOOR!r}, 1 - least(1, greatest(0, "
+              "avgIf(kv_cache_usage_ratio, isFinite(kv_cache_usage_ratio)))))")
 
 
 def _array(values: list[float]) -> str:
@@ -63,18 +66,19 @@ def board() -> Board:
     """The routing-weights dashboard."""
     variables = [DATABASE, host_var(GPU_SAMPLES, REQUESTS, SERVING_METRICS), gpu_var(), backend_var(),
                  request_var("request_class", "Request class")]
-    drain, release = DEFAULTS["drain_memory_ratio"], DEFAULTS["release_memory_ratio"]
+    drain, release = DEFAULTS.drain_memory_ratio, DEFAULTS.release_memory_ratio
     panels = [
-        text("Where the numbers come from", "History: `weights_history`, one row per backend per engine update "
+        text("Where the numbers come from", f"History: `{WEIGHTS_HISTORY.name}`, one row per backend per engine update "
              "(written by `triscope weights serve` when `[weights] history = true`). Live: the feed's /metrics "
              "scraped by Prometheus. Inputs: recomputed from the store with the engine's formulas.", h=2),
-        row("History (weights_history)"),
+        row(f"History ({WEIGHTS_HISTORY.name})"),
         timeseries("Weight and target per backend", [sql_target(f"""
 SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, avg(weight) AS weight, avg(target) AS target
 FROM {HISTORY} WHERE $__timeFilter(ts) AND {cond('backend', 'backend')}
 GROUP BY time, backend ORDER BY time, backend""")],
             "damped weight (0 = drained) and the undamped target it moves toward", unit="percentunit", w=12,
-            links=[link("Heatmap of ${__field.labels.backend}", HEATMAP_UID, {"backend": "${__field.labels.backend}"})]),
+            links=[link("Heatmap of ${__field.labels.backend}", HEATMAP_UID,
+                        {"backend": "${__field.labels.backend}"})]),
         timeseries("Weight factors per backend", [sql_target(f"""
 SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, avg(factor_memory) AS memory,
        avg(factor_kv_cache) AS kv_cache, avg(factor_load) AS load, avg(factor_latency) AS latency
@@ -85,7 +89,7 @@ GROUP BY time, backend ORDER BY time, backend""")],
 SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, max(lb_weight) AS lb_weight
 FROM {HISTORY} WHERE $__timeFilter(ts) AND {cond('backend', 'backend')}
 GROUP BY time, backend ORDER BY time, backend""")],
-            f"the integer weight HAProxy / Envoy / Traefik received (scale {DEFAULTS['lb_scale']})", unit="short",
+            f"the integer weight HAProxy / Envoy / Traefik received (scale {DEFAULTS.lb_scale})", unit="short",
             w=12),
         table("Drains and stale fallbacks", [sql_target(f"""
 SELECT toString(backend) AS backend, toString(state) AS state, reasons, stale, count() AS updates,
@@ -117,7 +121,7 @@ GROUP BY backend, state, reasons, stale ORDER BY last_seen DESC LIMIT 100""", ta
             prom_target('max by (backend) (triscope_backend_input_age_seconds{backend=~"${backend:regex}"})',
                         "input age {{backend}}", ref="B")],
             "seconds since the last weight update and since each backend's newest input (stale after 15 s)",
-            unit="s", thresholds=[(None, "green"), (float(DEFAULTS["stale_after_s"]), "red")], w=12),
+            unit="s", thresholds=[(None, "green"), (DEFAULTS.stale_after_s, "red")], w=12),
         row("Inputs history (ClickHouse)"),
         timeseries("Memory penalty per GPU", [sql_target(f"""
 SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(gpu) AS gpu,
@@ -129,7 +133,7 @@ GROUP BY time, host, gpu ORDER BY time, host, gpu""")],
             f"released at {release:.0%}", unit="short", w=12),
         timeseries("KV-cache penalty per backend", [sql_target(f"""
 SELECT $__timeInterval(ts) AS time, toString(backend) AS backend,
-       1 / greatest({PENALTY_FLOOR!r}, 1 - least(1, greatest(0, avgIf(kv_cache_usage_ratio, isFinite(kv_cache_usage_ratio)))))
+       {KV_PENALTY}
          AS kv_cache_penalty
 FROM {t(SERVING_METRICS)} WHERE $__timeFilter(ts) AND {BACKEND_FILTER}
 GROUP BY time, backend ORDER BY time, backend""")], "1 / max(0.05, 1 - KV-cache usage)", unit="short", w=12),

@@ -6,6 +6,7 @@ import logging
 import socketserver
 import sys
 import threading
+import typing
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ class BoundedThreadingMixIn(socketserver.ThreadingMixIn):
         slots = self.__dict__.setdefault("_slots", threading.BoundedSemaphore(self.max_connections))
         if not slots.acquire(blocking=False):
             self.refused_total += 1
-            self.shutdown_request(request)
+            typing.cast(socketserver.BaseServer, self).shutdown_request(request)  # the mixin sits on a server
             return
         try:
             super().process_request(request, client_address)

@@ -21,17 +21,18 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from triscope.exporters.weights import DRAIN, WeightParams, WeightsResult, split_address
+from triscope.analyzers.routing import DRAIN, WeightParams, WeightsResult, split_address
 
 log = logging.getLogger(__name__)
 
 CLA_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+JSON_TYPE = "application/json"
 _nonce = itertools.count(1)
 
 
 def cluster_name(params: WeightParams) -> str:
     """The ClusterLoadAssignment name the feed answers (``[weights.feed] envoy_cluster``)."""
-    return str(params.feed.get("envoy_cluster", "triscope"))
+    return params.feed.envoy_cluster
 
 
 def _error(status: int, message: str) -> tuple[int, bytes]:
@@ -74,7 +75,7 @@ def _socket_address(address: str) -> dict[str, Any] | None:
         ip = str(ipaddress.ip_address(host))
     except ValueError:
         try:
-            ip = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+            ip = str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
         except (OSError, IndexError):
             log.warning("envoy eds: cannot resolve %r; endpoint left out", host)
             return None
@@ -128,13 +129,18 @@ def eds_response(result: WeightsResult, request_body: bytes, params: WeightParam
     200 with the full DiscoveryResponse on every poll; 400 (one-line JSON ``{"error": ...}``) for a body that is not a
     DiscoveryRequest; 413 when the body exceeds ``[weights.feed] max_body_bytes``.
     """
-    max_bytes = int(params.feed.get("max_body_bytes", 1 << 20))
-    request, error = parse_request(request_body, max_bytes)
+    request, error = parse_request(request_body, params.feed.max_body_bytes)
     if error is not None:
         return error
     assert request is not None
     return 200, json.dumps(discovery_response(result, params, request), separators=(",", ":")).encode()
 
 
+def render(result: WeightsResult, params: WeightParams, request_body: bytes) -> tuple[int, str, bytes]:
+    """The feed's ``envoy_eds`` format (:mod:`triscope.exporters.formats`)."""
+    status, body = eds_response(result, request_body, params)
+    return status, JSON_TYPE, body
+
+
 __all__ = ["CLA_TYPE", "cluster_load_assignment", "cluster_name", "discovery_response", "eds_response",
-           "parse_request"]
+           "parse_request", "render"]

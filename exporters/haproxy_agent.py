@@ -31,8 +31,8 @@ import socketserver
 import threading
 from collections.abc import Callable, Mapping
 
+from triscope.analyzers.routing import DRAIN, WeightsResult
 from triscope.exporters._servers import DEFAULT_MAX_CONNECTIONS, BoundedThreadingMixIn
-from triscope.exporters.weights import DRAIN, WeightsResult
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def agent_reply(result: WeightsResult | None, name: str, max_inflight: int = 0, 
     ``max_inflight`` > 0 adds ``maxconn:N`` scaled by the backend's weight.
     """
     bw = result.backends.get(name) if result is not None else None
-    if bw is None:
+    if result is None or bw is None:
         return UNKNOWN_REPLY
     if bw.state == DRAIN or (request_class and result.class_state(name, request_class) == DRAIN):
         return "drain\n"

@@ -12,8 +12,8 @@ import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from triscope.analyzers.routing import WeightParams
 from triscope.errors import ConfigError
-from triscope.exporters.weights import WeightParams
 
 LUA_PATH = Path(__file__).resolve().parent / "haproxy_gate.lua"
 """The Lua action to ``lua-load`` in HAProxy's ``global`` section."""

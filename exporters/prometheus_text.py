@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-from triscope.exporters.weights import WeightsResult
+from triscope.analyzers.routing import DRAIN, READY, BackendWeight, WeightsResult
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -58,7 +58,7 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
     w = MetricWriter()
     backends = sorted(result.backends.items()) if result is not None else []
 
-    def per_backend(fn) -> list[tuple[dict[str, str], float]]:
+    def per_backend(fn: Callable[[BackendWeight], float]) -> list[tuple[dict[str, str], float]]:
         return [({"backend": n}, float(fn(b))) for n, b in backends]
 
     w.family("triscope_backend_weight", "gauge", "Routing weight of the backend (0..1, 0 = drained).",
@@ -68,9 +68,9 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
     w.family("triscope_backend_lb_weight", "gauge", "Integer weight published to load balancers.",
              per_backend(lambda b: b.lb_weight))
     w.family("triscope_backend_drained", "gauge", "1 when the backend is drained, else 0.",
-             per_backend(lambda b: 1.0 if b.state == "drain" else 0.0))
+             per_backend(lambda b: 1.0 if b.state == DRAIN else 0.0))
     w.family("triscope_backend_draining", "gauge", "Same as triscope_backend_drained (name of the first contract).",
-             per_backend(lambda b: 1.0 if b.state == "drain" else 0.0))
+             per_backend(lambda b: 1.0 if b.state == DRAIN else 0.0))
     w.family("triscope_backend_weight_factor", "gauge", "Penalty factor (>= 1) of the weight formula.",
              [({"backend": n, "factor": f}, float(v)) for n, b in backends for f, v in sorted(b.factors.items())])
     w.family("triscope_backend_memory_used_ratio", "gauge", "GPU memory used/total (worst GPU of the backend).",
@@ -100,7 +100,7 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
     admission = sorted(result.class_admission.items()) if result is not None else []
     w.family("triscope_backend_class_admitted", "gauge",
              "1 when the backend admits the request class, 0 when drained or closed by the class's KV or batch limit.",
-             [({"backend": b, "request_class": c}, 1.0 if st == "ready" else 0.0)
+             [({"backend": b, "request_class": c}, 1.0 if st == READY else 0.0)
               for c, states in admission for b, st in sorted(states.items())])
     action = result.scale.action if result is not None else ""
     w.family("triscope_kv_cache_scale_recommendation", "gauge", "1 for the current KV-cache scaling action.",

@@ -14,10 +14,11 @@ one is "no change" on Traefik's side. Layout (docs/weights.md, docs/lb-envoy-tra
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from typing import Any
 
-from triscope.exporters.weights import DRAIN, WeightParams, WeightsResult, split_address
+from triscope.analyzers.routing import DRAIN, WeightParams, WeightsResult, split_address
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9-]")
 
@@ -45,10 +46,8 @@ def _server_url(address: str, scheme: str) -> str | None:
 def traefik_config(result: WeightsResult, params: WeightParams) -> dict[str, Any]:
     """Traefik dynamic configuration (the JSON document of the HTTP provider)."""
     feed = params.feed
-    service = str(feed.get("traefik_service", "triscope"))
-    scheme = str(feed.get("traefik_scheme", "http"))
-    entrypoints = [str(e) for e in feed.get("traefik_entrypoints", ["web"])]
-    rule = str(feed.get("traefik_rule", "PathPrefix(`/`)"))
+    service, scheme, rule = feed.traefik_service, feed.traefik_scheme, feed.traefik_rule
+    entrypoints = list(feed.traefik_entrypoints)
 
     urls = {b: _server_url(bw.inputs.address, scheme) for b, bw in result.backends.items()
             if bw.inputs.address}
@@ -70,4 +69,9 @@ def traefik_config(result: WeightsResult, params: WeightParams) -> dict[str, Any
     return {"http": {"routers": {service: router}, "services": services}}
 
 
-__all__ = ["service_names", "traefik_config"]
+def render(result: WeightsResult, params: WeightParams, request_body: bytes) -> tuple[int, str, bytes]:
+    """The feed's ``traefik`` format (:mod:`triscope.exporters.formats`): Traefik wants 200 on every poll."""
+    return 200, "application/json", json.dumps(traefik_config(result, params), sort_keys=True).encode()
+
+
+__all__ = ["render", "service_names", "traefik_config"]

@@ -77,8 +77,7 @@ class SimBackend:
 
     @property
     def port(self) -> int:
-        if self.server is not None and self.server.sockets:
-            return int(self.server.sockets[0].getsockname()[1])
+        """The bound port (the one asked for before :meth:`start`)."""
         return self._port
 
     @property
@@ -88,6 +87,7 @@ class SimBackend:
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._serve_conn, self.host, self._port,
                                                  limit=MAX_HEADER_BYTES, backlog=1024)
+        self._port = int(self.server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
         if self.server is not None:

@@ -58,7 +58,7 @@ def replay_weights(store: Store, config: dict[str, Any], backends: list[dict[str
                    load_end_ns: int) -> dict[str, Any]:
     """Replay the engine every ``interval_s`` over the stored rows (inputs as of each instant), as the
     live feed would have run; ``backends`` are dicts with name, address and host."""
-    from triscope.exporters.weights import BackendConfig, WeightParams, compute_weights, read_inputs, with_address
+    from triscope.analyzers.routing import BackendConfig, WeightParams, compute_weights, read_inputs, with_address
 
     params = WeightParams.from_config(config)
     params = dataclasses.replace(params, discover=False, history=False, backends={

@@ -49,7 +49,7 @@ class GpuSpec:
         return self.memory_total_bytes * self.gpu_memory_utilization - self.weights_bytes
 
     def engine(self) -> EngineSpec:
-        return EngineSpec(self.name, self.kv_capacity_bytes, max_waiting=self.max_waiting, staged_fraction=0.0,
+        return EngineSpec(self.name, self.kv_capacity_bytes, max_waiting=self.max_waiting, load_at_admission=True,
                           model=MODEL)
 
 
@@ -92,7 +92,8 @@ def arrivals(seconds: float, rate: float, burst: float, rng: random.Random) -> l
     periods = max(1, round(seconds / 4))
     period = seconds / periods
     peak = rate * max(1.0, burst)
-    out, t = [], 0.0
+    out: list[float] = []
+    t = 0.0
     while True:
         t += rng.expovariate(peak)
         if t >= seconds:

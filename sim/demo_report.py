@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from triscope.exporters.weights import DEFAULT_CLASSES
+from triscope.analyzers.routing import DEFAULT_CLASSES
+from triscope.schema import GPU_SAMPLES, SERVING_METRICS
+from triscope.sim.demo_fleet import SIM_SOURCE
 
 
 def _console() -> Any:
@@ -41,13 +43,13 @@ def print_fleet(doc: dict[str, Any], heatmap: Any) -> None:
 
     console = _console()
     console.print("\n[bold]fleet[/] (simulated): 3 vLLM-style backends from triscope.sim on 127.0.0.1; "
-                  "there is no GPU, so their GPU memory rows are [bold]simulated[/] (gpu_samples.source = "
-                  "'demo-sim'). Spans, scrapes, the writer, the store, the heatmap and the weight engine are "
+                  f"there is no GPU, so their GPU memory rows are [bold]simulated[/] ({GPU_SAMPLES.name}.source = "
+                  f"'{SIM_SOURCE}'). Spans, scrapes, the writer, the store, the heatmap and the weight engine are "
                   "the real ones.", highlight=False)
     table = Table(title=f"fleet: {doc['options']['seconds']:g} s of bursty load, what the collectors stored",
                   title_justify="left")
-    for col in ("backend", "address", "sim GPU GB", "sent", "ok", "failed", "spans stored", "serving_metrics rows",
-                "gpu_samples rows (sim)", "P99 latency"):
+    for col in ("backend", "address", "sim GPU GB", "sent", "ok", "failed", "spans stored",
+                f"{SERVING_METRICS.name} rows", f"{GPU_SAMPLES.name} rows (sim)", "P99 latency"):
         table.add_column(col, justify="left" if col in ("backend", "address") else "right")
     for b in doc["backends"]:
         p99 = b["p99_latency_seconds"]

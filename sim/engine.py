@@ -84,6 +84,8 @@ class EngineSpec:
     speed: float = 1.0
     batch_slowdown: float = 0.8
     """Service time grows by ``1 + batch_slowdown * running / slots``."""
+    load_at_admission: bool = False
+    """``running`` as this request was admitted (the demo), not once its scheduling pass is done (the bench)."""
     staged_fraction: float = 0.0
     """Share of a request's KV held from arrival (staged encoder inputs); a 503 when it does not fit."""
     max_waiting: int | None = None
@@ -129,7 +131,7 @@ class Engine:
         self.pressure: float = 0
         self.running = 0
         self.waiting = 0
-        self.queue: deque[tuple[asyncio.Future[None], float, float]] = deque()
+        self.queue: deque[tuple[asyncio.Future[float], float, float]] = deque()
         self.c = _Counters()
         self.peak_kv_ratio = 0.0
 
@@ -154,7 +156,7 @@ class Engine:
             self.kv_used += grow
             self.running += 1
             self.peak_kv_ratio = max(self.peak_kv_ratio, self.kv_ratio())
-            fut.set_result(None)
+            fut.set_result(self.running / self.spec.slots)
 
     def refusal(self, kv_bytes: float, staged: float) -> str | None:
         """Why an arrival gets a 503 (None: it is queued)."""
@@ -180,13 +182,13 @@ class Engine:
             return reason
         self.kv_used += staged
         self.peak_kv_ratio = max(self.peak_kv_ratio, self.kv_ratio())
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self.queue.append((fut, kv_bytes, staged))
         self.waiting += 1
         admitted = False
         try:
             self._schedule()
-            await fut
+            load = await fut
             admitted = True
         finally:
             self.waiting -= 1
@@ -194,8 +196,9 @@ class Engine:
                 self.kv_used -= staged
         started = time.monotonic()
         try:
-            # the batch it joins: everyone the scheduler admitted in the same pass counts
-            factor = (1.0 + self.spec.batch_slowdown * self.running / self.spec.slots) / self.spec.speed
+            if not self.spec.load_at_admission:  # the whole batch it joins, admitted in the same pass or before
+                load = self.running / self.spec.slots
+            factor = (1.0 + self.spec.batch_slowdown * load) / self.spec.speed
             prefill, decode = work_s[0] * factor, work_s[1] * factor
             await asyncio.sleep(prefill)
             ttft = time.monotonic() - t0

@@ -19,8 +19,8 @@ from typing import Any
 
 from conftest import free_port  # noqa: F401 - re-exported for the LB tests
 
+from triscope.analyzers.routing import BackendInputs, WeightParams
 from triscope.exporters.feed import WeightFeed
-from triscope.exporters.weights import BackendInputs, WeightParams
 
 GIB = 1024**3
 

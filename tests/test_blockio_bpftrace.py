@@ -22,9 +22,10 @@ the map keys), so a row covers exactly [ts, ts + window_seconds] however late bp
   start (diskstats ``rq->start_time_ns``, bpftrace ``block_io_start``) to completion and add it
   when it completes (Little's law). Measured: inside the bracket, which is 1-3 % wide. The last
   window, still open when the collector closes, comes from bpftrace's END probe. (An earlier
-  version compared one whole-run aqu-sz with every window and failed at 0.6x: a window overlapping fio's start or end by 60 % held enough reads to
-  count as "full". Its windows were also bounded by when bpftrace printed, not by the kernel:
-  under CPU load they drifted from the diskstats windows by hundreds of ms.)
+  version compared one whole-run aqu-sz with every window and failed at 0.6x: a window overlapping
+  fio's start or end by 60 % held enough reads to count as "full". Its windows were also bounded by
+  when bpftrace printed, not by the kernel: under CPU load they drifted from the diskstats windows
+  by hundreds of ms.)
 - Latency: an independent trace of the same tracepoints through ftrace (a private tracefs
   instance, CLOCK_MONOTONIC like bpftrace's ``nsecs``), sampling requests whose 4 KiB block
   number is a multiple of 8 (filter ``!(sector & 56)``, same sector at issue and completion).

@@ -292,7 +292,8 @@ def _render(fmt: str, events: list[tuple]) -> list[str]:
         elif ev[0] == "hist":
             _, name, key, buckets = ev
             if fmt == "text":
-                out += [f"@{name}[{', '.join(map(str, key))}]: "] + [f"[{lo}, {hi})  {n} |@@|" for lo, hi, n in buckets] + [""]
+                out += [f"@{name}[{', '.join(map(str, key))}]: "]
+                out += [f"[{lo}, {hi})  {n} |@@|" for lo, hi, n in buckets] + [""]
             else:
                 out.append(json.dumps({"type": "hist", "data": {f"@{name}": {",".join(map(str, key)): [
                     {"min": lo, "max": hi - 1, "count": n} for lo, hi, n in buckets]}}}))

@@ -7,7 +7,6 @@ with 503 when every server is closed.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -17,13 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lb_helpers import backends, http_get
 
+from triscope.analyzers.routing import DRAIN, READY, BackendInputs, WeightParams, compute_weights
 from triscope.errors import ConfigError
 from triscope.exporters.feed import WeightFeed
 from triscope.exporters.haproxy_agent import agent_reply, parse_agent_line
 from triscope.exporters.prometheus_text import render_weights
-from triscope.exporters.weights import DRAIN, READY, BackendInputs, WeightParams, compute_weights
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 VIDEO, IMAGE, SPEECH = "offline_video", "interactive_image_text", "realtime_speech"
 
@@ -60,7 +57,8 @@ def test_low_priority_classes_close_first_and_reopen_with_hysteresis() -> None:
     assert res.class_state("a", SPEECH) == READY and res.backends["a"].state == READY
     assert res.class_state("b", VIDEO) == READY
     assert agent_reply(res, "a", request_class=VIDEO) == "drain\n"
-    assert agent_reply(res, "a", request_class=IMAGE) == agent_reply(res, "a") == f"ready {res.backends['a'].lb_weight}%\n"
+    assert (agent_reply(res, "a", request_class=IMAGE) == agent_reply(res, "a")
+            == f"ready {res.backends['a'].lb_weight}%\n")
     assert agent_reply(res, "a", request_class="no_such_class") == agent_reply(res, "a")
 
     t += 0.1  # a fills further: image-text closes too; video below 0.80 but above readmit 0.75 stays closed
@@ -206,7 +204,7 @@ def test_real_haproxy_class_pools_follow_the_feed(tmp_path: Path) -> None:
     """HAProxy 2.6, one pool per class: the video pool drains ``a`` while the speech pool keeps it;
     when every server is closed to video, video requests get HAProxy's own 503 at once."""
     require_binary("haproxy")
-    from haproxy_ctl import HAProxy, Server
+    from triscope.sim.haproxy import HAProxy, Server
 
     kv = {"a": 0.0, "b": 0.0}
     with backends(list(kv)) as ports, \

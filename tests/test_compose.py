@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, require, require_binary
+from triscope.analyzers.routing import WeightParams
 from triscope.config import load_config
 from triscope.exporters.feed import WeightFeed
 from triscope.exporters.prometheus import prometheus_config
-from triscope.exporters.weights import WeightParams
 from triscope.registry import COLLECTORS, EXPORTERS, resolve
 
 COMPOSE = REPO / "compose"

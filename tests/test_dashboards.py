@@ -25,7 +25,7 @@ import pytest
 import yaml
 from conftest import REPO, free_port, fresh_database, require_binary
 
-from triscope.collectors.nccl_common import ns_text
+from triscope.collectors.nccl.common import ns_text
 from triscope.dashboards import macros
 from triscope.dashboards.boards import all_boards
 from triscope.dashboards.generate import DEFAULT_OUT, expected_files, stale_files, write

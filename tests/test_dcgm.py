@@ -25,11 +25,12 @@ from triscope.collectors.dcgm import (
     FIELDS,
     NO_GPU,
     DcgmScraper,
-    factory,
+    create,
     is_blank,
     parse_exposition,
     rows_from_text,
 )
+from triscope.component import Context
 from triscope.errors import ConfigError, InputError
 from triscope.schema import add_columns, migrate, qualified, schema_versions
 from triscope.schema import gpu as gpu_schema
@@ -229,7 +230,7 @@ def test_scrape_real_http_targets_into_the_store(server: tuple[str, dict[str, by
     urls = [f"{base}/{SYNTHETIC}", f"{base}/{README}", *(f"{base}/{c}" for c in CSVS), f"{base}/garbage", dead,
             f"{base}/big", f"{base}/slow"]
     # 2 s: a 0.5 s timeout once timed out a local file target in a suite run on 2 busy CPUs
-    scraper = factory({"dcgm": {"urls": urls, "timeout_s": 2.0, "max_body_bytes": 256 * 1024}})
+    scraper = create({"dcgm": {"urls": urls, "timeout_s": 2.0, "max_body_bytes": 256 * 1024}}, Context())
     scraper.start()
     try:
         out = scraper.collect()
@@ -291,7 +292,8 @@ def test_config_errors_are_one_line() -> None:
 def test_daemon_registry_loads_it() -> None:
     from triscope.daemon import COLLECTORS, resolve
 
-    collector = resolve("dcgm", COLLECTORS, "collector")({"dcgm": {"urls": ["http://127.0.0.1:9400/metrics"]}})
+    collector = resolve("dcgm", COLLECTORS, "collector")({"dcgm": {"urls": ["http://127.0.0.1:9400/metrics"]}},
+                                                         Context())
     assert collector.name == "dcgm" and collector.interval_s == 5.0
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from triscope.analyzers.routing import BackendInputs, WeightParams, compute_weights
 from triscope.exporters.envoy_eds import CLA_TYPE, eds_response
-from triscope.exporters.weights import BackendInputs, WeightParams, compute_weights
 
 GIB = 1024**3
 NOW = 1_800_000_000.0

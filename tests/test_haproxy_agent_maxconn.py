@@ -6,19 +6,16 @@ Unit checks of the reply and the config key, then a real HAProxy 2.6 whose serve
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import require_binary
 
+from triscope.analyzers.routing import BackendInputs, WeightParams, compute_weights
 from triscope.errors import ConfigError
 from triscope.exporters.feed import WeightFeed
 from triscope.exporters.haproxy_agent import agent_reply
-from triscope.exporters.weights import BackendInputs, WeightParams, compute_weights
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 
 def params(backends: dict | None = None, **weights: object) -> WeightParams:
@@ -56,7 +53,7 @@ def test_max_inflight_config_is_validated() -> None:
 
 def test_haproxy_applies_agent_maxconn(tmp_path: Path) -> None:
     require_binary("haproxy")
-    from haproxy_ctl import HAProxy, Server, free_port
+    from triscope.sim.haproxy import HAProxy, Server, free_port
 
     kv = {"s0": 0.0, "s1": 0.75}
     p = params({"s0": {"max_inflight": 20}, "s1": {"max_inflight": 20}})

@@ -8,7 +8,6 @@ on that backend from every pool together.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 import urllib.error
@@ -18,9 +17,6 @@ from pathlib import Path
 
 import pytest
 from conftest import require_binary
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +80,7 @@ def _hold(hap, path: str, holds: list[threading.Thread], name: str, expect: int)
 
 def test_gate_counts_every_pool_and_sheds_when_no_backend_is_below_its_limit(tmp_path: Path) -> None:
     require_binary("haproxy")
-    from haproxy_ctl import HAProxy, Server
+    from triscope.sim.haproxy import HAProxy, Server
 
     b0, b1 = _Holder("b0"), _Holder("b1")
     holds: list[threading.Thread] = []
@@ -124,7 +120,7 @@ def test_gate_counts_every_pool_and_sheds_when_no_backend_is_below_its_limit(tmp
 
 
 def test_gate_needs_a_class_pool(tmp_path: Path) -> None:
-    from haproxy_ctl import HAProxy, Server
+    from triscope.sim.haproxy import HAProxy, Server
 
     with pytest.raises(ValueError, match="without a pool: v"):
         HAProxy(tmp_path, [Server("b0", 1)], class_pools=["a"], class_gate={"v": {"b0": 1}})
@@ -155,7 +151,8 @@ def test_cli_prints_gate_lines_haproxy_accepts_with_limits_from_the_config(
     assert "    http-request lua.triscope_gate gpus,video gpu-a=6,gpu-b=3" in lines
     frontend = ["defaults", "    mode http", "    timeout connect 1s", "    timeout client 5s", "    timeout server 5s",
                 "frontend fe", "    bind 127.0.0.1:18080", "    use_backend video if { path_end /offline_video }",
-                "    default_backend gpus", "backend gpus", "    server gpu-a 127.0.0.1:9001", "    server gpu-b 127.0.0.1:9002"]
+                "    default_backend gpus", "backend gpus", "    server gpu-a 127.0.0.1:9001",
+                "    server gpu-b 127.0.0.1:9002"]
     full = lines[:2] + frontend + lines[2:] + ["    server gpu-a 127.0.0.1:9001", "    server gpu-b 127.0.0.1:9002"]
     (tmp_path / "h.cfg").write_text("\n".join(full) + "\n")
     check = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "h.cfg")], capture_output=True, text=True)

@@ -22,8 +22,8 @@ import pytest
 from conftest import require_binary
 from lb_helpers import backends, free_port, stop
 
+from triscope.analyzers.routing import BackendInputs, WeightParams
 from triscope.exporters.feed import WeightFeed
-from triscope.exporters.weights import BackendInputs, WeightParams
 
 INTERVAL_S = 0.1
 AGENT_INTER_MS = 200

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from triscope.analyzers.heatmap import AXES, HeatmapSpec, compute_heatmap, slice_axes
-from triscope.collectors.nccl_common import ns_text
+from triscope.collectors.nccl.common import ns_text
 from triscope.errors import ConfigError, InputError
 from triscope.schema import qualified
 

@@ -16,7 +16,7 @@ from test_heatmap import T0, WNS, _seed
 
 from triscope.analyzers.heatmap import HeatmapSpec, compute_heatmap
 from triscope.cli import main
-from triscope.collectors.nccl_common import ns_text
+from triscope.collectors.nccl.common import ns_text
 from triscope.schema import qualified
 
 FROM, TO = "2026-01-01T00:00:00Z", "2026-01-01T00:00:12Z"  # T0 .. T0 + 120 windows

@@ -295,7 +295,7 @@ def test_an_event_the_store_cannot_hold_is_named_and_the_ones_before_it_kept(
 
 
 def test_spilled_halves_hold_the_same_events_and_give_back_the_exact_bytes():
-    from triscope.collectors.kineto.ingest import spill_block
+    from triscope.collectors.kineto.pipeline import spill_block
 
     events = [kernel(f"k{i}", ts=float(i), dur=1.0, correlation=i) for i in range(3000)]
     text = json.dumps(events, indent=1).encode()

@@ -17,8 +17,8 @@ from conftest import free_port
 from triscope.analyzers.nccl_crossrank import flight_recorder_check, stragglers
 from triscope.analyzers.stalls import diagnose_stalls
 from triscope.collectors.kineto.ingest import ingest_trace
-from triscope.collectors.nccl_ingest import ingest_path
-from triscope.collectors.nccl_kineto import extract_kineto, ingest_kineto_run
+from triscope.collectors.nccl.ingest import ingest_path
+from triscope.collectors.nccl.kineto import extract_kineto, ingest_kineto_run
 
 WORKER = Path(__file__).with_name("nccl_gloo_worker.py")
 DELAY_S = 0.15

@@ -10,7 +10,7 @@ import pytest
 from conftest import shared_data
 
 from triscope.collectors.kineto.ingest import ingest_trace
-from triscope.collectors.nccl_kineto import extract_kineto, ingest_kineto_run
+from triscope.collectors.nccl.kineto import extract_kineto, ingest_kineto_run
 from triscope.errors import InputError
 from triscope.schema import qualified
 

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from conftest import shared_data
 
-from triscope.collectors import nccl_flight_recorder, nccl_inspector, nccl_tests
-from triscope.collectors.nccl_common import bus_factor, canonical_collective, dtype_bytes
-from triscope.collectors.nccl_ingest import detect_format, ingest_path
+from triscope.collectors.nccl import flight_recorder as nccl_flight_recorder
+from triscope.collectors.nccl import inspector as nccl_inspector
+from triscope.collectors.nccl import tests_output as nccl_tests
+from triscope.collectors.nccl.common import bus_factor, canonical_collective, dtype_bytes
+from triscope.collectors.nccl.ingest import detect_format, ingest_path
 from triscope.errors import InputError
 from triscope.schema import qualified
 
@@ -28,7 +30,8 @@ def test_bus_factors_follow_nccl_tests() -> None:
 
 
 def test_collective_names_of_every_spelling() -> None:
-    assert canonical_collective("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)") == "AllReduce"
+    assert canonical_collective(
+        "ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)") == "AllReduce"
     assert canonical_collective("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "AllGather"
     assert canonical_collective("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "ReduceScatter"
     assert canonical_collective("nccl:_all_gather_base") == "AllGather"
@@ -51,7 +54,8 @@ def test_nccl_tests_table_is_consistent_with_the_bus_factor() -> None:
     for r in rows:
         assert r["msg_bytes"] == r["count"] * 4  # float
     for r in big:  # the tool's own busbw/algbw equals the nccl-tests factor we use for Kineto ops
-        assert r["busbw_bytes_per_second"] / r["algbw_bytes_per_second"] == pytest.approx(bus_factor("AllReduce", 16), rel=2e-3)
+        assert r["busbw_bytes_per_second"] / r["algbw_bytes_per_second"] == pytest.approx(
+            bus_factor("AllReduce", 16), rel=2e-3)
         assert r["algbw_bytes_per_second"] == pytest.approx(r["msg_bytes"] / r["duration_seconds"], rel=5e-3)
     last = rows[-1]
     assert last["variant"] == "in_place" and last["duration_seconds"] == pytest.approx(47743e-6)
@@ -138,7 +142,8 @@ def test_detect_and_ingest_every_sample(store) -> None:
     fr_dir = shared_data("flight_recorder")
     assert detect_format(fr_dir / "fr_trace_rank_1") == "flight-recorder"
     assert detect_format(fr_dir / "fr_trace_rank_1.json") == "flight-recorder"
-    counts = {p.name: ingest_path(store, p).rows for p in sorted(data.iterdir()) if p.suffix in (".jsonl", ".prom", ".txt")}
+    counts = {p.name: ingest_path(store, p).rows for p in sorted(data.iterdir())
+              if p.suffix in (".jsonl", ".prom", ".txt")}
     fr = ingest_path(store, fr_dir, run_id="fr")
     assert fr.rows == 24 and fr.errors == []
     again = ingest_path(store, fr_dir, run_id="fr")  # re-ingest replaces

@@ -8,7 +8,8 @@ bindings they raise ``pynvml.NVMLError`` (which maps the real error codes to the
 e.g. ``NVMLError_GpuIsLost``), return the real ctypes structs (``c_nvmlMemory_v2_t``,
 ``c_nvmlUtilization_t``, ``c_nvmlFieldValue_t`` arrays with per-entry ``nvmlReturn``/``valueType``/
 ``timestamp``) and friendly objects for processes. The sampler code under test is unchanged.
-The stand-in lives in tests/nvml_standin.py. The "no NVML library" test uses the real module against this machine's missing libnvidia-ml.
+The stand-in lives in sim/nvml_standin.py (``triscope.sim.nvml_standin``). The "no NVML library" test uses
+the real module against this machine's missing libnvidia-ml.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from typing import Any
 
 import pynvml as real
 import pytest
-from nvml_standin import Clock, FakeGpu, MiB, advance, standin
 
 from triscope.collectors.nvml import NvmlSampler
 from triscope.schema import qualified
 from triscope.schema.gpu import GPU_PROCESS_MEMORY, GPU_SAMPLES
+from triscope.sim.nvml_standin import Clock, FakeGpu, MiB, advance, standin
 
 
 def sampler(nv: types.ModuleType, **cfg: Any) -> NvmlSampler:
@@ -171,9 +172,9 @@ def test_missing_module_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_unsupported_metrics_fall_back_or_go_nan() -> None:
     """A PCIe card on an old driver: no NVLink, no GPM, no instant power, no memory v2, no event reasons API."""
     gpu = FakeGpu(gpm_supported=False,
-                  unsupported_fields={real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX,
-                                      real.NVML_FI_DEV_POWER_INSTANT, real.NVML_FI_DEV_ECC_SBE_VOL_TOTAL,
-                                      real.NVML_FI_DEV_ECC_DBE_VOL_TOTAL},
+                  unsupported_fields={real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                                      real.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, real.NVML_FI_DEV_POWER_INSTANT,
+                                      real.NVML_FI_DEV_ECC_SBE_VOL_TOTAL, real.NVML_FI_DEV_ECC_DBE_VOL_TOTAL},
                   unsupported_calls={"nvmlDeviceGetUtilizationRates"})
     nv = standin([gpu])
     nv.nvmlDeviceGetCurrentClocksEventReasons = lambda h: (_ for _ in ()).throw(  # driver < 535

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port, require_binary
-from triscope.collectors.nccl_common import ns_text
+from triscope.collectors.nccl.common import ns_text
 from triscope.errors import ConfigError
 from triscope.exporters.prometheus import PrometheusExporter, factory, prometheus_config
 from triscope.schema import qualified

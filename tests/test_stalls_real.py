@@ -15,7 +15,7 @@ from disk_helpers import DiskstatsSampler
 
 from triscope.analyzers.stalls import diagnose_stalls, trace_span
 from triscope.collectors.kineto.ingest import ingest_trace
-from triscope.collectors.nccl_common import ns_text
+from triscope.collectors.nccl.common import ns_text
 from triscope.schema import qualified
 
 pytestmark = pytest.mark.slow

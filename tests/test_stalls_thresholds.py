@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triscope.analyzers.stalls import busy_ns, classify_window, diagnose_stalls, stall_config
-from triscope.collectors.nccl_common import ns_text
+from triscope.collectors.nccl.common import ns_text
 from triscope.config import load_config
 from triscope.errors import ConfigError, InputError
 from triscope.schema import qualified

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from triscope.collectors.torch_allocator import (
-    COLUMNS,
     STAT_KEYS,
     TorchAllocatorCollector,
     install,
@@ -212,6 +211,9 @@ def test_allocator_table_v1_upgrades_with_active_bytes(store: Any) -> None:
     assert schema_versions(store)["gpu"] == 2
     assert migrate(store)["gpu"] >= 3
     assert [r[0] for r in store.query(f"DESCRIBE TABLE {table}").rows] == ALLOCATOR_SAMPLES.column_names()
+    collector = TorchAllocatorCollector(None, cuda=FakeCuda([EMPTY]))
+    collector.start()
+    COLUMNS = list(collector.collect()["allocator_samples"])  # the columns the collector writes
     assert "active_bytes" in COLUMNS and set(COLUMNS) == set(ALLOCATOR_SAMPLES.column_names())
     assert store.query(f"SELECT host, reserved_bytes, active_bytes FROM {table}").rows == [("old", 2.0 * MIB, 0.0)]
 

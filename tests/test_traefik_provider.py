@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from triscope.analyzers.routing import BackendInputs, WeightParams, compute_weights
 from triscope.exporters.traefik_provider import service_names, traefik_config
-from triscope.exporters.weights import BackendInputs, WeightParams, compute_weights
 
 GIB = 1024**3
 NOW = 1_800_000_000.0

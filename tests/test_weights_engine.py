@@ -1,4 +1,4 @@
-"""Routing-weight engine (triscope.exporters.weights): properties and the documented formula."""
+"""Routing-weight engine (triscope.analyzers.routing): properties and the documented formula."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from triscope.errors import ConfigError
-from triscope.exporters.haproxy_agent import agent_reply
-from triscope.exporters.weights import (
+from triscope.analyzers.routing import (
     NAN,
     BackendInputs,
     WeightParams,
@@ -22,6 +20,8 @@ from triscope.exporters.weights import (
     headroom_penalty,
     latency_penalty,
 )
+from triscope.errors import ConfigError
+from triscope.exporters.haproxy_agent import agent_reply
 
 P = WeightParams()
 NOW = 1_800_000_000.0

@@ -18,10 +18,11 @@ import pytest
 from conftest import free_port, require_binary
 from prometheus_client.parser import text_string_to_metric_families
 
+from triscope.analyzers.routing import BackendInputs, WeightParams
+from triscope.component import Context
 from triscope.errors import ConfigError
-from triscope.exporters.feed import WeightFeed, factory
+from triscope.exporters.feed import WeightFeed, create
 from triscope.exporters.haproxy_agent import MAX_LINE
-from triscope.exporters.weights import BackendInputs, WeightParams
 
 
 class Fleet:
@@ -275,10 +276,11 @@ def test_feed_binds_loopback_and_ports_can_be_off(fleet: Fleet) -> None:
 
 
 def test_factory_builds_a_feed_from_config() -> None:
-    feed = factory({"weights": {"interval_s": 0.5, "feed": {"port": 0, "agent_port": -1}}}, lambda: None)
+    feed = create({"weights": {"interval_s": 0.5, "feed": {"port": 0, "agent_port": -1}}},
+                  Context(open_store=lambda: None))
     assert isinstance(feed, WeightFeed) and feed.params.interval_s == 0.5
     with pytest.raises(ConfigError):
-        factory({"weights": {"interval": 1}}, lambda: None)
+        create({"weights": {"interval": 1}}, Context(open_store=lambda: None))
 
 
 # --------------------------------------------------------------------------- HAProxy agent
@@ -289,7 +291,8 @@ def test_agent_replies_percent_drain_and_unknown(feed: WeightFeed, fleet: Fleet)
     lb_b = doc["backends"][name(1)]["lb_weight"]
     assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
     reply = agent(feed.agent_port, name(1).encode() + b"\n")
-    assert reply in (f"ready {lb_b}%\n".encode(), f"ready {weights(feed)['backends'][name(1)]['lb_weight']}%\n".encode())
+    assert reply in (f"ready {lb_b}%\n".encode(),
+                     f"ready {weights(feed)['backends'][name(1)]['lb_weight']}%\n".encode())
     assert agent(feed.agent_port, b"nobody:1\n") == b"ready 100%\n"
     assert agent(feed.agent_port, b"\n") == b"ready 100%\n"
     fleet.mem["a"] = 0.98
@@ -368,8 +371,9 @@ def _seed(store, now: float) -> None:
         "request_class": [r[5] for r in reqs]})
 
 
-def test_store_reader_and_feed(store) -> None:
-    from triscope.exporters.weights import read_inputs
+def test_store_reader_and_feed(store, tmp_path) -> None:
+    from triscope.analyzers.routing import read_inputs
+    from triscope.writer import Writer
 
     now = time.time()
     _seed(store, now)
@@ -388,14 +392,16 @@ def test_store_reader_and_feed(store) -> None:
     assert not b.healthy and b.memory_used_ratio == pytest.approx(0.1) and b.address == "127.0.0.1:9002"
     assert b.p99_seconds == {"interactive_image_text": 2.0}  # serving P99 as the default class
     assert b.qps != b.qps  # one counter sample: no rate
-    with WeightFeed(p, store=store).start() as feed:
+    writer = Writer(store, str(tmp_path / "spool"))
+    with WeightFeed(p, store=store, submit=writer.submit).start() as feed:
         doc = weights(feed)
         assert doc["backends"]["gpu-b:8000"]["state"] == "drain"
         assert doc["backends"]["gpu-b:8000"]["reasons"] == ["health"]
         assert doc["backends"]["gpu-a:8000"]["factors"]["memory"] == pytest.approx(10.0)
         assert agent(feed.agent_port, b"gpu-b:8000\n") == b"drain\n"
         updates = feed.updates_total
-    # close() flushed the history: one row per backend per update
+    # the writer's close() flushed the history: one row per backend per update
+    writer.close()
     from triscope.schema import qualified
 
     rows = store.query(f"SELECT backend, state, reasons, lb_weight, factor_memory, version, "
@@ -457,7 +463,8 @@ def test_cli_serve_runs_until_sigterm(tmp_path) -> None:
 
     from conftest import REPO
 
-    env = {**os.environ, "TRISCOPE_STORE__PATH": str(tmp_path / "db"), "TRISCOPE_WEIGHTS__INTERVAL_S": "0.2"}
+    env = {**os.environ, "TRISCOPE_STORE__PATH": str(tmp_path / "db"), "TRISCOPE_WEIGHTS__INTERVAL_S": "0.2",
+           "TRISCOPE_WRITER__SPOOL_DIR": str(tmp_path / "spool")}
     env.pop("TRISCOPE_CONFIG", None)
     proc = subprocess.Popen([sys.executable, "-m", "triscope", "weights", "serve", "--port", "0", "--agent-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
@@ -580,30 +587,50 @@ def test_connection_cap_closes_extra_connections(fleet: Fleet) -> None:
             WeightFeed(WeightParams.from_config({"weights": {"feed": {"max_connections": 0}}}), inputs_fn=fleet)
 
 
-def test_history_rows_survive_a_refusing_store(store) -> None:
-    from triscope.schema import create_table_sql, qualified
-    from triscope.schema.weights import WEIGHTS_HISTORY
+def test_history_rows_survive_a_refusing_store(store, tmp_path) -> None:
+    """History rows go to the writer, which keeps them while the store is down and writes them once it is back."""
+    from triscope.errors import StoreError
+    from triscope.schema import qualified
+    from triscope.writer import Writer
+
+    class Borrowed:
+        """The test's store, lent to the writer (which closes what its opener returns)."""
+
+        def __getattr__(self, attr: str):
+            return getattr(store, attr)
+
+        def close(self) -> None:
+            pass
+
+    down = {"now": False}
+
+    def opener():
+        if down["now"]:
+            raise StoreError("store down")
+        return Borrowed()
 
     now = time.time()
     _seed(store, now)
     p = WeightParams.from_config({"weights": {"history_flush_s": 3600, "feed": {"port": -1, "agent_port": -1}}})
-    feed = WeightFeed(p, store=store)
+    writer = Writer(opener, str(tmp_path / "spool"), retry_max_s=0.1)
+    feed = WeightFeed(p, store=store, submit=writer.submit)
+    down["now"] = True
     feed.update()
     feed.update()
-    store.command(f"DROP TABLE {qualified(store, 'weights_history')}")
-    with pytest.raises(Exception):  # noqa: B017
-        feed.flush_history()
-    assert len(feed._history) == 4 and feed.history_rows_written == 0  # kept for the next flush
-    for sql in create_table_sql(WEIGHTS_HISTORY, store.database):
-        store.command(sql)
+    assert not writer.flush(timeout_s=0.5)  # the store refuses: kept in the spool for the next try
+    snap = writer.snapshot()
+    assert snap["rows_pending"] == 4 and snap["rows_written"] == 0 and feed.history_rows_submitted == 4
+    down["now"] = False
     feed.update()
-    assert feed.flush_history() == 6 and not feed._history
+    time.sleep(0.6)  # past the writer's retry backoff
+    assert writer.flush(timeout_s=10) and writer.snapshot()["rows_written"] == 6
+    writer.close()
     versions = store.query(f"SELECT count(), uniqExact(ts) FROM {qualified(store, 'weights_history')}").rows[0]
     assert tuple(versions) == (6, 3)
 
 
 def test_store_reader_counter_rate_and_lookback(store) -> None:
-    from triscope.exporters.weights import read_inputs
+    from triscope.analyzers.routing import read_inputs
     from triscope.schema import qualified
 
     now = time.time()

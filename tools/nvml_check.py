@@ -22,12 +22,13 @@ import time
 from types import ModuleType
 from typing import Any
 
-from triscope.collectors.nvml import SAMPLE_COLUMNS, NvmlSampler
+from triscope.collectors.nvml import NvmlSampler
+from triscope.schema import GPU_SAMPLES
 
 MiB = 1 << 20
 ID_COLUMNS = {"ts", "host", "gpu", "gpu_uuid", "gpu_model", "source", "state", "pod", "namespace", "container",
               "error"}
-METRICS = [c for c in SAMPLE_COLUMNS if c not in ID_COLUMNS]
+METRICS = [c for c in GPU_SAMPLES.column_names() if c not in ID_COLUMNS]
 RATES = {"pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second", "nvlink_tx_bytes_per_second",
          "nvlink_rx_bytes_per_second", "sm_active_ratio", "sm_occupancy_ratio", "dram_active_ratio"}
 
@@ -42,8 +43,8 @@ def run_sampler(sampler: NvmlSampler, seconds: float) -> tuple[list[dict[str, li
         t0 = time.process_time()
         out = sampler.collect()
         cpu += time.process_time() - t0
-        if "gpu_samples" in out:
-            batches.append(out["gpu_samples"])
+        if GPU_SAMPLES.name in out:
+            batches.append(out[GPU_SAMPLES.name])
         nxt += sampler.interval_s
         time.sleep(max(0.0, nxt - time.monotonic()))
     return batches, cpu / max(1, len(batches))
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None, nvml: ModuleType | None = None) -> int:
         if before is None:
             print("nvidia-smi not available: memory cross-check skipped")
             return 0
-        last = sampler.sample_once()["gpu_samples"]
+        last = sampler.sample_once()[GPU_SAMPLES.name]
         after = smi_memory_used() or {}
         nvml_mem = {int(g): (float(u), float(r)) for g, u, r, st in
                     zip(last["gpu"], last["memory_used_bytes"], last["memory_reserved_bytes"], last["state"],

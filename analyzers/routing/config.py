@@ -164,6 +164,8 @@ class WeightsConfig(ComponentConfig):
                 raise ConfigError(f"[weights.{key}] must be a table of tables, got {value!r}")
         raw["classes"] = parse_classes(deep_merge(DEFAULT_CLASSES, classes))
         raw["backends"] = parse_backends(backends)
+        if "feed" in raw:  # checked here so a mistake is reported as [weights.feed]
+            raw["feed"] = FeedConfig.from_mapping(raw["feed"]).as_dict()
         return super().from_mapping(raw, where)
 
     def validate(self, where: str) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from triscope.collectors.blockio.program import MAP_KEYS_MAX
-from triscope.component import ComponentConfig, positive
+from triscope.component import ComponentConfig, interval, positive
 from triscope.errors import ConfigError, InputError
 
 
@@ -40,7 +40,8 @@ class BlockioConfig(ComponentConfig):
 
     def validate(self, where: str) -> None:
         try:
-            positive(where, interval_s=self.interval_s, max_body_bytes=self.max_body_bytes)
+            interval(where, interval_s=self.interval_s)
+            positive(where, max_body_bytes=self.max_body_bytes)
         except ConfigError as exc:
             raise BlockioConfigError(str(exc)) from None
         if self.format not in ("text", "json"):

@@ -6,7 +6,8 @@ msgspec into typed structs (unused fields are skipped without building Python ob
 A block cut at a wrong place (inside a string or a nested object) cannot decode as an
 array of objects, so a failed block is re-read event by event with the stdlib decoder,
 which also pinpoints real corruption by byte offset. Keys that come after the array
-(``baseTimeNanoseconds`` often does) are parsed from the small tail.
+(``baseTimeNanoseconds`` often does) are parsed from the small tail. Event structs: :mod:`.events`;
+gzip: :mod:`.gzip_stream`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import msgspec
 
+from triscope.collectors.kineto.events import TraceEvent, event_problem
+from triscope.collectors.kineto.gzip_stream import open_binary
 from triscope.errors import InputError
 
 BLOCK_BYTES = 8 << 20
@@ -30,90 +33,6 @@ _MAX_STALL_BLOCKS = 8  # an event larger than this many blocks is treated as cor
 _ARRAY_START = re.compile(rb'"traceEvents"\s*:\s*\[')
 _WS = b" \t\r\n"
 _NON_WS = re.compile(rb"[^ \t\r\n]")
-
-
-class EventArgs(msgspec.Struct, frozen=True):
-    """The ``args`` keys triscope uses; all others are skipped by the decoder.
-
-    Values are kept as decoded (any JSON type): an odd type in one event (a boolean, an object)
-    is read as the column default by the ingest rules, not as a corrupt trace.
-    """
-
-    external_id: Any = msgspec.field(default=None, name="External id")
-    external_id_legacy: Any = msgspec.field(default=None, name="external id")
-    correlation: Any = None
-    stream: Any = None
-    device: Any = None
-    collective: Any = msgspec.field(default=None, name="Collective name")
-    in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
-    out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
-    group_size: Any = msgspec.field(default=None, name="Group size")
-    dtype: Any = None
-    pg_name: Any = msgspec.field(default=None, name="Process Group Name")
-    pg_ranks: Any = msgspec.field(default=None, name="Process Group Ranks")
-
-
-class TraceEvent(msgspec.Struct, frozen=True):
-    """One Chrome-trace event (only the fields triscope stores)."""
-
-    ph: str = ""
-    cat: str = ""
-    name: str = ""
-    pid: int | str = 0
-    tid: int | str = 0
-    # Decimal keeps the exact text: epoch microseconds with 3 decimals exceed float64 precision.
-    ts: Decimal = Decimal(0)
-    dur: Decimal = Decimal(0)
-    # Anything else than an object (an array, a string, a number) carries none of the keys used:
-    # read like ClickHouse's JSONExtract reads it, as absent (see :func:`event_args`).
-    args: EventArgs | list[Any] | str | int | float | bool | None = None
-
-
-def event_args(event: TraceEvent) -> EventArgs | None:
-    """The event's ``args`` when it is an object, else None."""
-    return event.args if isinstance(event.args, EventArgs) else None
-
-
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-# Microsecond timestamps whose nanoseconds surely fit Int64 (larger ones are checked exactly).
-_SAFE_US = Decimal(9_000_000_000_000_000)
-
-
-def us_to_ns(us: Decimal) -> int:
-    """Exact nanoseconds of a microsecond timestamp (half away from zero, as ClickHouse's round)."""
-    return int((us * 1000).to_integral_value(rounding=ROUND_HALF_UP))
-
-
-def _ns_out_of_range(us: Decimal) -> bool:
-    if not us.is_finite():
-        return True
-    if -_SAFE_US < us < _SAFE_US:
-        return False
-    return not INT64_MIN <= us_to_ns(us) <= INT64_MAX
-
-
-def event_problem(event: TraceEvent) -> str | None:
-    """Why a complete (``ph: X``) event cannot be stored, or None: a time outside Int64
-    nanoseconds, or a string with a lone UTF-16 surrogate (``"\\ud800"``, which ClickHouse
-    refuses too). Other events are not stored and not checked."""
-    if event.ph != "X":
-        return None
-    for key, us in (("ts", event.ts), ("dur", event.dur)):
-        if _ns_out_of_range(us):
-            return f"{key} {us} us is outside the Int64 nanosecond range"
-    args = event_args(event)
-    texts = [event.cat, event.name, event.pid, event.tid]
-    if args is not None:
-        texts += [args.collective, args.dtype, args.pg_name, args.pg_ranks]
-    for text in texts:
-        if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                return "a string holds a lone UTF-16 surrogate"
-    return None
-
-
 _block_decoder = msgspec.json.Decoder(list[TraceEvent])
 
 
@@ -132,75 +51,6 @@ class TraceHeader:
         info = self.metadata.get("distributedInfo") or {}
         rank = info.get("rank") if isinstance(info, dict) else None
         return int(rank) if isinstance(rank, int) else None
-
-
-class _GzipStream:
-    """Streaming gzip decompression that hands out every byte decoded before damage.
-
-    ``gzip.GzipFile.read`` raises on a cut-short file without returning what it had already
-    decompressed; this reader returns that data first and raises on the next call.
-    """
-
-    def __init__(self, raw: BinaryIO, chunk: int = 1 << 20) -> None:
-        self.raw = raw
-        self.chunk = chunk
-        self.inflater = zlib.decompressobj(wbits=31)
-        self.pending: InputError | OSError | None = None
-        self.done = False
-
-    def read(self, size: int) -> bytes:
-        if self.pending is not None:
-            error, self.pending = self.pending, None
-            raise error
-        out: list[bytes] = []
-        have = 0
-        while have < size and not self.done:
-            compressed = self.raw.read(self.chunk)
-            try:
-                if not compressed:
-                    self.done = True
-                    if not self.inflater.eof:
-                        raise EOFError("compressed file ended before the end-of-stream marker")
-                    break
-                data = self.inflater.decompress(compressed)
-                while self.inflater.eof and self.inflater.unused_data:  # next gzip member
-                    rest = self.inflater.unused_data
-                    self.inflater = zlib.decompressobj(wbits=31)
-                    data += self.inflater.decompress(rest)
-            except (zlib.error, EOFError) as exc:
-                self.done = True
-                self.pending = OSError(str(exc))
-                break
-            out.append(data)
-            have += len(data)
-        result = b"".join(out)
-        if not result and self.pending is not None:
-            error, self.pending = self.pending, None
-            raise error
-        return result
-
-    def close(self) -> None:
-        self.raw.close()
-
-    def __enter__(self) -> _GzipStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def open_binary(path: str | Path) -> BinaryIO:
-    """Open ``path`` for reading, decompressing gzip when the file starts with its magic bytes."""
-    path = Path(path)
-    try:
-        raw = open(path, "rb")  # noqa: SIM115 - returned to the caller
-    except OSError as exc:
-        raise InputError(f"{path}: cannot open ({exc.strerror})") from None
-    if raw.read(2) == b"\x1f\x8b":
-        raw.seek(0)
-        return _GzipStream(raw)  # type: ignore[return-value]
-    raw.seek(0)
-    return raw
 
 
 RawSink = Callable[[bytes], bool]
@@ -491,5 +341,4 @@ def read_all(path: str | Path) -> tuple[TraceHeader, list[TraceEvent]]:
     return header, events
 
 
-__all__ = ["INT64_MAX", "INT64_MIN", "EventArgs", "TraceEvent", "TraceHeader", "event_args", "event_problem",
-           "open_binary", "read_all", "read_trace", "us_to_ns"]
+__all__ = ["BLOCK_BYTES", "TraceHeader", "last_boundary", "read_all", "read_trace"]

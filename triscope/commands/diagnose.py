@@ -1,7 +1,7 @@
 """``triscope diagnose``: explain where time goes.
 
 ``--trace-run ID`` reports the Kineto trace breakdown of one profiling run
-(triscope.analyzers.trace_report). Without it, the stall classifier
+(triscope.analyzers.trace_breakdown, rendered by triscope.analyzers.trace_report). Without it, the stall classifier
 (triscope.analyzers.stalls) labels every window (``--since 10m``, default 100 ms) or profiler
 step of every GPU as compute-, IO-, comm-, launch/host-bound or idle, with the evidence, the
 shares, the worst windows, the straggler rank of each collective and an action per class.
@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
-from triscope.commands._common import add_common, parse_when, since_start, utc_text
+from triscope.commands._common import add_common, config_from, parse_when, print_json, since_start, store_from, utc_text
+
+if TYPE_CHECKING:
+    from triscope.analyzers.stalls import StallReport
 
 EXIT_BREACH = 3
 
@@ -43,16 +47,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.trace_run:
-        from triscope.analyzers.trace_report import run_trace_report
+    return run_trace_report(args) if args.trace_run else run_stalls(args)
 
-        return run_trace_report(args)
-    return run_stalls(args)
+
+def run_trace_report(args: argparse.Namespace) -> int:
+    """``--trace-run ID``: the trace breakdown of one run, as tables or ``--json``."""
+    from triscope.analyzers.trace_breakdown import analyze_run
+    from triscope.analyzers.trace_report import print_report, report_dict
+
+    store = store_from(args)
+    try:
+        ranks = analyze_run(store, args.trace_run, ranks=args.rank, include_last_step=args.include_last_step)
+    finally:
+        store.close()
+    if args.json:
+        print_json(report_dict(args.trace_run, ranks))
+    else:
+        print_report(args.trace_run, ranks)
+    return 0
 
 
 def run_stalls(args: argparse.Namespace) -> int:
     from triscope.analyzers.stalls import diagnose_stalls, trace_span
-    from triscope.commands._common import config_from, print_json
     from triscope.store import open_store
 
     config = config_from(args)
@@ -79,7 +95,7 @@ def run_stalls(args: argparse.Namespace) -> int:
     return EXIT_BREACH if report.breaches() else 0
 
 
-def render(report) -> None:
+def render(report: StallReport) -> None:
     """Rich tables: shares per unit, worst windows with evidence, stragglers, actions."""
     from rich.table import Table
 
@@ -125,7 +141,7 @@ def render(report) -> None:
                       f"behind {[b['rank'] for b in fr['ranks_behind']]}; mismatches {len(fr['mismatches'])}")
     shares = report.shares()
     for cls in shares:
-        if cls in ACTIONS and cls in report.config["alert_classes"] + ["idle"]:
+        if cls in ACTIONS and cls in [*report.config.alert_classes, "idle"]:
             console.print(f"[bold]{cls}[/] -> {ACTIONS[cls]}")
     for b in report.breaches():
         console.print(f"[red]breach:[/] {b}")

@@ -85,10 +85,10 @@ def _slice_axes(text: str | None) -> tuple[str, str] | None:
 
     if not text:
         return None
-    keep = tuple(p.strip() for p in text.split(","))
+    keep = [p.strip() for p in text.split(",")]
     if len(keep) != 2 or len(set(keep)) != 2 or not set(keep) <= set(AXES):
         raise InputError(f"--slice needs two different axes of {', '.join(AXES)}, e.g. qps,latency; got {text!r}")
-    return keep  # type: ignore[return-value]
+    return keep[0], keep[1]
 
 
 def run(args: argparse.Namespace) -> int:

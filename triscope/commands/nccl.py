@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_ingest(args: argparse.Namespace) -> int:
-    from triscope.collectors.nccl_ingest import ingest_path
+    from triscope.collectors.nccl.ingest import ingest_path
     from triscope.errors import InputError
 
     store = store_from(args)
@@ -63,7 +63,7 @@ def run_ingest(args: argparse.Namespace) -> int:
 
 
 def run_kineto(args: argparse.Namespace) -> int:
-    from triscope.collectors.nccl_kineto import ingest_kineto_run
+    from triscope.collectors.nccl.kineto import ingest_kineto_run
 
     store = store_from(args)
     try:

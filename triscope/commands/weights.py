@@ -1,8 +1,9 @@
 """``triscope weights``: compute load-balancer weights from the store, or serve them as a feed.
 
-``serve`` runs :class:`triscope.exporters.feed.WeightFeed` (``/v1/weights``, ``/metrics``, Envoy EDS,
-Traefik provider, HAProxy agent) until SIGTERM/SIGINT; ``serve --once`` and ``show`` compute one
-update and print it (a table, or the ``/v1/weights`` document with ``--json``).
+``serve`` runs the ``weights_feed`` exporter (:mod:`triscope.exporters.feed`: ``/v1/weights``,
+``/metrics``, Envoy EDS, Traefik provider, HAProxy agent) until SIGTERM/SIGINT, with a writer of its
+own for the history rows; ``serve --once`` and ``show`` compute one update and print it (a table,
+or the ``/v1/weights`` document with ``--json``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import argparse
 import signal
 import sys
 import threading
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from triscope.commands._common import add_common
+
+if TYPE_CHECKING:
+    from triscope.writer import Writer
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,8 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _params(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
+    from triscope.analyzers.routing import WeightParams
     from triscope.commands._common import config_from
-    from triscope.exporters.weights import WeightParams
 
     config = config_from(args)
     if getattr(args, "interval", None) is not None:
@@ -84,7 +89,8 @@ def _print(result: Any, as_json: bool) -> None:
     console.print(f"class priority weights: {classes}")
     console.print(f"KV-cache scaling: {doc['scale']['action']} ({doc['scale']['reason']})")
     for name, adm in doc.get("class_admission", {}).items():
-        closed = [b for b, state in adm["backends"].items() if state != "ready" and doc["backends"][b]["state"] == "ready"]
+        closed = [b for b, state in adm["backends"].items()
+                  if state != "ready" and doc["backends"][b]["state"] == "ready"]
         if closed or adm["shedding"]:
             console.print(f"class {name}: " + ("SHEDDING (no backend admits it)" if adm["shedding"]
                                               else f"closed on {', '.join(closed)} (KV or batch limit)"))
@@ -110,29 +116,51 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """``triscope weights serve``."""
+    """``triscope weights serve``: the ``weights_feed`` exporter until SIGTERM/SIGINT."""
     if args.once:
         return _once(args)
-    from triscope.exporters.feed import WeightFeed
+    from triscope.component import Context
+    from triscope.exporters.feed import create
     from triscope.store import open_store
 
     config, params = _params(args)
     stop = threading.Event()
-    store = open_store(config)
-    feed = WeightFeed(params, store=store, bind=args.bind, port=args.port, agent_port=args.agent_port)
+    store = open_store(config)  # opened here: an unreachable store fails the command at once
+    writer = _history_writer(config) if params.history else None
     try:
-        feed.start()
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
-            signal.signal(signal.SIGINT, lambda *_: stop.set())
-        print("weights feed: " + " ".join(f"{k}={v}" for k, v in feed.urls.items()), flush=True)
-        if feed.last_error:
-            print(f"triscope: warning: first update failed: {feed.last_error}", file=sys.stderr, flush=True)
-        stop.wait()
+        context = Context(open_store=lambda: store)
+        if writer is not None:
+            context = Context(open_store=lambda: store, submit=writer.submit)
+        feed = create(config, context)
+        try:
+            feed.start()
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, lambda *_: stop.set())
+                signal.signal(signal.SIGINT, lambda *_: stop.set())
+            print("weights feed: " + " ".join(f"{k}={v}" for k, v in feed.urls.items()), flush=True)
+            if feed.last_error:
+                print(f"triscope: warning: first update failed: {feed.last_error}", file=sys.stderr, flush=True)
+            stop.wait()
+        finally:
+            feed.close()
     finally:
-        feed.close()
+        if writer is not None:
+            writer.close()  # after the feed: its last history rows are in
         store.close()
     return 0
+
+
+def _history_writer(config: dict[str, Any]) -> Writer:
+    """A started writer for ``weights_history`` rows, spooling under ``[writer] spool_dir``/weights-serve
+    (its own directory: a ``triscope run`` with the same config holds the spool directory itself)."""
+    from triscope.store import open_store
+    from triscope.writer import Writer, WriterConfig
+
+    spool_dir = Path(WriterConfig.from_config(config).spool_dir) / "weights-serve"
+    writer = Writer.from_config({**config, "writer": {**(config.get("writer") or {}), "spool_dir": str(spool_dir)}},
+                                lambda: open_store(config))
+    writer.start()
+    return writer
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:

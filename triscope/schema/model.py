@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from triscope.errors import InputError
@@ -89,6 +90,10 @@ class Table:
 
     def defaults(self) -> dict[str, Any]:
         """``{column: value a row gets when it does not set the column}``."""
+        return dict(self._defaults)
+
+    @cached_property
+    def _defaults(self) -> dict[str, Any]:
         return {c.name: default_for(c.type) for c in self.columns}
 
     def empty_columns(self) -> dict[str, list[Any]]:
@@ -99,17 +104,13 @@ class Table:
                    defaults: Mapping[str, Any] | None = None) -> dict[str, list[Any]]:
         """Row dicts as a column-oriented batch of every current column; a key that is not a
         column raises InputError (a typo must not vanish), a missing key takes its default."""
-        base = self.defaults()
-        if defaults:
-            base.update(defaults)
-        out: dict[str, list[Any]] = {name: [] for name in base}
+        base = {**self._defaults, **defaults} if defaults else self._defaults
+        rows = list(rows)
         for row in rows:
-            extra = row.keys() - base.keys()
-            if extra:
+            if not row.keys() <= base.keys():
+                extra = row.keys() - base.keys()
                 raise InputError(f"{self.name}: unknown column(s) {', '.join(sorted(extra))}")
-            for name, values in out.items():
-                values.append(row.get(name, base[name]))
-        return out
+        return {name: [row.get(name, default) for row in rows] for name, default in base.items()}
 
 
 def qualified(store: Store, table: Table | str) -> str:

@@ -2,7 +2,8 @@
 
 Formats: NCCL Inspector JSON lines or Prometheus text, PyTorch Flight Recorder dumps (pickle or
 JSON; a directory holds one per rank), nccl-tests stdout. Re-ingesting the same run id and
-source replaces the earlier rows.
+source replaces the earlier rows. Rows go straight to the store (:mod:`triscope.collectors.ingest_sink`),
+not through the writer: a re-ingest must replace them before the command returns.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triscope.collectors import nccl_flight_recorder, nccl_inspector, nccl_tests
-from triscope.collectors.nccl_common import replace_rows
+from triscope.collectors.nccl import flight_recorder, inspector, tests_output
+from triscope.collectors.nccl.common import replace_rows
 from triscope.errors import InputError
 from triscope.store.base import Store
 
@@ -60,7 +61,7 @@ def detect_format(path: Path) -> str:
 def _fr_files(path: Path) -> list[Path]:
     if not path.is_dir():
         return [path]
-    files = sorted(p for p in path.iterdir() if p.is_file() and nccl_flight_recorder.rank_from_path(p) is not None)
+    files = sorted(p for p in path.iterdir() if p.is_file() and flight_recorder.rank_from_path(p) is not None)
     if not files:
         raise InputError(f"{path}: no Flight Recorder dumps (files ending in a rank number) in this directory")
     pickles = [p for p in files if not p.name.endswith(".json")]
@@ -84,7 +85,7 @@ def ingest_path(store: Store, path: str | Path, fmt: str = "auto", run_id: str |
         seen: set[int] = set()
         for file in _fr_files(path):
             try:
-                file_rows = nccl_flight_recorder.parse_file(file, run_id, rank=rank if not path.is_dir() else None)
+                file_rows = flight_recorder.parse_file(file, run_id, rank=rank if not path.is_dir() else None)
             except InputError as exc:
                 result.errors.append(str(exc))
                 continue
@@ -95,10 +96,10 @@ def ingest_path(store: Store, path: str | Path, fmt: str = "auto", run_id: str |
             seen.add(r)
             rows.extend(file_rows)
     elif fmt == "inspector":
-        parsed = nccl_inspector.parse_file(path, run_id)
+        parsed = inspector.parse_file(path, run_id)
         rows, result.errors = parsed.rows, parsed.errors
     else:
-        parsed = nccl_tests.parse_file(path, run_id, collective)
+        parsed = tests_output.parse_file(path, run_id, collective)
         rows, result.errors = parsed.rows, parsed.errors
     if not rows and result.errors:
         raise InputError(result.errors[0])

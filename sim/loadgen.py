@@ -15,9 +15,10 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sim_backend import CLASSES, RequestClass
+from triscope.sim.engine import CLASSES, RequestClass
 
 
 @dataclass(frozen=True)
@@ -178,11 +179,11 @@ def _engine_queue_s(body: bytes) -> float:
 
 
 async def drive(host: str, port: int, schedule: list[Arrival], timeout_factor: float = 6.0,
-                progress=None) -> tuple[list[Result], float]:
+                progress: Callable[[float], None] | None = None) -> tuple[list[Result], float]:
     """Send ``schedule`` open-loop; returns results and the worst send lag (s) behind schedule."""
     pool = HttpPool(host, port)
     results: list[Result] = []
-    tasks: set[asyncio.Task] = set()
+    tasks: set[asyncio.Task[None]] = set()
     t_start = time.monotonic()
     worst_lag = 0.0
     for i, a in enumerate(schedule):

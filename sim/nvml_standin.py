@@ -1,11 +1,11 @@
-"""A ``pynvml`` stand-in over simulated GPUs, at the nvidia-ml-py module boundary only.
+"""A ``pynvml`` stand-in over simulated GPUs: a test double for machines without a GPU.
 
-Used by tests/test_nvml.py and bench/collect_overhead.py (there is no GPU on CI machines). The
-module object holds every constant, ctypes struct and ``NVMLError`` subclass of the real
-``pynvml`` installed in the venv; only its library entry points (``nvmlInit``, ``nvmlDeviceGet*``,
-``nvmlGpm*``) are replaced by functions over :class:`FakeGpu` objects. Like the real bindings
-they raise ``pynvml.NVMLError`` (mapped to the real subclasses, e.g. ``NVMLError_GpuIsLost``),
-return the real ctypes structs and friendly objects for processes.
+It sits at the nvidia-ml-py module boundary only, for tests/test_nvml.py, tools/nvml_check.py's
+tests and bench/collect_overhead.py. The module object holds every constant, ctypes struct and
+``NVMLError`` subclass of the real ``pynvml``; only its library entry points (``nvmlInit``,
+``nvmlDeviceGet*``, ``nvmlGpm*``) are replaced by functions over :class:`FakeGpu` objects. Like
+the real bindings they raise ``pynvml.NVMLError`` (mapped to the real subclasses, e.g.
+``NVMLError_GpuIsLost``), return the real ctypes structs and friendly objects for processes.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def standin(gpus: list[FakeGpu], clock: Clock | None = None, init_error: int | N
     calls: dict[str, int] = {}
     m.calls = calls  # type: ignore[attr-defined]
     m.clock = clock  # type: ignore[attr-defined]
-    state = {"init": 0, "init_error": init_error}
+    state: dict[str, Any] = {"init": 0, "init_error": init_error}
     m.state = state  # type: ignore[attr-defined]
 
     def not_found(name: str) -> Any:
@@ -103,7 +103,7 @@ def standin(gpus: list[FakeGpu], clock: Clock | None = None, init_error: int | N
     handles = [ctypes.pointer(s) for s in structs]
     by_addr = {ctypes.addressof(s): g for s, g in zip(structs, gpus, strict=True)}
     gpm_buffers: list[Any] = []
-    gpm_records: dict[int, tuple[int, dict[int, float]]] = {}
+    gpm_records: dict[int | None, tuple[int, dict[int, float]]] = {}
 
     def api(fn: Any) -> Any:
         name = fn.__name__

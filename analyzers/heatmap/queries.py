@@ -1,160 +1,20 @@
-"""QPS x GPU memory x latency heatmap, computed in ClickHouse.
+"""The heatmap's SQL: requests binned by their backend's QPS, GPU memory and latency, all in ClickHouse.
 
-Every request (a ``requests`` row, by its start time ``ts``) lands in one cell of a
-``[qps_bins, memory_bins, latency_bins]`` tensor (default ``[32, 64, 128]``):
-
-* **QPS** of its backend in its analysis window (default 100 ms): all requests of that backend
-  starting in the window, divided by the window length (the ``--model`` filter does not change a
-  backend's load; ``--backend`` selects backends). 5 QPS per bin.
-* **GPU memory** used by the backend's GPU in that window: the mean ``gpu_samples.memory_used_bytes``
-  of the window, or the latest earlier window (at most ``memory_max_age_s`` old, ASOF join).
-  200 MB (200 * 10^6 bytes) per bin. A request's GPU is ``requests.host`` + ``requests.gpu``
-  matched against ``gpu_samples.host`` + the GPU index (``gpu``, as text) or ``gpu_uuid``; a request
-  with an empty ``gpu`` maps to its whole host (one backend per host): in every window where any of
-  the host's GPUs reported, the sum of each GPU's latest window mean (each at most
-  ``memory_max_age_s`` old), so one GPU missing a sample does not make the host look emptier.
-  Requests with no memory sample in reach are counted as ``unmatched`` and left out.
-* **Latency**: ``latency_seconds`` (end to end), 10 ms per bin.
-
-Values beyond the last bin are clamped into it. Counts per cell are a ``GROUP BY`` of the flat
-cell index in ClickHouse; the analyzer only reshapes them. ``p95_grid`` is the exact
-(``quantileExactInclusive``, numpy's default ``linear`` method) P95 latency per (QPS, memory) cell;
-``patterns`` lists the busiest (QPS, memory) cells with their P95 and dominant modality/class
-(exact counts per cell; ties go to the first name in sort order) and that kind's share of the cell.
+How windows, GPU slots and the memory ASOF join work is described in docs/heatmap.md.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from triscope.errors import ConfigError, InputError
-from triscope.schema import qualified
+from triscope.analyzers.heatmap.config import HeatmapSpec
+from triscope.analyzers.heatmap.result import HeatmapResult, pattern
+from triscope.errors import InputError
+from triscope.schema import GPU_SAMPLES, REQUESTS, qualified
 from triscope.store import Store
-
-AXES = ("qps", "memory", "latency")
-
-
-@dataclass(frozen=True)
-class HeatmapSpec:
-    """Bin layout and analysis window."""
-
-    window_ms: float = 100.0
-    qps_bin: float = 5.0
-    qps_bins: int = 32
-    memory_bin_bytes: float = 200e6
-    memory_bins: int = 64
-    latency_bin_s: float = 0.010
-    latency_bins: int = 128
-    memory_max_age_s: float = 5.0
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.qps_bins, self.memory_bins, self.latency_bins)
-
-    @property
-    def window_ns(self) -> int:
-        return int(round(self.window_ms * 1e6))
-
-    def validate(self) -> HeatmapSpec:
-        if self.window_ns <= 0 or min(self.qps_bin, self.memory_bin_bytes, self.latency_bin_s) <= 0:
-            raise ConfigError("heatmap: window and bin widths must be > 0")
-        if min(self.qps_bins, self.memory_bins, self.latency_bins) < 1 or \
-                self.qps_bins * self.memory_bins * self.latency_bins > 2**31:
-            raise ConfigError("heatmap: bin counts must be >= 1 and the tensor below 2^31 cells")
-        if self.memory_max_age_s < 0:
-            raise ConfigError("heatmap: memory_max_age_s must be >= 0")
-        return self
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> HeatmapSpec:
-        section = dict(config.get("heatmap", {}))
-        if "window_ms" not in section and "window_ms" in config.get("analysis", {}):
-            section["window_ms"] = config["analysis"]["window_ms"]
-        known = set(cls.__dataclass_fields__)
-        unknown = set(section) - known
-        if unknown:
-            raise ConfigError(f"[heatmap] has unknown keys: {', '.join(sorted(unknown))}")
-        return cls(**{k: _number(k, v, type(getattr(cls, k))) for k, v in section.items()}).validate()
-
-
-def _number(key: str, value: Any, kind: type) -> int | float:
-    """``value`` as the field's type; an int field takes only whole numbers."""
-    try:
-        if isinstance(value, bool):
-            raise ValueError("a boolean")
-        number = float(value)
-        if kind is int:
-            if not number.is_integer():
-                raise ValueError("not a whole number")
-            return int(number)
-        return number
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"[heatmap] has a bad value for {key}: {value!r} ({exc})") from None
-
-
-@dataclass
-class HeatmapResult:
-    """The tensor and its summaries."""
-
-    spec: HeatmapSpec
-    tensor: np.ndarray  # uint64 [qps, memory, latency]
-    start_ns: int
-    end_ns: int
-    requests: int
-    unmatched: int
-    p95_grid: np.ndarray | None = None  # float64 [qps, memory], NaN where empty
-    patterns: list[dict[str, Any]] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def slice(self, keep: tuple[str, str], where: dict[str, tuple[int, int]] | None = None) -> np.ndarray:
-        """2-D counts over two axes, summing the third over all bins or an index range ``[lo, hi)``."""
-        return slice_axes(self.tensor, keep, where)
-
-    def edges(self, axis: str) -> np.ndarray:
-        """Lower bin edges of an axis in its unit (QPS, bytes, seconds)."""
-        return self.bin_edges(axis)[:-1]
-
-    def bin_edges(self, axis: str) -> np.ndarray:
-        """The ``n + 1`` bin edges of an axis (the last bin also holds every value above its lower edge)."""
-        s = self.spec
-        if axis not in AXES:
-            raise InputError(f"unknown axis {axis!r}; use one of {', '.join(AXES)}")
-        width, n = {"qps": (s.qps_bin, s.qps_bins), "memory": (s.memory_bin_bytes, s.memory_bins),
-                    "latency": (s.latency_bin_s, s.latency_bins)}[axis]
-        return np.arange(n + 1) * width
-
-    def to_json(self) -> dict[str, Any]:
-        nz = np.argwhere(self.tensor)
-        return {
-            "spec": asdict(self.spec), "shape": list(self.tensor.shape),
-            "start_ns": self.start_ns, "end_ns": self.end_ns,
-            "requests": self.requests, "unmatched_requests": self.unmatched, "seconds": self.seconds,
-            "cells": [[int(q), int(m), int(lat), int(self.tensor[q, m, lat])] for q, m, lat in nz],
-            "p95_latency_seconds": None if self.p95_grid is None else [
-                [int(q), int(m), float(self.p95_grid[q, m])] for q, m in np.argwhere(np.isfinite(self.p95_grid))],
-            "patterns": self.patterns,
-        }
-
-
-def slice_axes(tensor: np.ndarray, keep: tuple[str, str], where: dict[str, tuple[int, int]] | None = None
-               ) -> np.ndarray:
-    """Counts over the two ``keep`` axes (in the given order), the other one summed."""
-    if len(keep) != 2 or len(set(keep)) != 2 or not set(keep) <= set(AXES):
-        raise InputError(f"slice needs two different axes of {', '.join(AXES)}, got {keep}")
-    (other,) = [a for a in AXES if a not in keep]
-    axis = AXES.index(other)
-    if set(where or {}) - {other}:
-        raise InputError(f"slice over {keep[0]} x {keep[1]} can only restrict {other}, got {sorted(where or {})}")
-    lo, hi = (where or {}).get(other, (0, tensor.shape[axis]))
-    if not 0 <= lo <= hi <= tensor.shape[axis]:
-        raise InputError(f"{other} range [{lo}, {hi}) is outside its bins [0, {tensor.shape[axis]})")
-    view = np.take(tensor, np.arange(lo, hi), axis=axis).sum(axis=axis)
-    rest = [a for a in AXES if a != other]
-    return view if list(keep) == rest else view.T
 
 
 def _filters(backends: list[str] | None, models: list[str] | None) -> tuple[str, str, dict[str, Any]]:
@@ -193,7 +53,7 @@ def _windows_sql(store: Store, backend_where: str, payload: str, payload_cols: s
     ASOF-joined on the slot with that GPU's (or host's) memory in the latest sampled window
     (``joined``). Host-wide memory rows are only built when ``host_wide`` (some request has an
     empty ``gpu``)."""
-    req, gpu = qualified(store, "requests"), qualified(store, "gpu_samples")
+    req, gpu = qualified(store, REQUESTS), qualified(store, GPU_SAMPLES)
     mem_sql = _HOST_MEM if host_wide else _PER_GPU_MEM
     return f"""
 WITH
@@ -236,14 +96,14 @@ def _resolve(store: Store, backends: list[str] | None) -> dict[str, Any]:
     """Numbers for backends and hosts, and GPU uuid -> index, as query parameters.
 
     Taken over the whole tables (a superset of the range is enough and far cheaper to list)."""
-    req = qualified(store, "requests")
+    req = qualified(store, REQUESTS)
     names = [r[0] for r in store.query(f"SELECT DISTINCT backend FROM {req}").rows]
     host_wide = bool(store.query(f"SELECT count() FROM (SELECT DISTINCT gpu FROM {req}) WHERE gpu = ''").scalar())
     if backends:
         names = [b for b in names if b in set(backends)]
     if len(names) >= 65535:
         raise InputError(f"{len(names)} backends; the heatmap handles at most 65534 at once (use --backend)")
-    gpus = store.query(f"SELECT host, gpu, any(gpu_uuid) FROM {qualified(store, 'gpu_samples')} "
+    gpus = store.query(f"SELECT host, gpu, any(gpu_uuid) FROM {qualified(store, GPU_SAMPLES)} "
                        "GROUP BY host, gpu").rows
     hosts = sorted({str(h) for h, _, _ in gpus})
     if len(hosts) >= 2**31:
@@ -275,7 +135,7 @@ def time_range(store: Store, start_ns: int | None, end_ns: int | None) -> tuple[
     if start_ns is not None and end_ns is not None:
         return start_ns, end_ns
     row = store.query(f"SELECT toUnixTimestamp64Nano(min(ts)), toUnixTimestamp64Nano(max(ts)), count() "
-                      f"FROM {qualified(store, 'requests')}").rows[0]
+                      f"FROM {qualified(store, REQUESTS)}").rows[0]
     lo, hi = (int(row[0]), int(row[1]) + 1) if int(row[2]) else (0, 0)
     return (lo if start_ns is None else start_ns), (hi if end_ns is None else end_ns)
 
@@ -309,7 +169,7 @@ GROUP BY cell
 
 def _codes(store: Store, column: str) -> list[str]:
     """Distinct values of a low-cardinality ``requests`` column (code ``i + 1``; 0 = none of them)."""
-    rows = store.query(f"SELECT DISTINCT {column} FROM {qualified(store, 'requests')} ORDER BY {column}").rows
+    rows = store.query(f"SELECT DISTINCT {column} FROM {qualified(store, REQUESTS)} ORDER BY {column}").rows
     return [str(r[0]) for r in rows][: 2**16 - 1]
 
 
@@ -368,8 +228,10 @@ ORDER BY requests DESC, qbin_, mbin_
         lbins, counts = c.pop("lat_counts")
         tensor[q, m, np.asarray(lbins, dtype=np.int64)] = np.asarray(counts, dtype=np.uint64)
         c["qbin"], c["mbin"] = q, m
-        c["modality"], c["modality_share"] = _dominant(*c.pop("mod_counts"), mods)
-        c["request_class"], c["request_class_share"] = _dominant(*c.pop("class_counts"), classes)
+        mod_keys, mod_counts = c.pop("mod_counts")
+        class_keys, class_counts = c.pop("class_counts")
+        c["modality"], c["modality_share"] = _dominant(mod_keys, mod_counts, mods)
+        c["request_class"], c["request_class_share"] = _dominant(class_keys, class_counts, classes)
         cells.append(c)
     return tensor, int(tensor.sum()), unmatched, cells
 
@@ -387,7 +249,8 @@ def compute_heatmap(store: Store, spec: HeatmapSpec | None = None, start_ns: int
     """Tensor, P95 grid and typical load patterns for ``[start_ns, end_ns)``.
 
     With ``summaries`` one query yields all of them; without, the leaner :func:`tensor_query` runs."""
-    spec = (spec or HeatmapSpec()).validate()
+    spec = spec or HeatmapSpec()
+    spec.validate()
     t0 = time.perf_counter()
     bounded = start_ns is not None and end_ns is not None
     start_ns, end_ns = time_range(store, start_ns, end_ns)
@@ -405,20 +268,6 @@ def compute_heatmap(store: Store, spec: HeatmapSpec | None = None, start_ns: int
         for c in cells:
             grid[c["qbin"], c["mbin"]] = float(c["p95_latency_seconds"])
         result.p95_grid = grid
-        result.patterns = [_pattern(spec, c, counted) for c in cells[:top]]
+        result.patterns = [pattern(spec, c, counted) for c in cells[:top]]
     result.seconds = time.perf_counter() - t0
     return result
-
-
-def _pattern(spec: HeatmapSpec, cell: dict[str, Any], total: int) -> dict[str, Any]:
-    q, m = int(cell["qbin"]), int(cell["mbin"])
-    last_q, last_m = q == spec.qps_bins - 1, m == spec.memory_bins - 1
-    return {
-        "qps_min": q * spec.qps_bin, "qps_max": None if last_q else (q + 1) * spec.qps_bin,
-        "memory_min_bytes": m * spec.memory_bin_bytes,
-        "memory_max_bytes": None if last_m else (m + 1) * spec.memory_bin_bytes,
-        "requests": int(cell["requests"]), "share": (int(cell["requests"]) / total) if total else 0.0,
-        "p95_latency_seconds": float(cell["p95_latency_seconds"]),
-        "modality": cell["modality"], "modality_share": cell["modality_share"],
-        "request_class": cell["request_class"], "request_class_share": cell["request_class_share"],
-    }

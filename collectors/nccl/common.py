@@ -12,15 +12,15 @@ import json
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from triscope.schema import qualified
-from triscope.schema.nccl import NCCL_OPS
+from triscope.collectors import ingest_sink
+from triscope.schema import NCCL_OPS
 from triscope.store.base import Store
 
 NAN = float("nan")
-COLUMNS = NCCL_OPS.column_names()
 
 # Canonical NCCL collective names keyed by a normalised spelling (lower case, no _ or -).
 _CANONICAL = {
@@ -49,8 +49,17 @@ _DTYPE_BYTES = {
 }
 
 
+@dataclass
+class Parsed:
+    """Rows parsed from a file and one-line messages for the parts that could not be read."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
 def canonical_collective(name: str) -> str:
-    """``AllReduce`` for ``allreduce``, ``nccl:all_reduce``, ``ncclDevKernel_AllReduce_...``, ``gloo:all_reduce``; '' if unknown."""
+    """``AllReduce`` for ``allreduce``, ``nccl:all_reduce``, ``ncclDevKernel_AllReduce_...``,
+    ``gloo:all_reduce``; '' if unknown."""
     if not name:
         return ""
     kernel = _KERNEL_NAME.match(name)
@@ -100,59 +109,46 @@ def bandwidths(msg_bytes: float, duration_seconds: float, collective: str, nrank
 
 
 def ns_text(ns: int) -> str:
-    """Epoch nanoseconds as the exact ``seconds.nanoseconds`` text a DateTime64(9) column parses."""
+    """Epoch nanoseconds as the exact ``seconds.nanoseconds`` text a DateTime64(9) column parses.
+
+    The ``ts`` text of the rows the NCCL parsers return (callers compare it); rows for the writer
+    use :func:`triscope.schema.encode_ts`."""
     ns = int(ns)
     return f"{ns // 1_000_000_000}.{ns % 1_000_000_000:09d}"
 
 
+def _unknown(ch_type: str, default: Any) -> Any:
+    """What a column holds when the source does not give it: NaN for floats, -1 for signed integers."""
+    if ch_type.startswith("Float"):
+        return NAN
+    return -1 if ch_type.startswith("Int") else default
+
+
+_UNKNOWN = {c.name: _unknown(c.type, NCCL_OPS.defaults()[c.name]) for c in NCCL_OPS.columns}
+
+
 def new_row(**values: Any) -> dict[str, Any]:
-    """A row with every column set: given values, else NaN / -1 / '' by type."""
-    row: dict[str, Any] = {
-        "ts": "0.000000000", "host": "", "run_id": "", "rank": -1, "source": "", "backend": "",
-        "comm_id": "", "pg_desc": "", "collective": "", "op_name": "", "seq": -1, "is_p2p": 0,
-        "nranks": -1, "msg_bytes": NAN, "count": NAN, "dtype": "", "redop": "", "variant": "",
-        "device": -1, "duration_seconds": NAN, "algbw_bytes_per_second": NAN,
-        "busbw_bytes_per_second": NAN, "state": "", "timeout_seconds": NAN, "wrong_count": -1,
-        "detail_json": "", "ingested_at": time.time(),
-    }
-    unknown = set(values) - set(row)
+    """A row with every ``nccl_ops`` column set: given values, else NaN / -1 / '' by type."""
+    unknown = set(values) - set(_UNKNOWN)
     if unknown:
-        raise KeyError(f"not nccl_ops columns: {sorted(unknown)}")
-    row.update(values)
+        raise KeyError(f"not {NCCL_OPS.name} columns: {sorted(unknown)}")
+    row = {**_UNKNOWN, "ts": ns_text(0), "ingested_at": time.time(), **values}
     if isinstance(row["detail_json"], Mapping):
         row["detail_json"] = json.dumps(row["detail_json"], default=str, sort_keys=True)
     row["is_p2p"] = int(bool(row["is_p2p"]) or row["collective"] in P2P)
     return row
 
 
-def columns_of(rows: Iterable[Mapping[str, Any]]) -> dict[str, list[Any]]:
-    """Row dicts to the column dict the store inserts."""
-    out: dict[str, list[Any]] = {c: [] for c in COLUMNS}
-    for row in rows:
-        for c in COLUMNS:
-            out[c].append(row[c])
-    return out
-
-
 def replace_rows(store: Store, rows: list[dict[str, Any]], source: str, run_id: str,
                  per_rank: bool = False) -> int:
-    """Insert rows of (source, run_id), first deleting earlier rows so a re-ingest replaces them.
-
-    ``per_rank``: delete only the ranks present in ``rows`` (one file per rank, e.g. Flight Recorder).
-    """
-    table = qualified(store, NCCL_OPS.name)
+    """Store rows of (source, run_id) through the file-ingest path (:mod:`~triscope.collectors.ingest_sink`),
+    replacing earlier rows of the same key. ``per_rank``: replace only the ranks present in ``rows``
+    (one file per rank, e.g. Flight Recorder)."""
     where = "source = {source:String} AND run_id = {run_id:String}"
     params: dict[str, Any] = {"source": source, "run_id": run_id}
     if per_rank:
-        where += " AND rank IN {ranks:Array(Int32)}"
-        params["ranks"] = sorted({int(r["rank"]) for r in rows})
         if not rows:
             return 0
-    if store.cluster:
-        store.command(f"ALTER TABLE {table}_local ON CLUSTER `{store.cluster}` DELETE WHERE {where} "
-                      "SETTINGS mutations_sync = 2", params)
-    else:
-        store.command(f"DELETE FROM {table} WHERE {where}", params)
-    if rows:
-        store.insert(table, columns_of(rows))
-    return len(rows)
+        where += " AND rank IN {ranks:Array(Int32)}"
+        params["ranks"] = sorted({int(r["rank"]) for r in rows})
+    return ingest_sink.replace_rows(store, NCCL_OPS, where, params, NCCL_OPS.columns_of(rows))

@@ -11,24 +11,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from triscope.collectors.nccl_common import NAN, bus_factor, canonical_collective, new_row, ns_text
+from triscope.collectors.nccl.common import NAN, Parsed, bus_factor, canonical_collective, new_row, ns_text
 from triscope.errors import InputError
 
 MAX_LINE_BYTES = 1 << 20
 _GB = 1e9
 _PER_RANK_SIZE = frozenset({"AllGather", "ReduceScatter"})
-
-
-@dataclass
-class Parsed:
-    """Rows parsed from a file and one-line messages for the parts that could not be read."""
-
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 def _float(value: Any) -> float:

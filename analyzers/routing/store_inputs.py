@@ -10,8 +10,10 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from triscope.exporters.weights import NAN, BackendInputs, WeightParams
-from triscope.schema import qualified
+from triscope.analyzers.routing.config import NAN, WeightParams
+from triscope.analyzers.routing.model import BackendInputs
+from triscope.schema import GPU_SAMPLES, REQUESTS, SERVING_METRICS, qualified
+from triscope.store.base import Store
 
 UNHEALTHY_STATES = ("lost", "unavailable")
 
@@ -28,17 +30,17 @@ def _f(x: Any) -> float:
     return v if math.isfinite(v) else NAN
 
 
-def _backend_names(store: Any, params: WeightParams, p: dict[str, Any]) -> list[str]:
+def _backend_names(store: Store, params: WeightParams, p: dict[str, Any]) -> list[str]:
     names = set(params.backends)
     if params.discover:
-        for table in ("serving_metrics", "requests"):
+        for table in (SERVING_METRICS, REQUESTS):
             rows = store.query(f"SELECT DISTINCT backend FROM {qualified(store, table)} "
                                "WHERE ts >= fromUnixTimestamp64Nano({since:Int64}) AND backend != ''", p).rows
             names.update(str(r[0]) for r in rows)
     return sorted(names)
 
 
-def _serving(store: Any, p: dict[str, Any]) -> dict[str, dict[str, float]]:
+def _serving(store: Store, p: dict[str, Any]) -> dict[str, dict[str, float]]:
     sql = f"""
 SELECT backend,
        toUnixTimestamp64Nano(max(ts)) AS last_ns,
@@ -49,7 +51,7 @@ SELECT backend,
        toUnixTimestamp64Nano(maxIf(ts, ts >= fromUnixTimestamp64Nano({{wstart:Int64}}))) AS w_hi,
        toUnixTimestamp64Nano(minIf(ts, ts >= fromUnixTimestamp64Nano({{wstart:Int64}}))) AS w_lo,
        countIf(ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS w_n
-FROM {qualified(store, 'serving_metrics')}
+FROM {qualified(store, SERVING_METRICS)}
 WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
 GROUP BY backend"""
     out = {}
@@ -63,14 +65,14 @@ GROUP BY backend"""
     return out
 
 
-def _requests(store: Any, p: dict[str, Any], params: WeightParams
+def _requests(store: Store, p: dict[str, Any], params: WeightParams
               ) -> tuple[dict[str, float], dict[str, dict[str, float]], dict[str, float]]:
     """(qps, per-class p99, newest row time) per backend over the window."""
     sql = f"""
 SELECT backend, if(request_class IN {{classes:Array(String)}}, request_class, {{default:String}}) AS cls,
        count() AS n, quantileExactIf(0.99)(latency_seconds, isFinite(latency_seconds)) AS p99,
        toUnixTimestamp64Nano(max(ts)) AS last_ns
-FROM {qualified(store, 'requests')}
+FROM {qualified(store, REQUESTS)}
 WHERE ts >= fromUnixTimestamp64Nano({{wstart:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
 GROUP BY backend, cls"""
     qps: dict[str, float] = defaultdict(float)
@@ -86,8 +88,8 @@ GROUP BY backend, cls"""
     return dict(qps), dict(p99), last
 
 
-def _gpu_map(store: Any, p: dict[str, Any]) -> dict[str, set[tuple[str, str]]]:
-    rows = store.query(f"SELECT DISTINCT backend, host, gpu FROM {qualified(store, 'requests')} "
+def _gpu_map(store: Store, p: dict[str, Any]) -> dict[str, set[tuple[str, str]]]:
+    rows = store.query(f"SELECT DISTINCT backend, host, gpu FROM {qualified(store, REQUESTS)} "
                        "WHERE ts >= fromUnixTimestamp64Nano({since:Int64}) AND gpu != ''", p).rows
     out: dict[str, set[tuple[str, str]]] = defaultdict(set)
     for backend, host, gpu in rows:
@@ -95,12 +97,12 @@ def _gpu_map(store: Any, p: dict[str, Any]) -> dict[str, set[tuple[str, str]]]:
     return out
 
 
-def _gpus(store: Any, p: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+def _gpus(store: Store, p: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     """Latest sample per (host, gpu index), also reachable by (host, uuid)."""
     sql = f"""
 SELECT host, gpu, argMax(gpu_uuid, ts) AS uuid, toUnixTimestamp64Nano(max(ts)) AS last_ns,
        argMax(memory_used_bytes, ts) AS used, argMax(memory_total_bytes, ts) AS total, argMax(state, ts) AS state
-FROM {qualified(store, 'gpu_samples')}
+FROM {qualified(store, GPU_SAMPLES)}
 WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
 GROUP BY host, gpu"""
     out: dict[tuple[str, str], dict[str, Any]] = {}
@@ -113,7 +115,7 @@ GROUP BY host, gpu"""
     return out
 
 
-def read_inputs(store: Any, params: WeightParams, now: float) -> list[BackendInputs]:
+def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendInputs]:
     """One :class:`BackendInputs` per known backend, from the newest rows within ``lookback_s``."""
     p = {"since": _ns(now - params.lookback_s), "wstart": _ns(now - params.window_s), "until": _ns(now) + 1}
     names = _backend_names(store, params, p)

@@ -11,8 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from triscope.collectors.nccl_common import NAN, canonical_collective, new_row, ns_text
-from triscope.collectors.nccl_inspector import Parsed
+from triscope.collectors.nccl.common import NAN, Parsed, canonical_collective, new_row, ns_text
 from triscope.errors import InputError
 
 _BINARY = re.compile(r"\b([a-z_]+?)_perf(?:_mpi)?\b")

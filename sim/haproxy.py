@@ -1,4 +1,4 @@
-"""Start, query and stop a real HAProxy in front of the simulated backends (bench helper)."""
+"""Start, query and stop a real HAProxy in front of the simulated backends (bench and tests)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ class HAProxy:
         self.pool_maxconn = {c: dict(v) for c, v in (pool_maxconn or {}).items()}
         self.pool_timeout_queue_ms = dict(pool_timeout_queue_ms or {})
         self.class_gate = {c: dict(v) for c, v in (class_gate or {}).items()}
-        unknown = (set(self.pool_maxconn) | set(self.pool_timeout_queue_ms) | set(self.class_gate)) - set(self.class_pools)
+        limited = set(self.pool_maxconn) | set(self.pool_timeout_queue_ms) | set(self.class_gate)
+        unknown = limited - set(self.class_pools)
         if unknown:
             raise ValueError(f"pool limits for classes without a pool: {', '.join(sorted(unknown))}")
         self.port = port or free_port()

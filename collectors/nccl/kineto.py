@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from triscope.collectors.nccl_common import (
+from triscope.collectors.nccl.common import (
     NAN,
     backend_of,
     bandwidths,
@@ -26,7 +26,7 @@ from triscope.collectors.nccl_common import (
     replace_rows,
 )
 from triscope.errors import InputError
-from triscope.schema import qualified
+from triscope.schema import TRACE_EVENTS, TRACE_RUNS, qualified
 from triscope.store.base import Store
 
 HOST_COLLECTIVE_PATTERN = r"^(gloo|mpi|ucc|xccl):"
@@ -44,7 +44,7 @@ class _Run:
 def _runs(store: Store, run_id: str) -> dict[int, _Run]:
     res = store.query(
         f"SELECT rank, argMax(host, ingested_at), argMax(base_time_ns, ingested_at), "
-        f"argMax(metadata_json, ingested_at) FROM {qualified(store, 'trace_runs')} "
+        f"argMax(metadata_json, ingested_at) FROM {qualified(store, TRACE_RUNS)} "
         "WHERE run_id = {run_id:String} GROUP BY rank", {"run_id": run_id})
     out: dict[int, _Run] = {}
     for rank, host, base, meta_text in res.rows:
@@ -74,7 +74,7 @@ def extract_kineto(store: Store, run_id: str) -> list[dict[str, Any]]:
     runs = _runs(store, run_id)
     if not runs:
         raise InputError(f"trace run {run_id!r} is not in the store (ingest it with `triscope ingest trace`)")
-    events = qualified(store, "trace_events")
+    events = qualified(store, TRACE_EVENTS)
     p = {"run_id": run_id}
     params_sel = ", ".join(_PARAM_COLS)
     kernels = store.query(

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from triscope.collectors.nccl_common import (
+from triscope.collectors.nccl.common import (
     NAN,
     backend_of,
     bandwidths,

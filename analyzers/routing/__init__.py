@@ -1,0 +1,51 @@
+"""The routing-weight engine: backend inputs (memory, KV cache, load, tail latency) -> LB weights.
+
+``config`` (``[weights]``), ``model`` (inputs, results, state), ``scoring`` (the formula and
+:func:`compute_weights`), ``admission`` (drain and per-class limits), ``store_inputs`` (reading
+:class:`BackendInputs` from the store), ``history`` (``weights_history`` rows). The formula is
+documented in docs/weights.md; the load-balancer adapters live in ``triscope.exporters``.
+"""
+
+from triscope.analyzers.routing.admission import batch_occupancy, class_admission, drain_reasons, over_limit
+from triscope.analyzers.routing.config import (
+    DEFAULT_CLASSES,
+    NAN,
+    BackendConfig,
+    FeedConfig,
+    RequestClass,
+    WeightParams,
+    WeightsConfig,
+)
+from triscope.analyzers.routing.history import history_columns
+from triscope.analyzers.routing.model import (
+    DRAIN,
+    READY,
+    BackendInputs,
+    BackendState,
+    BackendWeight,
+    EngineState,
+    ScaleDecision,
+    WeightsResult,
+    split_address,
+    with_address,
+)
+from triscope.analyzers.routing.scoring import (
+    class_of,
+    class_priorities,
+    compute_weights,
+    damp,
+    factors,
+    headroom_penalty,
+    latency_penalty,
+    lb_weight,
+    queue_penalty,
+    scale_decision,
+)
+from triscope.analyzers.routing.store_inputs import read_inputs
+
+__all__ = ["DEFAULT_CLASSES", "DRAIN", "NAN", "READY", "BackendConfig", "BackendInputs", "BackendState",
+           "BackendWeight", "EngineState", "FeedConfig", "RequestClass", "ScaleDecision", "WeightParams",
+           "WeightsConfig", "WeightsResult", "batch_occupancy", "class_admission", "class_of", "class_priorities",
+           "compute_weights", "damp", "drain_reasons", "factors", "headroom_penalty", "history_columns",
+           "latency_penalty", "lb_weight", "over_limit", "queue_penalty", "read_inputs", "scale_decision",
+           "split_address", "with_address"]

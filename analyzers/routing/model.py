@@ -1,0 +1,190 @@
+"""What the weight engine reads and returns: backend inputs, per-backend verdicts, fleet results, state."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from triscope.analyzers.routing.config import NAN, WeightParams
+
+READY = "ready"
+DRAIN = "drain"
+
+
+@dataclass(frozen=True)
+class BackendInputs:
+    """What the engine knows about one backend; NaN means not measured.
+
+    ``sources`` maps a source (``gpu``, ``serving``, ``requests``) to the epoch seconds of its newest sample.
+    """
+
+    backend: str
+    memory_used_bytes: float = NAN
+    memory_total_bytes: float = NAN
+    kv_cache_usage_ratio: float = NAN
+    qps: float = NAN
+    capacity_qps: float = NAN
+    p99_seconds: Mapping[str, float] = field(default_factory=dict)
+    healthy: bool = True
+    sources: Mapping[str, float] = field(default_factory=dict)
+    address: str = ""
+    queue_length: float = NAN
+    """Requests waiting in the engine's scheduler (``vllm:num_requests_waiting``)."""
+    running_requests: float = NAN
+    """Requests in the running batch (``vllm:num_requests_running``)."""
+
+    @property
+    def memory_used_ratio(self) -> float:
+        used, total = self.memory_used_bytes, self.memory_total_bytes
+        if not (math.isfinite(used) and math.isfinite(total)) or total <= 0:
+            return NAN
+        return min(1.0, max(0.0, used / total))
+
+    def updated_at(self) -> float:
+        """Oldest of the latest GPU / serving samples (newest requests row when neither); NaN if none."""
+        primary = [self.sources[s] for s in ("gpu", "serving") if math.isfinite(self.sources.get(s, NAN))]
+        if primary:
+            return min(primary)
+        return self.sources.get("requests", NAN)
+
+
+@dataclass(frozen=True)
+class BackendState:
+    """Engine memory of one backend between updates."""
+
+    weight: float
+    drained: bool = False
+    first_seen: float = NAN
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """Everything :func:`~triscope.analyzers.routing.scoring.compute_weights` carries from one update to the next."""
+
+    backends: Mapping[str, BackendState] = field(default_factory=dict)
+    version: int = 0
+    published: tuple = ()
+    kv_above_since: float = NAN
+    kv_below_since: float = NAN
+    newest_instance_at: float = NAN
+    stale: bool = False
+    class_closed: frozenset[tuple[str, str]] = frozenset()
+    """(class, backend) pairs closed by the class's admission limit at the last update."""
+
+
+@dataclass(frozen=True)
+class BackendWeight:
+    """The engine's verdict for one backend."""
+
+    backend: str
+    weight: float
+    target: float
+    lb_weight: int
+    state: str
+    reasons: tuple[str, ...]
+    factors: Mapping[str, float]
+    inputs: BackendInputs
+    age_seconds: float
+    drain_suppressed: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        i = self.inputs
+        return {
+            "weight": _num(self.weight), "target": _num(self.target), "lb_weight": self.lb_weight,
+            "state": self.state, "drained": self.state == DRAIN, "reasons": list(self.reasons),
+            "address": i.address,
+            "age_seconds": _num(self.age_seconds), "drain_suppressed": self.drain_suppressed,
+            "factors": {k: _num(v) for k, v in self.factors.items()},
+            "inputs": {
+                "memory_used_ratio": _num(i.memory_used_ratio),
+                "memory_used_bytes": _num(i.memory_used_bytes),
+                "memory_total_bytes": _num(i.memory_total_bytes),
+                "kv_cache_usage_ratio": _num(i.kv_cache_usage_ratio),
+                "qps": _num(i.qps), "capacity_qps": _num(i.capacity_qps),
+                "p99_seconds": {k: _num(v) for k, v in i.p99_seconds.items()},
+                "healthy": i.healthy,
+                "sources": {k: _num(v) for k, v in i.sources.items()},
+            },
+        }
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    """KV-cache scaling recommendation."""
+
+    action: str  # up, down, hold
+    fleet_kv_cache_usage_ratio: float
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"action": self.action, "fleet_kv_cache_usage_ratio": _num(self.fleet_kv_cache_usage_ratio),
+                "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class WeightsResult:
+    """One engine update: per-backend weights plus fleet-level flags."""
+
+    backends: Mapping[str, BackendWeight]
+    version: int
+    computed_at: float
+    stale: bool
+    stale_backends: tuple[str, ...]
+    drain_suppressed: bool
+    classes: Mapping[str, Mapping[str, float]]
+    scale: ScaleDecision
+    interval_s: float = 1.0
+    class_admission: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Per class, per backend: ``ready`` or ``drain`` for requests of that class; HAProxy per-class
+    pools read it with ``agent-send "NAME CLASS"``."""
+
+    def class_state(self, backend: str, request_class: str) -> str | None:
+        """``ready``/``drain`` of ``backend`` for ``request_class``; None when either is unknown."""
+        return self.class_admission.get(request_class, {}).get(backend)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``/v1/weights`` document."""
+        return {
+            "version": self.version, "computed_at": self.computed_at, "stale": self.stale,
+            "stale_backends": list(self.stale_backends), "drain_suppressed": self.drain_suppressed,
+            "interval_s": self.interval_s,
+            "backends": {name: b.to_dict() for name, b in sorted(self.backends.items())},
+            "classes": {name: {k: _num(v) for k, v in c.items()} for name, c in self.classes.items()},
+            "scale": self.scale.to_dict(),
+            "class_admission": {
+                name: {"backends": dict(sorted(states.items())),
+                       "open_backends": sum(1 for s in states.values() if s == READY),
+                       "shedding": bool(states) and all(s == DRAIN for s in states.values())}
+                for name, states in sorted(self.class_admission.items())},
+        }
+
+
+def _num(x: float) -> float | None:
+    """JSON has no NaN: not-measured values become null."""
+    return float(x) if isinstance(x, int | float) and math.isfinite(x) else None
+
+
+def with_address(inputs: BackendInputs, params: WeightParams) -> BackendInputs:
+    """Fill ``address`` (config, else the name when it is host:port) and ``capacity_qps`` from the config."""
+    cfg = params.backends.get(inputs.backend)
+    address = inputs.address or (cfg.address if cfg else "") or (inputs.backend if _is_host_port(inputs.backend)
+                                                                 else "")
+    capacity = inputs.capacity_qps
+    if not math.isfinite(capacity) and cfg and cfg.capacity_qps > 0:
+        capacity = cfg.capacity_qps
+    return replace(inputs, address=address, capacity_qps=capacity)
+
+
+def _is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` -> (host, port); raises ValueError when malformed."""
+    if not _is_host_port(address):
+        raise ValueError(f"not host:port: {address!r}")
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)

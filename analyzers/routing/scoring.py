@@ -1,0 +1,212 @@
+"""The weight formula: penalties, damping, scaling advice and :func:`compute_weights` (docs/weights.md).
+
+:func:`compute_weights` is a pure function of the inputs, the previous :class:`EngineState`, the
+params and ``now``: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from triscope.analyzers.routing.admission import class_admission, drain_reasons
+from triscope.analyzers.routing.config import NAN, RequestClass, WeightParams
+from triscope.analyzers.routing.model import (
+    DRAIN,
+    READY,
+    BackendInputs,
+    BackendState,
+    BackendWeight,
+    EngineState,
+    ScaleDecision,
+    WeightsResult,
+)
+
+
+def headroom_penalty(ratio: float) -> float:
+    """``1 / max(0.05, 1 - ratio)`` with the ratio clamped to [0, 1]; 1 when it is not measured."""
+    if not math.isfinite(ratio):
+        return 1.0
+    return 1.0 / max(0.05, 1.0 - min(1.0, max(0.0, ratio)))
+
+
+def latency_penalty(p99_seconds: float, cls: RequestClass) -> float:
+    """``max(1, p99/sla)^alpha``; 1 when the P99 is not measured."""
+    if not math.isfinite(p99_seconds) or p99_seconds <= 0:
+        return 1.0
+    return max(1.0, p99_seconds / cls.sla_seconds) ** cls.alpha
+
+
+def class_of(name: str, params: WeightParams) -> RequestClass:
+    """The request class called ``name``, or the default class for unknown names."""
+    return params.classes.get(name) or params.classes[params.default_class]
+
+
+def queue_penalty(queue_length: float, running: float, params: WeightParams) -> float:
+    """``1 + queue_weight * waiting / max(1, running)``, at most ``1 / floor``; 1 when not measured.
+
+    More waiting than running means the scheduler is blocked (KV cache full, head-of-line).
+    """
+    if params.queue_weight <= 0 or not math.isfinite(queue_length) or queue_length <= 0:
+        return 1.0
+    run = running if math.isfinite(running) else 0.0
+    return min(1.0 / params.floor, 1.0 + params.queue_weight * queue_length / max(1.0, run))
+
+
+def factors(inputs: BackendInputs, params: WeightParams) -> dict[str, float]:
+    """The multiplicative penalties of a backend (each >= 1); ``queue`` only when ``queue_weight`` > 0."""
+    capacity = inputs.capacity_qps if math.isfinite(inputs.capacity_qps) else params.default_capacity_qps
+    load = 1.0
+    if capacity > 0 and math.isfinite(inputs.qps):
+        load = headroom_penalty(min(1.0, max(0.0, inputs.qps / capacity)))
+    latency = 1.0
+    for name, p99 in inputs.p99_seconds.items():
+        latency = max(latency, latency_penalty(p99, class_of(name, params)))
+    out = {
+        "memory": headroom_penalty(inputs.memory_used_ratio),
+        "kv_cache": headroom_penalty(inputs.kv_cache_usage_ratio),
+        "load": load,
+        "latency": min(latency, params.latency_penalty_cap),
+    }
+    if params.queue_weight > 0:
+        out["queue"] = queue_penalty(inputs.queue_length, inputs.running_requests, params)
+    return out
+
+
+def damp(previous: float, target: float, params: WeightParams) -> float:
+    """EWMA (cut fast, raise slowly), bounded step, then the floor."""
+    alpha = params.ewma_down if target < previous else params.ewma_up
+    step = alpha * (target - previous)
+    step = min(params.max_step_up, max(-params.max_step_down, step))
+    return min(1.0, max(params.floor, previous + step))
+
+
+def lb_weight(weight: float, drained: bool, params: WeightParams) -> int:
+    """Integer weight for load balancers: 0 when drained, else 1..lb_scale."""
+    if drained:
+        return 0
+    return max(1, min(params.lb_scale, round(weight * params.lb_scale)))
+
+
+def class_priorities(inputs: Sequence[BackendInputs], params: WeightParams) -> dict[str, dict[str, float]]:
+    """Per class: SLA, weight, alpha, fleet P99 (worst backend) and ``weight * max(1, p99/sla)^alpha``."""
+    out = {}
+    for name, cls in params.classes.items():
+        p99s = [i.p99_seconds[name] for i in inputs
+                if math.isfinite(i.p99_seconds.get(name, NAN))]
+        p99 = max(p99s) if p99s else NAN
+        out[name] = {"sla_seconds": cls.sla_seconds, "weight": cls.weight, "alpha": cls.alpha,
+                     "p99_seconds": p99, "priority_weight": cls.weight * latency_penalty(p99, cls)}
+    return out
+
+
+def scale_decision(inputs: Sequence[BackendInputs], state: EngineState, params: WeightParams,
+                   now: float) -> tuple[ScaleDecision, float, float]:
+    """KV-cache scaling recommendation; also returns the updated above/below-since timestamps."""
+    kvs = [i.kv_cache_usage_ratio for i in inputs if math.isfinite(i.kv_cache_usage_ratio)]
+    if not kvs:
+        return ScaleDecision("hold", NAN, "no backend reports KV-cache usage"), NAN, NAN
+    fleet = sum(kvs) / len(kvs)
+    above = state.kv_above_since if fleet >= params.scale_up_ratio else NAN
+    below = state.kv_below_since if fleet <= params.scale_down_ratio else NAN
+    if fleet >= params.scale_up_ratio and not math.isfinite(above):
+        above = now
+    if fleet <= params.scale_down_ratio and not math.isfinite(below):
+        below = now
+    if math.isfinite(above) and now - above >= params.scale_up_for_s:
+        return ScaleDecision("up", fleet, f"KV usage >= {params.scale_up_ratio:.0%} for "
+                             f"{now - above:.1f}s"), above, below
+    if math.isfinite(below) and now - below >= params.scale_down_for_s:
+        newest = state.newest_instance_at
+        if math.isfinite(newest) and now - newest < params.scale_down_cooldown_s:
+            return ScaleDecision("hold", fleet, f"KV usage low but an instance appeared {now - newest:.1f}s ago "
+                                 f"(cooldown {params.scale_down_cooldown_s:g}s)"), above, below
+        return ScaleDecision("down", fleet, f"KV usage <= {params.scale_down_ratio:.0%} for "
+                             f"{now - below:.1f}s"), above, below
+    return ScaleDecision("hold", fleet, "KV usage within bounds or not sustained"), above, below
+
+
+def _first_seen(names: list[str], prev: EngineState, first_update: bool, now: float) -> tuple[dict[str, float], float]:
+    """When each backend was first seen, and the newest appearance (a new instance starts the cooldown)."""
+    newest = prev.newest_instance_at
+    first_seen: dict[str, float] = {}
+    for n in names:
+        old = prev.backends.get(n)
+        if old is None or not math.isfinite(old.first_seen):
+            first_seen[n] = now
+            if not first_update and old is None:
+                newest = now if not math.isfinite(newest) else max(newest, now)
+        else:
+            first_seen[n] = old.first_seen
+    return first_seen, newest
+
+
+def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | None,
+                    params: WeightParams, now: float) -> tuple[WeightsResult, EngineState]:
+    """Weights for ``inputs`` given the previous state; pure (no clock, no I/O)."""
+    first_update = previous is None
+    prev = previous or EngineState()
+    by_name = {i.backend: i for i in inputs}
+    names = sorted(by_name)
+    ages = {n: now - by_name[n].updated_at() for n in names}
+    stale_backends = tuple(n for n in names if not (ages[n] <= params.stale_after_s))
+    stale = bool(stale_backends) or not names
+    first_seen, newest = _first_seen(names, prev, first_update, now)
+
+    fac = {n: factors(by_name[n], params) for n in names}
+    results: dict[str, BackendWeight] = {}
+    states: dict[str, BackendState] = {}
+    suppressed = False
+    if stale:
+        for n in names:
+            results[n] = BackendWeight(n, 1.0, 1.0, lb_weight(1.0, False, params), READY,
+                                       ("stale",) if n in stale_backends else (), fac[n], by_name[n],
+                                       ages[n])
+            states[n] = BackendState(1.0, False, first_seen[n])
+    else:
+        reasons = {n: drain_reasons(by_name[n], _was_drained(prev, n), params) for n in names}
+        drained = {n for n in names if reasons[n]}
+        if drained and len(drained) == len(names):  # never drain the whole fleet: hold it at the floor
+            suppressed = True
+            drained = set()
+        raw = {n: 1.0 / math.prod(fac[n].values()) for n in names if n not in drained}
+        best = max(raw.values())
+        for n in names:
+            if n in drained:
+                results[n] = BackendWeight(n, 0.0, 0.0, 0, DRAIN, reasons[n], fac[n], by_name[n], ages[n])
+                states[n] = BackendState(0.0, True, first_seen[n])
+                continue
+            target = (raw[n] / best) ** params.sharpness
+            old = prev.backends.get(n)
+            if suppressed and reasons[n]:
+                weight = params.floor
+            elif first_update:
+                weight = max(params.floor, target)
+            elif old is None or old.drained:
+                weight = params.floor if params.slow_start else max(params.floor, target)
+            else:
+                weight = damp(old.weight, target, params)
+            results[n] = BackendWeight(n, weight, target, lb_weight(weight, False, params), READY,
+                                       reasons[n] if suppressed else (), fac[n], by_name[n], ages[n],
+                                       drain_suppressed=suppressed and bool(reasons[n]))
+            states[n] = BackendState(weight, False, first_seen[n])
+
+    if stale:  # a sustained condition cannot be verified on stale numbers: hold and restart the timers
+        scale, above, below = ScaleDecision("hold", NAN, "inputs are stale"), NAN, NAN
+    else:
+        # the instance that appeared in this very update already starts the cooldown
+        scale, above, below = scale_decision(inputs, replace(prev, newest_instance_at=newest), params, now)
+    admission, closed = class_admission(results, prev.class_closed, params, stale)
+    published = (tuple((n, results[n].lb_weight, results[n].state) for n in names) + (("stale", stale),)
+                 + tuple(sorted(closed)))
+    version = prev.version + 1 if published != prev.published else prev.version
+    result = WeightsResult(results, version, now, stale, stale_backends, suppressed,
+                           class_priorities(inputs, params), scale, params.interval_s, admission)
+    state = EngineState(states, version, published, above, below, newest, stale, closed)
+    return result, state
+
+
+def _was_drained(state: EngineState, name: str) -> bool:
+    old = state.backends.get(name)
+    return bool(old and old.drained)

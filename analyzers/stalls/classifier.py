@@ -1,0 +1,120 @@
+"""``diagnose_stalls``: gather each GPU / rank's data in a range, measure every window, classify it."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from triscope.analyzers.nccl_crossrank import flight_recorder_check, stragglers
+from triscope.analyzers.stalls import readers
+from triscope.analyzers.stalls.config import stall_config
+from triscope.analyzers.stalls.metrics import Unit, unit_windows, window_metrics
+from triscope.analyzers.stalls.report import StallReport, Window
+from triscope.analyzers.stalls.rules import classify_window
+from triscope.errors import InputError
+from triscope.store.base import Store
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``90s``, ``10m``, ``2h``, ``1d`` or a bare number of seconds."""
+    units = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+    t = text.strip().lower()
+    for suffix in ("ms", "s", "m", "h", "d"):
+        if t.endswith(suffix):
+            number, scale = t[: -len(suffix)], units[suffix]
+            break
+    else:
+        number, scale = t, 1.0
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise InputError(f"not a duration: {text!r} (use e.g. 30s, 10m, 2h)") from None
+    if value <= 0 or not math.isfinite(value):
+        raise InputError(f"duration must be positive: {text!r}")
+    return value
+
+
+class _Units(dict[tuple[str, str], Unit]):
+    """Units by (host, device), created on first use."""
+
+    def get_unit(self, host: str, gpu: int, rank: int | None = None) -> Unit:
+        device = f"gpu{gpu}" if gpu >= 0 else f"cpu-rank{rank}"
+        if (host, device) not in self:
+            self[(host, device)] = Unit(host, device, gpu)
+        return self[(host, device)]
+
+
+def _gather(store: Store, start_ns: int, end_ns: int, max_events: int, host_set: set[str], gpu_set: set[int],
+            model: str | None, run_ids: list[str] | None) -> tuple[_Units, bool]:
+    """Units with their samples and trace intervals; whether a model filter applies."""
+    units = _Units()
+    model_gpus = readers.model_gpus(store, model, start_ns, end_ns) if model else None
+    for host, gpu, gpu_model, ts, *ratios in readers.samples(store, start_ns, end_ns):
+        if model_gpus is not None and not ((host, str(gpu)) in model_gpus or (host, "") in model_gpus
+                                           or str(model).lower() in str(gpu_model).lower()):
+            continue
+        sm, dram, l2, util = (float("nan") if v is None else float(v) for v in ratios)
+        units.get_unit(host, int(gpu)).samples.append((int(ts), sm, dram, l2, util))
+    for part in readers.trace_parts(store, start_ns, end_ns, run_ids):
+        if host_set and part["host"] not in host_set:
+            continue
+        if gpu_set and part["device"] not in gpu_set:
+            continue
+        if model_gpus is not None and not ({(part["host"], str(part["device"])), (part["host"], "")} & model_gpus):
+            continue
+        part["iv"] = readers.trace_intervals(store, part, start_ns, end_ns, max_events)
+        u = units.get_unit(part["host"], part["device"], part["rank"])
+        u.traces.append(part)
+        u.ranks.add(part["rank"])
+        u.runs.add(part["run_id"])
+    return units, model_gpus is not None
+
+
+def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, Any],
+                    hosts: Iterable[str] | None = None, gpus: Iterable[int] | None = None,
+                    model: str | None = None, run_ids: list[str] | None = None, by: str = "window") -> StallReport:
+    """Classify every window (or profiler step) of every GPU/rank with data in [start_ns, end_ns)."""
+    cfg = stall_config(config)
+    if end_ns <= start_ns:
+        raise InputError("the time range is empty (--until is before --since)")
+    w_ns = int(round(cfg.window_ms * 1e6))
+    host_set = set(hosts or [])
+    gpu_set = {int(g) for g in gpus or []}
+    units, by_model = _gather(store, start_ns, end_ns, cfg.max_trace_events, host_set, gpu_set, model, run_ids)
+    io_by_host: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+    for row in readers.io_rows(store, start_ns, end_ns):
+        io_by_host[row[0]].append(row)
+    queue_by_host: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for host, ts, q in readers.serving_queue(store, start_ns, end_ns):
+        queue_by_host[host].append((int(ts), float(q)))
+    if not run_ids:
+        for host in io_by_host:  # a host with block-IO data but no GPU data still gets its IO verdicts
+            if not any(u.host == host for u in units.values()) and (not gpu_set and not by_model):
+                u = Unit(host, "host", -1)
+                u.samples = sorted((int((r[3] + r[4]) // 2), math.nan, math.nan, math.nan, math.nan)
+                                   for r in io_by_host[host])
+                units[(host, "host")] = u
+    report = StallReport(start_ns, end_ns, float(cfg.window_ms), by, cfg)
+    for (host, _device), unit in sorted(units.items()):
+        if host_set and host not in host_set:
+            continue
+        if gpu_set and unit.gpu not in gpu_set:
+            continue
+        intervals = unit_windows(unit, start_ns, end_ns, w_ns, by)
+        if not intervals:
+            continue
+        metrics = window_metrics(unit, intervals, io_by_host.get(host, []), queue_by_host.get(host, []), cfg)
+        for (a, b, kind, label), m in zip(intervals, metrics, strict=True):
+            verdict, matched, evidence, severity = classify_window(m, cfg)
+            report.windows.append(Window(unit.key, host, unit.device, a, b, kind, label, m, verdict, matched,
+                                         evidence, severity))
+    traced_runs = sorted({r for u in units.values() for r in u.runs}) or run_ids
+    strag = stragglers(store, run_ids=traced_runs, start_ns=None if run_ids else start_ns,
+                       end_ns=None if run_ids else end_ns, min_lateness_seconds=cfg.straggler_min_lateness_seconds,
+                       hosts=sorted(host_set) or None)
+    report.stragglers = strag.to_json()
+    report.flight_recorder = flight_recorder_check(store, run_ids, None if run_ids else start_ns,
+                                                   None if run_ids else end_ns)
+    return report

@@ -1,0 +1,143 @@
+"""Per-window metrics of one GPU / rank: the windows (or profiler steps) it has data in, and what each measured."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from triscope.analyzers.intervals import coverage
+from triscope.analyzers.stalls.config import StallsConfig
+
+Sample = tuple[int, float, float, float, float]
+"""(ts_ns, sm_active, dram_active, l2_bandwidth, gpu_util) ratios; NaN where not reported."""
+Interval = tuple[int, int, str, str]
+"""(start_ns, end_ns, kind, label) of one window or profiler step."""
+
+
+@dataclass
+class Unit:
+    """One GPU (or CPU-only rank, or IO-only host) and the data it has in the range."""
+
+    host: str
+    device: str
+    gpu: int
+    ranks: set[int] = field(default_factory=set)
+    runs: set[str] = field(default_factory=set)
+    samples: list[Sample] = field(default_factory=list)
+    traces: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.host or '?'}/{self.device}"
+
+
+def window_grid(start_ns: int, end_ns: int, w_ns: int) -> tuple[np.ndarray, np.ndarray]:
+    """Windows aligned to multiples of ``w_ns``, clipped to the range."""
+    starts = np.arange(start_ns - start_ns % w_ns, end_ns, w_ns, dtype=np.int64)
+    return np.maximum(starts, start_ns), np.minimum(starts + w_ns, end_ns)
+
+
+def mean_in(ts: np.ndarray, values: np.ndarray, w_start: np.ndarray,
+            w_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mean of finite values, sample count) per window for samples at ``ts`` (sorted)."""
+    lo = np.searchsorted(ts, w_start, side="left")
+    hi = np.searchsorted(ts, w_end, side="left")
+    finite = np.isfinite(values)
+    csum = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
+    ccount = np.concatenate([[0], np.cumsum(finite)])
+    n = ccount[hi] - ccount[lo]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(n > 0, (csum[hi] - csum[lo]) / np.maximum(n, 1), np.nan)
+    return mean, hi - lo
+
+
+def unit_windows(unit: Unit, start_ns: int, end_ns: int, w_ns: int, by: str) -> list[Interval]:
+    """(start, end, kind, label) intervals of the unit that hold data."""
+    if by == "step":
+        steps = [(int(s), int(e), str(n)) for t in unit.traces for s, e, n in zip(*t["iv"]["steps"], strict=True)]
+        if steps:
+            return [(max(s, start_ns), min(e, end_ns), "step", n) for s, e, n in sorted(steps)]
+    ws, we = window_grid(start_ns, end_ns, w_ns)
+    keep = np.zeros(len(ws), dtype=bool)
+    if unit.samples:
+        ts = np.array([s[0] for s in unit.samples], dtype=np.int64)
+        keep |= np.searchsorted(ts, we, side="left") > np.searchsorted(ts, ws, side="left")
+    for t in unit.traces:
+        keep |= (ws < t["hi"]) & (we > t["lo"])
+    return [(int(a), int(b), "window", "") for a, b, k in zip(ws, we, keep, strict=True) if k]
+
+
+def _num(v: Any) -> float:
+    return float("nan") if v is None else float(v)
+
+
+def window_metrics(unit: Unit, iv: list[Interval], io_rows: list[tuple[Any, ...]],
+                   queue_rows: list[tuple[int, float]], cfg: StallsConfig) -> list[dict[str, float]]:
+    """What each interval measured: sample means, traced busy shares, the worst IO device, the serving queue."""
+    n = len(iv)
+    ws = np.array([i[0] for i in iv], dtype=np.int64)
+    we = np.array([i[1] for i in iv], dtype=np.int64)
+    out: list[dict[str, float]] = [{} for _ in range(n)]
+    if unit.samples:
+        arr = np.array(unit.samples, dtype=np.float64)
+        ts = np.array([s[0] for s in unit.samples], dtype=np.int64)
+        sm, count = mean_in(ts, arr[:, 1], ws, we)
+        dram, _ = mean_in(ts, arr[:, 2], ws, we)
+        l2, _ = mean_in(ts, arr[:, 3], ws, we)
+        util, _ = mean_in(ts, arr[:, 4], ws, we)
+        for i in range(n):
+            if count[i]:
+                out[i].update(sm_active_ratio=sm[i], dram_active_ratio=dram[i], l2_bandwidth_ratio=l2[i],
+                              gpu_util_ratio=util[i], samples=float(count[i]),
+                              gpu_activity_ratio=sm[i] if math.isfinite(sm[i]) else util[i])
+    if unit.traces:
+        _trace_shares(unit, ws, we, out)
+    if io_rows:
+        rows = [(int(a), int(b), str(device), _num(p99), _num(qd)) for _h, device, _op, a, b, p99, qd in io_rows]
+        for i in range(n):
+            cands = []
+            for a, b, device, p99, qd in rows:
+                if a < we[i] and b > ws[i]:
+                    ok = p99 > cfg.io_read_p99_min_seconds and qd > cfg.io_queue_depth_min
+                    cands.append((ok, p99 if math.isfinite(p99) else -1.0, p99, qd, device))
+            if cands:
+                ok, _, p99, qd, device = max(cands, key=lambda c: (c[0], c[1]))
+                out[i].update(io_read_p99_seconds=p99, io_queue_depth=qd, io_met=float(ok))
+                out[i]["io_device"] = device  # type: ignore[assignment]
+    if queue_rows:
+        qts = np.array([q[0] for q in queue_rows], dtype=np.int64)
+        qv = np.array([q[1] for q in queue_rows], dtype=np.float64)
+        qmean, qn = mean_in(qts, qv, ws, we)
+        for i in range(n):
+            if qn[i]:
+                out[i]["serving_queue_length"] = qmean[i]
+    return out
+
+
+def _trace_shares(unit: Unit, ws: np.ndarray, we: np.ndarray, out: list[dict[str, float]]) -> None:
+    """Busy shares of the traced part of each window (the denominator), per class of trace work."""
+    n = len(ws)
+    classes = ("gpu", "gpu_compute", "comm", "host")
+    spans = np.zeros(n, dtype=np.int64)
+    sums: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(n, dtype=np.int64))
+    has_gpu = any(t["iv"]["has_gpu"] for t in unit.traces)
+    for t in unit.traces:
+        spans += coverage([t["lo"]], [t["hi"]], ws, we)
+        for key in classes:
+            starts, ends = t["iv"][key]
+            sums[key] += coverage(starts, ends, ws, we)
+    for i in range(n):
+        if spans[i] <= 0:
+            continue
+        span = float(spans[i])
+        shares = {k: sums[k][i] / span for k in classes}
+        device = shares["gpu"] if has_gpu else shares["host"]
+        compute = shares["gpu_compute"] if has_gpu else shares["host"]
+        out[i].update(comm_share=shares["comm"], host_busy_share=shares["host"], traced_seconds=span / 1e9,
+                      trace_compute_share=compute, device_busy_share=device, has_gpu=float(has_gpu))
+        if has_gpu:
+            out[i]["gpu_busy_share"] = shares["gpu"]

@@ -1,0 +1,155 @@
+"""The weight feed's HTTP server: routes, bounded request bodies, one-line JSON errors.
+
+Routes: ``GET /v1/weights``, ``GET /metrics``, ``GET /healthz`` and one per LB format of
+:data:`~triscope.exporters.formats.FORMATS`. Request bodies over ``max_body_bytes`` get 413 before
+anything is read; chunked bodies get 411.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import TYPE_CHECKING, Any
+
+from triscope.exporters._servers import BoundedThreadingMixIn
+from triscope.exporters.formats import FORMATS
+
+if TYPE_CHECKING:
+    from triscope.exporters.feed import Response, WeightFeed
+
+log = logging.getLogger(__name__)
+
+JSON_TYPE = "application/json"
+
+
+def json_error(message: str) -> bytes:
+    """``{"error": message}`` on one line."""
+    return json.dumps({"error": message}).encode() + b"\n"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def route(feed: WeightFeed, method: str, path: str, body: bytes) -> Response:
+    """The response of ``feed`` to ``method path`` with request ``body``."""
+    if path == "/v1/weights":
+        handler = feed.weights_response if method == "GET" else None
+    elif path == "/metrics":
+        handler = feed.metrics_response if method == "GET" else None
+    elif path == "/healthz":
+        handler = feed.health_response if method == "GET" else None
+    else:
+        name = next((n for n, f in FORMATS.items() if f.path == path), None)
+        if name is None:
+            return 404, JSON_TYPE, json_error(f"no such endpoint {path}")
+        if method != FORMATS[name].method:
+            return 405, JSON_TYPE, json_error(f"{method} not allowed on {path}")
+        return feed.format_response(name, body)
+    if handler is None:
+        return 405, JSON_TYPE, json_error(f"{method} not allowed on {path}")
+    return handler()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "triscope-feed"
+    timeout = 10.0
+    disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms delayed-ACK stall
+    server: _Server
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        pass  # per-request access logs cost more than the request itself at feed rates
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _send(self, status: int, ctype: str, body: bytes, close: bool = False) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _body(self) -> bytes | None:
+        """The request body, or None after an error response (411/413/400)."""
+        raw = self.headers.get("Content-Length")
+        if self.headers.get("Transfer-Encoding", "").lower() not in ("", "identity"):
+            self._send(411, JSON_TYPE, json_error("chunked bodies are not accepted; send Content-Length"), close=True)
+            return None
+        if raw is None:
+            return b""
+        try:
+            length = int(raw)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self._send(400, JSON_TYPE, json_error(f"bad Content-Length {raw!r}"), close=True)
+            return None
+        limit = self.server.feed.max_body_bytes
+        if length > limit:
+            self._send(413, JSON_TYPE, json_error(f"request body of {length} bytes exceeds max_body_bytes {limit}"),
+                       close=True)
+            return None
+        return self.rfile.read(length) if length else b""
+
+    def _route(self, method: str) -> None:
+        body = self._body()
+        if body is None:
+            return
+        path = self.path.split("?", 1)[0]
+        try:
+            out = route(self.server.feed, method, path, body)
+        except Exception as exc:
+            log.warning("feed %s %s failed: %s", method, path, _one_line(exc))
+            out = (500, JSON_TYPE, json_error(_one_line(exc)))
+        self._send(*out)
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_HEAD(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+
+class _Server(BoundedThreadingMixIn, HTTPServer):
+    allow_reuse_address = True
+    request_queue_size = 128
+    feed: WeightFeed
+
+
+class FeedHTTPServer:
+    """The feed's HTTP listener on ``bind:port`` (0 = ephemeral), at most ``max_connections`` at once."""
+
+    def __init__(self, feed: WeightFeed, bind: str, port: int, max_connections: int) -> None:
+        self._server = _Server((bind, port), _Handler)
+        self._server.max_connections = max_connections
+        self._server.feed = feed
+        self.port = int(self._server.server_address[1])
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> FeedHTTPServer:
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="triscope-feed-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            with contextlib.suppress(Exception):
+                self._server.shutdown()
+            self._thread.join(timeout=2.0)
+            self._thread = None
+        self._server.server_close()
