@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from triscope.analyzers.heatmap import HeatmapSpec, summary_query, tensor_query
-from triscope.schema import qualified
+from triscope.schema import GPU_SAMPLES, REQUESTS, qualified
 from triscope.store import Store, open_store
 
 BACKENDS = 8
@@ -45,7 +45,7 @@ def generate(store: Store, n_requests: int, spec: HeatmapSpec) -> tuple[int, int
     windows = int(n_requests / (BACKENDS * MEAN_PER_WINDOW) * 1.15) + 1
     params = {"t0": T0_NS, "wns": wns, "windows": windows, "n": n_requests, "nb": BACKENDS}
     store.command(f"""
-INSERT INTO {qualified(store, 'requests')}
+INSERT INTO {qualified(store, REQUESTS)}
   (ts, host, backend, gpu, model, modality, request_class, request_id, span_name,
    latency_seconds, ttft_seconds, prompt_tokens, completion_tokens, status)
 SELECT
@@ -72,7 +72,7 @@ ARRAY JOIN range(n) AS j, arrayMap(x -> cityHash64(w, b, x, 4) % 100, range(n)) 
 LIMIT {{n:UInt64}}
 """, params)
     store.command(f"""
-INSERT INTO {qualified(store, 'gpu_samples')} (ts, host, gpu, gpu_uuid, source, memory_used_bytes,
+INSERT INTO {qualified(store, GPU_SAMPLES)} (ts, host, gpu, gpu_uuid, source, memory_used_bytes,
   memory_total_bytes, state)
 SELECT fromUnixTimestamp64Nano(toInt64({{t0:Int64}} + w * {{wns:Int64}} + cityHash64(w, b, 9) % {{wns:Int64}})),
   concat('node-', toString(intDiv(b, 4))), toUInt16(b % 4), concat('GPU-', toString(b)), 'nvml',
@@ -90,11 +90,11 @@ def numpy_heatmap(store: Store, spec: HeatmapSpec, start_ns: int, end_ns: int) -
     p = {"t0": start_ns, "t1": end_ns}
     req = store.query_columns(
         f"SELECT backend, host, gpu, toUnixTimestamp64Nano(ts) AS ts_ns, latency_seconds "
-        f"FROM {qualified(store, 'requests')} "
+        f"FROM {qualified(store, REQUESTS)} "
         "WHERE ts >= fromUnixTimestamp64Nano({t0:Int64}) AND ts < fromUnixTimestamp64Nano({t1:Int64})", p)
     gpu = store.query_columns(
         f"SELECT host, toString(gpu) AS gidx, gpu_uuid, toUnixTimestamp64Nano(ts) AS ts_ns, memory_used_bytes "
-        f"FROM {qualified(store, 'gpu_samples')} "
+        f"FROM {qualified(store, GPU_SAMPLES)} "
         "WHERE ts < fromUnixTimestamp64Nano({t1:Int64}) AND isFinite(memory_used_bytes)", p)
     load_s = time.perf_counter() - t
     tensor = numpy_tensor(spec, req, gpu)
@@ -180,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     spec = HeatmapSpec()
     store = open_store({"store": {"backend": "embedded", "path": path, "database": "bench_heatmap"}})
     try:
-        store.command(f"TRUNCATE TABLE {qualified(store, 'requests')}")
-        store.command(f"TRUNCATE TABLE {qualified(store, 'gpu_samples')}")
+        store.command(f"TRUNCATE TABLE {qualified(store, REQUESTS)}")
+        store.command(f"TRUNCATE TABLE {qualified(store, GPU_SAMPLES)}")
         t = time.perf_counter()
         start, end = generate(store, args.requests, spec)
-        store.command(f"OPTIMIZE TABLE {qualified(store, 'requests')} FINAL")
-        n = store.query(f"SELECT count() FROM {qualified(store, 'requests')}").scalar()
-        g = store.query(f"SELECT count() FROM {qualified(store, 'gpu_samples')}").scalar()
+        store.command(f"OPTIMIZE TABLE {qualified(store, REQUESTS)} FINAL")
+        n = store.query(f"SELECT count() FROM {qualified(store, REQUESTS)}").scalar()
+        g = store.query(f"SELECT count() FROM {qualified(store, GPU_SAMPLES)}").scalar()
         print(f"generated {int(n):,} requests and {int(g):,} GPU samples over {(end - start) / 1e9:,.0f} s "
               f"in {time.perf_counter() - t:.1f}s")
         sql_times, sql_cpu, np_times, np_loads, np_cpu = [], [], [], [], []

@@ -22,7 +22,7 @@ import numpy as np
 
 from triscope.analyzers.stalls import diagnose_stalls
 from triscope.collectors.nccl.common import ns_text
-from triscope.schema import qualified
+from triscope.schema import GPU_SAMPLES, IO_LATENCY, TRACE_EVENTS, TRACE_RUNS, qualified
 from triscope.store import open_store
 
 MS = 1_000_000
@@ -41,10 +41,10 @@ def seed(store, ranks: int, events: int, seconds: float, t0: int, rng: np.random
         # one second in five is communication-bound on this rank
         comm |= ((starts // 1_000_000_000) % 5 == rank % 5) & (rng.random(events) < 0.95)
         n = events
-        store.insert(qualified(store, "trace_runs"), {
+        store.insert(qualified(store, TRACE_RUNS), {
             "run_id": ["bench"], "rank": [rank], "host": [f"node{rank // 8}"], "base_time_ns": [t0],
             "time_base": ["relative"], "status": ["complete"], "ingested_at": [time.time()]})
-        store.insert(qualified(store, "trace_events"), {
+        store.insert(qualified(store, TRACE_EVENTS), {
             "run_id": ["bench"] * n, "rank": [rank] * n, "kind": ["kernel"] * n,
             "kernel_class": np.where(comm, "comm", "compute").tolist(),
             "name": np.where(comm, "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "sm90_gemm").tolist(),
@@ -52,13 +52,13 @@ def seed(store, ranks: int, events: int, seconds: float, t0: int, rng: np.random
             "category": ["kernel"] * n, "pid": ["0"] * n, "tid": ["7"] * n})
         ts = np.arange(0, span, 100 * MS)
         m = len(ts)
-        store.insert(qualified(store, "gpu_samples"), {
+        store.insert(qualified(store, GPU_SAMPLES), {
             "ts": [ns_text(t0 + t) for t in ts], "host": [f"node{rank // 8}"] * m, "gpu": [rank % 8] * m,
             "sm_active_ratio": rng.uniform(0.5, 1.0, m).tolist(), "dram_active_ratio": rng.uniform(0, 0.8, m).tolist(),
             "l2_bandwidth_ratio": rng.uniform(0, 0.8, m).tolist(), "gpu_util_ratio": [1.0] * m})
     secs = np.arange(0, int(seconds))
     k = len(secs)
-    store.insert(qualified(store, "io_latency"), {
+    store.insert(qualified(store, IO_LATENCY), {
         "ts": [ns_text(t0 + int(s) * 10**9) for s in secs], "host": ["node0"] * k, "device": ["nvme0n1"] * k,
         "source": ["bpftrace"] * k, "op": ["read"] * k, "window_seconds": [1.0] * k,
         "p99_seconds": rng.uniform(0.0005, 0.003, k).tolist(), "queue_depth": rng.uniform(1, 128, k).tolist()})
@@ -66,7 +66,7 @@ def seed(store, ranks: int, events: int, seconds: float, t0: int, rng: np.random
 
 def baseline(store, ranks: int, t0: int, seconds: float) -> tuple[float, dict[tuple[int, int], float]]:
     """Per (rank, window) comm share with plain Python; returns (seconds, shares)."""
-    rows = store.query(f"SELECT rank, kernel_class, ts_ns, ts_ns + dur_ns FROM {qualified(store, 'trace_events')} "
+    rows = store.query(f"SELECT rank, kernel_class, ts_ns, ts_ns + dur_ns FROM {qualified(store, TRACE_EVENTS)} "
                        "WHERE run_id = 'bench' ORDER BY rank, ts_ns").rows
     started = time.perf_counter()
     per_rank: dict[int, list[tuple[int, int, str]]] = {}

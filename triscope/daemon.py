@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triscope.collector_loop import CollectorLoop
-from triscope.component import Collector, ComponentConfig, Context, Exporter, Factory, non_negative, positive
-from triscope.errors import ConfigError, StoreError, TriscopeError
+from triscope.component import Collector, ComponentConfig, Context, Exporter, Factory, Rows, non_negative, positive
+from triscope.errors import ConfigError, SpoolUnavailable, StoreError, TriscopeError
 from triscope.registry import COLLECTORS, EXPORTERS, resolve
 from triscope.store.base import Store
-from triscope.writer import Writer
+from triscope.writer import Writer, WriterConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,12 @@ class Daemon:
     """The collectors, writer and exporters of one ``triscope run``."""
 
     def __init__(self, config: dict[str, Any], store_opener: Callable[[], Store] | None = None) -> None:
-        from triscope.store import open_store
+        from triscope.store import StoreConfig, open_store
 
         self.config = config
         self.run_cfg = RunConfig.from_config(config)
+        StoreConfig.from_config(config)  # checked here so no mistake waits for the first insert
+        self.writer_cfg = WriterConfig.from_config(config)
         self.opener: Callable[[], Store] = store_opener or (lambda: open_store(config))
         if not self.run_cfg.collectors:
             raise ConfigError(f"[run] collectors is empty; name some of: {', '.join(sorted(COLLECTORS))}")
@@ -79,8 +81,19 @@ class Daemon:
         self.started: list[str] = []
         self.failed: dict[str, str] = {}
 
+    def _submit(self, table: str, columns: Rows) -> int:
+        if self.writer is None:
+            raise SpoolUnavailable("the writer is not open yet")
+        return self.writer.submit(table, columns)
+
     def start(self) -> None:
-        """Open the writer, start collectors (a failing one is reported and skipped) and exporters."""
+        """Build every component (a config mistake raises ConfigError before anything is opened),
+        open the writer, start collectors (a failing one is reported and skipped) and exporters."""
+        context = Context(open_store=self.opener, submit=self._submit, stats=self.stats)
+        collectors = [(spec, _build(spec, factory, self.config, context, Collector))
+                      for spec, factory in self.collector_factories]
+        exporters = [_build(spec, factory, self.config, context, Exporter)
+                     for spec, factory in self.exporter_factories]
         opened: list[Store] = []
         try:  # open now so a bad [store] section fails fast; an unreachable server is retried later
             opened.append(self.opener())
@@ -92,15 +105,6 @@ class Daemon:
 
         self.writer = Writer.from_config(self.config, connect)
         self.writer.start()
-        context = Context(open_store=self.opener, submit=self.writer.submit, stats=self.stats)
-        try:  # every section is checked before anything starts: a config mistake is exit 2, one line
-            collectors = [(spec, _build(spec, factory, self.config, context, Collector))
-                          for spec, factory in self.collector_factories]
-            exporters = [_build(spec, factory, self.config, context, Exporter)
-                         for spec, factory in self.exporter_factories]
-        except ConfigError:
-            self.writer.close(timeout_s=1.0)
-            raise
         for spec, collector in collectors:
             try:
                 collector.start()

@@ -11,6 +11,8 @@ from triscope.analyzers.routing.config import NAN, WeightParams
 
 READY = "ready"
 DRAIN = "drain"
+SOURCE_GPU, SOURCE_SERVING, SOURCE_REQUESTS = "gpu", "serving", "requests"
+"""Keys of :attr:`BackendInputs.sources`: GPU samples, serving-metrics scrapes, request spans."""
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,10 @@ class BackendInputs:
 
     def updated_at(self) -> float:
         """Oldest of the latest GPU / serving samples (newest requests row when neither); NaN if none."""
-        primary = [self.sources[s] for s in ("gpu", "serving") if math.isfinite(self.sources.get(s, NAN))]
+        primary = [self.sources[s] for s in (SOURCE_GPU, SOURCE_SERVING) if math.isfinite(self.sources.get(s, NAN))]
         if primary:
             return min(primary)
-        return self.sources.get("requests", NAN)
+        return self.sources.get(SOURCE_REQUESTS, NAN)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 from triscope.analyzers.routing.config import NAN, WeightParams
-from triscope.analyzers.routing.model import BackendInputs
+from triscope.analyzers.routing.model import SOURCE_GPU, SOURCE_REQUESTS, SOURCE_SERVING, BackendInputs
 from triscope.schema import GPU_SAMPLES, REQUESTS, SERVING_METRICS, qualified
 from triscope.store.base import Store
 
@@ -143,20 +143,20 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
             worst = max(measured, key=lambda s: s["used"] / s["total"])
             used, total = worst["used"], worst["total"]
         if samples:
-            sources["gpu"] = min(s["last"] for s in samples)
+            sources[SOURCE_GPU] = min(s["last"] for s in samples)
         srv = serving.get(name)
         kv = NAN
         p99 = dict(p99_req.get(name, {}))
         qps = qps_req.get(name, NAN)
         if srv is not None:
-            sources["serving"] = srv["last"]
+            sources[SOURCE_SERVING] = srv["last"]
             kv = srv["kv"]
             if not p99 and math.isfinite(srv["p99"]):
                 p99[params.default_class] = srv["p99"]
             if not math.isfinite(qps):
                 qps = srv["qps"]
         if name in last_req:
-            sources["requests"] = last_req[name]
+            sources[SOURCE_REQUESTS] = last_req[name]
         out.append(BackendInputs(name, memory_used_bytes=used, memory_total_bytes=total, kv_cache_usage_ratio=kv,
                                  qps=qps, capacity_qps=cfg.capacity_qps if cfg and cfg.capacity_qps > 0 else NAN,
                                  p99_seconds=p99, healthy=healthy, sources=sources,

@@ -212,21 +212,21 @@ class _TraceParser:
                 return
         # No clean split: decode event by event; the array ends where decoding stops at "]".
         events, rest, invalid = self._decode_slow(buf)
-        metadata = None
+        tail: Any = None
         if invalid is None and rest.lstrip().startswith(b"]"):
             try:
-                metadata = json.loads(head + b'"traceEvents": []' + rest.lstrip()[1:])
+                tail = json.loads(head + b'"traceEvents": []' + rest.lstrip()[1:])
             except (json.JSONDecodeError, UnicodeDecodeError):
-                metadata = None
+                tail = None
         if events:
             yield events
         if invalid is not None:
             raise self._kept(invalid, len(events))
-        if not isinstance(metadata, dict):
+        if not isinstance(tail, dict):
             raise self._kept(InputError(f"{self.name}: trace is truncated or corrupt after byte "
                                         f"{self.consumed + len(buf) - len(rest)}"), len(events))
-        metadata.pop("traceEvents", None)
-        self.header.metadata = metadata
+        tail.pop("traceEvents", None)
+        self.header.metadata = tail
 
     def _put_back_if_refused(self, pending: tuple[Future[bytes | None], int, bytes], buf: bytes) -> bytes | None:
         """Wait for the block in flight: None when the sink took it, else ``buf`` with that block's

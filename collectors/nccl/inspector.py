@@ -43,7 +43,7 @@ def _jsonl_row(record: dict[str, Any], run_id: str) -> dict[str, Any] | None:
     nranks = int(header.get("n_ranks", -1))
     trace_ts = perf.get("event_trace_ts") or {}
     start_us = trace_ts.get("coll_start_ts") if isinstance(trace_ts, dict) else None
-    ts_us = start_us if start_us is not None else meta.get("dump_timestamp_us", 0)
+    ts_us: Any = start_us if start_us is not None else meta.get("dump_timestamp_us", 0)
     duration = _float(perf.get("coll_exec_time_us", perf.get("p2p_exec_time_us"))) / 1e6
     busbw = _float(perf.get("coll_busbw_gbs", perf.get("p2p_busbw_gbs"))) * _GB
     algbw = _float(perf.get("coll_algobw_gbs", perf.get("p2p_algobw_gbs"))) * _GB
@@ -53,10 +53,11 @@ def _jsonl_row(record: dict[str, Any], run_id: str) -> dict[str, Any] | None:
     # Inspector gives the per-rank buffer of AllGather/ReduceScatter (its algbw uses n x that);
     # nccl_ops holds nccl-tests' "size", the full buffer.
     msg_bytes = raw_bytes * nranks if collective in _PER_RANK_SIZE and nranks > 0 else raw_bytes
+    seq: Any = perf.get("coll_sn", perf.get("p2p_sn", -1))
     return new_row(
         ts=ns_text(int(ts_us) * 1000), host=str(meta.get("hostname", "")), run_id=run_id,
         rank=int(header.get("rank", -1)), source="inspector", backend="nccl", comm_id=str(header.get("id", "")),
-        collective=collective, op_name=name, seq=int(perf.get("coll_sn", perf.get("p2p_sn", -1))), is_p2p=p2p,
+        collective=collective, op_name=name, seq=int(seq), is_p2p=p2p,
         nranks=nranks, msg_bytes=msg_bytes,
         duration_seconds=duration, algbw_bytes_per_second=algbw, busbw_bytes_per_second=busbw, state="completed",
         detail_json={"format_version": meta.get("inspector_output_format_version"), "pid": meta.get("pid"),

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from triscope.errors import StoreError
+from triscope.errors import ConfigError, StoreError
 from triscope.store.base import Result, Store
 
 _process_path: str | None = None
@@ -96,13 +96,16 @@ class EmbeddedStore(Store):
         self.path = str(Path(path).resolve())
         self.database = database
         self.cluster = cluster
+        try:
+            Path(self.path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"store path {self.path} cannot be a data directory: {exc.strerror or exc}") from None
         with _process_lock:
             if _process_path not in (None, self.path):
                 raise StoreError(
                     f"this process already opened the embedded store at {_process_path}; "
                     f"chDB allows one data path per process (asked for {self.path})"
                 )
-            Path(self.path).mkdir(parents=True, exist_ok=True)
             # Held while the store is open: the flock keeps a second process off this data path.
             lock = open(Path(self.path) / ".triscope.lock", "a+")  # noqa: SIM115
             self._lock_file: IO[str] | None = lock

@@ -1,0 +1,87 @@
+"""Configuration mistakes are one line and exit 2, before anything is opened or bound.
+
+Each case is a mistake a user made (issue 23): wrong types, out-of-range values, unknown keys,
+unreadable files, a factory that is not a component. ``triscope run`` must refuse all of them
+at start with a one-line message naming the key, never a traceback and never silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from triscope.cli import main
+from triscope.config import load_config
+from triscope.daemon import Daemon
+from triscope.errors import ConfigError
+
+BASE = '[run]\ncollectors = ["blockio_diskstats"]\n[store]\npath = "{store}"\n[writer]\nspool_dir = "{spool}"\n'
+
+MISTAKES = {
+    "[run] interval as text": ('[blockio]\ninterval_s = "fast"\n', "interval_s"),
+    "[run] absurd interval": ("[blockio]\ninterval_s = 1e99\n", "interval_s"),
+    "[writer] negative spool cap": ("[writer]\nspool_max_bytes = -1\n", "spool_max_bytes"),
+    "[store] database with a space": ('[store]\ndatabase = "a b"\n', "database"),
+    "[store] empty path": ('[store]\npath = ""\n', "path"),
+    "[writer] unknown key": ("[writer]\nbatch_rowz = 5\n", "batch_rowz"),
+    "[run] unknown key": ("[run]\nstatus_intervl_s = 5\n", "status_intervl_s"),
+    "[run] a factory that is not a component": ('[run]\ncollectors = ["os:system"]\n', "os:system"),
+    "[run] an unknown collector": ('[run]\ncollectors = ["nope"]\n', "nope"),
+    "[blockio] unknown key": ("[blockio]\nformatt = 'json'\n", "formatt"),
+}
+
+
+def _config_text(tmp_path: Path, extra: str) -> str:
+    base = BASE.format(store=tmp_path / "store", spool=tmp_path / "spool")
+    # a later [section] header would repeat a table: merge by letting TOML dotted keys override
+    sections: dict[str, list[str]] = {}
+    current = ""
+    for line in (base + extra).splitlines():
+        if line.startswith("["):
+            current = line
+            sections.setdefault(current, [])
+        elif line.strip():
+            key = line.split("=")[0].strip()
+            sections[current] = [x for x in sections[current] if x.split("=")[0].strip() != key] + [line]
+    return "\n".join(f"{head}\n" + "\n".join(lines) for head, lines in sections.items()) + "\n"
+
+
+@pytest.mark.parametrize("case", sorted(MISTAKES))
+def test_run_refuses_a_config_mistake_with_one_line(case: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    extra, key = MISTAKES[case]
+    path = tmp_path / "triscope.toml"
+    path.write_text(_config_text(tmp_path, extra))
+    with pytest.raises(ConfigError) as err:
+        Daemon(load_config(path, environ={})).start()
+    message = str(err.value)
+    assert key in message and "\n" not in message
+    assert not (tmp_path / "store").exists() and not (tmp_path / "spool").exists()  # nothing opened
+
+
+def test_unreadable_config_files_are_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"[store]\npath = \"\xff\xfe\"\n")
+    cases = {str(tmp_path): "is a directory", str(binary): "not UTF-8",
+             str(tmp_path / "missing.toml"): "not found"}
+    for config, words in cases.items():
+        code = main(["run", "--config", config])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and err.count("\n") == 1, (config, err)
+
+
+def test_env_override_below_a_scalar_is_one_line(tmp_path: Path) -> None:
+    config = load_config(None, environ={"TRISCOPE_STORE__PATH__X": "1",
+                                        "TRISCOPE_RUN__COLLECTORS": '["blockio_diskstats"]'})
+    with pytest.raises(ConfigError, match=r"\[store\] path must be a string"):
+        Daemon(config)
+
+
+def test_a_store_path_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    from triscope.store.embedded import EmbeddedStore
+
+    file = tmp_path / "not-a-dir"
+    file.write_text("x")
+    with pytest.raises(ConfigError, match="cannot be a data directory"):
+        EmbeddedStore(str(file / "data"))
