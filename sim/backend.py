@@ -220,14 +220,22 @@ class BackgroundBackends:
         return self
 
     def close(self) -> None:
-        if not self._thread.is_alive():
-            return
-        for b in self.backends:
+        if self._thread.is_alive():
             with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(b.close(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
+                asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    async def _shutdown(self) -> None:
+        for b in self.backends:
+            await b.close()
+        # connections still open (a client that never hung up): end their handlers, not leave them pending
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def serve(specs: list[BackendSpec]) -> None:

@@ -212,11 +212,12 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
 
     gpus = {g.name: g for g in SPECS}
     backends = [SimBackend(g.engine()) for g in SPECS]
-    fleet = BackgroundBackends(backends).start()
+    fleet = BackgroundBackends(backends)
     tally = _Sent()
     writer = None
     provider = None
     try:
+        fleet.start()
         with tempfile.TemporaryDirectory(prefix="triscope-demo-spool-") as spool:
             writer = Writer(store, spool, flush_interval_s=0.5, fsync=False)
             writer.start()

@@ -64,7 +64,8 @@ def test_since_finds_a_fresh_job(tmp_path: Path) -> None:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in (0, 1)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     db = tmp_path / "db"
-    assert _cli(db, "ingest", "trace", str(out / "rank0.json"), str(out / "rank1.json"), "--run-id", "fresh").returncode == 0
+    ranks = [str(out / "rank0.json"), str(out / "rank1.json")]
+    assert _cli(db, "ingest", "trace", *ranks, "--run-id", "fresh").returncode == 0
     assert _cli(db, "nccl", "kineto", "fresh").returncode == 0
     res = _cli(db, "diagnose", "--since", "10m", "--json")
     assert res.returncode == 3, res.stderr
