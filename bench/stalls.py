@@ -21,8 +21,7 @@ import time
 import numpy as np
 
 from triscope.analyzers.stalls import diagnose_stalls
-from triscope.collectors.nccl.common import ns_text
-from triscope.schema import GPU_SAMPLES, IO_LATENCY, TRACE_EVENTS, TRACE_RUNS, qualified
+from triscope.schema import GPU_SAMPLES, IO_LATENCY, TRACE_EVENTS, TRACE_RUNS, encode_ts, qualified
 from triscope.store import open_store
 
 MS = 1_000_000
@@ -53,13 +52,13 @@ def seed(store, ranks: int, events: int, seconds: float, t0: int, rng: np.random
         ts = np.arange(0, span, 100 * MS)
         m = len(ts)
         store.insert(qualified(store, GPU_SAMPLES), {
-            "ts": [ns_text(t0 + t) for t in ts], "host": [f"node{rank // 8}"] * m, "gpu": [rank % 8] * m,
+            "ts": [encode_ts(t0 + t) for t in ts], "host": [f"node{rank // 8}"] * m, "gpu": [rank % 8] * m,
             "sm_active_ratio": rng.uniform(0.5, 1.0, m).tolist(), "dram_active_ratio": rng.uniform(0, 0.8, m).tolist(),
             "l2_bandwidth_ratio": rng.uniform(0, 0.8, m).tolist(), "gpu_util_ratio": [1.0] * m})
     secs = np.arange(0, int(seconds))
     k = len(secs)
     store.insert(qualified(store, IO_LATENCY), {
-        "ts": [ns_text(t0 + int(s) * 10**9) for s in secs], "host": ["node0"] * k, "device": ["nvme0n1"] * k,
+        "ts": [encode_ts(t0 + int(s) * 10**9) for s in secs], "host": ["node0"] * k, "device": ["nvme0n1"] * k,
         "source": ["bpftrace"] * k, "op": ["read"] * k, "window_seconds": [1.0] * k,
         "p99_seconds": rng.uniform(0.0005, 0.003, k).tolist(), "queue_depth": rng.uniform(1, 128, k).tolist()})
 

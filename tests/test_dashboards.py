@@ -25,12 +25,11 @@ import pytest
 import yaml
 from conftest import REPO, free_port, fresh_database, require_binary
 
-from triscope.collectors.nccl.common import ns_text
 from triscope.dashboards import macros
 from triscope.dashboards.boards import all_boards
 from triscope.dashboards.generate import DEFAULT_OUT, expected_files, stale_files, write
 from triscope.dashboards.macros import ALL, Context, MacroError, Var, expand
-from triscope.schema import qualified
+from triscope.schema import encode_ts, qualified
 
 T0_S = 1_767_225_600  # 2026-01-01T00:00:00Z
 T0 = T0_S * 1_000_000_000
@@ -49,7 +48,7 @@ MODALITIES = {"realtime_speech": "speech", "interactive_image_text": "image", "o
 def _ins(store, table: str, rows: list[dict[str, Any]]) -> None:
     cols = {k: [r[k] for r in rows] for k in rows[0]}
     if "ts" in cols:
-        cols["ts"] = [ns_text(v) for v in cols["ts"]]
+        cols["ts"] = [encode_ts(v) for v in cols["ts"]]
     store.insert(qualified(store, table), cols)
 
 

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 from triscope.analyzers.heatmap import AXES, HeatmapSpec, compute_heatmap, slice_axes
-from triscope.collectors.nccl.common import ns_text
 from triscope.errors import ConfigError, InputError
-from triscope.schema import qualified
+from triscope.schema import encode_ts, qualified
 
 T0 = 1_767_225_600_000_000_000  # 2026-01-01T00:00:00Z, on the 100 ms grid
 WNS = 100_000_000
@@ -59,11 +58,11 @@ def _seed(store, seed: int = 7, windows: int = 120) -> tuple[list[dict], list[di
                 gpus.append({"ts": T0 + w * WNS + int(rng.integers(0, WNS)), "host": host, "gpu": idx,
                              "gpu_uuid": uuid, "memory_used_bytes": used})
     store.insert(qualified(store, "requests"), {
-        "ts": [ns_text(r["ts"]) for r in reqs], **{k: [r[k] for r in reqs] for k in (
+        "ts": [encode_ts(r["ts"]) for r in reqs], **{k: [r[k] for r in reqs] for k in (
             "host", "backend", "gpu", "model", "modality", "request_class", "latency_seconds")},
         "span_name": ["llm_request"] * len(reqs)})
     store.insert(qualified(store, "gpu_samples"), {
-        "ts": [ns_text(g["ts"]) for g in gpus], **{k: [g[k] for g in gpus] for k in (
+        "ts": [encode_ts(g["ts"]) for g in gpus], **{k: [g[k] for g in gpus] for k in (
             "host", "gpu", "gpu_uuid", "memory_used_bytes")}, "source": ["nvml"] * len(gpus)})
     return reqs, gpus
 

@@ -16,8 +16,7 @@ from test_heatmap import T0, WNS, _seed
 
 from triscope.analyzers.heatmap import HeatmapSpec, compute_heatmap
 from triscope.cli import main
-from triscope.collectors.nccl.common import ns_text
-from triscope.schema import qualified
+from triscope.schema import encode_ts, qualified
 
 FROM, TO = "2026-01-01T00:00:00Z", "2026-01-01T00:00:12Z"  # T0 .. T0 + 120 windows
 
@@ -106,10 +105,10 @@ def test_config_env_and_since(store, cli, capsys, monkeypatch: pytest.MonkeyPatc
     """``[heatmap]`` keys via environment overrides; ``--since`` ends now, so rows are inserted at now."""
     now = time.time_ns() // WNS * WNS
     store.insert(qualified(store, "requests"), {
-        "ts": [ns_text(now - 30 * WNS + i) for i in range(3)], "host": ["h1"] * 3, "backend": ["b"] * 3,
+        "ts": [encode_ts(now - 30 * WNS + i) for i in range(3)], "host": ["h1"] * 3, "backend": ["b"] * 3,
         "gpu": ["0"] * 3, "latency_seconds": [0.05, 0.25, 9.0], "modality": ["text"] * 3})
     store.insert(qualified(store, "gpu_samples"), {
-        "ts": [ns_text(now - 31 * WNS)], "host": ["h1"], "gpu": [0], "memory_used_bytes": [3.3e9]})
+        "ts": [encode_ts(now - 31 * WNS)], "host": ["h1"], "gpu": [0], "memory_used_bytes": [3.3e9]})
     monkeypatch.setenv("TRISCOPE_HEATMAP__LATENCY_BIN_S", "0.1")
     monkeypatch.setenv("TRISCOPE_HEATMAP__LATENCY_BINS", "8")
     png = tmp_path / "tiny.png"

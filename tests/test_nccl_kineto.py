@@ -12,7 +12,7 @@ from conftest import shared_data
 from triscope.collectors.kineto.ingest import ingest_trace
 from triscope.collectors.nccl.kineto import extract_kineto, ingest_kineto_run
 from triscope.errors import InputError
-from triscope.schema import qualified
+from triscope.schema import encode_ts, qualified
 
 A100 = ("kineto", "a100_ddp_2024_rank0.json.gz")
 _PARAM_KEYS = ("Collective name", "In msg nelems", "Out msg nelems", "Group size", "dtype", "In split size",
@@ -46,7 +46,7 @@ def test_a100_kernels_with_args(store) -> None:
         assert r["msg_bytes"] == r["count"] * {"Float": 4, "Long": 8}[r["dtype"]]
         assert r["busbw_bytes_per_second"] == pytest.approx(r["algbw_bytes_per_second"])  # 2(n-1)/n = 1 at n = 2
         assert r["algbw_bytes_per_second"] == pytest.approx(r["msg_bytes"] / r["duration_seconds"])
-    big = next(r for r in rows if r["ts"] == "1716423323.009853422")  # ts 4458677009853.422 us + base
+    big = next(r for r in rows if r["ts"] == encode_ts(1716423323_009853422))  # ts 4458677009853.422 us + base
     assert big["duration_seconds"] == pytest.approx(2636.669e-6) and big["msg_bytes"] == 6637568 * 4
     assert sorted(r["seq"] for r in rows if r["collective"] == "AllReduce") == list(range(15))
 

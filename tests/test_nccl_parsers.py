@@ -17,7 +17,7 @@ from triscope.collectors.nccl import tests_output as nccl_tests
 from triscope.collectors.nccl.common import bus_factor, canonical_collective, dtype_bytes
 from triscope.collectors.nccl.ingest import detect_format, ingest_path
 from triscope.errors import InputError
-from triscope.schema import qualified
+from triscope.schema import encode_ts, qualified
 
 
 def test_bus_factors_follow_nccl_tests() -> None:
@@ -82,7 +82,7 @@ def test_inspector_jsonl_bandwidth_matches_bus_factor() -> None:
         assert r["busbw_bytes_per_second"] / r["algbw_bytes_per_second"] == pytest.approx(
             bus_factor(r["collective"], 8), rel=1e-5)
         assert r["algbw_bytes_per_second"] == pytest.approx(r["msg_bytes"] / r["duration_seconds"], rel=1e-4)
-    assert rs["ts"] == "1752867229.235059000"  # coll_start_ts when the event trace is present
+    assert rs["ts"] == encode_ts(1752867229_235059000)  # coll_start_ts when the event trace is present
 
 
 def test_inspector_jsonl_bad_line_keeps_the_others(tmp_path: Path) -> None:

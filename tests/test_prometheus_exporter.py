@@ -23,10 +23,9 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port, require_binary
-from triscope.collectors.nccl.common import ns_text
 from triscope.errors import ConfigError
 from triscope.exporters.prometheus import PrometheusExporter, factory, prometheus_config
-from triscope.schema import qualified
+from triscope.schema import encode_ts, qualified
 
 MS = 1_000_000
 LAT_B1 = [0.010 * (i + 1) for i in range(50)]  # 10 ms .. 500 ms
@@ -43,21 +42,21 @@ def _seed(store: Any, t0: int) -> None:
     backends = ["b1"] * len(LAT_B1) + ["b2"] * len(LAT_B2)
     n = len(lat)
     store.insert(qualified(store, "requests"), {
-        "ts": [ns_text(t0 + i * 10 * MS) for i in range(n)], "host": ["h1"] * n, "backend": backends,
+        "ts": [encode_ts(t0 + i * 10 * MS) for i in range(n)], "host": ["h1"] * n, "backend": backends,
         "model": ["llama"] * n, "latency_seconds": lat, "status": ["ok"] * n,
     })
     store.insert(qualified(store, "requests"), {  # a span without a measured latency counts, but not in P99
-        "ts": [ns_text(t0)], "host": ["h1"], "backend": ["b2"], "model": ["llama"], "latency_seconds": [float("nan")],
+        "ts": [encode_ts(t0)], "host": ["h1"], "backend": ["b2"], "model": ["llama"], "latency_seconds": [float("nan")],
     })
     store.insert(qualified(store, "serving_metrics"), {
-        "ts": [ns_text(t0 + k * 10**9) for k in range(3)], "host": ["h1"] * 3, "backend": ["b1"] * 3,
+        "ts": [encode_ts(t0 + k * 10**9) for k in range(3)], "host": ["h1"] * 3, "backend": ["b1"] * 3,
         "server": ["vllm"] * 3, "model": ["llama"] * 3, "kv_cache_usage_ratio": [0.5, 0.9, 0.72],
         "latency_p99_seconds": [0.3, 0.45, float("nan")],
     })
     idx = list(range(40))
     busy = [i < 20 for i in idx]
     store.insert(qualified(store, "gpu_samples"), {
-        "ts": [ns_text(t0 + i * 100 * MS + 50 * MS) for i in idx], "host": ["h1"] * 40, "gpu": [0] * 40,
+        "ts": [encode_ts(t0 + i * 100 * MS + 50 * MS) for i in idx], "host": ["h1"] * 40, "gpu": [0] * 40,
         "gpu_model": ["H100"] * 40, "source": ["dcgm"] * 40,
         "memory_used_bytes": [float((30 + i) << 30) for i in idx], "memory_total_bytes": [float(80 << 30)] * 40,
         "sm_active_ratio": [0.99 if b else 0.01 for b in busy], "dram_active_ratio": [0.3 if b else 0.01 for b in busy],
@@ -136,7 +135,7 @@ def test_promtool_finds_nothing_to_lint(store: Any, tmp_path: Path) -> None:
     promtool = require_binary("promtool")
     _seed(store, _t0())
     writer = Writer(store, str(tmp_path / "spool"), flush_interval_s=0.05)
-    writer.submit("io_latency", {"ts": [ns_text(_t0())], "host": ["h1"], "device": ["nvme0n1"]})
+    writer.submit("io_latency", {"ts": [encode_ts(_t0())], "host": ["h1"], "device": ["nvme0n1"]})
     assert writer.flush(timeout_s=10)
 
     def stats() -> dict[str, Any]:
@@ -179,7 +178,7 @@ def test_cache_serves_old_values_until_it_expires(store: Any) -> None:
     try:
         first = _get(_samples(_scrape(exp.url)), "triscope_backend_requests_per_second", backend="b1")
         store.insert(qualified(store, "requests"), {
-            "ts": [ns_text(t0 + 5 * 10**9)] * 6, "backend": ["b1"] * 6, "latency_seconds": [0.1] * 6})
+            "ts": [encode_ts(t0 + 5 * 10**9)] * 6, "backend": ["b1"] * 6, "latency_seconds": [0.1] * 6})
         cached = _get(_samples(_scrape(exp.url)), "triscope_backend_requests_per_second", backend="b1")
         time.sleep(1.1)
         later = _get(_samples(_scrape(exp.url)), "triscope_backend_requests_per_second", backend="b1")

@@ -15,8 +15,7 @@ from disk_helpers import DiskstatsSampler
 
 from triscope.analyzers.stalls import diagnose_stalls, trace_span
 from triscope.collectors.kineto.ingest import ingest_trace
-from triscope.collectors.nccl.common import ns_text
-from triscope.schema import qualified
+from triscope.schema import encode_ts, qualified
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +130,7 @@ def test_real_disk_reads_are_io(store, tmp_path: Path) -> None:
     n = len(cols["ts"])
     assert n >= 10
     store.insert(qualified(store, "io_latency"), {
-        "ts": [ns_text(t) for t in cols["ts"]], "host": ["diskhost"] * n, "device": [device] * n,
+        "ts": [encode_ts(t) for t in cols["ts"]], "host": ["diskhost"] * n, "device": [device] * n,
         "source": ["diskstats"] * n, "op": ["read"] * n, "window_seconds": [0.1] * n, "ios": cols["ios"],
         "p50_seconds": [float("nan")] * n, "p99_seconds": cols["p99"], "mean_seconds": [float("nan")] * n,
         "queue_depth": cols["qd"]})

@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triscope.analyzers.stalls import busy_ns, classify_window, diagnose_stalls, stall_config
-from triscope.collectors.nccl.common import ns_text
 from triscope.config import load_config
 from triscope.errors import ConfigError, InputError
-from triscope.schema import qualified
+from triscope.schema import encode_ts, qualified
 
 MS = 1_000_000
 NAN = float("nan")
@@ -27,7 +26,7 @@ def _t0() -> int:
 def _samples(store, t0: int, rows: list[tuple], host: str = "h1", gpu: int = 0, model: str = "H100") -> None:
     """rows: (window index, sm, dram, l2, util) -> one sample in the middle of each 100 ms window."""
     store.insert(qualified(store, "gpu_samples"), {
-        "ts": [ns_text(t0 + i * 100 * MS + 50 * MS) for i, *_ in rows], "host": [host] * len(rows),
+        "ts": [encode_ts(t0 + i * 100 * MS + 50 * MS) for i, *_ in rows], "host": [host] * len(rows),
         "gpu": [gpu] * len(rows), "gpu_model": [model] * len(rows), "source": ["dcgm"] * len(rows),
         "sm_active_ratio": [r[1] for r in rows], "dram_active_ratio": [r[2] for r in rows],
         "l2_bandwidth_ratio": [r[3] for r in rows], "gpu_util_ratio": [r[4] for r in rows],
@@ -37,7 +36,7 @@ def _samples(store, t0: int, rows: list[tuple], host: str = "h1", gpu: int = 0, 
 def _io(store, t0: int, rows: list[tuple], host: str = "h1") -> None:
     """rows: (window index, device, p99 seconds, queue depth)."""
     store.insert(qualified(store, "io_latency"), {
-        "ts": [ns_text(t0 + r[0] * 100 * MS) for r in rows], "host": [host] * len(rows),
+        "ts": [encode_ts(t0 + r[0] * 100 * MS) for r in rows], "host": [host] * len(rows),
         "device": [r[1] for r in rows], "source": ["bpftrace"] * len(rows), "op": ["read"] * len(rows),
         "window_seconds": [0.1] * len(rows), "ios": [100.0] * len(rows), "p50_seconds": [NAN] * len(rows),
         "p99_seconds": [r[2] for r in rows], "mean_seconds": [NAN] * len(rows),
@@ -143,7 +142,7 @@ def test_host_bound_from_serving_queue(store) -> None:
     t0 = _t0()
     _samples(store, t0, [(0, 0.3, 0.1, 0.1, 0.4), (1, 0.3, 0.1, 0.1, 0.4), (2, 0.01, NAN, NAN, 0.01)])
     store.insert(qualified(store, "serving_metrics"), {
-        "ts": [ns_text(t0 + 20 * MS), ns_text(t0 + 120 * MS)], "host": ["h1", "h1"], "backend": ["b", "b"],
+        "ts": [encode_ts(t0 + 20 * MS), encode_ts(t0 + 120 * MS)], "host": ["h1", "h1"], "backend": ["b", "b"],
         "server": ["vllm", "vllm"], "model": ["m", "m"], "queue_length": [1.0, 0.999]})
     _, w = _run(store, t0, 3)
     assert [w[("h1/gpu0", i)].verdict for i in range(3)] == ["host", "unclassified", "idle"]
@@ -170,7 +169,7 @@ def test_host_gpu_and_model_filters(store) -> None:
     _samples(store, t0, [(0, 0.99, 0.1, 0.1, 1.0)], host="h1", gpu=0)
     _samples(store, t0, [(0, 0.01, 0.1, 0.1, 0.0)], host="h1", gpu=1)
     _samples(store, t0, [(0, 0.01, 0.1, 0.1, 0.0)], host="h2", gpu=0, model="A100")
-    store.insert(qualified(store, "requests"), {"ts": [ns_text(t0 + 10 * MS)], "host": ["h1"], "gpu": ["1"],
+    store.insert(qualified(store, "requests"), {"ts": [encode_ts(t0 + 10 * MS)], "host": ["h1"], "gpu": ["1"],
                                                 "model": ["llama-3-8b"], "backend": ["h1:8000"]})
     assert _run(store, t0, 1)[0].units() == ["h1/gpu0", "h1/gpu1", "h2/gpu0"]
     assert _run(store, t0, 1, hosts=["h2"])[0].units() == ["h2/gpu0"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triscope.collectors import ingest_sink
-from triscope.schema import NCCL_OPS
+from triscope.schema import NCCL_OPS, encode_ts
 from triscope.store.base import Store
 
 NAN = float("nan")
@@ -108,15 +108,6 @@ def bandwidths(msg_bytes: float, duration_seconds: float, collective: str, nrank
     return alg, alg * bus_factor(collective, nranks)
 
 
-def ns_text(ns: int) -> str:
-    """Epoch nanoseconds as the exact ``seconds.nanoseconds`` text a DateTime64(9) column parses.
-
-    The ``ts`` text of the rows the NCCL parsers return (callers compare it); rows for the writer
-    use :func:`triscope.schema.encode_ts`."""
-    ns = int(ns)
-    return f"{ns // 1_000_000_000}.{ns % 1_000_000_000:09d}"
-
-
 def _unknown(ch_type: str, default: Any) -> Any:
     """What a column holds when the source does not give it: NaN for floats, -1 for signed integers."""
     if ch_type.startswith("Float"):
@@ -132,7 +123,7 @@ def new_row(**values: Any) -> dict[str, Any]:
     unknown = set(values) - set(_UNKNOWN)
     if unknown:
         raise KeyError(f"not {NCCL_OPS.name} columns: {sorted(unknown)}")
-    row = {**_UNKNOWN, "ts": ns_text(0), "ingested_at": time.time(), **values}
+    row = {**_UNKNOWN, "ts": encode_ts(0), "ingested_at": time.time(), **values}
     if isinstance(row["detail_json"], Mapping):
         row["detail_json"] = json.dumps(row["detail_json"], default=str, sort_keys=True)
     row["is_p2p"] = int(bool(row["is_p2p"]) or row["collective"] in P2P)

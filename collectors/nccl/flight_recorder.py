@@ -24,9 +24,9 @@ from triscope.collectors.nccl.common import (
     canonical_collective,
     dtype_bytes,
     new_row,
-    ns_text,
 )
 from triscope.errors import InputError
+from triscope.schema import encode_ts
 
 MAX_DUMP_BYTES = 2 << 30
 _SAFE_BUILTINS = frozenset({"dict", "list", "tuple", "set", "frozenset", "str", "bytes", "bytearray",
@@ -131,7 +131,7 @@ def dump_rows(dump: dict[str, Any], rank: int, run_id: str, host: str = "") -> l
         frames = [f"{f.get('filename', '')}:{f.get('line', '')} {f.get('name', '')}"
                   for f in (e.get("frames") or [])[:4] if isinstance(f, dict)]
         rows.append(new_row(
-            ts=ns_text(int(e.get("time_created_ns") or 0)), host=host, run_id=run_id, rank=rank,
+            ts=encode_ts(int(e.get("time_created_ns") or 0)), host=host, run_id=run_id, rank=rank,
             source="flight_recorder", backend=backend_of(name), comm_id=pg_name, pg_desc=pg_desc,
             collective=collective, op_name=name, seq=seq, is_p2p=p2p, nranks=nranks, msg_bytes=msg_bytes,
             count=float(nelems) if nelems else NAN, dtype=dtype, duration_seconds=duration,

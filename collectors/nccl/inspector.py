@@ -14,8 +14,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from triscope.collectors.nccl.common import NAN, Parsed, bus_factor, canonical_collective, new_row, ns_text
+from triscope.collectors.nccl.common import NAN, Parsed, bus_factor, canonical_collective, new_row
 from triscope.errors import InputError
+from triscope.schema import encode_ts
 
 MAX_LINE_BYTES = 1 << 20
 _GB = 1e9
@@ -55,7 +56,7 @@ def _jsonl_row(record: dict[str, Any], run_id: str) -> dict[str, Any] | None:
     msg_bytes = raw_bytes * nranks if collective in _PER_RANK_SIZE and nranks > 0 else raw_bytes
     seq: Any = perf.get("coll_sn", perf.get("p2p_sn", -1))
     return new_row(
-        ts=ns_text(int(ts_us) * 1000), host=str(meta.get("hostname", "")), run_id=run_id,
+        ts=encode_ts(int(ts_us) * 1000), host=str(meta.get("hostname", "")), run_id=run_id,
         rank=int(header.get("rank", -1)), source="inspector", backend="nccl", comm_id=str(header.get("id", "")),
         collective=collective, op_name=name, seq=int(seq), is_p2p=p2p,
         nranks=nranks, msg_bytes=msg_bytes,
@@ -141,7 +142,7 @@ def parse_prometheus(lines: Iterable[str], source: str, run_id: str, ts_ns: int)
         if algbw != algbw and busbw == busbw:
             algbw = busbw / bus_factor(collective, nranks)
         out.rows.append(new_row(
-            ts=ns_text(ts_ns), host=labels.get("node", ""), run_id=run_id, source="inspector", backend="nccl",
+            ts=encode_ts(ts_ns), host=labels.get("node", ""), run_id=run_id, source="inspector", backend="nccl",
             comm_id=labels.get("comm_name", ""), collective=collective, op_name=name or "", is_p2p=entry["p2p"],
             nranks=nranks, device=int(gpu.group(1)) if gpu else -1,
             duration_seconds=entry.get("time", NAN) / 1e6, algbw_bytes_per_second=algbw,

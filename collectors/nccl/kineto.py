@@ -22,11 +22,10 @@ from triscope.collectors.nccl.common import (
     canonical_collective,
     dtype_bytes,
     new_row,
-    ns_text,
     replace_rows,
 )
 from triscope.errors import InputError
-from triscope.schema import TRACE_EVENTS, TRACE_RUNS, qualified
+from triscope.schema import TRACE_EVENTS, TRACE_RUNS, encode_ts, qualified
 from triscope.store.base import Store
 
 HOST_COLLECTIVE_PATTERN = r"^(gloo|mpi|ucc|xccl):"
@@ -138,7 +137,7 @@ def _row(run_id: str, runs: dict[int, _Run], rank: int, name: str, ts_ns: int, d
     if params.get("pg_ranks"):
         detail = {**detail, "pg_ranks": params["pg_ranks"]}
     return new_row(
-        ts=ns_text(int(ts_ns) + run.base_time_ns), host=run.host, run_id=run_id, rank=int(rank),
+        ts=encode_ts(int(ts_ns) + run.base_time_ns), host=run.host, run_id=run_id, rank=int(rank),
         source="kineto", backend=backend_of(name), comm_id=str(params.get("pg_name") or ""),
         collective=collective, op_name=name, nranks=nranks, msg_bytes=msg_bytes,
         count=float(nelems) if nelems > 0 else NAN, dtype=str(params.get("dtype") or ""), device=device,

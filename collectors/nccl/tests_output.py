@@ -11,8 +11,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from triscope.collectors.nccl.common import NAN, Parsed, canonical_collective, new_row, ns_text
+from triscope.collectors.nccl.common import NAN, Parsed, canonical_collective, new_row
 from triscope.errors import InputError
+from triscope.schema import encode_ts
 
 _BINARY = re.compile(r"\b([a-z_]+?)_perf(?:_mpi)?\b")
 _RANK_LINE = re.compile(r"^#\s+Rank\s+(\d+)\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)\s+device\s+(\d+)")
@@ -64,7 +65,7 @@ def parse_text(text: str, source: str, run_id: str, ts_ns: int, collective: str 
                                       "hosts": hosts, "avg_busbw_gbs": avg}
             wrong_n = _num(wrong)
             out.rows.append(new_row(
-                ts=ns_text(ts_ns), host=hosts[0] if len(hosts) == 1 else "", run_id=run_id, source="nccl_tests",
+                ts=encode_ts(ts_ns), host=hosts[0] if len(hosts) == 1 else "", run_id=run_id, source="nccl_tests",
                 backend="nccl", collective=collective, op_name=binary.group(0) if binary else collective,
                 nranks=nranks, msg_bytes=_num(f[0]), count=_num(f[1]), dtype=f[2], redop=f[3], variant=variant,
                 duration_seconds=_num(t) / 1e6, algbw_bytes_per_second=_num(alg) * 1e9,
