@@ -5,7 +5,7 @@ finished-requests counter, and p50/p99 end-to-end latency and p99 TTFT computed 
 *change* of the latency histograms since the previous scrape (NaN on the first scrape, and when
 no request finished in between). Series of several engines in one instance (vLLM's ``engine``
 label, data-parallel ranks) are aggregated: counts and histogram buckets are summed, KV-cache
-usage is the mean over engines. Parsing uses ``prometheus_client.parser``.
+usage is the mean over engines. Parsing and histogram arithmetic: :mod:`triscope.collectors.prom_text`.
 
 Family names per server (the first present wins; vLLM renamed ``gpu_cache_usage_perc`` to
 ``kv_cache_usage_perc``):
@@ -19,17 +19,17 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from triscope.collectors.prom_text import Series, bucket_delta, histogram_quantile, le_bound, parse_exposition
+from triscope.component import ComponentConfig, Context, config_field, interval, positive
 from triscope.errors import ConfigError, InputError
-from triscope.schema import encode_ts
+from triscope.schema import SERVING_METRICS, encode_ts
 
 log = logging.getLogger(__name__)
-
-TABLE = "serving_metrics"
 
 
 @dataclass(frozen=True)
@@ -80,25 +80,6 @@ __doc__ += "".join(
     for server, n in SERVERS.items()
 )
 
-Series = dict[str, list[tuple[dict[str, str], float]]]
-"""Sample name -> [(labels, value)]."""
-
-
-def parse_exposition(text: str, source: str = "metrics") -> Series:
-    """All samples of a Prometheus text exposition; InputError (one line) when it is not one."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    series: Series = defaultdict(list)
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                series[sample.name].append((dict(sample.labels), float(sample.value)))
-    except (ValueError, TypeError, IndexError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise InputError(f"{source}: not Prometheus text format: {first}") from None
-    return dict(series)
-
-
 def detect_server(series: Series, source: str = "metrics") -> str:
     """``vllm``, ``sglang`` or ``tgi`` from the sample names; InputError when none matches."""
     names = set(series)
@@ -120,10 +101,6 @@ def _first_present(series: Series, candidates: Iterable[str]) -> list[tuple[dict
         if name in series:
             return series[name]
     return []
-
-
-def _le(text: str) -> float:
-    return math.inf if text in ("+Inf", "Inf", "inf") else float(text)
 
 
 @dataclass
@@ -167,7 +144,7 @@ def aggregate(series: Series, server: str, default_model: str = "") -> dict[str,
         for labels, value in _first_present(series, [b + "_bucket" for b in bases]):
             model = _model(labels, names, default_model)
             buckets = hists[kind].setdefault(model, {})
-            le = _le(labels.get("le", "+Inf"))
+            le = le_bound(labels.get("le", "+Inf"))
             buckets[le] = buckets.get(le, 0.0) + value
             models.add(model)
     out = {}
@@ -182,41 +159,6 @@ def aggregate(series: Series, server: str, default_model: str = "") -> dict[str,
             ttft_buckets=hists["ttft"].get(model, {}),
         )
     return out
-
-
-def bucket_delta(current: dict[float, float], previous: dict[float, float] | None) -> dict[float, float]:
-    """Cumulative bucket counts observed between two scrapes; the current counts after a reset."""
-    if not previous:
-        return {}
-    delta = {le: count - previous.get(le, 0.0) for le, count in current.items()}
-    if any(v < 0 for v in delta.values()) or set(previous) - set(current):
-        return dict(current)  # counter reset (restart): everything counted since the restart
-    return delta
-
-
-def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
-    """Quantile of cumulative buckets ``{le: count}`` by linear interpolation within the bucket
-    (Prometheus ``histogram_quantile`` semantics); NaN when empty; the +Inf bucket yields the
-    highest finite bound."""
-    if not buckets:
-        return math.nan
-    edges = sorted(buckets)
-    total = buckets[edges[-1]] if math.isinf(edges[-1]) else max(buckets.values())
-    if total <= 0:
-        return math.nan
-    rank = q * total
-    lower, below = 0.0, 0.0
-    for le in edges:
-        count = buckets[le]
-        if count >= rank:
-            if math.isinf(le):
-                finite = [e for e in edges if not math.isinf(e)]
-                return finite[-1] if finite else math.nan
-            if count == below:
-                return le
-            return lower + (le - lower) * (rank - below) / (count - below)
-        lower, below = le, count
-    return edges[-1]
 
 
 @dataclass
@@ -240,8 +182,30 @@ class Target:
         self.backend = self.backend or parts.netloc
 
 
-DEFAULTS: dict[str, Any] = {"targets": [], "interval_s": 5.0, "timeout_s": 3.0,
-                            "max_body_bytes": 16 * 1024 * 1024}
+@dataclass(frozen=True)
+class ServingMetricsConfig(ComponentConfig):
+    """``[serving_metrics]``: the ``/metrics`` URLs to scrape (a URL, or a table of :class:`Target` fields)."""
+
+    section = "serving_metrics"
+    targets: list[str | dict[str, str]] = config_field([])
+    interval_s: float = 5.0
+    timeout_s: float = 3.0
+    max_body_bytes: int = 16 * 1024 * 1024
+
+    def validate(self, where: str) -> None:
+        interval(where, interval_s=self.interval_s)
+        positive(where, timeout_s=self.timeout_s, max_body_bytes=self.max_body_bytes)
+        self.target_list(where)
+
+    def target_list(self, where: str = "[serving_metrics]") -> list[Target]:
+        """The targets, checked (ConfigError naming the bad one)."""
+        out = []
+        for t in self.targets:
+            try:
+                out.append(Target(url=t) if isinstance(t, str) else Target(**t))
+            except TypeError as exc:
+                raise ConfigError(f"{where} target {t!r}: {exc}") from None
+        return out
 
 
 class ServingMetricsScraper:
@@ -249,15 +213,12 @@ class ServingMetricsScraper:
 
     name = "serving_metrics"
 
-    def __init__(self, config: dict[str, Any] | None = None) -> None:
-        cfg = {**DEFAULTS, **((config or {}).get("serving_metrics", {}))}
-        targets = []
-        for t in cfg["targets"]:
-            targets.append(Target(url=t) if isinstance(t, str) else Target(**t))
-        self.targets = targets
-        self.interval_s = float(cfg["interval_s"])
-        self.timeout_s = float(cfg["timeout_s"])
-        self.max_body_bytes = int(cfg["max_body_bytes"])
+    def __init__(self, config: ServingMetricsConfig | Mapping[str, Any] | None = None) -> None:
+        cfg = config if isinstance(config, ServingMetricsConfig) else ServingMetricsConfig.from_config(config)
+        self.targets = cfg.target_list()
+        self.interval_s = cfg.interval_s
+        self.timeout_s = cfg.timeout_s
+        self.max_body_bytes = cfg.max_body_bytes
         self._previous: dict[tuple[str, str], InstanceSnapshot] = {}
         self.errors: dict[str, str] = {}
 
@@ -278,46 +239,45 @@ class ServingMetricsScraper:
         return body.decode("utf-8", errors="replace")
 
     def rows_from_text(self, target: Target, text: str, ts_ns: int) -> dict[str, list[Any]]:
-        """Rows of one scrape, updating the histogram baseline of this target."""
+        """Rows (``serving_metrics`` columns) of one scrape, updating the histogram baseline of this target."""
+        return SERVING_METRICS.columns_of(self._rows(target, text, ts_ns))
+
+    def _rows(self, target: Target, text: str, ts_ns: int) -> list[dict[str, Any]]:
         series = parse_exposition(text, target.url)
         server = target.server or detect_server(series, target.url)
-        cols: dict[str, list[Any]] = defaultdict(list)
+        rows = []
         for model, snap in aggregate(series, server, target.model).items():
             prev = self._previous.get((target.url, model))
             lat = bucket_delta(snap.latency_buckets, prev.latency_buckets if prev else None)
             ttft = bucket_delta(snap.ttft_buckets, prev.ttft_buckets if prev else None)
             self._previous[(target.url, model)] = snap
-            for key, value in (
-                ("ts", encode_ts(ts_ns)), ("host", target.host), ("backend", target.backend),
-                ("server", server), ("model", model), ("queue_length", snap.queue_length),
-                ("running_requests", snap.running_requests),
-                ("kv_cache_usage_ratio", snap.kv_cache_usage_ratio), ("requests_total", snap.requests_total),
-                ("latency_p50_seconds", histogram_quantile(0.5, lat)),
-                ("latency_p99_seconds", histogram_quantile(0.99, lat)),
-                ("ttft_p99_seconds", histogram_quantile(0.99, ttft)),
-            ):
-                cols[key].append(value)
-        return dict(cols)
+            rows.append({
+                "ts": encode_ts(ts_ns), "host": target.host, "backend": target.backend, "server": server,
+                "model": model, "queue_length": snap.queue_length, "running_requests": snap.running_requests,
+                "kv_cache_usage_ratio": snap.kv_cache_usage_ratio, "requests_total": snap.requests_total,
+                "latency_p50_seconds": histogram_quantile(0.5, lat),
+                "latency_p99_seconds": histogram_quantile(0.99, lat),
+                "ttft_p99_seconds": histogram_quantile(0.99, ttft),
+            })
+        return rows
 
     def collect(self) -> dict[str, dict[str, list[Any]]]:
         """Scrape every target; a failing target is logged and skipped (others still count)."""
-        out: dict[str, list[Any]] = defaultdict(list)
+        rows: list[dict[str, Any]] = []
         for target in self.targets:
             try:
-                rows = self.rows_from_text(target, self.fetch(target), time.time_ns())
+                rows += self._rows(target, self.fetch(target), time.time_ns())
             except InputError as exc:
                 self.errors[target.url] = str(exc)
                 log.warning("%s", exc)
                 continue
             self.errors.pop(target.url, None)
-            for key, values in rows.items():
-                out[key].extend(values)
-        return {TABLE: dict(out)} if out else {}
+        return {SERVING_METRICS.name: SERVING_METRICS.columns_of(rows)} if rows else {}
 
     def close(self) -> None:
         """Nothing held between scrapes."""
 
 
-def factory(config: dict[str, Any]) -> ServingMetricsScraper:
-    """Collector factory for ``triscope run``."""
-    return ServingMetricsScraper(config)
+def create(config: dict[str, Any], context: Context) -> ServingMetricsScraper:
+    """``triscope run`` entry point (``[run] collectors = ["serving_metrics"]``); rows go back through collect()."""
+    return ServingMetricsScraper(ServingMetricsConfig.from_config(config))

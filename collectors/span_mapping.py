@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from triscope.schema import REQUESTS, encode_ts
+from triscope.schema import encode_ts
 
 VLLM_SPAN_NAME = "llm_request"
 
@@ -43,8 +43,6 @@ RESOLUTION_ATTRS = ("gen_ai.request.image.resolution", "image.resolution", "inpu
 
 _UINT32_MAX = 2**32 - 1
 _UINT64_MAX = 2**64 - 1
-
-COLUMNS = [c.name for c in REQUESTS.columns] + ["service_name", "operation"]
 
 
 class SpanRejected(ValueError):

@@ -2,20 +2,18 @@
 
 Routes: ``GET /v1/weights``, ``GET /metrics``, ``GET /healthz`` and one per LB format of
 :data:`~triscope.exporters.formats.FORMATS`. Request bodies over ``max_body_bytes`` get 413 before
-anything is read; chunked bodies get 411.
+anything is read; chunked bodies get 411. Connection bounds: :mod:`triscope.httpserver`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from triscope.exporters._servers import BoundedThreadingMixIn
 from triscope.exporters.formats import FORMATS
+from triscope.httpserver import BoundedHTTPHandler, BoundedHTTPServer, HttpError, read_body, serve_in_thread, stop
 
 if TYPE_CHECKING:
     from triscope.exporters.feed import Response, WeightFeed
@@ -55,56 +53,31 @@ def route(feed: WeightFeed, method: str, path: str, body: bytes) -> Response:
     return handler()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(BoundedHTTPHandler):
     server_version = "triscope-feed"
-    timeout = 10.0
     disable_nagle_algorithm = True  # headers and body are separate writes: no 40 ms delayed-ACK stall
     server: _Server
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         pass  # per-request access logs cost more than the request itself at feed rates
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
-
-    def _send(self, status: int, ctype: str, body: bytes, close: bool = False) -> None:
+    def _send(self, status: int, ctype: str, body: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
-        if close:
+        if self.close_connection:
             self.send_header("Connection", "close")
-            self.close_connection = True
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _body(self) -> bytes | None:
-        """The request body, or None after an error response (411/413/400)."""
-        raw = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding", "").lower() not in ("", "identity"):
-            self._send(411, JSON_TYPE, json_error("chunked bodies are not accepted; send Content-Length"), close=True)
-            return None
-        if raw is None:
-            return b""
-        try:
-            length = int(raw)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            self._send(400, JSON_TYPE, json_error(f"bad Content-Length {raw!r}"), close=True)
-            return None
-        limit = self.server.feed.max_body_bytes
-        if length > limit:
-            self._send(413, JSON_TYPE, json_error(f"request body of {length} bytes exceeds max_body_bytes {limit}"),
-                       close=True)
-            return None
-        return self.rfile.read(length) if length else b""
-
     def _route(self, method: str) -> None:
-        body = self._body()
-        if body is None:
+        try:
+            body = read_body(self, self.server.feed.max_body_bytes)
+        except HttpError as exc:
+            why = f"{exc} ([weights.feed] max_body_bytes)" if exc.status == 413 else str(exc)
+            self._send(exc.status, JSON_TYPE, json_error(why))
             return
         path = self.path.split("?", 1)[0]
         try:
@@ -124,9 +97,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("POST")
 
 
-class _Server(BoundedThreadingMixIn, HTTPServer):
-    allow_reuse_address = True
-    request_queue_size = 128
+class _Server(BoundedHTTPServer):
     feed: WeightFeed
 
 
@@ -134,22 +105,15 @@ class FeedHTTPServer:
     """The feed's HTTP listener on ``bind:port`` (0 = ephemeral), at most ``max_connections`` at once."""
 
     def __init__(self, feed: WeightFeed, bind: str, port: int, max_connections: int) -> None:
-        self._server = _Server((bind, port), _Handler)
-        self._server.max_connections = max_connections
+        self._server = _Server((bind, port), _Handler, max_connections=max_connections, name="triscope-feed-http")
         self._server.feed = feed
         self.port = int(self._server.server_address[1])
         self._thread: threading.Thread | None = None
 
     def start(self) -> FeedHTTPServer:
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="triscope-feed-http", daemon=True)
-        self._thread.start()
+        self._thread = serve_in_thread(self._server, "triscope-feed-http")
         return self
 
     def close(self) -> None:
-        if self._thread is not None:
-            with contextlib.suppress(Exception):
-                self._server.shutdown()
-            self._thread.join(timeout=2.0)
-            self._thread = None
-        self._server.server_close()
+        stop(self._server, self._thread, timeout_s=2.0)
+        self._thread = None

@@ -24,7 +24,6 @@ HAProxy 2.6 does not parse ``weight:N``, so only percentages are sent.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import socketserver
@@ -32,7 +31,7 @@ import threading
 from collections.abc import Callable, Mapping
 
 from triscope.analyzers.routing import DRAIN, WeightsResult
-from triscope.exporters._servers import DEFAULT_MAX_CONNECTIONS, BoundedThreadingMixIn
+from triscope.httpserver import DEFAULT_MAX_CONNECTIONS, BoundedTCPServer, serve_in_thread, stop
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +101,8 @@ class AgentServer:
             def handle(self) -> None:
                 agent._handle(self.request)
 
-        class Server(BoundedThreadingMixIn, socketserver.TCPServer):
-            allow_reuse_address = True
-
-        Server.max_connections = max_connections
-        self._server = Server((bind, port), Handler)
+        self._server = BoundedTCPServer((bind, port), Handler, max_connections=max_connections,
+                                        read_timeout_s=read_timeout_s, name="triscope-haproxy-agent")
         self.port = int(self._server.server_address[1])
         self._thread: threading.Thread | None = None
 
@@ -124,15 +120,9 @@ class AgentServer:
             log.debug("agent connection: %s", exc)
 
     def start(self) -> AgentServer:
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="triscope-haproxy-agent", daemon=True)
-        self._thread.start()
+        self._thread = serve_in_thread(self._server, "triscope-haproxy-agent")
         return self
 
     def close(self) -> None:
-        if self._thread is not None:
-            with contextlib.suppress(Exception):
-                self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
+        stop(self._server, self._thread, timeout_s=2.0)
+        self._thread = None

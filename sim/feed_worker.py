@@ -21,7 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from triscope.collectors.serving_metrics import aggregate, histogram_quantile, parse_exposition
+from triscope.collectors.prom_text import histogram_quantile, parse_exposition
+from triscope.collectors.serving_metrics import aggregate
 from triscope.errors import InputError
 
 NAN = float("nan")

@@ -15,8 +15,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from triscope.collectors.otlp_receiver import OtlpReceiver, encode_status
+from triscope.collectors.otlp import OtlpReceiver, create, encode_status
+from triscope.component import Context
+from triscope.errors import SpoolUnavailable
 from triscope.schema import qualified
+from triscope.writer import Writer
 
 T0 = 1_767_225_600_123_456_789  # 2026-01-01T00:00:00.123456789Z
 
@@ -82,9 +85,17 @@ def _otlp_json(req: ExportTraceServiceRequest) -> bytes:
 
 
 @pytest.fixture()
-def receiver(store):
-    rx = OtlpReceiver({"otlp": {"port": 0, "max_body_bytes": 64 * 1024, "max_decompressed_bytes": 256 * 1024,
-                                "token": "s3cret", "interval_s": 0.2}}, store=store)
+def writer(store, tmp_path):
+    w = Writer(store, str(tmp_path / "spool"), flush_interval_s=0.2)
+    w.start()
+    yield w
+    w.close()
+
+
+@pytest.fixture()
+def receiver(writer):
+    rx = create({"otlp": {"port": 0, "max_body_bytes": 64 * 1024, "max_decompressed_bytes": 256 * 1024,
+                          "token": "s3cret", "interval_s": 0.2}}, Context(submit=writer.submit))
     rx.start()
     yield rx
     rx.close()
@@ -110,16 +121,16 @@ def rows(store) -> list[dict]:
 
 
 def test_binds_localhost_by_default() -> None:
-    assert OtlpReceiver({}).address == ("127.0.0.1", 4318)
+    assert create({}, Context()).address == ("127.0.0.1", 4318)
 
 
-def test_protobuf_export_maps_vllm_spans(receiver, store) -> None:
+def test_protobuf_export_maps_vllm_spans(receiver, writer, store) -> None:
     status, headers, body = post(receiver, vllm_request(3).SerializeToString())
     assert status == 200
     assert headers["Content-Type"] == "application/x-protobuf"
     resp = ExportTraceServiceResponse.FromString(body)
     assert not resp.HasField("partial_success")
-    receiver.flush()
+    writer.flush()
     got = rows(store)
     assert len(got) == 3  # the plain HTTP span is not a request span
     first = got[0]
@@ -137,20 +148,20 @@ def test_protobuf_export_maps_vllm_spans(receiver, store) -> None:
     assert first["modality"] == "text" and first["status"] == "ok"
 
 
-def test_json_export_with_gzip(receiver, store) -> None:
+def test_json_export_with_gzip(receiver, writer, store) -> None:
     body = gzip.compress(_otlp_json(vllm_request(2)))
     status, headers, data = post(receiver, body, "application/json", headers={"Content-Encoding": "gzip"})
     assert status == 200, data
     assert headers["Content-Type"] == "application/json"
     assert json.loads(data) == {}
-    receiver.flush()
+    writer.flush()
     got = rows(store)
     assert [r["request_id"] for r in got] == ["cmpl-0", "cmpl-1"]
     assert got[1]["ts_ns"] == T0 + 1_000_000
     assert got[0]["trace_id"] == "01" * 16
 
 
-def test_json_int64_as_strings_and_generic_span(receiver, store) -> None:
+def test_json_int64_as_strings_and_generic_span(receiver, writer, store) -> None:
     doc = {"resourceSpans": [{
         "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "imagegen"}}]},
         "scopeSpans": [{"spans": [{
@@ -173,7 +184,7 @@ def test_json_int64_as_strings_and_generic_span(receiver, store) -> None:
     }]}
     status, _, data = post(receiver, json.dumps(doc).encode(), "application/json")
     assert status == 200, data
-    receiver.flush()
+    writer.flush()
     (row,) = rows(store)
     assert row["trace_id"] == "5b8efff798038103d269b633813fc60c" and row["span_id"] == "eee19b7ec3c1b174"
     assert row["backend"] == "10.0.0.7:8080" and row["model"] == "sdxl"
@@ -186,13 +197,13 @@ def test_json_int64_as_strings_and_generic_span(receiver, store) -> None:
     assert not_measured == 1  # NaN = not measured
 
 
-def test_partial_success_keeps_good_spans(receiver, store) -> None:
+def test_partial_success_keeps_good_spans(receiver, writer, store) -> None:
     status, _, body = post(receiver, vllm_request(2, bad=1).SerializeToString())
     assert status == 200
     resp = ExportTraceServiceResponse.FromString(body)
     assert resp.partial_success.rejected_spans == 1
     assert "trace_id" in resp.partial_success.error_message
-    receiver.flush()
+    writer.flush()
     assert len(rows(store)) == 2
 
 
@@ -207,13 +218,13 @@ def test_partial_success_json(receiver, store) -> None:
     assert "gen_ai.latency.e2e" in doc["partialSuccess"]["errorMessage"]
 
 
-def test_bad_token_and_missing_token(receiver, store) -> None:
+def test_bad_token_and_missing_token(receiver, writer, store) -> None:
     body = vllm_request(1).SerializeToString()
     status, headers, _ = post(receiver, body, token="wrong")
     assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
     status, _, _ = post(receiver, body, token=None)
     assert status == 401
-    receiver.flush()
+    writer.flush()
     assert rows(store) == []
 
 
@@ -285,11 +296,16 @@ def test_flush_loop_writes_without_explicit_flush(receiver, store) -> None:
 
 
 def test_collect_drains_when_hosted_by_daemon() -> None:
-    rx = OtlpReceiver({"otlp": {"port": 0}})
+    batch: dict = {}  # what the receiver handed to the daemon's writer before answering 200
+
+    def submit(table: str, columns) -> int:
+        batch[table] = columns
+        return len(columns["request_id"])
+
+    rx = create({"otlp": {"port": 0}}, Context(submit=submit))
     rx.start()
     try:
         assert post(rx, vllm_request(2).SerializeToString(), token=None)[0] == 200
-        batch = rx.collect()
         assert list(batch) == ["requests"]
         assert batch["requests"]["request_id"] == ["cmpl-0", "cmpl-1"]
         assert rx.collect() == {}
@@ -298,7 +314,16 @@ def test_collect_drains_when_hosted_by_daemon() -> None:
 
 
 def test_full_buffer_answers_503() -> None:
-    rx = OtlpReceiver({"otlp": {"port": 0, "buffer_rows": 2}})
+    taken: list[int] = []
+
+    def submit(table: str, columns) -> int:  # a spool that takes two rows, then its disk is full
+        n = len(columns["request_id"])
+        if sum(taken) + n > 2:
+            raise SpoolUnavailable("writer: spool not writable: No space left on device")
+        taken.append(n)
+        return n
+
+    rx = create({"otlp": {"port": 0}}, Context(submit=submit))
     rx.start()
     try:
         assert post(rx, vllm_request(2).SerializeToString(), token=None)[0] == 200
@@ -308,7 +333,7 @@ def test_full_buffer_answers_503() -> None:
         rx.close()
 
 
-def test_real_otlp_http_exporter_to_receiver(receiver, store) -> None:
+def test_real_otlp_http_exporter_to_receiver(receiver, writer, store) -> None:
     """The OpenTelemetry SDK's own OTLP/HTTP exporter (protobuf, gzip) as the client."""
     from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -326,7 +351,7 @@ def test_real_otlp_http_exporter_to_receiver(receiver, store) -> None:
         span.set_attribute("gen_ai.latency.e2e", 0.42)
         span.set_attribute("gen_ai.usage.prompt_tokens", 12)
     provider.shutdown()
-    receiver.flush()
+    writer.flush()
     (row,) = rows(store)
     assert row["request_id"] == "sdk-1" and row["latency_seconds"] == pytest.approx(0.42)
     instance = provider.resource.attributes.get("service.instance.id")

@@ -23,8 +23,9 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port, require_binary
+from triscope.component import Context
 from triscope.errors import ConfigError
-from triscope.exporters.prometheus import PrometheusExporter, factory, prometheus_config
+from triscope.exporters.prometheus import PrometheusExporter, create, prometheus_config
 from triscope.schema import encode_ts, qualified
 
 MS = 1_000_000
@@ -85,7 +86,7 @@ def _get(samples: dict, name: str, **labels: str) -> float:
 @pytest.fixture()
 def exporter(store: Any) -> Iterator[PrometheusExporter]:
     _seed(store, _t0())
-    exp = factory({"prometheus": {"port": 0, "cache_s": 0}, "store": {}}, lambda: store)
+    exp = create({"prometheus": {"port": 0, "cache_s": 0}, "store": {}}, Context(open_store=lambda: store))
     exp.start()
     try:
         yield exp
@@ -143,7 +144,7 @@ def test_promtool_finds_nothing_to_lint(store: Any, tmp_path: Path) -> None:
                                                                          "tables": {"io_latency": 1}}},
                 "not_started": {"nvml": "NVML not available"}}
 
-    exp = factory({"prometheus": {"port": 0, "cache_s": 0}}, lambda: store, stats)
+    exp = create({"prometheus": {"port": 0, "cache_s": 0}}, Context(open_store=lambda: store, stats=stats))
     exp.start()
     try:
         text = _scrape(exp.url)
@@ -173,7 +174,7 @@ def test_only_get_metrics_is_served(exporter: PrometheusExporter) -> None:
 def test_cache_serves_old_values_until_it_expires(store: Any) -> None:
     t0 = _t0()
     _seed(store, t0)
-    exp = factory({"prometheus": {"port": 0, "cache_s": 1.0}}, lambda: store)
+    exp = create({"prometheus": {"port": 0, "cache_s": 1.0}}, Context(open_store=lambda: store))
     exp.start()
     try:
         first = _get(_samples(_scrape(exp.url)), "triscope_backend_requests_per_second", backend="b1")
@@ -194,7 +195,7 @@ def test_a_failing_store_is_counted_not_raised(tmp_path: Path) -> None:
 
         raise StoreError("cannot reach ClickHouse at http://127.0.0.1:1: connection refused")
 
-    exp = PrometheusExporter({"prometheus": {"port": 0, "cache_s": 0}}, opener)
+    exp = create({"prometheus": {"port": 0, "cache_s": 0}}, Context(open_store=opener))
     exp.start()
     try:
         s = _samples(_scrape(exp.url))
@@ -315,7 +316,7 @@ def test_daemon_pipeline_counters(store_path: Path, tmp_path: Path) -> None:
 def test_a_failing_query_blanks_only_its_families(store: Any) -> None:
     _seed(store, _t0())
     store.command(f"DROP TABLE {qualified(store, 'gpu_samples')}")
-    exp = factory({"prometheus": {"port": 0, "cache_s": 0}}, lambda: store)
+    exp = create({"prometheus": {"port": 0, "cache_s": 0}}, Context(open_store=lambda: store))
     exp.start()
     try:
         s = _samples(_scrape(exp.url))

@@ -10,14 +10,9 @@ import pytest
 from conftest import free_port, shared_data
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from triscope.collectors.serving_metrics import (
-    ServingMetricsScraper,
-    Target,
-    bucket_delta,
-    factory,
-    histogram_quantile,
-    parse_exposition,
-)
+from triscope.collectors.prom_text import bucket_delta, histogram_quantile, parse_exposition
+from triscope.collectors.serving_metrics import ServingMetricsScraper, Target, create
+from triscope.component import Context
 from triscope.errors import InputError
 from triscope.schema import qualified
 
@@ -81,7 +76,7 @@ def test_real_vllm_like_server_two_scrapes(store) -> None:
             e2e.labels("0", MODEL).observe(0.05)
             ttft.labels("0", MODEL).observe(0.05)
         success.labels("0", MODEL, "stop").inc(1000)
-        scraper = factory({"serving_metrics": {"targets": [f"http://127.0.0.1:{port}/metrics"]}})
+        scraper = create({"serving_metrics": {"targets": [f"http://127.0.0.1:{port}/metrics"]}}, Context())
         scraper.start()
         first = scraper.collect()["serving_metrics"]
         assert first["running_requests"] == [8.0] and first["queue_length"] == [3.0]

@@ -18,7 +18,7 @@ COLLECTORS: dict[str, str] = {
     "blockio_diskstats": "triscope.collectors.blockio:create_diskstats",
     "blockio_ebpf_exporter": "triscope.collectors.blockio:create_ebpf_exporter",
     "serving_metrics": "triscope.collectors.serving_metrics:create",
-    "otlp": "triscope.collectors.otlp_receiver:create",
+    "otlp": "triscope.collectors.otlp:create",
     "nvml": "triscope.collectors.nvml:create",
     "dcgm": "triscope.collectors.dcgm:create",
     "torch_allocator": "triscope.collectors.torch_allocator:create",

@@ -1,0 +1,260 @@
+"""OTLP/HTTP trace receiver: ``POST /v1/traces`` into ``requests``, spooled before the answer.
+
+Request spans (vLLM ``llm_request`` and any span with ``gen_ai.*`` attributes; every span with
+``all_spans = true``) are mapped by :mod:`triscope.collectors.span_mapping` and handed to the
+writer (``context.submit``) before the 200 goes out, so an acknowledged span is durable. Spans
+that cannot be mapped are reported back with OTLP ``partial_success``; the rest are kept.
+
+* ``Content-Type: application/x-protobuf`` or ``application/json``; the answer uses the same type.
+* ``Content-Encoding: gzip`` is accepted; the body on the wire (``max_body_bytes``) and inflated
+  (``max_decompressed_bytes``) are bounded, 413 beyond.
+* Errors answer a ``google.rpc.Status`` (code, one-line message) in the request's encoding:
+  400 malformed, 401 bad or missing bearer token, 404/405 wrong path or method, 411 no length,
+  413 too large, 415 unknown content type, 503 (``Retry-After``) when the spool cannot take rows.
+
+The server is a :class:`triscope.httpserver.BoundedHTTPServer` on 127.0.0.1:4318 by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from triscope.collectors.otlp.decode import (
+    JSON,
+    PROTOBUF,
+    RPC_CODE,
+    decode_request,
+    encode_response,
+    encode_status,
+    gunzip_bounded,
+    map_request,
+)
+from triscope.component import ComponentConfig, Context, Submit, interval, port, positive
+from triscope.errors import ConfigError, InputError, SpoolUnavailable
+from triscope.httpserver import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_CONNECTIONS,
+    BoundedHTTPHandler,
+    BoundedHTTPServer,
+    HttpError,
+    read_body,
+    serve_in_thread,
+    stop,
+)
+from triscope.schema import REQUESTS
+
+log = logging.getLogger(__name__)
+
+TRACES_PATH = "/v1/traces"
+
+
+@dataclass(frozen=True)
+class OtlpConfig(ComponentConfig):
+    """``[otlp]``: where to listen, the bearer token, body bounds."""
+
+    section = "otlp"
+    host: str = DEFAULT_HOST
+    port: int = 4318
+    token: str = ""
+    all_spans: bool = False
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_decompressed_bytes: int = 64 * 1024 * 1024
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    interval_s: float = 1.0
+    """How often the daemon polls collect() (which has nothing to return: spans are submitted as they arrive)."""
+    buffer_rows: int = 1_000_000
+    """Unused since spans go to the writer on arrival; accepted so old configs load."""
+    batch_rows: int = 100_000
+    """Unused: the writer batches (``[writer] batch_rows``); accepted so old configs load."""
+
+    def validate(self, where: str) -> None:
+        port(where, "port", self.port)
+        positive(where, max_body_bytes=self.max_body_bytes, max_decompressed_bytes=self.max_decompressed_bytes,
+                 max_connections=self.max_connections, buffer_rows=self.buffer_rows, batch_rows=self.batch_rows)
+        interval(where, interval_s=self.interval_s)
+
+
+_UNUSED = ("buffer_rows", "batch_rows")
+
+
+class _Handler(BoundedHTTPHandler):
+    server_version = "triscope-otlp"
+    receiver: OtlpReceiver  # set on the subclass made per receiver
+
+    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _content_type(self) -> str:
+        return (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+
+    def _fail(self, err: HttpError) -> None:
+        kind = self._content_type()
+        if kind in (PROTOBUF, JSON):
+            body = encode_status(RPC_CODE.get(err.status, 2), str(err), kind)
+        else:
+            kind, body = "text/plain; charset=utf-8", (str(err) + "\n").encode()
+        self._send(err.status, body, kind, err.headers)
+
+    def do_POST(self) -> None:
+        try:
+            self._post()
+        except HttpError as err:
+            self._fail(err)
+
+    def _reject_method(self) -> None:
+        self.close_connection = True
+        self._fail(HttpError(405, f"method {self.command} not allowed; POST {TRACES_PATH}", {"Allow": "POST"}))
+
+    do_GET = do_PUT = do_DELETE = do_PATCH = _reject_method
+
+    def _refuse(self, status: int, message: str, headers: dict[str, str] | None = None) -> HttpError:
+        self.close_connection = True  # the body is not read
+        return HttpError(status, message, headers)
+
+    def _post(self) -> None:
+        rx = self.receiver
+        if self.path.split("?")[0] != TRACES_PATH:
+            raise self._refuse(404, f"unknown path {self.path}; traces go to POST {TRACES_PATH}")
+        if rx.config.token:
+            given = self.headers.get("Authorization") or ""
+            if not hmac.compare_digest(given.encode(), f"Bearer {rx.config.token}".encode()):
+                raise self._refuse(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+        kind = self._content_type()
+        if kind not in (PROTOBUF, JSON):
+            raise self._refuse(415, f"unsupported Content-Type {kind or '(none)'}; use {PROTOBUF} or {JSON}")
+        body = read_body(self, rx.config.max_body_bytes, required=True)
+        encoding = (self.headers.get("Content-Encoding") or "identity").strip().lower()
+        limit = rx.config.max_decompressed_bytes
+        try:
+            if encoding == "gzip":
+                body = gunzip_bounded(body, limit)
+            elif encoding != "identity":
+                raise HttpError(415, f"unsupported Content-Encoding {encoding}; use gzip or none")
+            if len(body) > limit:
+                raise HttpError(413, f"body exceeds {limit} bytes")
+            rows, rejected, message = map_request(decode_request(body, kind), rx.config.all_spans)
+        except OverflowError as exc:
+            raise HttpError(413, str(exc)) from None
+        except InputError as exc:
+            rx.count("bad_requests")
+            raise HttpError(400, str(exc)) from None
+        rx.store_rows(rows)
+        rx.count("spans", len(rows))
+        rx.count("rejected_spans", rejected)
+        message = f"{rejected} span(s) rejected; first: {message}" if rejected else ""
+        self._send(200, encode_response(rejected, message, kind), kind)
+
+
+class OtlpReceiver:
+    """OTLP/HTTP trace receiver implementing the :class:`triscope.component.Collector` protocol."""
+
+    name = "otlp"
+
+    def __init__(self, config: OtlpConfig, submit: Submit) -> None:
+        self.config = config
+        self.interval_s = config.interval_s
+        self.submit = submit
+        self.stats = {"spans": 0, "rejected_spans": 0, "bad_requests": 0}
+        self._stats_lock = threading.Lock()
+        self._server: BoundedHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._inflight = 0
+        self._closing = False
+        self._idle = threading.Condition()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The bound (host, port); the port is the real one when configured as 0."""
+        if self._server is None:
+            return self.config.host, self.config.port
+        host, bound = self._server.server_address[:2]
+        return str(host), int(bound)
+
+    @property
+    def url(self) -> str:
+        host, bound = self.address
+        return f"http://{'[' + host + ']' if ':' in host else host}:{bound}{TRACES_PATH}"
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[key] += n
+
+    @contextlib.contextmanager
+    def _request(self) -> Iterator[None]:
+        """Counts a request in flight; refuses new ones once close() began (503, retryable)."""
+        with self._idle:
+            if self._closing:
+                raise HttpError(503, "receiver is shutting down; retry later", {"Retry-After": "1"})
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def store_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Hand mapped rows to the writer (spooled when this returns); HttpError 503/500 when it cannot."""
+        if not rows:
+            return
+        with self._request():
+            try:
+                self.submit(REQUESTS.name, REQUESTS.columns_of(rows))
+            except SpoolUnavailable as exc:
+                raise HttpError(503, f"cannot spool spans now ({exc}); retry later", {"Retry-After": "1"}) from None
+            except Exception as exc:
+                log.warning("otlp: storing %d span(s) failed: %s", len(rows), exc)
+                raise HttpError(500, f"cannot store spans: {exc}") from None
+
+    def start(self) -> None:
+        """Bind and serve in a background thread; ConfigError (one line) when the address is unusable."""
+        if self._server is not None:
+            return
+        host, bound = self.config.host, self.config.port
+        handler = type("OtlpHandler", (_Handler,), {"receiver": self})
+        try:
+            self._server = BoundedHTTPServer((host, bound), handler, max_connections=self.config.max_connections,
+                                             name="otlp")
+        except OSError as exc:
+            raise ConfigError(f"cannot bind OTLP receiver to {host}:{bound}: {exc.strerror or exc}") from None
+        self._closing = False
+        self._thread = serve_in_thread(self._server, "triscope-otlp", poll_interval=0.05)
+
+    def collect(self) -> dict[str, Any]:
+        """Nothing: spans reach the writer as they arrive."""
+        return {}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, wait (up to ``timeout_s``) for requests being stored; safe to call twice."""
+        with self._idle:
+            self._closing = True
+        if self._server is not None:
+            stop(self._server, self._thread)
+            self._server, self._thread = None, None
+        with self._idle:
+            self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout_s)
+
+
+def create(config: dict[str, Any], context: Context) -> OtlpReceiver:
+    """``triscope run`` entry point (``[run] collectors = ["otlp"]``): spans go to ``context.submit``."""
+    cfg = OtlpConfig.from_config(config)
+    defaults = OtlpConfig()
+    for key in _UNUSED:
+        if getattr(cfg, key) != getattr(defaults, key):
+            log.warning("[otlp] %s is no longer used: spans are spooled on arrival ([writer] batches them)", key)
+    return OtlpReceiver(cfg, context.submit)
+
+
+__all__ = ["TRACES_PATH", "OtlpConfig", "OtlpReceiver", "create"]
