@@ -17,14 +17,14 @@ from triscope.schema import encode_ts
 VLLM_SPAN_NAME = "llm_request"
 
 # Column -> attribute names, first present wins (span attributes, then resource attributes).
-LATENCY_ATTRS = {
+LATENCY_ATTRS: dict[str, tuple[str, ...]] = {
     "latency_seconds": ("gen_ai.latency.e2e",),
     "ttft_seconds": ("gen_ai.latency.time_to_first_token",),
     "queue_seconds": ("gen_ai.latency.time_in_queue",),
     "prefill_seconds": ("gen_ai.latency.time_in_model_prefill",),
     "decode_seconds": ("gen_ai.latency.time_in_model_decode",),
 }
-TOKEN_ATTRS = {
+TOKEN_ATTRS: dict[str, tuple[str, ...]] = {
     "prompt_tokens": ("gen_ai.usage.prompt_tokens", "gen_ai.usage.input_tokens"),
     "completion_tokens": ("gen_ai.usage.completion_tokens", "gen_ai.usage.output_tokens"),
 }

@@ -61,3 +61,20 @@ def test_shutdown_flushes_and_refuses_more(store) -> None:
     provider.shutdown()
     assert store.query(f"SELECT count() FROM {qualified(store, 'requests')}").scalar() == 1
     assert exporter.export([]).name == "FAILURE"
+
+
+def test_callers_writer_is_used_and_left_open(store, tmp_path) -> None:
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from triscope.writer import Writer
+
+    writer = Writer(store, str(tmp_path / "spool"), flush_interval_s=3600)
+    exporter = TriscopeSpanExporter(writer)
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("t").start_as_current_span("llm_request") as span:
+        span.set_attribute("gen_ai.latency.e2e", 0.25)
+    provider.shutdown()
+    assert writer.snapshot()["rows_pending"] == 1  # spooled in the caller's writer, which stays open
+    assert writer.close()
+    assert store.query(f"SELECT latency_seconds FROM {qualified(store, 'requests')}").scalar() == 0.25

@@ -356,3 +356,35 @@ def test_real_otlp_http_exporter_to_receiver(receiver, writer, store) -> None:
     assert row["request_id"] == "sdk-1" and row["latency_seconds"] == pytest.approx(0.42)
     instance = provider.resource.attributes.get("service.instance.id")
     assert row["host"] == "h1" and row["backend"] == (instance or "h1")
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ({"prot": 1}, r"\[otlp\] has unknown keys: prot"),
+    ({"port": 70000}, r"\[otlp\] port must be a port 0-65535, got 70000"),
+    ({"interval_s": -1}, r"\[otlp\] interval_s must be > 0"),
+    ({"max_body_bytes": 0}, r"\[otlp\] max_body_bytes must be > 0"),
+    ({"token": 5}, r"\[otlp\] token must be a string"),
+])
+def test_config_mistakes_are_one_line(section, message) -> None:
+    from triscope.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as err:
+        create({"otlp": section}, Context())
+    assert "\n" not in str(err.value)
+
+
+def test_acknowledged_spans_are_already_spooled(store, tmp_path) -> None:
+    """200 means durable: the rows are in the writer's spool before the answer, not in a buffer."""
+    writer = Writer(store, str(tmp_path / "spool"), flush_interval_s=3600)  # never flushes by itself
+    rx = create({"otlp": {"port": 0}}, Context(submit=writer.submit))
+    rx.start()
+    try:
+        assert post(rx, vllm_request(3).SerializeToString(), token=None)[0] == 200
+        assert writer.snapshot()["rows_submitted"] == 3 and writer.snapshot()["rows_pending"] == 3
+        assert rx.collect() == {}
+        assert rows(store) == []
+    finally:
+        rx.close()
+        writer.close()
+    assert len(rows(store)) == 3
+    assert rx.stats["spans"] == 3

@@ -163,3 +163,18 @@ def test_quantile_and_reset() -> None:
     prev, cur = {1.0: 10, math.inf: 20}, {1.0: 2, math.inf: 3}  # restarted: counters went down
     assert bucket_delta(cur, prev) == cur
     assert bucket_delta({1.0: 12, math.inf: 25}, prev) == {1.0: 2, math.inf: 5}
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ({"targets": ["ftp://h/metrics"]}, "is not an http"),
+    ({"targets": [{"url": "http://h:1/metrics", "sever": "vllm"}]}, "sever"),
+    ({"targets": [{"url": "http://h:1/metrics", "server": "trtllm"}]}, "unknown server 'trtllm'"),
+    ({"interval_s": -5}, r"\[serving_metrics\] interval_s must be > 0"),
+    ({"timeout": 3}, r"\[serving_metrics\] has unknown keys: timeout"),
+])
+def test_config_mistakes_are_one_line(section: dict, message: str) -> None:
+    from triscope.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as err:
+        create({"serving_metrics": section}, Context())
+    assert "\n" not in str(err.value)

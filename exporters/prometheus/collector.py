@@ -219,8 +219,9 @@ class TriscopeCollector:
         d = self.derived()
         yield from self._pipeline(snap, d.ok)
         for family, kind, text, labels, keys in _DERIVED_FAMILIES:
-            m: Metric = GaugeMetricFamily(family, text, labels=list(labels)) if kind == "gauge" else \
-                CounterMetricFamily(family, text, labels=list(labels))
+            m: GaugeMetricFamily | CounterMetricFamily = (
+                GaugeMetricFamily(family, text, labels=list(labels)) if kind == "gauge"
+                else CounterMetricFamily(family, text, labels=list(labels)))
             for key in keys:
                 for label_values, value in d.samples.get(key, []):
                     m.add_metric(list(label_values), value)

@@ -8,13 +8,13 @@ into metric families.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from triscope.schema import GPU_SAMPLES, REQUESTS, SERVING_METRICS, qualified
 
-Samples = dict[str, list[tuple[tuple[str, ...], float]]]
+Samples = dict[str, Sequence[tuple[tuple[str, ...], float]]]
 """Sample key -> [(label values, value)]."""
 
 STALLS = "stalls"
