@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from triscope.component import MAX_INTERVAL_S, Collector, Rows
+from triscope.component import MAX_INTERVAL_S, Collector, Rows, Submit
 from triscope.errors import InputError, SpoolUnavailable
 from triscope.store_link import one_line
 from triscope.writer import Writer
@@ -26,18 +26,40 @@ def _length(columns: Rows) -> int:
     return max((len(v) for v in columns.values()), default=0)
 
 
+class RowCounter:
+    """Rows one collector handed to the writer, per table: whether the daemon submitted them
+    from ``collect()`` or the collector itself through ``context.submit`` (push receivers)."""
+
+    def __init__(self, submit: Submit) -> None:
+        self._submit = submit
+        self._lock = threading.Lock()
+        self.rows = 0
+        self.by_table: dict[str, int] = {}
+
+    def add(self, table: str, n: int) -> None:
+        with self._lock:
+            self.rows += n
+            self.by_table[table] = self.by_table.get(table, 0) + n
+
+    def submit(self, table: str, columns: Rows) -> int:
+        """``Context.submit`` for this collector: the writer's, counted."""
+        n = self._submit(table, columns)
+        self.add(table, n)
+        return n
+
+
 class CollectorLoop(threading.Thread):
     """Calls one collector every ``interval_s`` and submits its rows."""
 
     def __init__(self, collector: Collector, writer: Writer, stop: threading.Event,
-                 max_pending_rows: int = 200_000, retry_max_s: float = 30.0) -> None:
+                 max_pending_rows: int = 200_000, retry_max_s: float = 30.0,
+                 counter: RowCounter | None = None) -> None:
         super().__init__(name=f"collect-{collector.name}", daemon=True)
         self.collector, self.writer, self.stop = collector, writer, stop
+        self.counter = counter or RowCounter(writer.submit)
         self.interval_s = min(max(0.001, float(collector.interval_s)), MAX_INTERVAL_S)
         self.max_pending_rows = max_pending_rows
         self.retry_max_s = retry_max_s
-        self.rows = 0
-        self.rows_by_table: dict[str, int] = {}
         self.errors = 0
         self.last_error = ""
         self.rows_dropped = 0
@@ -89,11 +111,10 @@ class CollectorLoop(threading.Thread):
             self.pending.pop(0)
             self.pending_rows -= _length(columns)
             n += k
-            self.rows_by_table[table] = self.rows_by_table.get(table, 0) + k
+            self.counter.add(table, k)
         else:
             self._backoff = 0.0
         self._bound_pending()
-        self.rows += n
         return n
 
     def _bound_pending(self) -> None:
@@ -115,11 +136,20 @@ class CollectorLoop(threading.Thread):
                 deadline = now + self.interval_s
             self.stop.wait(deadline - now)
 
+    @property
+    def rows(self) -> int:
+        return self.counter.rows
+
+    @property
+    def rows_lost(self) -> int:
+        """Rows the writer never took: dropped past the bound, or still held at the end."""
+        return self.rows_dropped + self.pending_rows
+
     def counters(self) -> dict[str, Any]:
         """rows, errors, last error, rows waiting for the writer, rows dropped, rows per table."""
         return {"rows": self.rows, "errors": self.errors, "last_error": self.last_error,
                 "pending_rows": self.pending_rows, "rows_dropped": self.rows_dropped,
-                "tables": dict(self.rows_by_table)}
+                "tables": dict(self.counter.by_table)}
 
 
-__all__: Sequence[str] = ["CollectorLoop"]
+__all__: Sequence[str] = ["CollectorLoop", "RowCounter"]

@@ -16,10 +16,10 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from triscope.collector_loop import CollectorLoop
+from triscope.collector_loop import CollectorLoop, RowCounter
 from triscope.component import Collector, ComponentConfig, Context, Exporter, Factory, Rows, non_negative, positive
 from triscope.errors import ConfigError, SpoolUnavailable, StoreError, TriscopeError
 from triscope.registry import COLLECTORS, EXPORTERS, resolve
@@ -90,7 +90,9 @@ class Daemon:
         """Build every component (a config mistake raises ConfigError before anything is opened),
         open the writer, start collectors (a failing one is reported and skipped) and exporters."""
         context = Context(open_store=self.opener, submit=self._submit, stats=self.stats)
-        collectors = [(spec, _build(spec, factory, self.config, context, Collector))
+        counters = {spec: RowCounter(self._submit) for spec, _ in self.collector_factories}
+        collectors = [(spec, _build(spec, factory, self.config, replace(context, submit=counters[spec].submit),
+                                    Collector))
                       for spec, factory in self.collector_factories]
         exporters = [_build(spec, factory, self.config, context, Exporter)
                      for spec, factory in self.exporter_factories]
@@ -112,7 +114,8 @@ class Daemon:
                 self.failed[spec] = str(exc)
                 log.error("collector %s not started: %s", spec, exc)
                 continue
-            loop = CollectorLoop(collector, self.writer, self.stop, self.run_cfg.max_pending_rows)
+            loop = CollectorLoop(collector, self.writer, self.stop, self.run_cfg.max_pending_rows,
+                                 counter=counters[spec])
             self.loops.append(loop)
             self.started.append(collector.name)
             loop.start()
@@ -157,14 +160,14 @@ class Daemon:
             loop.collect_once()
             with contextlib.suppress(Exception):
                 loop.collector.close()
-            if getattr(loop.collector, "buffer", None) is not None:  # receivers: what arrived while closing
-                loop.collect_once()
         for exporter in self.exporters:
             with contextlib.suppress(Exception):
                 exporter.close()
         assert self.writer is not None
         complete = self.writer.close(timeout_s=self.run_cfg.shutdown_timeout_s)
-        return {"collectors": {loop.collector.name: loop.counters() for loop in self.loops},
+        return {"collectors": {loop.collector.name: {"rows": loop.rows, "errors": loop.errors,
+                                                     "last_error": loop.last_error} for loop in self.loops},
+                "lost": {loop.collector.name: loop.rows_lost for loop in self.loops if loop.rows_lost},
                 "not_started": self.failed, "writer": self.writer.snapshot(), "flushed": complete}
 
 

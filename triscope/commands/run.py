@@ -33,7 +33,7 @@ def run_daemon(args: argparse.Namespace) -> int:
         print(f"stopped: {w['rows_written']:,} rows written, {w['rows_pending']:,} left in the spool, "
               f"{w['rows_dropped']:,} dropped, {w['rows_rejected']:,} rejected")
         for name, c in summary["collectors"].items():
-            lost = c["pending_rows"] + c["rows_dropped"]
+            lost = summary["lost"].get(name, 0)
             print(f"  {name}: {c['rows']:,} rows, {c['errors']} errors"
                   + (f", {lost:,} rows lost (the spool could not take them)" if lost else "")
                   + (f"; last error: {c['last_error']}" if c["errors"] else ""))
