@@ -504,8 +504,9 @@ def test_boards_cover_the_issue() -> None:
     kinds = {name: {p["type"] for p in b["panels"]} for name, b in BOARDS.items()}
     assert "heatmap" in kinds["heatmap"] and "bargauge" in kinds["stalls"]
     titles = {p["title"] for b in BOARDS.values() for p in b["panels"]}
-    for t in ("QPS per backend", "GPU memory used", "P99 latency per backend", "QPS x latency", "Stall shares over the range",
-              "Bus bandwidth by collective", "Straggler ranks", "Read p99", "Write p99", "Queue depth",
+    for t in ("QPS per backend", "GPU memory used", "P99 latency per backend", "QPS x latency",
+              "Stall shares over the range", "Bus bandwidth by collective", "Straggler ranks", "Read p99",
+              "Write p99", "Queue depth",
               "Weight per backend", "P99 priority weight per request class"):
         assert t in titles
     prom = [tg for b in BOARDS.values() for p in b["panels"] for tg in p.get("targets", []) if "expr" in tg]
