@@ -202,7 +202,7 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     from triscope.collectors.otel_exporter import TriscopeSpanExporter
-    from triscope.collectors.serving_metrics import ServingMetricsScraper
+    from triscope.collectors.serving_metrics import ServingMetricsConfig, ServingMetricsScraper
     from triscope.sim.demo_analysis import backend_counts, heatmap_doc, replay_weights
     from triscope.writer import Writer
 
@@ -222,9 +222,9 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
             writer = Writer(store, spool, flush_interval_s=0.5, fsync=False)
             writer.start()
             submit = writer.submit
-            scraper = ServingMetricsScraper({"serving_metrics": {"targets": [
+            scraper = ServingMetricsScraper(ServingMetricsConfig.from_mapping({"targets": [
                 {"url": f"http://{b.address}/metrics", "server": "vllm", "host": host_of(b.spec.name)}
-                for b in backends]}})
+                for b in backends]}))
 
             def scrape() -> None:
                 for table, cols in scraper.collect().items():
@@ -233,7 +233,7 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
             def sample_gpus() -> None:
                 submit(GPU_SAMPLES.name, gpu_rows(backends, gpus, encode_ts(time.time_ns())))
 
-            exporter = TriscopeSpanExporter(store, interval_s=0.5)
+            exporter = TriscopeSpanExporter(writer)  # spans take the same write path as the scrapes
             provider = TracerProvider(resource=Resource.create({"service.name": "triscope-demo-loadgen"}))
             provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=1 << 16,
                                                            schedule_delay_millis=250, max_export_batch_size=2048))

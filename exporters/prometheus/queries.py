@@ -45,7 +45,7 @@ def query_requests(store: Any, now_ns: int, window_s: float) -> Samples:
         f"countIf(isFinite(latency_seconds)) FROM {qualified(store, REQUESTS)} WHERE {_IN_RANGE} "
         "GROUP BY backend ORDER BY backend", _range(now_ns, window_s)).rows
     rate = [((str(b),), int(n) / window_s) for b, n, _p99, _k in rows]
-    p99 = [((str(b), "requests"), float(p)) for b, _n, p, k in rows if int(k) > 0]
+    p99 = [((str(b), REQUESTS.name), float(p)) for b, _n, p, k in rows if int(k) > 0]
     return {"requests_per_second": rate, "latency_p99": p99}
 
 
@@ -62,7 +62,7 @@ def query_serving(store: Any, now_ns: int, window_s: float) -> Samples:
     for b, _m, _v, _n, p, k in rows:  # one engine-reported P99 per backend: the worst model's
         if int(k) > 0:
             p99[str(b)] = max(p99.get(str(b), -math.inf), float(p))
-    return {"kv_cache": kv, "serving_p99": [((b, "serving_metrics"), v) for b, v in sorted(p99.items())]}
+    return {"kv_cache": kv, "serving_p99": [((b, SERVING_METRICS.name), v) for b, v in sorted(p99.items())]}
 
 
 def query_gpu(store: Any, now_ns: int, window_s: float) -> Samples:
