@@ -129,3 +129,42 @@ def test_a_full_disk_with_a_small_bound_drops_oldest_and_counts_them(store: Any,
         table = qualified(store, IO_LATENCY)
         written = store.query(f"SELECT count() FROM {table} WHERE host = 'fault-test'").scalar()
         assert written == source.produced - loop.rows_dropped
+
+
+def _three_frame_batch(spool_dir: Path) -> tuple[Path, list[int]]:
+    from triscope.spool import Spool
+
+    spool = Spool(spool_dir, fsync=False)
+    batch = spool.open_batch(IO_LATENCY.name)
+    sizes = []
+    for start in (0, 100, 200):
+        rows = [{"ts": encode_ts(1_700_000_000_000_000_000 + i), "host": "spool-test", "device": "sda",
+                 "source": "test", "op": "read", "ios": start + i} for i in range(100)]
+        sizes.append(batch.append(IO_LATENCY.columns_of(rows), 100))
+    item = batch.seal(fsync=False)
+    spool.close()
+    return item.path, sizes
+
+
+@pytest.mark.parametrize("damage", ["payload", "length"])
+def test_mid_file_spool_damage_keeps_the_later_good_frames(store: Any, tmp_path: Path, damage: str) -> None:
+    """A damaged middle frame costs its own rows only: frames after it are still written."""
+    path, sizes = _three_frame_batch(tmp_path / "spool")
+    data = bytearray(path.read_bytes())
+    middle = sizes[0]
+    if damage == "payload":
+        for i in range(middle + 20, middle + 60):
+            data[i] ^= 0xFF
+    else:
+        data[middle:middle + 4] = (10**9).to_bytes(4, "little")  # a length past the end of the file
+    path.write_bytes(bytes(data))
+
+    writer = Writer(store, str(tmp_path / "spool"), flush_interval_s=0.1)  # recovers the batch
+    assert writer.flush(timeout_s=30)
+    snap = writer.snapshot()
+    assert writer.close(timeout_s=10)
+    table = qualified(store, IO_LATENCY)
+    ios = [r[0] for r in store.query(f"SELECT ios FROM {table} WHERE host = 'spool-test' ORDER BY ios").rows]
+    assert ios == list(range(0, 100)) + list(range(200, 300))
+    assert snap["rows_written"] == 200 and snap["rows_rejected"] == 100
+    assert list((tmp_path / "spool" / "rejected").glob("damaged-*"))  # the damaged file is kept for a look

@@ -23,6 +23,7 @@ import fcntl
 import logging
 import os
 import re
+import shutil
 import struct
 import threading
 import time
@@ -133,31 +134,51 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_frames(path: Path) -> tuple[dict[str, list[Any]], int, int]:
-    """Columns of every complete frame in ``path`` (concatenated), their row count and good bytes.
+_MAP_MARKERS = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])  # how a msgpack map starts
 
-    Stops at the first torn or undecodable frame; everything before it is returned.
+
+def _frame_at(data: bytes, pos: int, names: set[str]) -> tuple[dict[str, list[Any]], int, int] | None:
+    """The frame starting at ``pos`` (columns, rows, end), or None when it is not a whole, valid
+    frame with the batch's column names (``names``; any when empty)."""
+    if pos + _LEN.size >= len(data):
+        return None
+    (n,) = _LEN.unpack_from(data, pos)
+    end = pos + _LEN.size + n
+    if n == 0 or end > len(data) or data[pos + _LEN.size] not in _MAP_MARKERS:
+        return None
+    try:
+        frame = _decoder.decode(data[pos + _LEN.size:end])
+    except msgspec.DecodeError:
+        return None
+    lengths = {len(v) for v in frame.values()}
+    if len(lengths) != 1 or (names and set(frame) != names):
+        return None
+    return frame, lengths.pop(), end
+
+
+def read_frames(path: Path) -> tuple[dict[str, list[Any]], int, int]:
+    """Columns of every valid frame in ``path`` (concatenated), their row count, and the end of
+    the last valid frame.
+
+    A damaged frame in the middle (a bad length or payload) is skipped and reading resumes at the
+    next valid frame, so one bad write does not hide the good frames after it; a torn tail ends
+    the file.
     """
     data = path.read_bytes()
     out: dict[str, list[Any]] = {}
-    rows, pos = 0, 0
+    rows = good = pos = 0
     while pos + _LEN.size <= len(data):
-        (n,) = _LEN.unpack_from(data, pos)
-        end = pos + _LEN.size + n
-        if end > len(data):
-            break
-        try:
-            frame = _decoder.decode(data[pos + _LEN.size:end])
-        except msgspec.DecodeError:
-            break
-        lengths = {len(v) for v in frame.values()}
-        if len(lengths) != 1 or (out and set(frame) != set(out)):
-            break
+        found = _frame_at(data, pos, set(out))
+        if found is None:
+            pos = next((p for p in range(pos + 1, len(data) - _LEN.size)
+                        if _frame_at(data, p, set(out)) is not None), len(data))
+            continue
+        frame, n, end = found
         for name, values in frame.items():
             out.setdefault(name, []).extend(values)
-        rows += lengths.pop()
-        pos = end
-    return out, rows, pos
+        rows += n
+        pos = good = end
+    return out, rows, good
 
 
 class Spool:
@@ -218,12 +239,20 @@ class Spool:
             _fsync_dir(self.dir)
         return found
 
-    def load(self, item: SpoolFile) -> dict[str, list[Any]]:
-        """The columns of a sealed batch."""
+    def load(self, item: SpoolFile) -> tuple[dict[str, list[Any]], int]:
+        """The columns of a sealed batch and the rows it lost to damage (a copy of a damaged file
+        is kept in ``rejected/``); StoreError when no frame is readable."""
         columns, rows, _ = read_frames(item.path)
-        if rows != item.rows:
-            raise StoreError(f"spool file {item.path.name} holds {rows} rows, its name says {item.rows}")
-        return columns
+        if rows == 0:
+            raise StoreError(f"spool file {item.path.name} has no readable frame (its name says {item.rows} rows)")
+        lost = max(0, item.rows - rows)
+        if lost:
+            kept = self.dir / "rejected" / f"damaged-{item.path.name}"
+            with contextlib.suppress(OSError):
+                shutil.copyfile(item.path, kept)
+            log.error("spool: %s is damaged: %d of %d rows readable; writing those, copy kept as %s",
+                      item.path.name, rows, item.rows, kept.name)
+        return columns, lost
 
     def remove(self, item: SpoolFile) -> None:
         """Delete a batch that is in the store."""

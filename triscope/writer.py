@@ -300,8 +300,12 @@ class Writer:
     def _write(self, queued: _Queued) -> bool | None:
         """Insert one batch: True written, False rejected (bad data), None store unavailable."""
         item = queued.file
+        lost = 0
         try:
-            columns = queued.columns if queued.columns is not None else self.spool.load(item)
+            if queued.columns is not None:
+                columns = queued.columns
+            else:
+                columns, lost = self.spool.load(item)
         except (OSError, StoreError) as exc:
             log.error("writer: cannot read spool file %s (%s); moving it to rejected/", item.path.name,
                       one_line(exc))
@@ -319,10 +323,11 @@ class Writer:
             self.stats["rows_rejected"] += item.rows
             return False
         self.spool.remove(item)
-        self.stats["rows_written"] += item.rows
+        self.stats["rows_rejected"] += lost
+        self.stats["rows_written"] += item.rows - lost
         self.stats["batches_written"] += 1
         if queued.replayed:
-            self.stats["rows_replayed"] += item.rows
+            self.stats["rows_replayed"] += item.rows - lost
         return True
 
     # ---- control ------------------------------------------------------------------------------

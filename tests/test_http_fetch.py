@@ -1,0 +1,91 @@
+"""collectors/http_fetch.py against real sockets on 127.0.0.1: a total deadline (trickled headers
+and bodies), bounded bodies, chunked bodies, redirect policy, one-line errors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import free_port
+from scrape_helpers import Route, raw_server
+
+from triscope.collectors.http_fetch import UnreachableError, fetch
+from triscope.errors import InputError
+
+BODY = b"# TYPE up gauge\nup 1\n"
+
+
+def test_plain_and_chunked_bodies() -> None:
+    big = b"x" * 250_000
+    with raw_server({"/a": Route(body=BODY), "/c": Route(body=big, chunked=True),
+                     "/n": Route(body=BODY, content_length=False)}) as s:
+        assert fetch(s.url("/a"), timeout_s=2, max_bytes=1000) == BODY
+        assert fetch(s.url("/c"), timeout_s=2, max_bytes=len(big)) == big
+        assert fetch(s.url("/n"), timeout_s=2, max_bytes=1000) == BODY  # framed by close
+
+
+@pytest.mark.parametrize("trickle_headers", [False, True])
+def test_trickled_answer_hits_the_total_deadline(trickle_headers: bool) -> None:
+    # 200 bytes at one per 50 ms take 10 s; every single read succeeds well inside a 0.5 s
+    # per-read timeout, so only a total deadline stops it.
+    route = Route(body=b"y" * 200, trickle_s=0.05, trickle_headers=trickle_headers)
+    with raw_server({"/slow": route}) as s:
+        t0 = time.monotonic()
+        with pytest.raises(UnreachableError, match=r"within 0.5 s \(total deadline\)") as err:
+            fetch(s.url("/slow"), timeout_s=0.5, max_bytes=10_000)
+        took = time.monotonic() - t0
+    assert took < 1.5, took
+    assert "\n" not in str(err.value) and s.url("/slow") in str(err.value)
+
+
+def test_body_bound_with_and_without_content_length() -> None:
+    with raw_server({"/big": Route(body=b"z" * 5000), "/bigchunked": Route(body=b"z" * 5000, chunked=True)}) as s:
+        with pytest.raises(InputError, match="exceeds 4096 bytes"):
+            fetch(s.url("/big"), timeout_s=2, max_bytes=4096)
+        with pytest.raises(InputError, match="exceeds 4096 bytes"):
+            fetch(s.url("/bigchunked"), timeout_s=2, max_bytes=4096)
+
+
+def test_status_refused_and_encoding_are_one_line() -> None:
+    with raw_server({"/gz": Route(body=b"\x1f\x8b...", headers=(("Content-Encoding", "gzip"),))}) as s:
+        with pytest.raises(UnreachableError, match=r"HTTP 404 Not Found"):
+            fetch(s.url("/missing"), timeout_s=2, max_bytes=100)
+        with pytest.raises(InputError, match="unsupported Content-Encoding 'gzip'"):
+            fetch(s.url("/gz"), timeout_s=2, max_bytes=100)
+    with pytest.raises(UnreachableError, match="scrape failed") as err:
+        fetch(f"http://127.0.0.1:{free_port()}/metrics", timeout_s=1, max_bytes=100)
+    assert "\n" not in str(err.value)
+
+
+def test_redirect_policy() -> None:
+    with raw_server({"/metrics": Route(status="307 Temporary Redirect", headers=(("Location", "/metrics/"),)),
+                     "/metrics/": Route(body=BODY),
+                     "/away": Route(status="302 Found", headers=(("Location", "http://10.255.255.1:9/metrics"),)),
+                     "/file": Route(status="302 Found", headers=(("Location", "file:///etc/passwd"),)),
+                     "/loop": Route(status="302 Found", headers=(("Location", "/loop"),))}) as s:
+        with pytest.raises(InputError, match="redirects are not allowed"):
+            fetch(s.url("/metrics"), timeout_s=2, max_bytes=100)
+        assert fetch(s.url("/metrics"), timeout_s=2, max_bytes=100, allow_redirects=True) == BODY
+        with pytest.raises(InputError, match="another origin"):
+            fetch(s.url("/away"), timeout_s=2, max_bytes=100, allow_redirects="same-origin")
+        with pytest.raises(InputError, match="not an http"):
+            fetch(s.url("/file"), timeout_s=2, max_bytes=100, allow_redirects="any")
+        with pytest.raises(InputError, match="more than 5 redirects"):
+            fetch(s.url("/loop"), timeout_s=2, max_bytes=100, allow_redirects=True)
+        assert s.requests.count("/loop") == 6
+
+
+def test_many_deadlines_share_one_watchdog_and_do_not_leak() -> None:
+    import threading
+
+    route = Route(body=b"y" * 100, trickle_s=0.05)
+    with raw_server({"/slow": route, "/ok": Route(body=BODY)}) as s:
+        before = threading.active_count()
+        for _ in range(5):
+            assert fetch(s.url("/ok"), timeout_s=2, max_bytes=100) == BODY
+        with pytest.raises(UnreachableError):
+            fetch(s.url("/slow"), timeout_s=0.2, max_bytes=1000)
+        # Finished fetches leave at most the one watchdog thread behind (server threads aside).
+        assert threading.active_count() <= before + 1 + 6
+        names = [t.name for t in threading.enumerate() if t.name == "http-fetch-watchdog"]
+        assert len(names) == 1
