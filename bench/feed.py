@@ -31,6 +31,7 @@ from typing import Any
 from triscope.sim.backend import BackendSpec
 from triscope.sim.bench_fleet import BENCH_WEIGHTS, FeedWorker, SimFleet
 from triscope.sim.haproxy import HAProxy, Server, free_port, wait_port
+from triscope.sim.procs import stop_process
 
 _UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 
@@ -116,13 +117,7 @@ http {{
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def _get(url: str) -> bytes:

@@ -12,6 +12,7 @@ import urllib.request
 from typing import Any
 
 from triscope.sim.backend import BackendSpec
+from triscope.sim.procs import stop_process
 
 PYTHON = sys.executable
 
@@ -57,17 +58,6 @@ def read_ready(proc: subprocess.Popen[bytes], what: str, timeout_s: float = 30.0
         err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
         raise RuntimeError(f"{what} did not become ready: {err.strip()}")
     return result["ready"]
-
-
-def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class SimFleet:

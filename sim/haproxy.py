@@ -13,6 +13,7 @@ from pathlib import Path
 
 from triscope.exporters.haproxy_gate import LUA_PATH as GATE_LUA
 from triscope.exporters.haproxy_gate import gate_rules
+from triscope.sim.procs import stop_process
 
 
 def free_port() -> int:
@@ -208,13 +209,7 @@ class HAProxy:
         return out
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
     def __enter__(self) -> HAProxy:
