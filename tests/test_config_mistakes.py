@@ -74,7 +74,7 @@ def test_unreadable_config_files_are_one_line_exit_2(tmp_path: Path, capsys: pyt
 def test_env_override_below_a_scalar_is_one_line(tmp_path: Path) -> None:
     config = load_config(None, environ={"TRISCOPE_STORE__PATH__X": "1",
                                         "TRISCOPE_RUN__COLLECTORS": '["blockio_diskstats"]'})
-    with pytest.raises(ConfigError, match=r"\[store\] path must be a string"):
+    with pytest.raises(ConfigError, match=r"\[store\] has a bad value for path: must be a string"):
         Daemon(config)
 
 

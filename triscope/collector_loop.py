@@ -81,6 +81,11 @@ class CollectorLoop(threading.Thread):
         except Exception as exc:
             self._error(f"collect failed: {one_line(exc)}")
             out = {}
+        # Per-source failures of a collector that still returned rows (one target of many): counted
+        # here, logged by the collector once per change of state.
+        for message in getattr(self.collector, "take_errors", list)():
+            self.errors += 1
+            self.last_error = message
         for table, columns in (out or {}).items():
             if _length(columns):
                 self.pending.append((table, columns))

@@ -205,7 +205,11 @@ class ComponentConfig:
             if name not in names:
                 unknown.append(str(key))
                 continue
-            values[name] = _coerce(value, hints[name], f"{where} {name}")
+            try:
+                values[name] = _coerce(value, hints[name], name)
+            except ConfigError as exc:  # one shape for every section: names the key, says what it takes
+                key, _, why = str(exc).partition(" must be ")
+                raise ConfigError(f"{where} has a bad value for {key}: must be {why}") from None
         if unknown:
             raise ConfigError(f"{where} has unknown keys: {', '.join(sorted(unknown))} "
                               f"(known: {', '.join(sorted(names))})")

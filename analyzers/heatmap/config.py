@@ -45,19 +45,6 @@ class HeatmapConfig(ComponentConfig):
             raise ConfigError(f"{where} memory_max_age_s must be >= 0")
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any] | None, where: str | None = None) -> Self:
-        """As the base; a value of the wrong type reads ``[heatmap] has a bad value for KEY: ...``."""
-        where = where or f"[{cls.section}]"
-        try:
-            return super().from_mapping(data, where)
-        except ConfigError as exc:
-            key = next((k for k in data or {} if str(exc).startswith(f"{where} {k} must be")), None)
-            if data is None or key is None:
-                raise
-            why = str(exc).removeprefix(f"{where} {key} ")
-            raise ConfigError(f"{where} has a bad value for {key}: {why}") from None
-
-    @classmethod
     def from_config(cls, config: Mapping[str, Any] | None) -> Self:
         """The section, ``window_ms`` falling back to ``[analysis] window_ms``."""
         config = config or {}

@@ -26,6 +26,8 @@ from triscope.analyzers.routing.model import (
     EngineState,
     ScaleDecision,
     WeightsResult,
+    forget,
+    lb_knows,
     split_address,
     with_address,
 )
@@ -46,6 +48,6 @@ from triscope.analyzers.routing.store_inputs import read_inputs
 __all__ = ["DEFAULT_CLASSES", "DRAIN", "NAN", "READY", "BackendConfig", "BackendInputs", "BackendState",
            "BackendWeight", "EngineState", "FeedConfig", "RequestClass", "ScaleDecision", "WeightParams",
            "WeightsConfig", "WeightsResult", "batch_occupancy", "class_admission", "class_of", "class_priorities",
-           "compute_weights", "damp", "drain_reasons", "factors", "headroom_penalty", "history_columns",
-           "latency_penalty", "lb_weight", "over_limit", "queue_penalty", "read_inputs", "scale_decision",
+           "compute_weights", "damp", "drain_reasons", "factors", "forget", "headroom_penalty", "history_columns",
+           "latency_penalty", "lb_knows", "lb_weight", "over_limit", "queue_penalty", "read_inputs", "scale_decision",
            "split_address", "with_address"]

@@ -23,6 +23,8 @@ def drain_reasons(inputs: BackendInputs, was_drained: bool, params: WeightParams
         reasons.append("kv_cache")
     if not inputs.healthy:
         reasons.append("health")
+    if math.isfinite(inputs.sleep_state) and inputs.sleep_state > 0:  # a sleeping engine holds no weights
+        reasons.append("sleep")
     return tuple(reasons)
 
 

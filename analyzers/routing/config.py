@@ -135,6 +135,12 @@ class WeightsConfig(ComponentConfig):
     latency_penalty_cap: float = 100.0
     sharpness: float = 1.0
     queue_weight: float = 0.0
+    preemption_penalty: float = 2.0
+    """Factor of a backend whose preemptions counter rose within ``preemption_lookback_s`` (1 = off)."""
+    preemption_lookback_s: float = 60.0
+    forget_after_s: float = 0.0
+    """A known backend with no inputs stays published (absent) until forgotten; > 0 forgets it after
+    that long while another backend still reports (0 = only an operator removes it)."""
     default_capacity_qps: float = 0.0
     default_class: str = "interactive_image_text"
     lb_scale: int = 100
@@ -181,6 +187,9 @@ class WeightsConfig(ComponentConfig):
             (self.lb_scale >= 1, "lb_scale must be >= 1"),
             (0 < self.sharpness <= 4, "sharpness must be in (0, 4]"),
             (self.queue_weight >= 0, "queue_weight must be >= 0"),
+            (self.preemption_penalty >= 1, "preemption_penalty must be >= 1"),
+            (self.preemption_lookback_s > 0, "preemption_lookback_s must be > 0"),
+            (self.forget_after_s >= 0, "forget_after_s must be >= 0"),
             (self.default_class in self.classes, f"default_class {self.default_class!r} is not a class"),
         ]
         for ok, message in checks:

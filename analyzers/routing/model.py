@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,6 +36,10 @@ class BackendInputs:
     """Requests waiting in the engine's scheduler (``vllm:num_requests_waiting``)."""
     running_requests: float = NAN
     """Requests in the running batch (``vllm:num_requests_running``)."""
+    preemptions: float = NAN
+    """Rise of the engine's preemptions counter over ``preemption_lookback_s`` (``vllm:num_preemptions``)."""
+    sleep_state: float = NAN
+    """``vllm:engine_sleep_state``: 0 awake, > 0 sleeping (its level)."""
 
     @property
     def memory_used_ratio(self) -> float:
@@ -54,11 +58,14 @@ class BackendInputs:
 
 @dataclass(frozen=True)
 class BackendState:
-    """Engine memory of one backend between updates."""
+    """Engine memory of one backend between updates; ``address`` and ``sources`` keep a backend
+    published (as absent) once its inputs are gone."""
 
     weight: float
     drained: bool = False
     first_seen: float = NAN
+    address: str = ""
+    sources: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,16 @@ class EngineState:
     stale: bool = False
     class_closed: frozenset[tuple[str, str]] = frozenset()
     """(class, backend) pairs closed by the class's admission limit at the last update."""
+    absent: frozenset[str] = frozenset()
+    """Backends published without inputs at the last update (what :func:`forget` removes by default)."""
+
+
+def forget(state: EngineState, names: Iterable[str] | None = None) -> tuple[EngineState, tuple[str, ...]]:
+    """``state`` without the named backends (default: every absent one), and the names removed.
+    A forgotten backend that reports again comes back as new (slow start)."""
+    drop = set(state.absent if names is None else names) & set(state.backends)
+    kept = {n: b for n, b in state.backends.items() if n not in drop}
+    return replace(state, backends=kept, absent=state.absent - drop), tuple(sorted(drop))
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,7 @@ class BackendWeight:
                 "memory_total_bytes": _num(i.memory_total_bytes),
                 "kv_cache_usage_ratio": _num(i.kv_cache_usage_ratio),
                 "qps": _num(i.qps), "capacity_qps": _num(i.capacity_qps),
+                "preemptions": _num(i.preemptions), "sleep_state": _num(i.sleep_state),
                 "p99_seconds": {k: _num(v) for k, v in i.p99_seconds.items()},
                 "healthy": i.healthy,
                 "sources": {k: _num(v) for k, v in i.sources.items()},
@@ -141,6 +159,10 @@ class WeightsResult:
     class_admission: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """Per class, per backend: ``ready`` or ``drain`` for requests of that class; HAProxy per-class
     pools read it with ``agent-send "NAME CLASS"``."""
+    absent_backends: tuple[str, ...] = ()
+    """Known backends with no inputs within ``lookback_s``: still published (docs/weights.md)."""
+    unknown_backends: tuple[str, ...] = ()
+    """Backends no load balancer can know (no address, no scrape, not configured): left out."""
 
     def class_state(self, backend: str, request_class: str) -> str | None:
         """``ready``/``drain`` of ``backend`` for ``request_class``; None when either is unknown."""
@@ -151,6 +173,7 @@ class WeightsResult:
         return {
             "version": self.version, "computed_at": self.computed_at, "stale": self.stale,
             "stale_backends": list(self.stale_backends), "drain_suppressed": self.drain_suppressed,
+            "absent_backends": list(self.absent_backends), "unknown_backends": list(self.unknown_backends),
             "interval_s": self.interval_s,
             "backends": {name: b.to_dict() for name, b in sorted(self.backends.items())},
             "classes": {name: {k: _num(v) for k, v in c.items()} for name, c in self.classes.items()},
@@ -177,6 +200,14 @@ def with_address(inputs: BackendInputs, params: WeightParams) -> BackendInputs:
     if not math.isfinite(capacity) and cfg and cfg.capacity_qps > 0:
         capacity = cfg.capacity_qps
     return replace(inputs, address=address, capacity_qps=capacity)
+
+
+def lb_knows(inputs: BackendInputs, params: WeightParams) -> bool:
+    """Whether a load balancer can know the backend: it has an address (a ``host:port`` name
+    counts), a ``[weights.backends]`` entry, or a scrape (serving metrics or GPU samples). A backend
+    seen only in request spans (say a random ``service.instance.id``) cannot."""
+    return bool(inputs.address or _is_host_port(inputs.backend) or inputs.backend in params.backends
+                or SOURCE_SERVING in inputs.sources or SOURCE_GPU in inputs.sources)
 
 
 def _is_host_port(text: str) -> bool:

@@ -7,7 +7,7 @@ params and ``now``: no clock, no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from triscope.analyzers.routing.admission import class_admission, drain_reasons
@@ -21,6 +21,7 @@ from triscope.analyzers.routing.model import (
     EngineState,
     ScaleDecision,
     WeightsResult,
+    lb_knows,
 )
 
 
@@ -55,7 +56,8 @@ def queue_penalty(queue_length: float, running: float, params: WeightParams) -> 
 
 
 def factors(inputs: BackendInputs, params: WeightParams) -> dict[str, float]:
-    """The multiplicative penalties of a backend (each >= 1); ``queue`` only when ``queue_weight`` > 0."""
+    """The multiplicative penalties of a backend (each >= 1); ``queue`` only when ``queue_weight`` > 0,
+    ``preemption`` only when the preemptions counter is measured."""
     capacity = inputs.capacity_qps if math.isfinite(inputs.capacity_qps) else params.default_capacity_qps
     load = 1.0
     if capacity > 0 and math.isfinite(inputs.qps):
@@ -71,6 +73,8 @@ def factors(inputs: BackendInputs, params: WeightParams) -> dict[str, float]:
     }
     if params.queue_weight > 0:
         out["queue"] = queue_penalty(inputs.queue_length, inputs.running_requests, params)
+    if math.isfinite(inputs.preemptions):  # preempting: in trouble before KV usage reads 100 %
+        out["preemption"] = params.preemption_penalty if inputs.preemptions > 0 else 1.0
     return out
 
 
@@ -142,16 +146,45 @@ def _first_seen(names: list[str], prev: EngineState, first_update: bool, now: fl
     return first_seen, newest
 
 
+def _absent(prev: EngineState, present: Mapping[str, BackendInputs], params: WeightParams,
+            now: float) -> dict[str, BackendInputs]:
+    """Backends published before whose inputs are gone, as inputs holding only their address and
+    last sample times. ``forget_after_s`` > 0 drops those silent that long, but only while another
+    backend reports: silence of the whole fleet is lost telemetry, not a fleet gone."""
+    out = {}
+    for name, old in prev.backends.items():
+        if name in present:
+            continue
+        last = BackendInputs(name, address=old.address, sources=dict(old.sources))
+        seen = last.updated_at()
+        if params.forget_after_s > 0 and present and not (now - seen <= params.forget_after_s):
+            continue
+        out[name] = last
+    return out
+
+
+def _state(inputs: BackendInputs, weight: float, drained: bool, first_seen: float) -> BackendState:
+    return BackendState(weight, drained, first_seen, inputs.address, dict(inputs.sources))
+
+
 def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | None,
                     params: WeightParams, now: float) -> tuple[WeightsResult, EngineState]:
-    """Weights for ``inputs`` given the previous state; pure (no clock, no I/O)."""
+    """Weights for ``inputs`` given the previous state; pure (no clock, no I/O).
+
+    Backends no LB can know (:func:`lb_knows`) are left out; backends of ``previous`` missing from
+    ``inputs`` stay published as absent (docs/weights.md, "Stale inputs").
+    """
     first_update = previous is None
     prev = previous or EngineState()
-    by_name = {i.backend: i for i in inputs}
+    given = {i.backend: i for i in inputs}
+    unknown = tuple(sorted(n for n, i in given.items() if not lb_knows(i, params) and n not in prev.backends))
+    present = {n: i for n, i in given.items() if n not in unknown}
+    absent = _absent(prev, present, params, now)
+    by_name = {**present, **absent}
     names = sorted(by_name)
     ages = {n: now - by_name[n].updated_at() for n in names}
-    stale_backends = tuple(n for n in names if not (ages[n] <= params.stale_after_s))
-    stale = bool(stale_backends) or not names
+    stale_backends = tuple(n for n in sorted(present) if not (ages[n] <= params.stale_after_s))
+    stale = bool(stale_backends) or not present
     first_seen, newest = _first_seen(names, prev, first_update, now)
 
     fac = {n: factors(by_name[n], params) for n in names}
@@ -160,22 +193,23 @@ def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | Non
     suppressed = False
     if stale:
         for n in names:
-            results[n] = BackendWeight(n, 1.0, 1.0, lb_weight(1.0, False, params), READY,
-                                       ("stale",) if n in stale_backends else (), fac[n], by_name[n],
+            why = ("absent",) if n in absent else ("stale",) if n in stale_backends else ()
+            results[n] = BackendWeight(n, 1.0, 1.0, lb_weight(1.0, False, params), READY, why, fac[n], by_name[n],
                                        ages[n])
-            states[n] = BackendState(1.0, False, first_seen[n])
+            states[n] = _state(by_name[n], 1.0, False, first_seen[n])
     else:
-        reasons = {n: drain_reasons(by_name[n], _was_drained(prev, n), params) for n in names}
-        drained = {n for n in names if reasons[n]}
-        if drained and len(drained) == len(names):  # never drain the whole fleet: hold it at the floor
+        live = sorted(present)
+        reasons = {n: drain_reasons(by_name[n], _was_drained(prev, n), params) for n in live}
+        drained = {n for n in live if reasons[n]}
+        if drained and len(drained) == len(live):  # never drain the whole fleet: hold it at the floor
             suppressed = True
             drained = set()
-        raw = {n: 1.0 / math.prod(fac[n].values()) for n in names if n not in drained}
+        raw = {n: 1.0 / math.prod(fac[n].values()) for n in live if n not in drained}
         best = max(raw.values())
-        for n in names:
+        for n in live:
             if n in drained:
                 results[n] = BackendWeight(n, 0.0, 0.0, 0, DRAIN, reasons[n], fac[n], by_name[n], ages[n])
-                states[n] = BackendState(0.0, True, first_seen[n])
+                states[n] = _state(by_name[n], 0.0, True, first_seen[n])
                 continue
             target = (raw[n] / best) ** params.sharpness
             old = prev.backends.get(n)
@@ -190,20 +224,27 @@ def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | Non
             results[n] = BackendWeight(n, weight, target, lb_weight(weight, False, params), READY,
                                        reasons[n] if suppressed else (), fac[n], by_name[n], ages[n],
                                        drain_suppressed=suppressed and bool(reasons[n]))
-            states[n] = BackendState(weight, False, first_seen[n])
+            states[n] = _state(by_name[n], weight, False, first_seen[n])
+        for n in sorted(absent):  # no numbers: kept in the LB's list, eased down to the floor
+            weight = damp(prev.backends[n].weight, params.floor, params)
+            results[n] = BackendWeight(n, weight, params.floor, lb_weight(weight, False, params), READY, ("absent",),
+                                       fac[n], by_name[n], ages[n])
+            states[n] = _state(by_name[n], weight, False, first_seen[n])
 
     if stale:  # a sustained condition cannot be verified on stale numbers: hold and restart the timers
         scale, above, below = ScaleDecision("hold", NAN, "inputs are stale"), NAN, NAN
     else:
         # the instance that appeared in this very update already starts the cooldown
-        scale, above, below = scale_decision(inputs, replace(prev, newest_instance_at=newest), params, now)
+        scale, above, below = scale_decision(list(present.values()), replace(prev, newest_instance_at=newest),
+                                             params, now)
     admission, closed = class_admission(results, prev.class_closed, params, stale)
     published = (tuple((n, results[n].lb_weight, results[n].state) for n in names) + (("stale", stale),)
                  + tuple(sorted(closed)))
     version = prev.version + 1 if published != prev.published else prev.version
     result = WeightsResult(results, version, now, stale, stale_backends, suppressed,
-                           class_priorities(inputs, params), scale, params.interval_s, admission)
-    state = EngineState(states, version, published, above, below, newest, stale, closed)
+                           class_priorities(inputs, params), scale, params.interval_s, admission,
+                           tuple(sorted(absent)), unknown)
+    state = EngineState(states, version, published, above, below, newest, stale, closed, frozenset(absent))
     return result, state
 
 

@@ -40,6 +40,17 @@ def _backend_names(store: Store, params: WeightParams, p: dict[str, Any]) -> lis
     return sorted(names)
 
 
+_PREEMPT = "isFinite(preemptions_total) AND ts >= fromUnixTimestamp64Nano({pstart:Int64})"
+
+
+def _rise(hi: float, lo: float, n: int) -> float:
+    """A counter's rise between its first and last sample (after a reset: its value since); NaN
+    with fewer than two samples."""
+    if n < 2 or not (math.isfinite(hi) and math.isfinite(lo)):
+        return NAN
+    return hi - lo if hi >= lo else hi
+
+
 def _serving(store: Store, p: dict[str, Any]) -> dict[str, dict[str, float]]:
     sql = f"""
 SELECT backend,
@@ -50,7 +61,11 @@ SELECT backend,
        minIf(requests_total, ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS rt_lo,
        toUnixTimestamp64Nano(maxIf(ts, ts >= fromUnixTimestamp64Nano({{wstart:Int64}}))) AS w_hi,
        toUnixTimestamp64Nano(minIf(ts, ts >= fromUnixTimestamp64Nano({{wstart:Int64}}))) AS w_lo,
-       countIf(ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS w_n
+       countIf(ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS w_n,
+       argMax(sleep_state, ts) AS sleep,
+       argMaxIf(preemptions_total, ts, {_PREEMPT}) AS pre_hi,
+       argMinIf(preemptions_total, ts, {_PREEMPT}) AS pre_lo,
+       countIf({_PREEMPT}) AS pre_n
 FROM {qualified(store, SERVING_METRICS)}
 WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
 GROUP BY backend"""
@@ -61,7 +76,8 @@ GROUP BY backend"""
         if int(r["w_n"]) >= 2 and span > 0 and math.isfinite(_f(r["rt_hi"])) and math.isfinite(_f(r["rt_lo"])):
             qps = max(0.0, (_f(r["rt_hi"]) - _f(r["rt_lo"])) / span)
         out[str(r["backend"])] = {"last": int(r["last_ns"]) / 1e9, "kv": _f(r["kv"]), "p99": _f(r["p99"]),
-                                  "qps": qps}
+                                  "qps": qps, "sleep": _f(r["sleep"]),
+                                  "preemptions": _rise(_f(r["pre_hi"]), _f(r["pre_lo"]), int(r["pre_n"]))}
     return out
 
 
@@ -117,7 +133,8 @@ GROUP BY host, gpu"""
 
 def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendInputs]:
     """One :class:`BackendInputs` per known backend, from the newest rows within ``lookback_s``."""
-    p = {"since": _ns(now - params.lookback_s), "wstart": _ns(now - params.window_s), "until": _ns(now) + 1}
+    p = {"since": _ns(now - params.lookback_s), "wstart": _ns(now - params.window_s), "until": _ns(now) + 1,
+         "pstart": _ns(now - params.preemption_lookback_s)}
     names = _backend_names(store, params, p)
     if not names:
         return []
@@ -145,12 +162,12 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
         if samples:
             sources[SOURCE_GPU] = min(s["last"] for s in samples)
         srv = serving.get(name)
-        kv = NAN
+        kv = sleep = preemptions = NAN
         p99 = dict(p99_req.get(name, {}))
         qps = qps_req.get(name, NAN)
         if srv is not None:
             sources[SOURCE_SERVING] = srv["last"]
-            kv = srv["kv"]
+            kv, sleep, preemptions = srv["kv"], srv["sleep"], srv["preemptions"]
             if not p99 and math.isfinite(srv["p99"]):
                 p99[params.default_class] = srv["p99"]
             if not math.isfinite(qps):
@@ -160,5 +177,5 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
         out.append(BackendInputs(name, memory_used_bytes=used, memory_total_bytes=total, kv_cache_usage_ratio=kv,
                                  qps=qps, capacity_qps=cfg.capacity_qps if cfg and cfg.capacity_qps > 0 else NAN,
                                  p99_seconds=p99, healthy=healthy, sources=sources,
-                                 address=cfg.address if cfg else ""))
+                                 address=cfg.address if cfg else "", sleep_state=sleep, preemptions=preemptions))
     return out

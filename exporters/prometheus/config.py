@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
 from triscope.component import ComponentConfig, non_negative, positive
 from triscope.errors import ConfigError
@@ -38,17 +38,6 @@ class PrometheusConfig(ComponentConfig):
                  query_timeout_s=self.query_timeout_s, poll_s=self.poll_s, max_connections=self.max_connections)
         non_negative(where, cache_s=self.cache_s)
 
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any] | None, where: str | None = None) -> Self:
-        """As the base; a wrong type or range reads ``[prometheus] has a bad value: KEY ...``."""
-        where = where or f"[{cls.section}]"
-        try:
-            return super().from_mapping(data, where)
-        except ConfigError as exc:
-            text = str(exc)
-            if not text.startswith(f"{where} ") or text.startswith((f"{where} has ", f"{where} must ")):
-                raise
-            raise ConfigError(f"{where} has a bad value: {text.removeprefix(f'{where} ')}") from None
 
 def prometheus_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The checked ``[prometheus]`` section of ``config`` with defaults, as a dict (ConfigError, one line)."""

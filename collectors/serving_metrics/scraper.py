@@ -1,0 +1,190 @@
+"""The ``serving_metrics`` collector: every target fetched concurrently with a total deadline, parsed on its own.
+
+A target's failure (no answer, deadline, oversized or malformed exposition, a bucket ``le="abc"``)
+is that target's error only: the others' rows are still returned. Each failure is counted
+(:meth:`ServingMetricsScraper.take_errors`, read by the collector loop) and logged once per change
+of state, not once per tick. Histogram baselines are kept per target for the models of its last
+scrape only, at most ``max_models_per_target``, so label churn cannot grow them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from triscope.collectors.http_fetch import fetch
+from triscope.collectors.prom_text import bucket_delta, histogram_quantile, parse_exposition
+from triscope.collectors.serving_metrics.aggregate import InstanceSnapshot, aggregate
+from triscope.collectors.serving_metrics.engines import detect_server
+from triscope.collectors.serving_metrics.targets import ServingMetricsConfig, Target
+from triscope.errors import InputError
+from triscope.schema import SERVING_METRICS, encode_ts
+
+log = logging.getLogger("triscope.collectors.serving_metrics")
+
+GRACE_S = 1.0
+"""Waited beyond the fetch deadlines for threads to hand their results back."""
+_REDIRECTS: dict[str, bool | str] = {"none": False, "same-origin": "same-origin", "any": "any"}
+_GAUGES = ("queue_length", "running_requests", "kv_cache_usage_ratio", "requests_total", "preemptions_total",
+           "sleep_state", "waiting_capacity", "waiting_deferred", "swapped_requests")
+_QUANTILES = (("latency_p50_seconds", "latency", 0.5), ("latency_p99_seconds", "latency", 0.99),
+              ("ttft_p99_seconds", "ttft", 0.99), ("queue_time_p99_seconds", "queue_time", 0.99),
+              ("itl_p99_seconds", "itl", 0.99))
+
+
+@dataclass
+class _State:
+    """What the scraper remembers of one target between scrapes."""
+
+    error: str = ""
+    future: Future[bytes] | None = None
+    previous: dict[str, InstanceSnapshot] = field(default_factory=dict)
+
+
+class ServingMetricsScraper:
+    """Collector scraping serving engines (``[serving_metrics] targets``)."""
+
+    name = "serving_metrics"
+
+    def __init__(self, config: ServingMetricsConfig | Mapping[str, Any] | None = None) -> None:
+        cfg = config if isinstance(config, ServingMetricsConfig) else ServingMetricsConfig.from_config(config)
+        self.targets = cfg.target_list()
+        self.interval_s = cfg.interval_s
+        self.timeout_s = cfg.timeout_s
+        self.max_body_bytes = cfg.max_body_bytes
+        self.redirects = _REDIRECTS[cfg.redirects]
+        self.max_parallel = cfg.max_parallel
+        self.max_models = cfg.max_models_per_target
+        self._state: dict[str, _State] = {t.url: _State() for t in self.targets}
+        self._pool: ThreadPoolExecutor | None = None
+        self._new_errors: list[str] = []
+        self.errors: dict[str, str] = {}
+        """url -> the one-line error of each target failing now."""
+        self.errors_total = 0
+        # The daemon's last collect may run on its main thread while the loop's is still in flight.
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Nothing to acquire: the scrape threads start with the first collect()."""
+
+    def fetch(self, target: Target) -> str:
+        """GET the exposition text within ``timeout_s`` in total; InputError (one line) on any failure."""
+        body = fetch(target.url, timeout_s=self.timeout_s, max_bytes=self.max_body_bytes,
+                     allow_redirects=self.redirects)
+        return body.decode("utf-8", errors="replace")
+
+    def rows_from_text(self, target: Target, text: str, ts_ns: int) -> dict[str, list[Any]]:
+        """Rows (``serving_metrics`` columns) of one scrape, updating the histogram baseline of this target."""
+        rows, _dropped = self._rows(target, text, ts_ns)
+        return SERVING_METRICS.columns_of(rows)
+
+    def _rows(self, target: Target, text: str, ts_ns: int) -> tuple[list[dict[str, Any]], int]:
+        series = parse_exposition(text, target.url)
+        server = target.server or detect_server(series, target.url)
+        snaps = aggregate(series, server, target.model, target.url)
+        dropped = max(0, len(snaps) - self.max_models)
+        state = self._state.setdefault(target.url, _State())
+        previous, state.previous = state.previous, {}
+        rows = []
+        for model, snap in list(snaps.items())[:self.max_models]:
+            prev = previous.get(model)
+            state.previous[model] = snap  # only this scrape's models: churned labels are forgotten
+            row: dict[str, Any] = {"ts": encode_ts(ts_ns), "host": target.host, "backend": target.backend,
+                                   "server": server, "model": model}
+            row.update({key: snap.get(key) for key in _GAUGES})
+            for column, hist, q in _QUANTILES:
+                if hist in snap.buckets:
+                    delta = bucket_delta(snap.buckets[hist], prev.buckets.get(hist) if prev else None)
+                    row[column] = histogram_quantile(q, delta)
+                else:  # an engine's own quantile (Triton summaries), NaN when absent
+                    row[column] = snap.get(column)
+            rows.append(row)
+        return rows, dropped
+
+    def take_errors(self) -> list[str]:
+        """One-line messages of the target failures since the last call (the collector loop counts them)."""
+        with self._lock:
+            taken, self._new_errors = self._new_errors, []
+        return taken
+
+    def _fail(self, target: Target, message: str) -> None:
+        state = self._state.setdefault(target.url, _State())
+        self.errors_total += 1
+        self._new_errors.append(message)
+        self.errors[target.url] = message
+        if message != state.error:  # once per change of state, not once per tick
+            log.warning("serving_metrics: %s", message)
+        state.error = message
+
+    def _ok(self, target: Target) -> None:
+        state = self._state.setdefault(target.url, _State())
+        if state.error:
+            log.warning("serving_metrics: %s answers again", target.url)
+        state.error = ""
+        self.errors.pop(target.url, None)
+
+    def _submit(self) -> dict[str, Future[bytes]]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=max(1, min(self.max_parallel, len(self.targets))),
+                                            thread_name_prefix="serving-metrics")
+        futures = {}
+        for target in self.targets:
+            state = self._state.setdefault(target.url, _State())
+            if state.future is not None and not state.future.done():
+                self._fail(target, f"{target.url}: the previous scrape has not finished")
+                continue
+            state.future = self._pool.submit(fetch, target.url, timeout_s=self.timeout_s,
+                                             max_bytes=self.max_body_bytes, allow_redirects=self.redirects)
+            futures[target.url] = state.future
+        return futures
+
+    def collect(self) -> dict[str, dict[str, list[Any]]]:
+        """Scrape every target once, concurrently; a failing target is counted and skipped, never raised."""
+        if not self.targets:
+            return {}
+        with self._lock:
+            return self._collect()
+
+    def _collect(self) -> dict[str, dict[str, list[Any]]]:
+        ts_ns = time.time_ns()
+        futures = self._submit()
+        waves = math.ceil(len(futures) / max(1, min(self.max_parallel, len(self.targets)))) if futures else 0
+        wait(list(futures.values()), timeout=waves * self.timeout_s + GRACE_S)
+        rows: list[dict[str, Any]] = []
+        for target in self.targets:
+            future = futures.get(target.url)
+            if future is None:
+                continue
+            if not future.done():
+                self._fail(target, f"{target.url}: no answer within {self.timeout_s:g} s")
+                continue
+            try:
+                got, dropped = self._rows(target, future.result().decode("utf-8", errors="replace"), ts_ns)
+            except InputError as exc:
+                self._fail(target, str(exc).splitlines()[0])
+                continue
+            except Exception as exc:  # a target's bad input must never cost the others their rows
+                self._fail(target, f"{target.url}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                continue
+            rows += got
+            if dropped:
+                self._fail(target, f"{target.url}: {len(got) + dropped} models exposed, more than "
+                                   f"max_models_per_target = {self.max_models}; {dropped} dropped")
+            else:
+                self._ok(target)
+        return {SERVING_METRICS.name: SERVING_METRICS.columns_of(rows)} if rows else {}
+
+    def close(self) -> None:
+        """Stop the scrape threads without waiting for a fetch in flight (each ends by its deadline)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+__all__ = ["ServingMetricsScraper"]

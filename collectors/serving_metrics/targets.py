@@ -1,0 +1,74 @@
+"""``[serving_metrics]``: the typed config section and its scrape targets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from triscope.collectors.http_fetch import REDIRECT_POLICIES
+from triscope.collectors.serving_metrics.engines import ENGINES
+from triscope.component import ComponentConfig, config_field, interval, positive
+from triscope.errors import ConfigError
+
+
+@dataclass
+class Target:
+    """One scraped endpoint."""
+
+    url: str
+    server: str = ""  # detected from the metric names when empty
+    backend: str = ""
+    host: str = ""
+    model: str = ""
+    """The model when the exposition names none (TGI, llama.cpp); for Triton it replaces the repository name."""
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"serving_metrics target {self.url!r} is not an http(s) URL")
+        if self.server and self.server not in ENGINES:
+            raise ConfigError(f"serving_metrics target {self.url}: unknown server {self.server!r}; "
+                              f"use one of {', '.join(ENGINES)}")
+        self.host = self.host or parts.hostname
+        self.backend = self.backend or parts.netloc
+
+
+@dataclass(frozen=True)
+class ServingMetricsConfig(ComponentConfig):
+    """``[serving_metrics]``: the ``/metrics`` URLs to scrape (a URL, or a table of :class:`Target` fields)."""
+
+    section = "serving_metrics"
+    targets: list[str | dict[str, str]] = config_field([])
+    interval_s: float = 5.0
+    timeout_s: float = 3.0
+    """Total deadline of one fetch (connect, headers and body), not per socket read."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    redirects: str = "same-origin"
+    """``none``, ``same-origin`` (same scheme, host and port) or ``any`` (any http(s) URL)."""
+    max_parallel: int = 16
+    """Scrape threads; targets beyond it wait for a free thread (a collect takes at most
+    ceil(targets / max_parallel) x timeout_s)."""
+    max_models_per_target: int = 64
+    """Rows (and histogram baselines) kept per target and scrape; more models are dropped and counted as an error."""
+
+    def validate(self, where: str) -> None:
+        interval(where, interval_s=self.interval_s)
+        positive(where, timeout_s=self.timeout_s, max_body_bytes=self.max_body_bytes, max_parallel=self.max_parallel,
+                 max_models_per_target=self.max_models_per_target)
+        if self.redirects not in REDIRECT_POLICIES:
+            raise ConfigError(f"{where} redirects must be one of {', '.join(REDIRECT_POLICIES)}, "
+                              f"got {self.redirects!r}")
+        self.target_list(where)
+
+    def target_list(self, where: str = "[serving_metrics]") -> list[Target]:
+        """The targets, checked (ConfigError naming the bad one)."""
+        out = []
+        for t in self.targets:
+            try:
+                out.append(Target(url=t) if isinstance(t, str) else Target(**t))
+            except TypeError as exc:
+                raise ConfigError(f"{where} target {t!r}: {exc}") from None
+        return out
+
+
+__all__ = ["ServingMetricsConfig", "Target"]
