@@ -28,15 +28,14 @@ def _breakdown_row(label: str, b: Breakdown) -> list[str]:
 
 
 def print_report(run_id: str, ranks: list[RankBreakdown]) -> None:
-    """Print one table per rank: the whole run, then each profiler step."""
-    from rich.console import Console
+    """Print one table per rank: the whole run, then each profiler step, and the per-stream idle detail."""
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=220)  # piped: keep every column rather than folding to 80
-    headers = ["window", "span ms", "compute %", "non-compute %", "idle %", "host-wait ms*", "kernel-wait ms*",
-               "other idle ms*", "comm overlap %", "launch p50 us", "launch p95 us", "GPU events"]
+    from triscope.console import report_console
+
+    console = report_console(piped_width=200)  # piped: keep every column on one line
+    headers = ["window", "span ms", "compute %", "non-compute %", "idle %", "host-wait ms", "kernel-wait ms",
+               "other idle ms", "comm overlap %", "launch p50 us", "launch p95 us", "GPU events"]
     for rank in ranks:
         note = " (last ProfilerStep dropped, as HTA)" if rank.last_step_dropped else ""
         table = Table(title=f"run {run_id} · rank {rank.rank}{note}", title_justify="left")
@@ -46,7 +45,16 @@ def print_report(run_id: str, ranks: list[RankBreakdown]) -> None:
         for step in rank.steps:
             table.add_row(*_breakdown_row(f"step {step.step}", step.breakdown))
         console.print(table)
-        console.print("  * idle split per stream, summed over streams (as HTA's idle time breakdown)")
         if rank.whole.gpu_events == 0:
             console.print("  no GPU work in this rank (CPU-only trace): nothing to break down")
-
+            continue
+        w, detail = rank.whole, rank.whole.stream_sum
+        console.print(f"  idle split per GPU (time no stream is busy): host wait + kernel wait + other idle = "
+                      f"idle time ({_ms(w.idle_ns)} ms)", soft_wrap=True)
+        console.print(f"  detail, per stream summed over {len(w.idle_by_stream)} stream(s) (HTA's idle time breakdown; "
+                      f"can exceed the span): host wait {_ms(detail.host_wait_ns)} ms, kernel wait "
+                      f"{_ms(detail.kernel_wait_ns)} ms, other {_ms(detail.other_ns)} ms", soft_wrap=True)
+        if rank.steps:
+            console.print("  steps: consecutive GPU windows, each nanosecond in one step (docs/trace-breakdown.md); "
+                          + ("all but the last add up to the whole run" if rank.last_step_dropped
+                             else "they add up to the whole run"), soft_wrap=True)

@@ -115,6 +115,10 @@ class _Attempt:
 
     def __init__(self, url: str, deadline: float, headers: Mapping[str, str]) -> None:
         parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            raise InputError(f"{url}: not an http(s) URL (bad port)") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise InputError(f"{url}: not an http(s) URL")
         self.url, self.deadline, self.headers = url, deadline, headers
@@ -122,7 +126,7 @@ class _Attempt:
         self.sock: socket.socket | None = None
         remaining = max(0.001, deadline - time.monotonic())
         cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self.conn = cls(parts.hostname, parts.port, timeout=remaining)
+        self.conn = cls(parts.hostname, port, timeout=remaining)
         self.target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
     def _fire(self) -> None:
@@ -162,7 +166,8 @@ class _Attempt:
         length = resp.getheader("Content-Length")
         if length and length.isdigit() and int(length) > max_bytes:
             raise InputError(f"{self.url}: response exceeds {max_bytes} bytes (Content-Length {length})")
-        parts, size = [], 0
+        parts: list[bytes] = []
+        size = 0
         while True:
             chunk = resp.read(min(_CHUNK, max_bytes + 1 - size))
             if not chunk:

@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import StatusCode
 
-from triscope.collectors.span_mapping import SpanRejected, SpanView, is_request_span, map_span
+from triscope.collectors.otlp.links import SpanMapper
+from triscope.collectors.span_mapping import DEFAULT_RULES, SpanRules, SpanView
 from triscope.errors import ConfigError, TriscopeError
 from triscope.schema import REQUESTS
 from triscope.store.base import Store
@@ -39,11 +40,13 @@ def view_of(span: ReadableSpan) -> SpanView:
     trace_id = ctx.trace_id.to_bytes(16, "big") if ctx is not None else b""
     span_id = ctx.span_id.to_bytes(8, "big") if ctx is not None else b""
     resource = dict(span.resource.attributes) if span.resource is not None else {}
+    parent = span.parent.span_id.to_bytes(8, "big") if span.parent is not None else b""
     return SpanView(
         name=span.name, trace_id=trace_id, span_id=span_id,
         start_ns=int(span.start_time or 0), end_ns=int(span.end_time or 0),
         attributes=dict(span.attributes or {}), resource=resource,
         error=span.status is not None and span.status.status_code == StatusCode.ERROR,
+        parent_span_id=parent, kind=int(span.kind.value) + 1,  # the SDK counts from 0 (internal), OTLP from 1
     )
 
 
@@ -74,15 +77,18 @@ class TriscopeSpanExporter(SpanExporter):
     in-memory row bound of a writer the exporter opens itself (not of a caller's Writer). Given a
     bare Store and no ``spool_dir``, the spool is a temporary folder, removed once it is empty at
     shutdown: pass ``spool_dir`` to have a restarted process replay what the store did not take.
+    ``rules`` say which attributes name the backend and model (the ``[otlp]`` defaults otherwise).
     """
 
     def __init__(self, target: Any, interval_s: float = 1.0, batch_rows: int = 100_000,
-                 buffer_rows: int = 1_000_000, all_spans: bool = False, *, spool_dir: str | None = None) -> None:
+                 buffer_rows: int = 1_000_000, all_spans: bool = False, *, spool_dir: str | None = None,
+                 rules: SpanRules = DEFAULT_RULES) -> None:
         self._temp_spool = tempfile.mkdtemp(prefix="triscope-spool-otel-") if (
             isinstance(target, Store) and not spool_dir) else None
         self.writer, self.owns_writer = writer_for(target, spool_dir or self._temp_spool, flush_interval_s=interval_s,
                                                    batch_rows=batch_rows, max_memory_rows=buffer_rows)
         self.all_spans = all_spans
+        self.mapper = SpanMapper(rules, all_spans)
         self.rejected = 0
         self.rows = 0
         self._shut = False
@@ -92,21 +98,15 @@ class TriscopeSpanExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._shut:
             return SpanExportResult.FAILURE
-        rows: list[dict[str, Any]] = []
-        for span in spans:
-            view = view_of(span)
-            if not (self.all_spans or is_request_span(view)):
-                continue
+        batch = self.mapper.map(view_of(span) for span in spans)
+        if batch.rejected:
+            self.rejected += batch.rejected
+            log.warning("%d span(s) not stored; first: %s", batch.rejected, batch.first_error)
+        if batch.rows:
             try:
-                rows.append(map_span(view))
-            except SpanRejected as exc:
-                self.rejected += 1
-                log.warning("span %r not stored: %s", span.name, exc)
-        if rows:
-            try:
-                self.rows += self.writer.submit(REQUESTS.name, REQUESTS.columns_of(rows))
+                self.rows += self.writer.submit(REQUESTS.name, batch.columns)
             except TriscopeError as exc:  # the spool cannot take rows now: the SDK counts the batch as failed
-                log.warning("triscope span exporter: %d span(s) not stored: %s", len(rows), exc)
+                log.warning("triscope span exporter: %d span(s) not stored: %s", batch.rows, exc)
                 return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
 

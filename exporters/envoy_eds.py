@@ -48,8 +48,10 @@ def parse_request(body: bytes, max_bytes: int) -> tuple[dict[str, Any] | None, t
         return {}, None  # curl -X POST without a body: answer as for "all resources"
     try:
         request = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, _error(400, f"invalid DiscoveryRequest JSON: {exc}")
+    except RecursionError:  # deep nesting ([[[[...) is the client's error, not a server fault
+        return None, _error(400, "invalid DiscoveryRequest JSON: nested too deeply")
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, an integer past Python's digit limit
+        return None, _error(400, f"invalid DiscoveryRequest JSON: {' '.join(str(exc).split())}")
     if not isinstance(request, dict):
         return None, _error(400, "invalid DiscoveryRequest: expected a JSON object")
     type_url = request.get("type_url", request.get("typeUrl", ""))
@@ -127,13 +129,18 @@ def eds_response(result: WeightsResult, request_body: bytes, params: WeightParam
     """HTTP status and JSON body for ``POST /v3/discovery:endpoints``.
 
     200 with the full DiscoveryResponse on every poll; 400 (one-line JSON ``{"error": ...}``) for a body that is not a
-    DiscoveryRequest; 413 when the body exceeds ``[weights.feed] max_body_bytes``.
+    DiscoveryRequest; 413 when the body exceeds ``[weights.feed] max_body_bytes``; 503 when the
+    assignment would hold no endpoint (nothing known yet), so Envoy keeps the hosts it has.
     """
     request, error = parse_request(request_body, params.feed.max_body_bytes)
     if error is not None:
         return error
     assert request is not None
-    return 200, json.dumps(discovery_response(result, params, request), separators=(",", ":")).encode()
+    response = discovery_response(result, params, request)
+    if any(not cla["endpoints"] for cla in response["resources"]):
+        # Envoy applies an empty assignment (no hosts); after a failed fetch it keeps the hosts it has
+        return _error(503, "no backend with an address is known yet; keep the current endpoints")
+    return 200, json.dumps(response, separators=(",", ":")).encode()
 
 
 def render(result: WeightsResult, params: WeightParams, request_body: bytes) -> tuple[int, str, bytes]:

@@ -23,6 +23,7 @@ from triscope.analyzers.routing import (
     WeightParams,
     WeightsResult,
     compute_weights,
+    forget,
     history_columns,
     read_inputs,
     with_address,
@@ -89,6 +90,8 @@ class WeightFeed:
         self.history_rows_submitted = 0
         self.history_rows_dropped = 0
         self._history_error = ""
+        self.fallback = False
+        """True while the published result is the equal-weights fallback of failing updates."""
 
     # ------------------------------------------------------------------ engine
 
@@ -118,14 +121,47 @@ class WeightFeed:
             inputs = [with_address(i, self.params) for i in self._inputs(self.clock())]
             now = self.clock()  # after the read: ages include the time the read took
             result, state = compute_weights(inputs, self._state, self.params, now)
-            body = json.dumps(result.to_dict(), separators=(",", ":")).encode() + b"\n"
+            self._publish(result, state)
             with self._lock:
-                self._result, self._state, self._weights_body = result, state, body
                 self.updates_total += 1
                 self.last_update = now
+                self.fallback = False
             if self.records_history():
                 self._record(result)
             return result
+
+    def _publish(self, result: WeightsResult, state: EngineState) -> None:
+        body = json.dumps(result.to_dict(), separators=(",", ":")).encode() + b"\n"
+        with self._lock:
+            self._result, self._state, self._weights_body = result, state, body
+
+    def _fall_back(self) -> None:
+        """After a failed update: once the last good result is older than ``stale_after_s`` (or there
+        is none), publish equal weights marked stale over every backend known (configured or seen),
+        rather than freezing old weights; with none known, keep answering 503 (an LB keeps what it
+        has) instead of an empty host list."""
+        now = self.clock()
+        if self._result is not None and not self.fallback and now - self.last_update <= self.params.stale_after_s:
+            return
+        with self._update_lock:
+            configured = [with_address(BackendInputs(name), self.params) for name in self.params.backends]
+            result, state = compute_weights(configured, self._state, self.params, now)
+            if not result.backends:
+                return
+            self._publish(result, state)
+            self.fallback = True
+
+    def forget(self, names: Sequence[str] | None = None) -> tuple[str, ...]:
+        """Stop publishing the named backends (default: every absent one); returns the names removed.
+        A backend that reports again comes back as new."""
+        with self._update_lock:
+            if self._state is None:
+                return ()
+            state, removed = forget(self._state, names)
+            self._state = state
+        if removed:
+            log.info("weight feed: forgot %s", ", ".join(removed))
+        return removed
 
     def records_history(self) -> bool:
         """True when updates hand ``weights_history`` rows to the writer."""
@@ -172,6 +208,10 @@ class WeightFeed:
             if message != self.last_error:
                 log.warning("weights update failed: %s", message)
             self.last_error = message
+            try:
+                self._fall_back()
+            except Exception as fallback_exc:  # the engine on no inputs: never expected, never fatal
+                log.warning("weights fallback failed: %s", _one_line(fallback_exc))
         else:
             self.last_error = ""
 
@@ -211,12 +251,15 @@ class WeightFeed:
         self._safe_update()
         try:
             if self._port_cfg >= 0:
-                self._http = FeedHTTPServer(self, self.bind, self._port_cfg, self.max_connections).start()
+                feed = self.params.feed
+                self._http = FeedHTTPServer(self, self.bind, self._port_cfg, self.max_connections,
+                                            feed.max_connections_per_client, feed.header_timeout_s).start()
             if self._agent_port_cfg >= 0:
                 inflight = {key: b.max_inflight for n, b in self.params.backends.items() if b.max_inflight > 0
                             for key in (n, b.address) if key}
                 self._agent = AgentServer(lambda: self._result, self.bind, self._agent_port_cfg,
-                                          max_connections=self.max_connections, max_inflight=inflight).start()
+                                          max_connections=self.max_connections, max_inflight=inflight,
+                                          max_per_client=self.params.feed.max_connections_per_client).start()
         except OSError as exc:
             self.close()
             raise ConfigError(f"weight feed cannot listen on {self.bind}: {_one_line(exc)}") from None

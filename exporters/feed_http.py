@@ -102,10 +102,14 @@ class _Server(BoundedHTTPServer):
 
 
 class FeedHTTPServer:
-    """The feed's HTTP listener on ``bind:port`` (0 = ephemeral), at most ``max_connections`` at once."""
+    """The feed's HTTP listener on ``bind:port`` (0 = ephemeral), at most ``max_connections`` at once
+    (``max_per_client`` from one address; 0 = the server's default)."""
 
-    def __init__(self, feed: WeightFeed, bind: str, port: int, max_connections: int) -> None:
-        self._server = _Server((bind, port), _Handler, max_connections=max_connections, name="triscope-feed-http")
+    def __init__(self, feed: WeightFeed, bind: str, port: int, max_connections: int, max_per_client: int = 0,
+                 header_timeout_s: float | None = None) -> None:
+        self._server = _Server((bind, port), _Handler, max_connections=max_connections,
+                               max_per_client=max_per_client or None, header_timeout_s=header_timeout_s,
+                               name="triscope-feed-http")
         self._server.feed = feed
         self.port = int(self._server.server_address[1])
         self._thread: threading.Thread | None = None

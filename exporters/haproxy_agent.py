@@ -19,6 +19,10 @@ request class (``gpu-a:8000 offline_video``) for per-class HAProxy pools. Answer
 * nothing (the connection is closed) when the line is longer than :data:`MAX_LINE` bytes without a
   newline; HAProxy counts that as an agent failure, which changes no weight.
 
+A line that has not arrived within :data:`LINE_DEADLINE_S` in all (one read waits at most
+``read_timeout_s``) is answered as it stands, so a client trickling bytes holds its slot that long
+at most; connection limits and eviction of slow clients: :mod:`triscope.httpserver`.
+
 HAProxy 2.6 does not parse ``weight:N``, so only percentages are sent.
 """
 
@@ -28,6 +32,7 @@ import logging
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 from triscope.analyzers.routing import DRAIN, WeightsResult
@@ -39,6 +44,10 @@ MAX_LINE = 256
 """Longest ``agent-send`` line read, newline included."""
 
 READ_TIMEOUT_S = 1.0
+LINE_DEADLINE_S = 1.5
+"""Total time for the ``agent-send`` line, however it trickles in (HAProxy sends it at once)."""
+REPLY_DEADLINE_S = 2.0
+"""Total time for the answer once the line is in."""
 UNKNOWN_REPLY = "ready 100%\n"
 
 
@@ -64,18 +73,28 @@ def agent_reply(result: WeightsResult | None, name: str, max_inflight: int = 0, 
     return reply + "\n"
 
 
-def read_line(sock: socket.socket, limit: int = MAX_LINE) -> str | None:
-    """Read up to ``limit`` bytes until a newline (or EOF / timeout); None when the line is too long."""
+def read_line(sock: socket.socket, limit: int = MAX_LINE, deadline_s: float = LINE_DEADLINE_S,
+              on_data: Callable[[], None] | None = None) -> str | None:
+    """Read up to ``limit`` bytes until a newline (or EOF, a read timeout, or ``deadline_s`` in all);
+    None when the line is too long. ``on_data`` is called once, when the first bytes arrive."""
     data = b""
+    read_timeout = sock.gettimeout()
+    end = time.monotonic() + deadline_s
     while b"\n" not in data:
         if len(data) >= limit:
             return None
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        sock.settimeout(left if read_timeout is None else min(read_timeout, left))
         try:
             chunk = sock.recv(limit - len(data))
         except TimeoutError:
             break
         if not chunk:
             break
+        if not data and on_data is not None:
+            on_data()
         data += chunk
     line = data.split(b"\n", 1)[0]
     if len(line) >= limit:
@@ -89,7 +108,7 @@ class AgentServer:
     def __init__(self, result_fn: Callable[[], WeightsResult | None], bind: str = "127.0.0.1",
                  port: int = 0, max_line: int = MAX_LINE, read_timeout_s: float = READ_TIMEOUT_S,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 max_inflight: Mapping[str, int] | None = None) -> None:
+                 max_inflight: Mapping[str, int] | None = None, max_per_client: int = 0) -> None:
         self.result_fn = result_fn
         self.max_inflight = dict(max_inflight or {})
         self.max_line = max_line
@@ -101,17 +120,21 @@ class AgentServer:
             def handle(self) -> None:
                 agent._handle(self.request)
 
+        # the deadlines are backstops: read_line answers within LINE_DEADLINE_S by itself
         self._server = BoundedTCPServer((bind, port), Handler, max_connections=max_connections,
-                                        read_timeout_s=read_timeout_s, name="triscope-haproxy-agent")
+                                        read_timeout_s=read_timeout_s, header_timeout_s=LINE_DEADLINE_S + 1.0,
+                                        deadline_s=REPLY_DEADLINE_S, max_per_client=max_per_client or None,
+                                        name="triscope-haproxy-agent")
         self.port = int(self._server.server_address[1])
         self._thread: threading.Thread | None = None
 
     def _handle(self, sock: socket.socket) -> None:
         sock.settimeout(self.read_timeout_s)
         try:
-            line = read_line(sock, self.max_line)
+            line = read_line(sock, self.max_line, on_data=lambda: self._server.request_partial(sock))
             if line is None:
                 return
+            self._server.request_started(sock)
             self.requests_total += 1
             name, request_class = parse_agent_line(line)
             reply = agent_reply(self.result_fn(), name, self.max_inflight.get(name, 0), request_class)

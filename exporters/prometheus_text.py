@@ -73,12 +73,15 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
              per_backend(lambda b: 1.0 if b.state == DRAIN else 0.0))
     w.family("triscope_backend_weight_factor", "gauge", "Penalty factor (>= 1) of the weight formula.",
              [({"backend": n, "factor": f}, float(v)) for n, b in backends for f, v in sorted(b.factors.items())])
-    w.family("triscope_backend_memory_used_ratio", "gauge", "GPU memory used/total (worst GPU of the backend).",
+    # the engine's inputs under the feed's own prefix: the run's exporter owns the triscope_backend_* telemetry
+    w.family("triscope_weights_input_memory_used_ratio", "gauge",
+             "Engine input: GPU memory used/total (worst GPU of the backend).",
              per_backend(lambda b: b.inputs.memory_used_ratio))
-    w.family("triscope_backend_kv_cache_usage_ratio", "gauge", "KV-cache usage ratio reported by the backend.",
+    w.family("triscope_weights_input_kv_cache_usage_ratio", "gauge",
+             "Engine input: KV-cache usage ratio reported by the backend.",
              per_backend(lambda b: b.inputs.kv_cache_usage_ratio))
-    w.family("triscope_backend_requests_per_second", "gauge", "Request rate of the backend over the window.",
-             per_backend(lambda b: b.inputs.qps))
+    w.family("triscope_weights_input_requests_per_second", "gauge",
+             "Engine input: request rate of the backend over the window.", per_backend(lambda b: b.inputs.qps))
     w.family("triscope_backend_input_age_seconds", "gauge", "Age of the backend's newest inputs at the update.",
              per_backend(lambda b: b.age_seconds))
     w.family("triscope_weights_inputs_age_seconds", "gauge", "Age of the oldest backend input at the last update.",
@@ -86,6 +89,9 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
     stale = float(result.stale) if result is not None else 1.0
     w.family("triscope_weights_stale", "gauge", "1 when inputs are stale and equal weights are published.",
              [({}, stale)])
+    w.family("triscope_weights_absent_backends", "gauge",
+             "Known backends without inputs within lookback_s, still published (docs/weights.md).",
+             [({}, float(len(result.absent_backends)) if result is not None else 0.0)])
     w.family("triscope_weights_version", "gauge", "Version of the published weights (increments on change).",
              [({}, float(result.version) if result is not None else 0.0)])
     w.family("triscope_weights_updates_total", "counter", "Engine updates completed.", [({}, float(updates_total))])

@@ -70,8 +70,13 @@ def traefik_config(result: WeightsResult, params: WeightParams) -> dict[str, Any
 
 
 def render(result: WeightsResult, params: WeightParams, request_body: bytes) -> tuple[int, str, bytes]:
-    """The feed's ``traefik`` format (:mod:`triscope.exporters.formats`): Traefik wants 200 on every poll."""
-    return 200, "application/json", json.dumps(traefik_config(result, params), sort_keys=True).encode()
+    """The feed's ``traefik`` format (:mod:`triscope.exporters.formats`): Traefik wants 200 on every poll,
+    except with nothing to route to: 503 (an error to Traefik, which keeps its last configuration)."""
+    config = traefik_config(result, params)
+    if "routers" not in config.get("http", {}):
+        body = json.dumps({"error": "no ready backend with an address is known yet; keep the current configuration"})
+        return 503, "application/json", body.encode() + b"\n"
+    return 200, "application/json", json.dumps(config, sort_keys=True).encode()
 
 
 __all__ = ["render", "service_names", "traefik_config"]

@@ -52,6 +52,9 @@ def test_status_refused_and_encoding_are_one_line() -> None:
             fetch(s.url("/missing"), timeout_s=2, max_bytes=100)
         with pytest.raises(InputError, match="unsupported Content-Encoding 'gzip'"):
             fetch(s.url("/gz"), timeout_s=2, max_bytes=100)
+    for bad in ("http://127.0.0.1:99999/metrics", "http://127.0.0.1:port/metrics", "ftp://127.0.0.1/metrics"):
+        with pytest.raises(InputError, match="not an http"):
+            fetch(bad, timeout_s=1, max_bytes=100)
     with pytest.raises(UnreachableError, match="scrape failed") as err:
         fetch(f"http://127.0.0.1:{free_port()}/metrics", timeout_s=1, max_bytes=100)
     assert "\n" not in str(err.value)
@@ -89,3 +92,56 @@ def test_many_deadlines_share_one_watchdog_and_do_not_leak() -> None:
         assert threading.active_count() <= before + 1 + 6
         names = [t.name for t in threading.enumerate() if t.name == "http-fetch-watchdog"]
         assert len(names) == 1
+
+
+def test_tls_trickle_hits_the_deadline_too(tmp_path, monkeypatch) -> None:
+    """The watchdog shuts a TLS socket down as well (a read blocked inside the TLS layer wakes up)."""
+    import socket
+    import ssl
+    import subprocess
+    import threading
+
+    from conftest import require_binary
+
+    openssl = require_binary("openssl")
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the client trusts this test CA only
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(str(cert), str(key))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\nConnection: close\r\n\r\n" + b"x" * 50
+
+    def serve(pause: float) -> None:
+        conn, _ = listener.accept()
+        with conn, ssl_wrap(conn) as tls:
+            tls.recv(4096)
+            try:
+                for i in range(len(answer)):
+                    tls.sendall(answer[i:i + 1])
+                    time.sleep(pause)
+            except OSError:
+                pass
+
+    def ssl_wrap(conn: socket.socket) -> ssl.SSLSocket:
+        return server_ctx.wrap_socket(conn, server_side=True)
+
+    try:
+        for pause, expect_ok in ((0.0, True), (0.05, False)):
+            worker = threading.Thread(target=serve, args=(pause,), daemon=True)
+            worker.start()
+            t0 = time.monotonic()
+            if expect_ok:
+                assert fetch(f"https://127.0.0.1:{port}/m", timeout_s=3, max_bytes=100) == b"x" * 50
+            else:
+                with pytest.raises(UnreachableError, match="total deadline"):
+                    fetch(f"https://127.0.0.1:{port}/m", timeout_s=0.5, max_bytes=100)
+                assert time.monotonic() - t0 < 1.5
+            worker.join(timeout=10)
+    finally:
+        listener.close()

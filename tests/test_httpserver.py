@@ -3,6 +3,7 @@ quiet logging of clients that hang up. Real sockets on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import socket
@@ -101,3 +102,78 @@ def test_binds_ipv6_when_asked() -> None:
         assert srv.socket.family == socket.AF_INET6
     finally:
         srv.server_close()
+
+
+def test_many_slow_connections_are_bounded_cut_and_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    """300 connections trickling a header line every 0.3 s (each read well inside the 10 s read
+    timeout) against the shared server: at most max_connections at once and max_per_client from
+    one address, each cut at the 1 s header deadline in total, a fast request still answered, one
+    line per failed client and no traceback."""
+    from triscope.httpserver import DEFAULT_BACKLOG
+
+    caplog.set_level(logging.DEBUG, logger="triscope.httpserver")
+    srv = BoundedHTTPServer(("127.0.0.1", 0), _Echo, max_connections=64, header_timeout_s=1.0, deadline_s=5.0,
+                            name="test-slow")
+    assert srv.request_queue_size == DEFAULT_BACKLOG >= 128 and srv.max_per_client == 16
+    thread = serve_in_thread(srv, "test-slow", poll_interval=0.05)
+    port = srv.server_address[1]
+    socks, cut_after, seen_max = [], [], 0
+    try:
+        for i in range(300):  # half from another loopback address: two clients, each capped
+            s = socket.socket()
+            s.bind(("127.0.0.1" if i % 2 else "127.0.0.2", 0))
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")
+            s.setblocking(False)
+            socks.append((s, time.monotonic()))
+        end = time.monotonic() + 2.5
+        while socks and time.monotonic() < end:
+            seen_max = max(seen_max, srv.connections)
+            assert max(srv._per_client.values(), default=0) <= srv.max_per_client
+            kept = []
+            for s, t0 in socks:
+                try:
+                    data = s.recv(100)
+                except BlockingIOError:
+                    with contextlib.suppress(OSError):
+                        s.send(b"X-Slow: 1\r\n")
+                    kept.append((s, t0))
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    cut_after.append(time.monotonic() - t0)
+                s.close()
+            socks = kept
+            if time.monotonic() < end - 1.5:
+                assert _post(srv, b"fast") == (200, b"fast"), (srv.refused_total, srv.evicted_total, len(srv._evicted))
+            time.sleep(0.3)
+        assert not socks, f"{len(socks)} slow connections outlived the header deadline"
+        assert seen_max <= srv.max_connections
+        assert srv.expired_total == 2 * srv.max_per_client  # every admitted one cut at its deadline
+        assert srv.refused_total == 300 - srv.expired_total  # the rest closed at accept
+        assert max(cut_after) < 2.5  # 1 s header deadline plus scheduling, never the per-read timeout
+        assert _post(srv, b"after") == (200, b"after")
+    finally:
+        for s, _ in socks:
+            s.close()
+        stop(srv, thread)
+    records = [r for r in caplog.records if r.name == "triscope.httpserver"]
+    assert not [r for r in records if r.exc_info or r.levelno >= logging.ERROR]  # no tracebacks
+    assert all("\n" not in r.getMessage() for r in records)
+    assert len([r for r in records if r.levelno == logging.WARNING]) == 1  # the refusals, summed up once
+    assert len([r for r in records if "cut at its deadline" in r.getMessage()]) == srv.expired_total
+
+
+def test_a_client_hanging_up_mid_request_costs_one_quiet_line(server: BoundedHTTPServer,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="triscope")
+    for _ in range(5):
+        s = socket.create_connection(server.server_address[:2])
+        s.sendall(b"POST / HTTP/1.1\r\nContent-Length: 100\r\n\r\nonly a part")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST on close
+        s.close()
+    time.sleep(0.3)
+    assert _post(server, b"ok") == (200, b"ok")
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
+    assert all("\n" not in r.getMessage() for r in caplog.records)

@@ -15,7 +15,7 @@ from triscope.schema import qualified
 def test_sdk_tracer_to_store(store) -> None:
     exporter = TriscopeSpanExporter(store, interval_s=0.2)
     provider = TracerProvider(resource=Resource.create({
-        "service.name": "vllm", "service.instance.id": "node-a:8000", "host.name": "node-a"}))
+        "service.name": "vllm", "service.instance.id": "node-a:8000", "host.name": "node-a", "server.port": 8000}))
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=50))
     tracer = provider.get_tracer("vllm.llm_engine")
     for i in range(50):

@@ -40,7 +40,7 @@ def vllm_request(n: int = 3, bad: int = 0, extra_plain: int = 1) -> ExportTraceS
     req = ExportTraceServiceRequest()
     rs = req.resource_spans.add()
     rs.resource.attributes.extend([_kv("service.name", "vllm"), _kv("service.instance.id", "gpu-node-1:8000"),
-                                   _kv("host.name", "gpu-node-1"), _kv("gpu.id", "3")])
+                                   _kv("host.name", "gpu-node-1"), _kv("server.port", 8000), _kv("gpu.id", "3")])
     ss = rs.scope_spans.add()
     ss.scope.name = "vllm.llm_engine"
     for i in range(n + bad):
@@ -355,7 +355,7 @@ def test_real_otlp_http_exporter_to_receiver(receiver, writer, store) -> None:
     (row,) = rows(store)
     assert row["request_id"] == "sdk-1" and row["latency_seconds"] == pytest.approx(0.42)
     instance = provider.resource.attributes.get("service.instance.id")
-    assert row["host"] == "h1" and row["backend"] == (instance or "h1")
+    assert instance and row["host"] == "h1" and row["backend"] == "h1"  # the SDK's random id never names it
 
 
 @pytest.mark.parametrize(("section", "message"), [
@@ -363,7 +363,7 @@ def test_real_otlp_http_exporter_to_receiver(receiver, writer, store) -> None:
     ({"port": 70000}, r"\[otlp\] port must be a port 0-65535, got 70000"),
     ({"interval_s": -1}, r"\[otlp\] interval_s must be > 0"),
     ({"max_body_bytes": 0}, r"\[otlp\] max_body_bytes must be > 0"),
-    ({"token": 5}, r"\[otlp\] token must be a string"),
+    ({"token": 5}, r"\[otlp\] has a bad value for token: must be a string"),
 ])
 def test_config_mistakes_are_one_line(section, message) -> None:
     from triscope.errors import ConfigError

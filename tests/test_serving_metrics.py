@@ -178,3 +178,35 @@ def test_config_mistakes_are_one_line(section: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:
         create({"serving_metrics": section}, Context())
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ({"redirects": "sometimes"}, r"\[serving_metrics\] redirects must be one of none, same-origin, any"),
+    ({"max_parallel": 0}, r"\[serving_metrics\] max_parallel must be > 0"),
+    ({"max_models_per_target": -1}, r"\[serving_metrics\] max_models_per_target must be > 0"),
+    ({"targets": [{"url": "http://h:1/metrics", "server": "tritonn"}]},
+     "unknown server 'tritonn'; use one of vllm, sglang, tgi, triton, llamacpp"),
+])
+def test_new_config_keys_are_checked(section: dict, message: str) -> None:
+    from triscope.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as err:
+        create({"serving_metrics": section}, Context())
+    assert "\n" not in str(err.value)
+
+
+def test_redirects_same_origin_by_default_never_elsewhere() -> None:
+    """Starlette-style /metrics -> /metrics/ is followed; a redirect to another host is that target's error."""
+    from scrape_helpers import Route, raw_server
+
+    body = b'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 2.0\n'
+    with raw_server({"/metrics": Route(status="307 Temporary Redirect", headers=(("Location", "/metrics/"),)),
+                     "/metrics/": Route(body=body),
+                     "/away": Route(status="302 Found", headers=(("Location", "http://169.254.169.254/latest"),))
+                     }) as s:
+        scraper = ServingMetricsScraper({"serving_metrics": {"targets": [s.url("/metrics"), s.url("/away")]}})
+        assert scraper.collect()["serving_metrics"]["running_requests"] == [2.0]
+        assert "another origin" in scraper.errors[s.url("/away")]
+        strict = ServingMetricsScraper({"serving_metrics": {"targets": [s.url("/metrics")], "redirects": "none"}})
+        assert strict.collect() == {} and "redirects are not allowed" in strict.errors[s.url("/metrics")]
+    assert "/latest" not in s.requests

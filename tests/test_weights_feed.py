@@ -167,9 +167,9 @@ def test_metrics_exposition(feed: WeightFeed, fleet: Fleet) -> None:
     assert by[("triscope_backend_draining", (("backend", name(0)),))] == 1
     assert by[("triscope_backend_weight", (("backend", name(0)),))] == 0
     assert by[("triscope_backend_lb_weight", (("backend", name(1)),))] >= 1
-    assert by[("triscope_backend_kv_cache_usage_ratio", (("backend", name(1)),))] == 0.5
+    assert by[("triscope_weights_input_kv_cache_usage_ratio", (("backend", name(1)),))] == 0.5
     assert by[("triscope_backend_weight_factor", (("backend", name(1)), ("factor", "kv_cache")))] == pytest.approx(2)
-    assert by[("triscope_backend_memory_used_ratio", (("backend", name(1)),))] == pytest.approx(0.5)
+    assert by[("triscope_weights_input_memory_used_ratio", (("backend", name(1)),))] == pytest.approx(0.5)
     assert fams["triscope_weights_updates"].type == "counter"
     assert by[("triscope_weights_updates_total", ())] >= 1
     assert 1 <= by[("triscope_weights_version", ())] <= weights(feed)["version"]

@@ -8,7 +8,7 @@ PIPED_WIDTH = 160
 """Columns used when stdout is not a terminal (rich would assume 80 and wrap every table)."""
 
 
-def report_console() -> Console:
-    """A console for human-readable reports on stdout."""
+def report_console(piped_width: int = PIPED_WIDTH) -> Console:
+    """A console for human-readable reports on stdout (``piped_width`` columns when stdout is not a terminal)."""
     console = Console()
-    return console if console.is_terminal else Console(width=PIPED_WIDTH)
+    return console if console.is_terminal else Console(width=piped_width)

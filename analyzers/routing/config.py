@@ -89,6 +89,10 @@ class FeedConfig(ComponentConfig):
     """HAProxy agent-check port (0 = ephemeral, -1 = off)."""
     max_body_bytes: int = 1 << 20  # Envoy 1.40 REST DiscoveryRequests are ~77 KB (node metadata)
     max_connections: int = 512
+    max_connections_per_client: int = 0
+    """Connections at once from one client address (0 = a quarter of max_connections, at least 16)."""
+    header_timeout_s: float = 10.0
+    """Total time for a request's headers on the HTTP port, however slowly they arrive."""
     envoy_cluster: str = "triscope"
     traefik_service: str = "triscope"
     traefik_entrypoints: tuple[str, ...] = ("web",)
@@ -99,7 +103,10 @@ class FeedConfig(ComponentConfig):
         for key in ("port", "agent_port"):
             if not -1 <= getattr(self, key) <= 65535:
                 raise ConfigError(f"{where} {key} must be a port 0-65535 or -1 (off), got {getattr(self, key)}")
-        non_negative(where, max_body_bytes=self.max_body_bytes)
+        non_negative(where, max_body_bytes=self.max_body_bytes,
+                     max_connections_per_client=self.max_connections_per_client)
+        if not self.header_timeout_s > 0:
+            raise ConfigError(f"{where} header_timeout_s must be > 0, got {self.header_timeout_s}")
         if self.max_connections < 1:
             raise ConfigError(f"{where} max_connections must be >= 1, got {self.max_connections}")
 

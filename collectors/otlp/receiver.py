@@ -1,16 +1,20 @@
 """OTLP/HTTP trace receiver: ``POST /v1/traces`` into ``requests``, spooled before the answer.
 
 Request spans (vLLM ``llm_request`` and any span with ``gen_ai.*`` attributes; every span with
-``all_spans = true``) are mapped by :mod:`triscope.collectors.span_mapping` and handed to the
-writer (``context.submit``) before the 200 goes out, so an acknowledged span is durable. Spans
-that cannot be mapped are reported back with OTLP ``partial_success``; the rest are kept.
+``all_spans = true``) are mapped by :mod:`triscope.collectors.span_mapping` (backend and model from
+configurable attributes, a parent span linked in by :mod:`.links`) and handed to the writer
+(``context.submit``) before the 200 goes out, so an acknowledged span is durable. Spans that
+cannot be stored (bad ids, a time the store cannot hold) are reported back with OTLP
+``partial_success``; the rest are kept.
 
 * ``Content-Type: application/x-protobuf`` or ``application/json``; the answer uses the same type.
-* ``Content-Encoding: gzip`` is accepted; the body on the wire (``max_body_bytes``) and inflated
-  (``max_decompressed_bytes``) are bounded, 413 beyond.
+* ``Content-Encoding: gzip`` is accepted. Memory is bounded by bytes: the body on the wire
+  (``max_body_bytes``), inflated (``max_decompressed_bytes``, JSON ``max_json_bytes``), bodies held
+  at once (``max_buffered_bytes``), decodes at once (``max_concurrent_decodes``), spans per request
+  (``max_spans_per_request``) and string length (``max_attribute_length``, longer ones are cut).
 * Errors answer a ``google.rpc.Status`` (code, one-line message) in the request's encoding:
   400 malformed, 401 bad or missing bearer token, 404/405 wrong path or method, 411 no length,
-  413 too large, 415 unknown content type, 503 (``Retry-After``) when the spool cannot take rows.
+  413 too large, 415 unknown content type, 503 (``Retry-After``) when busy or the spool cannot take rows.
 
 The server is a :class:`triscope.httpserver.BoundedHTTPServer` on 127.0.0.1:4318 by default.
 """
@@ -22,19 +26,22 @@ import hmac
 import logging
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from triscope.collectors.otlp.decode import (
     JSON,
     PROTOBUF,
     RPC_CODE,
-    decode_request,
+    Limits,
+    TooManySpans,
+    decode_spans,
     encode_response,
     encode_status,
     gunzip_bounded,
-    map_request,
 )
+from triscope.collectors.otlp.links import MappedBatch, SpanMapper
+from triscope.collectors.span_mapping import DEFAULT_RULES, SpanRules
 from triscope.component import ComponentConfig, Context, Submit, interval, port, positive
 from triscope.errors import ConfigError, InputError, SpoolUnavailable
 from triscope.httpserver import (
@@ -52,6 +59,8 @@ from triscope.schema import REQUESTS
 log = logging.getLogger(__name__)
 
 TRACES_PATH = "/v1/traces"
+DECODE_WAIT_S = 2.0
+"""How long a request waits for a decode slot before 503: decoding is CPU-bound, a longer queue only adds memory."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,23 @@ class OtlpConfig(ComponentConfig):
     all_spans: bool = False
     max_body_bytes: int = 8 * 1024 * 1024
     max_decompressed_bytes: int = 64 * 1024 * 1024
+    max_json_bytes: int = 8 * 1024 * 1024
+    """JSON costs up to ~24x its size in Python objects; send big batches as protobuf."""
+    max_buffered_bytes: int = 64 * 1024 * 1024
+    """Request bodies held at once (by Content-Length); past it new requests get 503 + Retry-After."""
+    max_concurrent_decodes: int = 2
+    max_spans_per_request: int = 50_000
+    max_attribute_length: int = 4096
+    """Longer strings (names, attribute values) are cut to this many characters."""
+    address_attributes: tuple[str, ...] = DEFAULT_RULES.address_attributes
+    port_attributes: tuple[str, ...] = DEFAULT_RULES.port_attributes
+    model_attributes: tuple[str, ...] = DEFAULT_RULES.model_attributes
+    model: str = ""
+    """Model of spans that name none (vLLM's llm_request span does not)."""
+    models: dict[str, str] = field(default_factory=dict)
+    """Model by backend id or service.name, for spans that name none."""
+    link_cache_spans: int = 20_000
+    """Parent spans (and request spans' parents) remembered to link spans that arrive in separate requests."""
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     interval_s: float = 1.0
     """How often the daemon polls collect() (which has nothing to return: spans are submitted as they arrive)."""
@@ -76,8 +102,17 @@ class OtlpConfig(ComponentConfig):
     def validate(self, where: str) -> None:
         port(where, "port", self.port)
         positive(where, max_body_bytes=self.max_body_bytes, max_decompressed_bytes=self.max_decompressed_bytes,
+                 max_json_bytes=self.max_json_bytes, max_buffered_bytes=self.max_buffered_bytes,
+                 max_concurrent_decodes=self.max_concurrent_decodes, max_spans_per_request=self.max_spans_per_request,
+                 max_attribute_length=self.max_attribute_length, link_cache_spans=self.link_cache_spans,
                  max_connections=self.max_connections, buffer_rows=self.buffer_rows, batch_rows=self.batch_rows)
         interval(where, interval_s=self.interval_s)
+
+    @property
+    def rules(self) -> SpanRules:
+        return SpanRules(address_attributes=tuple(self.address_attributes), port_attributes=tuple(self.port_attributes),
+                         model_attributes=tuple(self.model_attributes), models=dict(self.models), model=self.model,
+                         max_attribute_length=self.max_attribute_length)
 
 
 _UNUSED = ("buffer_rows", "batch_rows")
@@ -134,27 +169,38 @@ class _Handler(BoundedHTTPHandler):
         kind = self._content_type()
         if kind not in (PROTOBUF, JSON):
             raise self._refuse(415, f"unsupported Content-Type {kind or '(none)'}; use {PROTOBUF} or {JSON}")
-        body = read_body(self, rx.config.max_body_bytes, required=True)
+        try:
+            length = max(0, int(self.headers.get("Content-Length") or 0))
+        except ValueError:
+            length = 0  # read_body answers it
+        with rx.buffered(min(length, rx.config.max_body_bytes)):
+            body = read_body(self, rx.config.max_body_bytes, required=True)
+            with rx.decoding():
+                batch = self._decode(body, kind)
+        rx.store(batch)
+        message = f"{batch.rejected} span(s) rejected; first: {batch.first_error}" if batch.rejected else ""
+        self._send(200, encode_response(batch.rejected, message, kind), kind)
+
+    def _decode(self, body: bytes, kind: str) -> MappedBatch:
+        rx = self.receiver
         encoding = (self.headers.get("Content-Encoding") or "identity").strip().lower()
-        limit = rx.config.max_decompressed_bytes
+        limit = rx.config.max_decompressed_bytes if kind == PROTOBUF else rx.config.max_json_bytes
         try:
             if encoding == "gzip":
                 body = gunzip_bounded(body, limit)
             elif encoding != "identity":
                 raise HttpError(415, f"unsupported Content-Encoding {encoding}; use gzip or none")
             if len(body) > limit:
-                raise HttpError(413, f"body exceeds {limit} bytes")
-            rows, rejected, message = map_request(decode_request(body, kind), rx.config.all_spans)
-        except OverflowError as exc:
+                raise HttpError(413, f"{'JSON ' if kind == JSON else ''}body exceeds {limit} bytes")
+            views = decode_spans(body, kind, rx.limits)
+            del body  # the decoded spans no longer need it
+            return rx.mapper.map(views)
+        except (OverflowError, TooManySpans) as exc:
+            rx.count("too_large")
             raise HttpError(413, str(exc)) from None
         except InputError as exc:
             rx.count("bad_requests")
             raise HttpError(400, str(exc)) from None
-        rx.store_rows(rows)
-        rx.count("spans", len(rows))
-        rx.count("rejected_spans", rejected)
-        message = f"{rejected} span(s) rejected; first: {message}" if rejected else ""
-        self._send(200, encode_response(rejected, message, kind), kind)
 
 
 class OtlpReceiver:
@@ -166,8 +212,15 @@ class OtlpReceiver:
         self.config = config
         self.interval_s = config.interval_s
         self.submit = submit
-        self.stats = {"spans": 0, "rejected_spans": 0, "bad_requests": 0}
+        rules = config.rules
+        self.limits = Limits(config.max_spans_per_request, config.max_attribute_length, rules.wanted)
+        self.mapper = SpanMapper(rules, config.all_spans, config.link_cache_spans)
+        self.stats = {"spans": 0, "rejected_spans": 0, "merged_spans": 0, "bad_requests": 0, "too_large": 0,
+                      "busy": 0}
         self._stats_lock = threading.Lock()
+        self._decodes = threading.BoundedSemaphore(config.max_concurrent_decodes)
+        self._buffered = 0
+        self._buffer_lock = threading.Lock()
         self._server: BoundedHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._inflight = 0
@@ -205,18 +258,50 @@ class OtlpReceiver:
                 self._inflight -= 1
                 self._idle.notify_all()
 
-    def store_rows(self, rows: list[dict[str, Any]]) -> None:
-        """Hand mapped rows to the writer (spooled when this returns); HttpError 503/500 when it cannot."""
-        if not rows:
-            return
-        with self._request():
-            try:
-                self.submit(REQUESTS.name, REQUESTS.columns_of(rows))
-            except SpoolUnavailable as exc:
-                raise HttpError(503, f"cannot spool spans now ({exc}); retry later", {"Retry-After": "1"}) from None
-            except Exception as exc:
-                log.warning("otlp: storing %d span(s) failed: %s", len(rows), exc)
-                raise HttpError(500, f"cannot store spans: {exc}") from None
+    def _busy(self, what: str) -> HttpError:
+        self.count("busy")
+        return HttpError(503, f"receiver busy ({what}); retry later", {"Retry-After": "1"})
+
+    @contextlib.contextmanager
+    def buffered(self, size: int) -> Iterator[None]:
+        """Reserves ``size`` body bytes of ``max_buffered_bytes``; 503 + Retry-After when they are taken
+        (the body is then not read, so the connection closes)."""
+        with self._buffer_lock:
+            if self._buffered and self._buffered + size > self.config.max_buffered_bytes:
+                raise self._busy(f"{self._buffered} body bytes held, max_buffered_bytes "
+                                 f"{self.config.max_buffered_bytes}")
+            self._buffered += size
+        try:
+            yield
+        finally:
+            with self._buffer_lock:
+                self._buffered -= size
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """One of ``max_concurrent_decodes`` slots, waited for up to DECODE_WAIT_S, else 503 + Retry-After."""
+        if not self._decodes.acquire(timeout=DECODE_WAIT_S):
+            raise self._busy(f"{self.config.max_concurrent_decodes} decodes running")
+        try:
+            yield
+        finally:
+            self._decodes.release()
+
+    def store(self, batch: MappedBatch) -> None:
+        """Hand a batch's rows to the writer (spooled when this returns); HttpError 503/500 when it cannot."""
+        if batch.rows:
+            with self._request():
+                try:
+                    self.submit(REQUESTS.name, batch.columns)
+                except SpoolUnavailable as exc:
+                    raise HttpError(503, f"cannot spool spans now ({exc}); retry later",
+                                    {"Retry-After": "1"}) from None
+                except Exception as exc:
+                    log.warning("otlp: storing %d span(s) failed: %s", batch.rows, exc)
+                    raise HttpError(500, f"cannot store spans: {exc}") from None
+        self.count("spans", batch.rows)
+        self.count("rejected_spans", batch.rejected)
+        self.count("merged_spans", batch.merged)
 
     def start(self) -> None:
         """Bind and serve in a background thread; ConfigError (one line) when the address is unusable."""

@@ -143,6 +143,16 @@ class _Folder:
         return sum(finite)
 
 
+def _sample_names(fld: Field) -> list[str]:
+    """Sample names to look for: a histogram's buckets; a counter also with ``_total``, which the parser
+    appends to counters exposed without it (Triton's ``nv_inference_request_success``)."""
+    if fld.kind == HISTOGRAM:
+        return [n + "_bucket" for n in fld.names]
+    if fld.kind == COUNTER:
+        return [m for n in fld.names for m in (n, n + "_total") if not m.endswith("_total_total")]
+    return list(fld.names)
+
+
 def _model_namer(engine: Engine, default_model: str) -> Callable[[dict[str, str]], str]:
     def model_of(labels: dict[str, str]) -> str:
         if engine.target_model_wins and default_model:
@@ -171,7 +181,7 @@ def aggregate(series: Series, server: str, default_model: str = "", source: str 
     label = engine.model_labels[0] if engine.model_labels else ""
     snaps: dict[str, InstanceSnapshot] = {}
     for key, fld in engine.fields.items():
-        names = [n + "_bucket" for n in fld.names] if fld.kind == HISTOGRAM else list(fld.names)
+        names = _sample_names(fld)
         samples = [(labels, value) for labels, value in first_present(series, names)
                    if all(labels.get(k) == want for k, want in fld.where)
                    and (not llm or labels.get(label, "") in llm)]

@@ -25,6 +25,7 @@ from triscope.collectors.serving_metrics.engines import detect_server
 from triscope.collectors.serving_metrics.targets import ServingMetricsConfig, Target
 from triscope.errors import InputError
 from triscope.schema import SERVING_METRICS, encode_ts
+from triscope.store_link import one_line
 
 log = logging.getLogger("triscope.collectors.serving_metrics")
 
@@ -170,7 +171,7 @@ class ServingMetricsScraper:
                 self._fail(target, str(exc).splitlines()[0])
                 continue
             except Exception as exc:  # a target's bad input must never cost the others their rows
-                self._fail(target, f"{target.url}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                self._fail(target, f"{target.url}: {type(exc).__name__}: {one_line(exc)}")
                 continue
             rows += got
             if dropped:

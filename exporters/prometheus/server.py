@@ -14,7 +14,7 @@ from triscope.component import Context
 from triscope.errors import ConfigError
 from triscope.exporters.prometheus.collector import TriscopeCollector
 from triscope.exporters.prometheus.config import PrometheusConfig
-from triscope.httpserver import BoundedServerMixIn, serve_in_thread, stop
+from triscope.httpserver import BoundedRequestMixIn, BoundedServerMixIn, serve_in_thread, stop
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ class _Server(BoundedServerMixIn, WSGIServer):
     name = "prometheus"
 
 
-class _QuietHandler(WSGIRequestHandler):
+class _QuietHandler(BoundedRequestMixIn, WSGIRequestHandler):  # a scrape in progress is not a slow client
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("prometheus exporter: " + format, *args)
 

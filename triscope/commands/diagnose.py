@@ -1,6 +1,8 @@
 """``triscope diagnose``: explain where time goes.
 
-``--trace-run ID`` reports the Kineto trace breakdown of one profiling run
+``diagnose TRACE_OR_DIR...`` ingests Kineto traces (files, or a directory of one job's ranks) into the
+configured store and reports them in the same process: the trace breakdown of each run, then the
+stall verdict of each profiler step. ``--trace-run ID`` reports the Kineto trace breakdown of one profiling run
 (triscope.analyzers.trace_breakdown, rendered by triscope.analyzers.trace_report). Without it, the stall classifier
 (triscope.analyzers.stalls) labels every window (``--since 10m``, default 100 ms) or profiler
 step of every GPU as compute-, IO-, comm-, launch/host-bound or idle, with the evidence, the
@@ -11,6 +13,7 @@ Exit status 3 when a configured alert threshold is breached.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -20,11 +23,15 @@ if TYPE_CHECKING:
     from triscope.analyzers.stalls import StallReport
 
 EXIT_BREACH = 3
+EXIT_INPUT = 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("diagnose", help="explain GPU time: trace breakdown or fleet stalls")
-    parser.add_argument("--trace-run", metavar="ID", help="report the trace breakdown of this run id")
+    parser.add_argument("paths", nargs="*", metavar="TRACE_OR_DIR",
+                        help="Kineto traces (.json/.json.gz, or a directory of one job's ranks): ingest, then report")
+    parser.add_argument("--trace-run", metavar="ID",
+                        help="report the trace breakdown of this run id (with TRACE_OR_DIR: the run id to ingest as)")
     parser.add_argument("--rank", type=int, action="append", help="only these ranks (repeatable)")
     parser.add_argument("--include-last-step", action="store_true",
                         help="keep the last ProfilerStep in whole-trace figures (HTA drops it by default)")
@@ -47,7 +54,60 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.paths:
+        return run_traces(args)
     return run_trace_report(args) if args.trace_run else run_stalls(args)
+
+
+def run_traces(args: argparse.Namespace) -> int:
+    """``diagnose TRACE_OR_DIR...``: ingest, breakdown and per-step stall verdicts in one process (one store open).
+
+    Exit 2 when no file could be ingested, 1 when some could not (the others are reported), else as
+    the stall diagnosis (3 on a breached threshold)."""
+    from triscope.analyzers.stalls import diagnose_stalls, trace_span
+    from triscope.analyzers.trace_breakdown import analyze_run
+    from triscope.analyzers.trace_report import print_report, report_dict
+    from triscope.collectors.kineto.ingest import IngestResult, ingest_paths
+    from triscope.errors import InputError
+    from triscope.store import open_store
+
+    config = config_from(args)
+    failures: list[str] = []
+
+    def on_file(outcome: IngestResult | InputError) -> None:
+        if isinstance(outcome, InputError):
+            failures.append(str(outcome))
+            print(f"triscope: error: {outcome}", file=sys.stderr)
+        elif not args.json:
+            print(f"ingested {outcome.path}: run {outcome.run_id} rank {outcome.rank}, {outcome.events:,} events "
+                  f"({outcome.gpu_events:,} GPU) in {outcome.seconds:.2f}s", file=sys.stderr)
+
+    store = open_store(config)
+    try:
+        results = ingest_paths(store, args.paths, run_id=args.trace_run, on_file=on_file)
+        run_ids = list(dict.fromkeys(r.run_id for r in results if r.events))
+        reports, breaches = [], []
+        for run_id in run_ids:
+            ranks = analyze_run(store, run_id, ranks=args.rank, include_last_step=args.include_last_step)
+            start_ns, end_ns = trace_span(store, [run_id])
+            stalls = diagnose_stalls(store, start_ns, end_ns + 1, config, run_ids=[run_id], by="step")
+            breaches += stalls.breaches()
+            reports.append((run_id, ranks, stalls))
+    finally:
+        store.close()
+    if not results:
+        return EXIT_INPUT
+    if args.json:
+        print_json({"ingested": [vars(r) for r in results], "errors": failures,
+                    "runs": [{**report_dict(run_id, ranks), "stalls": stalls.to_json()}
+                             for run_id, ranks, stalls in reports]})
+    else:
+        for run_id, ranks, stalls in reports:
+            print_report(run_id, ranks)
+            render(stalls, title=f"stall verdicts of run {run_id}, per profiler step")
+    if failures:
+        return 1
+    return EXIT_BREACH if breaches else 0
 
 
 def run_trace_report(args: argparse.Namespace) -> int:
@@ -95,7 +155,7 @@ def run_stalls(args: argparse.Namespace) -> int:
     return EXIT_BREACH if report.breaches() else 0
 
 
-def render(report: StallReport) -> None:
+def render(report: StallReport, title: str = "") -> None:
     """Rich tables: shares per unit, worst windows with evidence, stragglers, actions."""
     from rich.table import Table
 
@@ -103,8 +163,11 @@ def render(report: StallReport) -> None:
     from triscope.console import report_console
 
     console = report_console()
-    console.print(f"[bold]stalls[/] {utc_text(report.start_ns)} .. {utc_text(report.end_ns)} UTC, "
-                  f"{'profiler steps' if report.by == 'step' else f'{report.window_ms:g} ms windows'}")
+    if title:
+        console.print(f"[bold]{title}[/]")
+    else:
+        console.print(f"[bold]stalls[/] {utc_text(report.start_ns)} .. {utc_text(report.end_ns)} UTC, "
+                      f"{'profiler steps' if report.by == 'step' else f'{report.window_ms:g} ms windows'}")
     if not report.windows:
         console.print("no GPU samples, traces or IO data in this range")
     else:

@@ -116,7 +116,8 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """``triscope weights serve``: the ``weights_feed`` exporter until SIGTERM/SIGINT."""
+    """``triscope weights serve``: the ``weights_feed`` exporter until SIGTERM/SIGINT (SIGHUP forgets
+    the absent backends)."""
     if args.once:
         return _once(args)
     from triscope.component import Context
@@ -125,28 +126,37 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config, params = _params(args)
     stop = threading.Event()
-    store = open_store(config)  # opened here: an unreachable store fails the command at once
+    hup = threading.Event()
+    # the store is opened by the feed and retried every update: with the store down the feed still
+    # starts and serves equal weights marked stale over the backends it knows (docs/weights.md)
     writer = _history_writer(config) if params.history else None
+    context = Context(open_store=lambda: open_store(config))
+    if writer is not None:
+        context = Context(open_store=context.open_store, submit=writer.submit)
     try:
-        context = Context(open_store=lambda: store)
-        if writer is not None:
-            context = Context(open_store=lambda: store, submit=writer.submit)
         feed = create(config, context)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            signal.signal(signal.SIGINT, lambda *_: stop.set())
+            if hasattr(signal, "SIGHUP"):
+                signal.signal(signal.SIGHUP, lambda *_: hup.set())
         try:
             feed.start()
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, lambda *_: stop.set())
-                signal.signal(signal.SIGINT, lambda *_: stop.set())
             print("weights feed: " + " ".join(f"{k}={v}" for k, v in feed.urls.items()), flush=True)
             if feed.last_error:
                 print(f"triscope: warning: first update failed: {feed.last_error}", file=sys.stderr, flush=True)
-            stop.wait()
+            # a timed wait: a signal delivered to another thread only runs its handler once the main
+            # thread is back in the interpreter, which a bare wait() may never be
+            while not stop.wait(0.2):
+                if hup.is_set():
+                    hup.clear()
+                    removed = feed.forget()
+                    print(f"weights feed: forgot {', '.join(removed) or 'nothing (no absent backend)'}", flush=True)
         finally:
             feed.close()
     finally:
         if writer is not None:
-            writer.close()  # after the feed: its last history rows are in
-        store.close()
+            writer.close(timeout_s=3.0)  # after the feed: its last history rows are in; the rest stays spooled
     return 0
 
 

@@ -43,7 +43,7 @@ SERVING_METRICS = Table(
         Column("ts", "DateTime64(9, 'UTC')"),
         Column("host", "LowCardinality(String)"),
         Column("backend", "LowCardinality(String)", "the scraped instance"),
-        Column("server", "LowCardinality(String)", "vllm, sglang, tgi"),
+        Column("server", "LowCardinality(String)", "vllm, sglang, tgi, triton, llamacpp"),
         Column("model", "LowCardinality(String)"),
         Column("queue_length", "Float64", "requests waiting"),
         Column("running_requests", "Float64"),
