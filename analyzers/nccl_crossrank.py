@@ -161,3 +161,35 @@ def flight_recorder_check(store: Store, run_ids: list[str] | None = None, start_
                     "ok": not (behind or mismatches or pending)})
     return out
 
+
+
+def nothing_to_compare(store: Store, report: StragglerReport, run_ids: list[str] | None = None,
+                       sources: tuple[str, ...] = ("kineto", "flight_recorder")) -> list[str]:
+    """One line per reason the straggler report is empty or all on time, for a reader; none when it has stragglers."""
+    if report.by_rank():
+        return []
+    params: dict[str, Any] = {"sources": list(sources)}
+    where = "source IN {sources:Array(String)} AND rank >= 0"
+    if run_ids:
+        where += " AND run_id IN {runs:Array(String)}"
+        params["runs"] = list(run_ids)
+    rows = store.query(
+        "SELECT run_id, countIf(is_p2p = 0), arraySort(groupUniqArrayIf(rank, is_p2p = 0)), countIf(is_p2p = 1) "
+        f"FROM {qualified(store, NCCL_OPS)} WHERE {where} GROUP BY run_id ORDER BY run_id", params).rows
+    scope = f" for run(s) {', '.join(run_ids)}" if run_ids else ""
+    if not rows:
+        return [f"nothing to compare: no collectives in the store{scope} (extract them from traces with "
+                "`triscope nccl kineto RUN`, or load Flight Recorder dumps with `triscope nccl ingest`)"]
+    notes = []
+    for run_id, collectives, ranks, p2p in rows:
+        if collectives and len(ranks) < 2:
+            notes.append(f"nothing cross-rank to compare in run {run_id}: its {collectives} collectives come from "
+                         f"rank {ranks[0]} only; stragglers need the same collective on >= 2 ranks "
+                         "(ingest every rank's trace under one run id)")
+        elif not collectives:
+            notes.append(f"nothing cross-rank to compare in run {run_id}: it has only point-to-point ops ({p2p}), "
+                         "which have no common arrival to compare")
+    if report.collectives:
+        notes.append(f"{len(report.collectives)} collectives compared across ranks: no rank was "
+                     f"{report.min_lateness_seconds * 1e3:g} ms or more late")
+    return notes

@@ -33,6 +33,11 @@ WEIGHTS_UID = "triscope-weights"
 
 REQ = t(REQUESTS)
 GPU = t(GPU_SAMPLES)
+# One value per GPU, or per MIG instance (dcgm), and interval; the panels add a GPU's instances up.
+_PER_INSTANCE = ("SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(gpu) AS gpu, mig_instance, "
+                 "avgIf(memory_used_bytes, isFinite(memory_used_bytes)) AS used, "
+                 "avgIf(memory_total_bytes, isFinite(memory_total_bytes)) AS total "
+                 f"FROM {GPU} WHERE $__timeFilter(ts) AND {GPU_FILTER} GROUP BY time, host, gpu, mig_instance")
 SERVING = t(SERVING_METRICS)
 _LAT = "isFinite(latency_seconds)"
 _RANGE_S = "greatest(1, toUnixTimestamp($__toTime) - toUnixTimestamp($__fromTime))"
@@ -84,15 +89,14 @@ def board() -> Board:
             f"FROM {REQ} WHERE $__timeFilter(ts) AND {REQUEST_FILTER} GROUP BY time, backend ORDER BY time, backend")],
             "end-to-end latency (requests.latency_seconds)", unit="s", links=[_HEATMAP_BACKEND]),
         timeseries("GPU memory used", [sql_target(
-            "SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(gpu) AS gpu, "
-            "avgIf(memory_used_bytes, isFinite(memory_used_bytes)) AS memory_used_bytes "
-            f"FROM {GPU} WHERE $__timeFilter(ts) AND {GPU_FILTER} GROUP BY time, host, gpu ORDER BY time, host, gpu")],
-            "gpu_samples.memory_used_bytes (NVML / DCGM)", unit="bytes", links=[_STALLS_GPU]),
-        timeseries("GPU memory used / total", [sql_target(
-            "SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(gpu) AS gpu, "
-            "avgIf(memory_used_bytes / memory_total_bytes, isFinite(memory_used_bytes) AND memory_total_bytes > 0) "
-            f"AS memory_used_ratio FROM {GPU} WHERE $__timeFilter(ts) AND {GPU_FILTER} "
+            f"SELECT time, host, gpu, sum(used) AS memory_used_bytes FROM ({_PER_INSTANCE}) "
             "GROUP BY time, host, gpu ORDER BY time, host, gpu")],
+            "gpu_samples.memory_used_bytes (NVML / DCGM; a MIG GPU's instances added up)", unit="bytes",
+            links=[_STALLS_GPU]),
+        timeseries("GPU memory used / total", [sql_target(
+            f"SELECT time, host, gpu, sumIf(used, total > 0) / sumIf(total, total > 0) AS memory_used_ratio "
+            f"FROM ({_PER_INSTANCE}) WHERE isFinite(used) GROUP BY time, host, gpu "
+            "HAVING sumIf(total, total > 0) > 0 ORDER BY time, host, gpu")],
             "the weight engine drains a backend at 97% and releases it at 92%", unit="percentunit",
             thresholds=[(None, "green"), (0.92, "orange"), (0.97, "red")], links=[_STALLS_GPU]),
         row("Serving engines (vLLM / SGLang / TGI scrapes)"),

@@ -2,8 +2,10 @@
 
 Every board is plain data (dicts) built by these functions, so the generated JSON is
 deterministic and reviewable. ClickHouse targets use the ``grafana-clickhouse-datasource``
-plugin's SQL editor (``editorType: "sql"``, ``rawSql``, ``format`` 0 = time series / 1 = table);
-Prometheus targets use ``expr``.
+plugin's v4 SQL editor model (``pluginVersion``, ``editorType: "sql"``, ``rawSql``, ``format`` 0 =
+time series / 1 = table, ``queryType`` timeseries / table): a target without ``pluginVersion`` is
+read as a v3 query and migrated, which marks the board modified on open. Query variables use the
+plugin's variable model (``queryType: "sql"``, ``rawSql``). Prometheus targets use ``expr``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 SCHEMA_VERSION = 39  # Grafana 11.x dashboards
 CLICKHOUSE_TYPE = "grafana-clickhouse-datasource"
 PROMETHEUS_TYPE = "prometheus"
+CLICKHOUSE_PLUGIN_VERSION = "4.20.0"
+"""The plugin version compose/compose.yaml installs (GF_INSTALL_PLUGINS); tests check they agree."""
 CLICKHOUSE_UID = "triscope-clickhouse"
 PROMETHEUS_UID = "triscope-prometheus"
 CLICKHOUSE = {"type": CLICKHOUSE_TYPE, "uid": CLICKHOUSE_UID}
@@ -31,7 +35,7 @@ def sql_target(sql: str, ref: str = "A", table: bool = False) -> dict[str, Any]:
     """A ClickHouse SQL-editor target (time series unless ``table``)."""
     return {
         "datasource": dict(CLICKHOUSE), "editorType": "sql", "rawSql": sql.strip(), "refId": ref,
-        "format": FORMAT_TABLE if table else FORMAT_TIME_SERIES,
+        "pluginVersion": CLICKHOUSE_PLUGIN_VERSION, "format": FORMAT_TABLE if table else FORMAT_TIME_SERIES,
         "queryType": "table" if table else "timeseries",
     }
 
@@ -202,7 +206,7 @@ class Variable:
             sql = self.sql.strip()
             base.update({
                 "datasource": dict(CLICKHOUSE), "definition": sql,
-                "query": {"editorType": "sql", "rawSql": sql, "format": FORMAT_TABLE, "queryType": "table"},
+                "query": {"queryType": "sql", "rawSql": sql, "refId": "var"},  # the plugin's default refId
                 "refresh": 2,  # on time-range change; sort 0 keeps the SQL ORDER BY (GPU 2 before 10)
                 "regex": "", "sort": 0, "multi": self.multi, "includeAll": self.include_all,
                 "allValue": None, "options": [],

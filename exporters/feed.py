@@ -197,9 +197,11 @@ class WeightFeed:
                 deadline = now + interval
             if self._stop.wait(deadline - now):
                 return
-            self._safe_update()
+            self.step()
 
-    def _safe_update(self) -> None:
+    def step(self) -> None:
+        """One turn of the update loop: :meth:`update`; on a failure, count it, log it once and fall
+        back to equal weights marked stale when the last good result is too old."""
         try:
             self.update()
         except Exception as exc:
@@ -248,7 +250,7 @@ class WeightFeed:
 
     def start(self) -> WeightFeed:
         """First update (a failure is logged, not raised), then the servers and the update loop."""
-        self._safe_update()
+        self.step()
         try:
             if self._port_cfg >= 0:
                 feed = self.params.feed

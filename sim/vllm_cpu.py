@@ -113,6 +113,9 @@ class ServerOptions:
     """``--otlp-traces-endpoint`` (OTLP/HTTP protobuf), e.g. ``http://127.0.0.1:4318/v1/traces``."""
     span_delay_ms: int = 200
     """``OTEL_BSP_SCHEDULE_DELAY``: how long finished spans wait in vLLM's batch processor (SDK default 5000)."""
+    span_address: bool = True
+    """Put ``server.address`` / ``server.port`` on the spans' resource (``OTEL_RESOURCE_ATTRIBUTES``): vLLM's
+    spans carry no address of their own, so this names the engine as the scraper and the LB do (host:port)."""
     profiler_dir: Path | None = None
     """Enables ``/start_profile`` and ``/stop_profile`` (torch profiler, no stacks, worker only)."""
     profiler_max_iterations: int = 64
@@ -176,6 +179,8 @@ class VllmServer:
     def env(self) -> dict[str, str]:
         extra = {"OTEL_SERVICE_NAME": self.name, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
                  "OTEL_BSP_SCHEDULE_DELAY": str(self.options.span_delay_ms)}
+        if self.options.span_address:
+            extra["OTEL_RESOURCE_ATTRIBUTES"] = f"server.address=127.0.0.1,server.port={self.port}"
         if self.cpu is not None:
             extra["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
         return quiet_env(self.workdir, **extra)
@@ -201,7 +206,8 @@ class VllmServer:
         deadline = self.started_at + timeout_s
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
-                raise RuntimeError(f"vllm {self.name} exited ({self.proc and self.proc.returncode}):\n{self.log_tail()}")
+                code = self.proc.returncode if self.proc is not None else None
+                raise RuntimeError(f"vllm {self.name} exited ({code}):\n{self.log_tail()}")
             if self.healthy():
                 self.healthy_after_s = time.monotonic() - self.started_at
                 return self.healthy_after_s

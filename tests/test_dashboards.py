@@ -29,6 +29,7 @@ from triscope.dashboards import macros
 from triscope.dashboards.boards import all_boards
 from triscope.dashboards.generate import DEFAULT_OUT, expected_files, stale_files, write
 from triscope.dashboards.macros import ALL, Context, MacroError, Var, expand
+from triscope.dashboards.model import CLICKHOUSE_PLUGIN_VERSION
 from triscope.schema import encode_ts, qualified
 
 T0_S = 1_767_225_600  # 2026-01-01T00:00:00Z
@@ -249,6 +250,32 @@ def test_queries_with_a_selection(seeded, name: str) -> None:
     assert [r[0] for r in by_gpu.rows] == ["h1:8001"]
 
 
+def test_fleet_gpu_memory_adds_up_mig_instances(store_path: Path) -> None:
+    """dcgm keeps MIG instances as rows of their parent GPU: the fleet's memory panels add them up
+    (an average of the instances would halve a two-instance GPU). SYNTHETIC rows."""
+    from triscope.schema import GPU_SAMPLES
+
+    gib = float(1 << 30)
+    rows = [{"ts": encode_ts(T0 + k * 200_000_000), "host": "mig-node", "gpu": 0, "mig_instance": inst,
+             "mig_profile": "3g.40gb", "source": "dcgm", "memory_used_bytes": used * gib,
+             "memory_total_bytes": 40 * gib} for k in range(5) for inst, used in (("1", 10.0), ("2", 20.0))]
+    rows += [{"ts": encode_ts(T0 + k * 200_000_000), "host": "mig-node", "gpu": 1, "source": "dcgm",
+              "memory_used_bytes": 8 * gib, "memory_total_bytes": 80 * gib} for k in range(5)]
+    with fresh_database(store_path, "dashmig") as store:
+        store.insert(qualified(store, GPU_SAMPLES), GPU_SAMPLES.columns_of(rows))
+        variables = {v["name"]: (Var(store.database, [store.database], multi=False) if v["type"] == "textbox"
+                                 else Var([ALL], ["__none__"])) for v in BOARDS["fleet"]["templating"]["list"]}
+        variables["host"], variables["gpu"] = Var([ALL], ["mig-node"]), Var([ALL], ["0", "1"])
+        got = {}
+        for panel, target in sql_targets(BOARDS["fleet"]):
+            if panel["title"] in ("GPU memory used", "GPU memory used / total"):
+                res = store.query(expand(target["rawSql"], _ctx(variables)))
+                got[panel["title"]] = {(r[1], r[2]): r[3] for r in res.rows}
+    assert got["GPU memory used"] == {("mig-node", "0"): 30 * gib, ("mig-node", "1"): 8 * gib}
+    assert got["GPU memory used / total"] == {("mig-node", "0"): pytest.approx(30 / 80),
+                                              ("mig-node", "1"): pytest.approx(0.1)}
+
+
 def store_requests(store) -> list[str]:
     return [r[0] for r in store.query(f"SELECT backend FROM {qualified(store, 'requests')}").rows]
 
@@ -463,6 +490,31 @@ def test_board_json_is_valid(name: str) -> None:
             assert macros.referenced_variables(v["query"]["rawSql"]) <= set(order[:i]), v["name"]
     for target in sql_targets(board):
         assert target[1]["editorType"] == "sql" and target[1]["format"] in (0, 1)
+
+
+def _plugin_reads_as_v3(target: dict[str, Any]) -> bool:
+    """grafana/clickhouse-datasource v4.20.0 src/data/migration.ts ``isV3CHQuery``, in Python: such a
+    target is migrated when the board opens (a changed query: Grafana marks the board modified)."""
+    version = tuple(int(x) for x in str(target.get("pluginVersion") or "0").split("-")[0].split(".")[:3])
+    return version < (4, 0, 0) or target.get("queryType") in ("sql", "builder")
+
+
+def test_targets_are_v4_queries_of_the_provisioned_plugin() -> None:
+    """Issue 20 item 6: targets carry the pluginVersion compose installs; variables use the v4 variable model."""
+    compose = yaml.safe_load((REPO / "compose" / "compose.yaml").read_text())
+    plugin, version = compose["services"]["grafana"]["environment"]["GF_INSTALL_PLUGINS"].split()
+    assert (plugin, version) == ("grafana-clickhouse-datasource", CLICKHOUSE_PLUGIN_VERSION)
+    checked = 0
+    for board in BOARDS.values():
+        for panel, target in sql_targets(board):
+            assert target["pluginVersion"] == version and not _plugin_reads_as_v3(target), panel["title"]
+            assert target["queryType"] == ("table" if target["format"] == 1 else "timeseries"), panel["title"]
+            checked += 1
+        for v in board["templating"]["list"]:
+            if v["type"] == "query":
+                assert v["query"] == {"queryType": "sql", "rawSql": v["definition"], "refId": "var"}, v["name"]
+    assert checked > 30
+    assert _plugin_reads_as_v3({"editorType": "sql", "rawSql": "SELECT 1", "queryType": "table"})  # the old shape
 
 
 def test_links_point_at_existing_boards_and_variables() -> None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, shared_data
+from conftest import REPO, free_port, require_binary, shared_data
 
 WORKER = Path(__file__).with_name("nccl_gloo_worker.py")
 pytestmark = pytest.mark.slow
@@ -96,3 +96,142 @@ def test_nccl_ingest_reports_bad_files_but_loads_good_ones(tmp_path: Path) -> No
     assert res.returncode == 1
     body = json.loads(res.stdout)
     assert body["ingested"][0]["rows"] == 2 and "not a recognised" in body["errors"][0]
+
+
+def _adds_up(rank: dict) -> None:
+    """The figures of one rank of a ``--json`` report add up: idle split to idle time, steps to the run."""
+    whole = rank["whole"]
+    assert whole["host_wait_ns"] + whole["kernel_wait_ns"] + whole["other_idle_ns"] == whole["idle_ns"]
+    steps = rank["steps"][:-1] if rank["last_step_dropped"] else rank["steps"]
+    for key in ("span_ns", "busy_ns", "compute_ns", "idle_ns", "host_wait_ns", "gpu_events"):
+        assert sum(s[key] for s in steps) == whole[key], key
+
+
+def test_diagnose_a_trace_directory_in_one_command(tmp_path: Path) -> None:
+    """``diagnose DIR``: one process ingests both ranks of a job and reports breakdown and stall verdicts; the run
+    stays in the store for later commands."""
+    db, job = tmp_path / "db", tmp_path / "job42"
+    job.mkdir()
+    for r in (0, 1):
+        sample = shared_data("kineto", f"sampled_128rank_job_rank{r}.json.gz")
+        (job / f"rank{r}.json.gz").write_bytes(sample.read_bytes())
+    res = _cli(db, "diagnose", str(job), "--json")
+    assert res.returncode in (0, 3), res.stderr
+    doc = json.loads(res.stdout)
+    assert [i["rank"] for i in doc["ingested"]] == [0, 1] and doc["errors"] == []
+    (run,) = doc["runs"]
+    assert run["run_id"] == "job42" and [r["rank"] for r in run["ranks"]] == [0, 1]
+    for rank in run["ranks"]:
+        _adds_up(rank)
+    assert run["stalls"]["by"] == "step" and run["stalls"]["shares"]
+    again = _cli(db, "diagnose", "--trace-run", "job42", "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["ranks"] == run["ranks"]
+
+
+def test_diagnose_a_trace_file_text_and_bad_paths(tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    text = _cli(db, "diagnose", str(shared_data("kineto", "a100_ddp_2024_rank0.json.gz")))
+    assert text.returncode in (0, 3), text.stderr
+    for needle in ("whole run", "step 5", "idle split per GPU", "detail, per stream summed over 2 stream(s)",
+                   "stall verdicts of run a100_ddp_2024"):
+        assert needle in text.stdout, text.stdout
+    assert "ingested" in text.stderr and "Traceback" not in text.stderr
+    missing = _cli(db, "diagnose", str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0 and "nope.json" in missing.stderr
+
+
+def test_nccl_output_explains_itself(tmp_path: Path) -> None:
+    db = tmp_path / "db"
+    empty = _cli(db, "nccl", "stragglers")
+    assert empty.returncode == 0 and "nothing to compare: no collectives in the store" in empty.stdout
+    trace = shared_data("kineto", "sampled_128rank_job_rank0.json.gz")
+    assert _cli(db, "ingest", "trace", str(trace), "--run-id", "old").returncode == 0
+    kin = _cli(db, "nccl", "kineto", "old")
+    assert kin.returncode == 0 and "old: 10 collective ops on 1 rank" in kin.stdout
+    assert "bus bandwidth unknown for 10 of 10 collectives" in kin.stdout and "no message sizes" in kin.stdout
+    one = _cli(db, "nccl", "stragglers", "--json")
+    assert "nothing cross-rank to compare in run old" in json.loads(one.stdout)["notes"][0]
+
+
+def _closed_pipe_run(store_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run the CLI with stdout on a real pipe whose reader has already gone (``| head`` after it exited)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {**os.environ, "TRISCOPE_STORE__PATH": str(store_dir)}
+    env.pop("TRISCOPE_CONFIG", None)
+    try:
+        return subprocess.run([sys.executable, "-m", "triscope", *args], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=REPO, timeout=300)
+    finally:
+        os.close(write_end)
+
+
+def test_every_command_exits_quietly_when_its_reader_goes_away(tmp_path: Path) -> None:
+    """``triscope ... | head``: a closed pipe ends each command with status 141 and no traceback or pipe error on
+    stderr (argparse's own help and version output ignore the closed pipe and exit 0)."""
+    db, trace = tmp_path / "db", str(shared_data("kineto", "a100_ddp_2024_rank0.json.gz"))
+    for args in (["--help"], ["--version"], ["diagnose", "--help"]):
+        res = _closed_pipe_run(db, *args)
+        assert res.returncode == 0 and res.stderr == "", (args, res.stderr)
+    commands = [
+        ["ingest", "trace", trace, "--run-id", "r", "--json"],
+        ["diagnose", trace, "--json"], ["diagnose", trace],
+        ["diagnose", "--trace-run", "r", "--json"], ["diagnose", "--trace-run", "r"],
+        ["diagnose", "--since", "1m", "--json"], ["diagnose", "--since", "1m"],
+        ["nccl", "kineto", "r", "--json"], ["nccl", "kineto", "r"],
+        ["nccl", "stragglers", "--json"], ["nccl", "stragglers"],
+        ["nccl", "ingest", str(shared_data("flight_recorder")), "--run-id", "fr", "--json"],
+        ["weights", "show", "--json"], ["weights", "show"],
+        ["dashboards", "build", "--out", str(tmp_path / "boards")],
+    ]
+    loud = []
+    for args in commands:
+        res = _closed_pipe_run(db, *args)
+        noise = [w for w in ("Traceback", "BrokenPipe", "Exception ignored", "Errno 32") if w in res.stderr]
+        if res.returncode != 141 or noise:
+            loud.append(f"{' '.join(args)}: exit {res.returncode}, stderr {res.stderr.strip()[-300:]!r}")
+    assert not loud, "\n".join(loud)
+
+
+def test_json_piped_into_head(tmp_path: Path) -> None:
+    """A real ``head -c 100`` on a 4 KiB pipe: the 20 kB report cannot fit, so the command must see the reader
+    leave, and exits 141 without a traceback while head gets the start of the JSON."""
+    import fcntl
+
+    head = require_binary("head")
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, 1031, 4096)  # F_SETPIPE_SZ
+    env = {**os.environ, "TRISCOPE_STORE__PATH": str(tmp_path / "db")}
+    env.pop("TRISCOPE_CONFIG", None)
+    reader = subprocess.Popen([head, "-c", "100"], stdin=read_end, stdout=subprocess.PIPE)
+    writer = subprocess.Popen([sys.executable, "-m", "triscope", "diagnose", "--json",
+                               str(shared_data("kineto", "a100_ddp_2024_rank0.json.gz"))],
+                              stdout=write_end, stderr=subprocess.PIPE, env=env, cwd=REPO)
+    os.close(read_end)
+    os.close(write_end)
+    first, _ = reader.communicate(timeout=300)
+    _, err = writer.communicate(timeout=300)
+    assert first.startswith(b"{") and len(first) == 100
+    assert writer.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err[-2000:]
+
+
+def test_start_up_imports_only_what_the_command_needs(tmp_path: Path) -> None:
+    """CLI start-up stays small: ``--help`` loads none of chDB, numpy, rich, matplotlib; a query on an empty
+    store loads chDB only (timed by bench/cli_e2e.py)."""
+    heavy = ("chdb", "numpy", "rich", "matplotlib", "pyarrow", "pandas")
+    probe = ("import sys, contextlib, io\nfrom triscope.cli import main\nout = io.StringIO()\n"
+             "try:\n    with contextlib.redirect_stdout(out): main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+             f"print(' '.join(m for m in {heavy!r} if m in sys.modules))")
+    env = {**os.environ, "TRISCOPE_STORE__PATH": str(tmp_path / "db")}
+
+    def loaded(*args: str) -> set[str]:
+        res = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env,
+                             cwd=REPO, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return set(res.stdout.split())
+
+    assert loaded("--help") == set()
+    assert loaded("diagnose", "--help") == set()
+    assert loaded("nccl", "stragglers", "--json") == {"chdb"}
+    assert loaded("weights", "show", "--json") == {"chdb"}
+    assert loaded("diagnose", "--since", "1m", "--json") & {"rich", "matplotlib", "pyarrow", "pandas"} == set()

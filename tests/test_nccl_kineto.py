@@ -81,3 +81,48 @@ def test_pre_2024_trace_keeps_kernels_without_sizes(store) -> None:
     rows = extract_kineto(store, "s128")
     assert len(rows) == 10 and {r["collective"] for r in rows} == {"SendRecv"}
     assert all(r["is_p2p"] == 1 and r["duration_seconds"] > 0 for r in rows)
+
+
+def test_summary_says_when_bus_bandwidth_is_unknown_and_why(store) -> None:
+    """`nccl kineto` tells a reader why bus bandwidth is missing: a 2023 trace's NCCL kernels carry no sizes,
+    gloo's host-side collectives have none stored; a 2024 A100 trace has them all."""
+    from triscope.collectors.nccl.kineto import ingest_kineto_summary
+
+    ingest_trace(store, shared_data(*A100), run_id="a100")
+    ingest_trace(store, shared_data("kineto", "sampled_128rank_job_rank0.json.gz"), run_id="s128")
+    ingest_trace(store, shared_data("kineto", "local_cpu_gloo_2rank_rank0.json"), run_id="gloo")
+    a100 = ingest_kineto_summary(store, "a100")
+    assert (a100.rows, a100.busbw_known, a100.no_size, a100.notes) == (21, 21, 0, [])
+    assert a100.median_busbw_bytes_per_second is not None and a100.median_busbw_bytes_per_second > 1e9
+    s128 = ingest_kineto_summary(store, "s128")
+    assert s128.rows == s128.no_size == 10 and s128.busbw_known == 0 and s128.median_busbw_bytes_per_second is None
+    (note,) = s128.notes
+    assert note.startswith("bus bandwidth unknown for 10 of 10 collectives")
+    assert "the trace has no message sizes" in note
+    gloo = ingest_kineto_summary(store, "gloo")
+    assert gloo.rows == gloo.host_side == gloo.no_size_host_side == 15
+    assert "host-side (gloo)" in gloo.notes[0] and "Flight Recorder" in gloo.notes[0]
+
+
+def test_stragglers_say_when_there_is_nothing_cross_rank_to_compare(store) -> None:
+    from triscope.analyzers.nccl_crossrank import nothing_to_compare, stragglers
+
+    def notes(runs: list[str] | None, min_lateness: float = 0.001) -> list[str]:
+        return nothing_to_compare(store, stragglers(store, runs, min_lateness_seconds=min_lateness), runs)
+
+    (empty,) = notes(None)
+    assert empty.startswith("nothing to compare: no collectives in the store")
+    ingest_trace(store, shared_data(*A100), run_id="a100")
+    ingest_kineto_run(store, "a100")
+    (one_rank,) = notes(["a100"])
+    assert "nothing cross-rank to compare in run a100" in one_rank and "rank 0 only" in one_rank
+    for r in (0, 1):
+        ingest_trace(store, shared_data("kineto", f"sampled_128rank_job_rank{r}.json.gz"), run_id="s128")
+        ingest_trace(store, shared_data("kineto", f"local_cpu_gloo_2rank_rank{r}.json"), run_id="gloo")
+    ingest_kineto_run(store, "s128")
+    ingest_kineto_run(store, "gloo")
+    (p2p,) = notes(["s128"])
+    assert "only point-to-point ops (20)" in p2p
+    assert notes(["gloo"]) == []  # rank 1 was ~96 ms late: there are stragglers, nothing to explain
+    (on_time,) = notes(["gloo"], min_lateness=10.0)
+    assert on_time == "12 collectives compared across ranks: no rank was 10000 ms or more late"

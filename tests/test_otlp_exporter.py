@@ -78,3 +78,30 @@ def test_callers_writer_is_used_and_left_open(store, tmp_path) -> None:
     assert writer.snapshot()["rows_pending"] == 1  # spooled in the caller's writer, which stays open
     assert writer.close()
     assert store.query(f"SELECT latency_seconds FROM {qualified(store, 'requests')}").scalar() == 0.25
+
+
+def test_backend_survives_restarts_and_parent_names_it(store) -> None:
+    """In-process: the random ``service.instance.id`` of each (re)started provider never names the backend;
+    a parent CLIENT span's ``server.address``/``server.port`` passes to its ``llm_request`` child."""
+    import uuid
+
+    from opentelemetry.trace import SpanKind
+
+    exporter = TriscopeSpanExporter(store, interval_s=0.2)
+    for restart in range(2):
+        provider = TracerProvider(resource=Resource.create({
+            "service.name": "vllm", "service.instance.id": str(uuid.uuid4()), "host.name": "node-b",
+            "server.port": 8001}))
+        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=50))
+        tracer = provider.get_tracer("vllm.tracing")
+        with tracer.start_as_current_span("llm_request", kind=SpanKind.SERVER) as span:
+            span.set_attribute("gen_ai.request.id", f"own-{restart}")
+        gateway = {"server.address": "10.0.0.9", "server.port": 8000}
+        with (tracer.start_as_current_span("POST", kind=SpanKind.CLIENT, attributes=gateway),
+              tracer.start_as_current_span("llm_request", kind=SpanKind.SERVER) as span):
+            span.set_attribute("gen_ai.request.id", f"routed-{restart}")
+        provider.force_flush()
+    exporter.shutdown()
+    got = store.query(f"SELECT request_id, backend FROM {qualified(store, 'requests')} ORDER BY request_id").rows
+    assert got == [("own-0", "node-b:8001"), ("own-1", "node-b:8001"),
+                   ("routed-0", "10.0.0.9:8000"), ("routed-1", "10.0.0.9:8000")]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -32,9 +33,11 @@ from triscope.writer import Writer
 
 def vllm_provider(exporter) -> TracerProvider:
     """What ``vllm serve --otlp-traces-endpoint`` sets up: TracerProvider() whose resource comes from the
-    environment (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES) plus vLLM's process attributes."""
+    environment (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES) plus vLLM's process attributes. The SDK draws
+    ``service.instance.id`` once per process; a new one is given here as a restarted server would draw."""
     provider = TracerProvider(resource=Resource.create({"vllm.process_kind": "api_server",
-                                                        "vllm.process_id": os.getpid()}))
+                                                        "vllm.process_id": os.getpid(),
+                                                        "service.instance.id": str(uuid.uuid4())}))
     provider.add_span_processor(exporter)
     return provider
 
@@ -150,7 +153,8 @@ def test_gateway_span_names_the_backend_of_its_llm_request_child(store, writer, 
     monkeypatch.setenv("OTEL_SERVICE_NAME", "vllm")
     monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
     parents, children = _gateway_and_engine(3)
-    assert all(c.parent is not None and c.parent.span_id == p.context.span_id for p, c in zip(parents, children))
+    pairs = zip(parents, children, strict=True)
+    assert all(c.parent is not None and c.parent.span_id == p.context.span_id for p, c in pairs)
     rx = start_receiver(writer, model="llama")
     try:
         exporter = OTLPSpanExporter(endpoint=rx.url)

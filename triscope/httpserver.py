@@ -149,6 +149,7 @@ class BoundedServerMixIn(socketserver.ThreadingMixIn):
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self._next_due = math.inf  # when the watchdog looks next: only an earlier deadline wakes it
         self._last_refusal_log = -math.inf
         super().__init__(address, handler, **kwargs)  # type: ignore[call-arg]  # the socketserver class after us
 
@@ -185,7 +186,9 @@ class BoundedServerMixIn(socketserver.ThreadingMixIn):
             if conn is None or conn.cut:
                 return False
             conn.busy, conn.since, conn.deadline, conn.partial = busy, since, deadline, False
-        self._wake.set()
+            early = deadline < self._next_due
+        if early:
+            self._wake.set()
         return True
 
     def _run_watchdog(self) -> None:
@@ -202,10 +205,11 @@ class BoundedServerMixIn(socketserver.ThreadingMixIn):
                         with contextlib.suppress(OSError):
                             sock.shutdown(socket.SHUT_RDWR)
                 if not self._conns:
-                    self._watchdog = None
+                    self._watchdog, self._next_due = None, math.inf
                     return
-                wait = min(c.deadline for c in self._conns.values()) - now
-            self._wake.wait(min(1.0, max(0.01, wait)))
+                wait = min(1.0, max(0.01, min(c.deadline for c in self._conns.values()) - now))
+                self._next_due = now + wait
+            self._wake.wait(wait)
             self._wake.clear()
 
     # ---------------------------------------------------------------- admission
@@ -241,11 +245,13 @@ class BoundedServerMixIn(socketserver.ThreadingMixIn):
                     victim.shutdown(socket.SHUT_RDWR)
             self._conns[request] = _Conn(client, now, self._waiting_deadline(now))
             self._per_client[client] += 1
+            early = self._conns[request].deadline < self._next_due
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._run_watchdog, name=f"{self.name}-deadline",
                                                   daemon=True)
                 self._watchdog.start()
-        self._wake.set()
+        if early:
+            self._wake.set()
         return True
 
     def _release(self, client: str) -> None:

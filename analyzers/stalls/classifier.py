@@ -37,12 +37,17 @@ def parse_duration(text: str) -> float:
 
 
 class _Units(dict[tuple[str, str], Unit]):
-    """Units by (host, device), created on first use."""
+    """Units by (host, device), created on first use. A device is named by its type and index
+    (``gpu0``, ``mtia17``); a rank with no device work is ``cpu-rankN`` (no device data)."""
 
-    def get_unit(self, host: str, gpu: int, rank: int | None = None) -> Unit:
-        device = f"gpu{gpu}" if gpu >= 0 else f"cpu-rank{rank}"
+    def get_unit(self, host: str, gpu: int, rank: int | None = None, device_type: str = "gpu",
+                 has_device: bool = True) -> Unit:
+        if not has_device:
+            device = f"cpu-rank{rank}"
+        else:
+            device = f"{device_type}{gpu}" if gpu >= 0 else f"{device_type}-rank{rank}"
         if (host, device) not in self:
-            self[(host, device)] = Unit(host, device, gpu)
+            self[(host, device)] = Unit(host, device, gpu if has_device else -1, device_data=has_device)
         return self[(host, device)]
 
 
@@ -65,7 +70,7 @@ def _gather(store: Store, start_ns: int, end_ns: int, max_events: int, host_set:
         if model_gpus is not None and not ({(part["host"], str(part["device"])), (part["host"], "")} & model_gpus):
             continue
         part["iv"] = readers.trace_intervals(store, part, start_ns, end_ns, max_events)
-        u = units.get_unit(part["host"], part["device"], part["rank"])
+        u = units.get_unit(part["host"], part["device"], part["rank"], part["device_type"], part["has_device"])
         u.traces.append(part)
         u.ranks.add(part["rank"])
         u.runs.add(part["run_id"])
@@ -109,7 +114,7 @@ def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, 
         for (a, b, kind, label), m in zip(intervals, metrics, strict=True):
             verdict, matched, evidence, severity = classify_window(m, cfg)
             report.windows.append(Window(unit.key, host, unit.device, a, b, kind, label, m, verdict, matched,
-                                         evidence, severity))
+                                         evidence, severity, device_data=unit.device_data))
     traced_runs = sorted({r for u in units.values() for r in u.runs}) or run_ids
     strag = stragglers(store, run_ids=traced_runs, start_ns=None if run_ids else start_ns,
                        end_ns=None if run_ids else end_ns, min_lateness_seconds=cfg.straggler_min_lateness_seconds,

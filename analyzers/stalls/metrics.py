@@ -26,6 +26,8 @@ class Unit:
     device: str
     gpu: int
     ranks: set[int] = field(default_factory=set)
+    device_data: bool = True
+    """False for a traced rank with no device work (a CPU-only trace) and an IO-only host."""
     runs: set[str] = field(default_factory=set)
     samples: list[Sample] = field(default_factory=list)
     traces: list[dict[str, Any]] = field(default_factory=list)
@@ -56,11 +58,18 @@ def mean_in(ts: np.ndarray, values: np.ndarray, w_start: np.ndarray,
 
 
 def unit_windows(unit: Unit, start_ns: int, end_ns: int, w_ns: int, by: str) -> list[Interval]:
-    """(start, end, kind, label) intervals of the unit that hold data."""
+    """(start, end, kind, label) intervals of the unit that hold data.
+
+    Steps are clipped to the range and to their trace's recorded span. A window at the edge of the
+    unit's data that holds less than half a window of it is merged into its neighbour: a few
+    milliseconds of trace are not a verdict of their own.
+    """
     if by == "step":
-        steps = [(int(s), int(e), str(n)) for t in unit.traces for s, e, n in zip(*t["iv"]["steps"], strict=True)]
+        steps = [(max(int(s), t["lo"], start_ns), min(int(e), t["hi"], end_ns), str(n)) for t in unit.traces
+                 for s, e, n in zip(*t["iv"]["steps"], strict=True)]
+        steps = [(s, e, n) for s, e, n in steps if e > s]
         if steps:
-            return [(max(s, start_ns), min(e, end_ns), "step", n) for s, e, n in sorted(steps)]
+            return [(s, e, "step", n) for s, e, n in sorted(steps)]
     ws, we = window_grid(start_ns, end_ns, w_ns)
     keep = np.zeros(len(ws), dtype=bool)
     if unit.samples:
@@ -68,7 +77,36 @@ def unit_windows(unit: Unit, start_ns: int, end_ns: int, w_ns: int, by: str) -> 
         keep |= np.searchsorted(ts, we, side="left") > np.searchsorted(ts, ws, side="left")
     for t in unit.traces:
         keep |= (ws < t["hi"]) & (we > t["lo"])
-    return [(int(a), int(b), "window", "") for a, b, k in zip(ws, we, keep, strict=True) if k]
+    windows = [(int(a), int(b)) for a, b, k in zip(ws, we, keep, strict=True) if k]
+    return [(a, b, "window", "") for a, b in _merge_edges(windows, unit, w_ns)]
+
+
+def _held(a: int, b: int, unit: Unit) -> int:
+    """How much of [a, b) the unit has data for: its traces' spans (samples count as the whole window)."""
+    if unit.samples or not unit.traces:
+        return b - a
+    return int(coverage([t["lo"] for t in unit.traces], [t["hi"] for t in unit.traces],
+                        np.array([a], dtype=np.int64), np.array([b], dtype=np.int64))[0])
+
+
+def _merge_edges(windows: list[tuple[int, int]], unit: Unit, w_ns: int) -> list[tuple[int, int]]:
+    """Merge the first and last window of each contiguous stretch into their neighbour when they hold
+    less than half a window of data."""
+    out: list[tuple[int, int]] = []
+    for a, b in windows:
+        if out and out[-1][1] == a and (len(out) == 1 or out[-2][1] != out[-1][0]) \
+                and _held(*out[-1], unit) * 2 < w_ns:
+            out[-1] = (out[-1][0], b)  # a short first window of a stretch joins the next one
+        else:
+            out.append((a, b))
+    merged: list[tuple[int, int]] = []
+    for i, (a, b) in enumerate(out):
+        last = i + 1 == len(out) or out[i + 1][0] != b
+        if merged and merged[-1][1] == a and last and _held(a, b, unit) * 2 < w_ns:
+            merged[-1] = (merged[-1][0], b)  # a short last window of a stretch joins the previous one
+        else:
+            merged.append((a, b))
+    return merged
 
 
 def _num(v: Any) -> float:

@@ -22,6 +22,9 @@ from triscope.store.base import Store
 _HOST_COMM = r"^(gloo|mpi|ucc|xccl):"
 _NOT_HOST_WORK = r"Synchronize|^c10d::|^record_param_comms$|^nccl:|^ProfilerStep"
 _IN_RANGE = "ts >= fromUnixTimestamp64Nano({start:Int64}) AND ts < fromUnixTimestamp64Nano({end:Int64})"
+# What a trace recorded: not the profiler's own span (category Trace) nor ProfilerStep annotations, which
+# can run far past the last recorded event (13 s around 1.5 ms of activity in a Triton sample).
+_RECORDED = "NOT (category = 'Trace' OR (kind IN ('user_annotation', 'cpu_op') AND startsWith(name, 'ProfilerStep')))"
 
 
 def _range_params(start_ns: int, end_ns: int) -> dict[str, Any]:
@@ -61,17 +64,30 @@ def serving_queue(store: Store, start_ns: int, end_ns: int) -> list[tuple[Any, .
         f"WHERE {_IN_RANGE} AND isFinite(queue_length) ORDER BY host, ts", _range_params(start_ns, end_ns)).rows
 
 
+def device_type(category: str) -> str:
+    """The device a device-work category ran on, as ``collectors.kineto.classify.device_type`` names it."""
+    cat = category.lower()
+    if cat in ("kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset"):
+        return "gpu"
+    return cat.split("_", 1)[0] or "gpu"
+
+
 def trace_parts(store: Store, start_ns: int, end_ns: int, run_ids: list[str] | None) -> list[dict[str, Any]]:
-    """(run, rank) traces overlapping the range, with host, clock base, span and main GPU."""
+    """(run, rank) traces overlapping the range, with host, clock base, recorded span (first to last
+    recorded event, see ``_RECORDED``), main device and its type (``gpu``, ``mtia``, ...)."""
     params: dict[str, Any] = _range_params(start_ns, end_ns)
     where = ""
     if run_ids:
         where = "WHERE run_id IN {runs:Array(String)}"
         params["runs"] = list(run_ids)
     rows = store.query(
-        "SELECT e.run_id, e.rank, r.host, r.base, e.lo + r.base, e.hi + r.base, e.dev FROM ("
-        f"  SELECT run_id, rank, min(ts_ns) AS lo, max(ts_ns + dur_ns) AS hi, "
-        f"  if(countIf({GPU_WORK}) > 0, topKIf(1)(device, {GPU_WORK})[1], -1) AS dev "
+        "SELECT e.run_id, e.rank, r.host, r.base, e.lo + r.base, e.hi + r.base, e.dev, e.dev_cat, e.has_dev FROM ("
+        f"  SELECT run_id, rank, countIf({_RECORDED}) > 0 AS recorded, "
+        f"  if(recorded, minIf(ts_ns, {_RECORDED}), min(ts_ns)) AS lo, "
+        f"  if(recorded, maxIf(ts_ns + dur_ns, {_RECORDED}), max(ts_ns + dur_ns)) AS hi, "
+        f"  if(countIf({GPU_WORK}) > 0, topKIf(1)(device, {GPU_WORK})[1], -1) AS dev, "
+        f"  countIf({GPU_WORK}) > 0 AS has_dev, "
+        f"  if(has_dev, topKIf(1)(category, {GPU_WORK})[1], '') AS dev_cat "
         f"  FROM {qualified(store, TRACE_EVENTS)} {where} GROUP BY run_id, rank) AS e "
         "INNER JOIN (SELECT run_id, rank, argMax(host, ingested_at) AS host, "
         f"  argMax(base_time_ns, ingested_at) AS base FROM {qualified(store, TRACE_RUNS)} GROUP BY run_id, rank) AS r "
@@ -79,7 +95,8 @@ def trace_parts(store: Store, start_ns: int, end_ns: int, run_ids: list[str] | N
         "WHERE e.lo + r.base < {end:Int64} AND e.hi + r.base > {start:Int64} ORDER BY e.run_id, e.rank",
         params).rows
     return [{"run_id": r[0], "rank": int(r[1]), "host": r[2], "base": int(r[3]), "lo": int(r[4]),
-             "hi": int(r[5]), "device": int(r[6])} for r in rows]
+             "hi": int(r[5]), "device": int(r[6]), "device_type": device_type(str(r[7])), "has_device": bool(r[8])}
+            for r in rows]
 
 
 def trace_span(store: Store, run_ids: list[str]) -> tuple[int, int]:
@@ -121,7 +138,7 @@ def trace_intervals(store: Store, part: dict[str, Any], start_ns: int, end_ns: i
 
     steps = cls == 5
     return {"gpu": pick(1, 2, 3), "gpu_compute": pick(2), "comm": pick(1, 4), "host": pick(6),
-            "steps": (ts[steps], te[steps], names[steps]), "has_gpu": part["device"] >= 0}
+            "steps": (ts[steps], te[steps], names[steps]), "has_gpu": part["has_device"]}
 
 
 def model_gpus(store: Store, model: str, start_ns: int, end_ns: int) -> set[tuple[str, str]]:

@@ -1,9 +1,14 @@
-"""What the stall classifier reports: evidence, classified windows, the report with shares and breaches."""
+"""What the stall classifier reports: evidence, classified windows, the report with shares and breaches.
+
+Windows of a unit without device data (a CPU-only trace rank, an IO-only host) get CPU-side actions
+(:data:`CPU_ACTIONS`) and never breach a device class: only ``io`` and stragglers breach there.
+"""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +27,23 @@ ACTIONS = {
     "idle": "Idle: no work reached this GPU - check load-balancer weights and routing, or scale in.",
     UNCLASSIFIED: "No rule matched (e.g. busy but memory-bandwidth-bound): see the evidence values.",
 }
+CPU_ACTIONS = {
+    "comm": "Communication-bound on the host (no device data: gloo/MPI collectives): overlap them with "
+            "work, send fewer or larger messages, check the network, and fix the straggler rank first.",
+    "compute": "CPU-bound (no device data in this trace): profile the hottest ops, use vectorised or "
+               "compiled ops (torch.compile), tune intra-op threads (torch.set_num_threads), or batch more.",
+    "io": ACTIONS["io"],
+    "host": "Host-bound (no device data): move pre/post-processing off the busy thread.",
+    "idle": "Idle (no device data): the traced process recorded little work - it waited on input, "
+            "locks, sleep or other processes.",
+    UNCLASSIFIED: "No rule matched (no device data: CPU-side measures only): see the evidence values.",
+}
+_DEVICE_NAMES = {"gpu": "GPU", "mtia": "MTIA"}
+
+
+def _device_kind(device: str) -> str:
+    """``gpu`` of ``gpu0``, ``mtia`` of ``mtia17``."""
+    return device.rstrip("0123456789").split("-")[0] or "gpu"
 
 
 @dataclass
@@ -75,6 +97,8 @@ class Window:
     matched: list[str] = field(default_factory=list)
     evidence: dict[str, list[Evidence]] = field(default_factory=dict)
     severity: float = 0.0
+    device_data: bool = True
+    """False for a unit with no device data (see the module docstring)."""
 
     @property
     def seconds(self) -> float:
@@ -82,7 +106,8 @@ class Window:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "unit": self.unit, "host": self.host, "device": self.device, "kind": self.kind, "label": self.label,
+            "unit": self.unit, "host": self.host, "device": self.device, "device_data": self.device_data,
+            "kind": self.kind, "label": self.label,
             "start_ns": self.start_ns, "end_ns": self.end_ns, "verdict": self.verdict, "also": self.matched[1:],
             "severity": round(self.severity, 4),
             "evidence": [e.to_json() for e in self.evidence.get(self.verdict, [])],
@@ -106,12 +131,23 @@ class StallReport:
 
     def shares(self, unit: str | None = None) -> dict[str, float]:
         """Time share of each verdict (windows weighted by their length), largest first."""
-        total: dict[str, float] = defaultdict(float)
-        for w in self.windows:
-            if unit is None or w.unit == unit:
-                total[w.verdict] += w.seconds
-        s = sum(total.values())
-        return {k: v / s for k, v in sorted(total.items(), key=lambda kv: kv[1], reverse=True)} if s else {}
+        return _shares(w for w in self.windows if unit is None or w.unit == unit)
+
+    @property
+    def device_data(self) -> bool:
+        """Whether any window has device data (GPU samples or device work in a trace)."""
+        return any(w.device_data for w in self.windows)
+
+    def action(self, cls: str) -> str:
+        """What to do about ``cls``: CPU-side when none of its windows has device data, else named for the
+        devices that had it (GPU, MTIA)."""
+        windows = [w for w in self.windows if w.verdict == cls]
+        device = [w for w in windows if w.device_data]
+        if windows and not device:
+            return CPU_ACTIONS[cls]
+        kinds = sorted({_DEVICE_NAMES.get(_device_kind(w.device), _device_kind(w.device).upper()) for w in device})
+        name = "/".join(kinds) or "GPU"
+        return ACTIONS[cls] if name == "GPU" else ACTIONS[cls].replace("GPU", name)
 
     def units(self) -> list[str]:
         return sorted({w.unit for w in self.windows})
@@ -127,7 +163,9 @@ class StallReport:
         """Why the command should exit non-zero (empty when nothing breached)."""
         out = []
         limit = self.config.alert_share
-        for cls, share in self.shares().items():
+        # Device classes breach on device data only; io on any unit (an IO-only host has no device).
+        alertable = (w for w in self.windows if w.device_data or w.verdict == "io")
+        for cls, share in _shares(alertable).items():
             if cls in self.config.alert_classes and share > limit:
                 out.append(f"{cls} {share * 100:.1f}% of the time > alert_share {limit * 100:g}%")
         for r in self.stragglers.get("by_rank", []):
@@ -142,8 +180,13 @@ class StallReport:
         return out
 
     def share_text(self, unit: str | None = None) -> str:
-        """``io 41%, comm 31%, compute 28%``."""
-        return ", ".join(f"{k} {v * 100:.0f}%" for k, v in self.shares(unit).items())
+        """``io 41%, comm 31%, compute 28%``; prefixed ``CPU only (no device data):`` when no window in scope
+        has device data."""
+        windows = [w for w in self.windows if unit is None or w.unit == unit]
+        text = ", ".join(f"{k} {v * 100:.0f}%" for k, v in self.shares(unit).items())
+        if windows and not any(w.device_data for w in windows) and any(w.device.startswith("cpu") for w in windows):
+            return f"CPU only (no device data): {text}"
+        return text
 
     def to_json(self, all_windows: bool = False) -> dict[str, Any]:
         shares = self.shares()
@@ -151,12 +194,22 @@ class StallReport:
         return {
             "range": {"start_ns": self.start_ns, "end_ns": self.end_ns}, "window_ms": self.window_ms, "by": self.by,
             "thresholds": thresholds,
-            "shares": shares, "summary": self.share_text(),
+            "shares": shares, "summary": self.share_text(), "device_data": self.device_data,
             "units": [{"unit": u, "windows": sum(1 for w in self.windows if w.unit == u),
+                       "device_data": any(w.device_data for w in self.windows if w.unit == u),
                        "shares": self.shares(u)} for u in self.units()],
             "top_windows": [w.to_json() for w in self.top()],
-            "actions": {c: ACTIONS[c] for c in shares},
+            "actions": {c: self.action(c) for c in shares},
             "stragglers": self.stragglers, "flight_recorder": self.flight_recorder,
             "breaches": self.breaches(),
             **({"windows": [w.to_json() for w in self.windows]} if all_windows else {}),
         }
+
+
+def _shares(windows: Iterable[Window]) -> dict[str, float]:
+    """Time share of each verdict over ``windows`` (weighted by their length), largest first."""
+    total: dict[str, float] = defaultdict(float)
+    for w in windows:
+        total[w.verdict] += w.seconds
+    s = sum(total.values())
+    return {k: v / s for k, v in sorted(total.items(), key=lambda kv: kv[1], reverse=True)} if s else {}

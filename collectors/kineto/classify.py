@@ -1,8 +1,12 @@
 """Map Kineto categories and kernel names to triscope's event kinds and kernel classes.
 
-GPU work is selected by category (``kernel``, ``gpu_memcpy``, ``gpu_memset`` and the 2022-era
-``Kernel``/``Memcpy``/``Memset``), never by ``stream != -1``: Triton host ops and other CPU
-events can carry a stream argument.
+Device work is selected by category: CUDA and ROCm (``kernel``, ``gpu_memcpy``, ``gpu_memset`` and
+the 2022-era ``Kernel``/``Memcpy``/``Memset``) and MTIA (``mtia_ccp_events``), never by
+``stream != -1`` alone: Triton host ops and other CPU events can carry a stream argument. Any
+``*_runtime`` / ``*_driver`` category is a host-side runtime call. Device work of a category not
+known here is recognised after ingest by where it ran (:func:`.runs.recognise_device_work`: a
+stream argument on a pid that has no host events). Device work without a ``device`` argument
+(MTIA) takes its device from its pid, which Kineto sets to the device index.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import re
 
 KIND_BY_CATEGORY: dict[str, str] = {
     "kernel": "kernel",
+    "mtia_ccp_events": "kernel",
     "gpu_memcpy": "memcpy",
     "memcpy": "memcpy",
     "gpu_memset": "memset",
@@ -23,9 +28,13 @@ KIND_BY_CATEGORY: dict[str, str] = {
     "operator": "cpu_op",
     "user_annotation": "user_annotation",
     "gpu_user_annotation": "gpu_user_annotation",
+    "mtia_runtime": "runtime",
+    "hpu_op": "runtime",  # Kineto: "HPU host side runtime event"
     "cuda_sync": "sync",
     "python_function": "python",
 }
+RUNTIME_SUFFIXES = ("_runtime", "_driver")
+"""Categories ending so are host-side runtime calls of any device (xpu_runtime, privateuse1_driver, ...)."""
 
 GPU_WORK_KINDS = frozenset({"kernel", "memcpy", "memset"})
 
@@ -39,6 +48,7 @@ DEFAULT_COMM_KERNEL_PATTERN = (
     r"|^(void )?(\w+::)*(custom_)?all_reduce_kernel"
 )
 _MEMORY_NAME = re.compile(r"^(Memcpy|Memset|dma)")
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
 
 _comm_re = re.compile(DEFAULT_COMM_KERNEL_PATTERN)
 
@@ -56,7 +66,20 @@ def comm_kernel_pattern() -> str:
 
 def event_kind(category: str) -> str:
     """triscope kind for a Kineto ``cat`` value (``other`` when unknown)."""
-    return KIND_BY_CATEGORY.get(category) or KIND_BY_CATEGORY.get(category.lower(), "other")
+    kind = KIND_BY_CATEGORY.get(category) or KIND_BY_CATEGORY.get(category.lower())
+    if kind is None:
+        return "runtime" if category.lower().endswith(RUNTIME_SUFFIXES) else "other"
+    return kind
+
+
+def pid_device(pid: int | str) -> int:
+    """The device index a device event's pid stands for (Kineto writes the device index as the pid),
+    -1 when it is not an Int32 number; read as ClickHouse's ``toInt32OrDefault(pid, -1)`` reads it."""
+    text = str(pid)
+    if not _INT_TEXT.fullmatch(text):
+        return -1
+    value = int(text)
+    return value if -(1 << 31) <= value < (1 << 31) else -1
 
 
 def kernel_class(kind: str, name: str) -> str:
@@ -70,3 +93,15 @@ def kernel_class(kind: str, name: str) -> str:
     if _comm_re.search(bare):
         return "comm"
     return "compute"
+
+
+_GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset"})
+
+
+def device_type(category: str) -> str:
+    """The kind of device a device-work category ran on: ``GPU`` (CUDA and ROCm write the same
+    categories), ``MTIA``, else the category's first word (``npu_events`` -> ``NPU``)."""
+    cat = category.lower()
+    if cat in _GPU_CATEGORIES:
+        return "GPU"
+    return cat.split("_", 1)[0].upper() or "GPU"

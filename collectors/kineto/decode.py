@@ -10,16 +10,17 @@ import json
 import math
 import re
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
-from triscope.collectors.kineto.classify import event_kind, kernel_class
-from triscope.collectors.kineto.events import INT64_MAX, INT64_MIN, TraceEvent, event_args, us_to_ns
+from triscope.collectors.kineto.classify import GPU_WORK_KINDS, event_kind, kernel_class, pid_device
+from triscope.collectors.kineto.events import INT64_MAX, INT64_MIN, EventArgs, TraceEvent, event_args, us_to_ns
 
+D = TypeVar("D", int, None)
 _DECIMAL_TEXT = re.compile(r"[+-]?\d+")
 _NUMBER_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
-def arg_int(value: Any, default: int) -> int:
+def arg_int(value: Any, default: D) -> int | D:
     """An ``args`` value as Int64 the way ClickHouse's ``JSONExtract(..., 'Nullable(Int64)')`` reads it.
 
     Integers in range as they are (booleans as 0/1), floats and numeric text truncated toward zero,
@@ -58,6 +59,14 @@ def arg_text(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), default=str)
 
 
+def _device(args: EventArgs | None, kind: str, pid: int | str) -> int:
+    """The ``device`` argument; for device work without one (MTIA), the device its pid names."""
+    device = arg_int(args.device, None) if args else None
+    if device is None:
+        return pid_device(pid) if kind in GPU_WORK_KINDS else -1
+    return device
+
+
 def append_block(cols: dict[str, list[Any]], events: list[TraceEvent], run_id: str, rank: int) -> None:
     """Append the complete (ph=X) events of one block to ``cols`` (``TRACE_EVENTS.empty_columns()``)."""
     xs = [e for e in events if e.ph == "X"]
@@ -78,7 +87,7 @@ def append_block(cols: dict[str, list[Any]], events: list[TraceEvent], run_id: s
     d["tid"].extend([str(e.tid) for e in xs])
     d["ts_ns"].extend([us_to_ns(e.ts) for e in xs])
     d["dur_ns"].extend([us_to_ns(e.dur) for e in xs])
-    d["device"].extend([arg_int(a.device, -1) if a else -1 for a in args])
+    d["device"].extend([_device(a, k, e.pid) for a, k, e in zip(args, kinds, xs, strict=True)])
     d["stream"].extend([arg_int(a.stream, -1) if a else -1 for a in args])
     d["correlation"].extend([arg_int(a.correlation, 0) if a else 0 for a in args])
     d["external_id"].extend([

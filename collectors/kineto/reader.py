@@ -8,6 +8,11 @@ array of objects, so a failed block is re-read event by event with the stdlib de
 which also pinpoints real corruption by byte offset. Keys that come after the array
 (``baseTimeNanoseconds`` often does) are parsed from the small tail. Event structs: :mod:`.events`;
 gzip: :mod:`.gzip_stream`.
+
+A file that is not a Kineto trace (a pickle, an HTML page, a JSON array, an execution trace, no
+``traceEvents``) raises :class:`~.errors.NotATraceError` before anything is handed out. A run of
+whitespace longer than the largest event accepted is dropped while streaming (it can only lie
+between tokens of a trace that would be accepted), so whitespace cannot fill memory.
 """
 
 from __future__ import annotations
@@ -24,15 +29,21 @@ from typing import Any, BinaryIO
 
 import msgspec
 
+from triscope.collectors.kineto.errors import RefusedTraceError
 from triscope.collectors.kineto.events import TraceEvent, event_problem
+from triscope.collectors.kineto.formats import find_array
 from triscope.collectors.kineto.gzip_stream import open_binary
 from triscope.errors import InputError
 
 BLOCK_BYTES = 8 << 20
 _MAX_STALL_BLOCKS = 8  # an event larger than this many blocks is treated as corruption
-_ARRAY_START = re.compile(rb'"traceEvents"\s*:\s*\[')
 _WS = b" \t\r\n"
 _NON_WS = re.compile(rb"[^ \t\r\n]")
+_WS_SPAN = re.compile(rb"[ \t\r\n]*")
+_SEPARATORS = re.compile(r"[ \t\r\n,]*")
+MAX_EVENT_BYTES = 64 << 20
+"""An event (with the whitespace around it) larger than this, or than ``_MAX_STALL_BLOCKS`` blocks,
+is treated as corruption; longer whitespace runs are dropped while streaming."""
 _block_decoder = msgspec.json.Decoder(list[TraceEvent])
 
 
@@ -48,9 +59,16 @@ class TraceHeader:
 
     @property
     def rank(self) -> int | None:
+        return self._distributed("rank")
+
+    @property
+    def world_size(self) -> int | None:
+        return self._distributed("world_size")
+
+    def _distributed(self, key: str) -> int | None:
         info = self.metadata.get("distributedInfo") or {}
-        rank = info.get("rank") if isinstance(info, dict) else None
-        return int(rank) if isinstance(rank, int) else None
+        value = info.get(key) if isinstance(info, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 RawSink = Callable[[bytes], bool]
@@ -64,7 +82,8 @@ what it keeps before returning: the reader then drops ``buf`` and reads on."""
 
 def read_trace(path: str | Path, header: TraceHeader | None = None,
                block_bytes: int = BLOCK_BYTES, raw_sink: RawSink | None = None,
-               raw_submit: RawSubmit | None = None) -> Iterator[list[TraceEvent]]:
+               raw_submit: RawSubmit | None = None,
+               max_decompressed_bytes: int | None = None) -> Iterator[list[TraceEvent]]:
     """Yield blocks of events from a Kineto trace; fills ``header`` when the file has been read.
 
     With ``raw_sink``, each block is first offered as JSON array bytes (e.g. to ClickHouse's
@@ -75,9 +94,12 @@ def read_trace(path: str | Path, header: TraceHeader | None = None,
     block in flight (the sink hands refused bytes back), so memory stays near two blocks.
     Raises :class:`InputError` naming the file and byte offset on truncated or corrupt input;
     blocks yielded (or accepted by ``raw_sink``) before the error are complete and valid.
+    Raises :class:`~.errors.RefusedTraceError` (nothing yielded) for a file that is not a Kineto
+    trace or is unreadable from its start, and, at any point, for a gzip that decompresses to
+    more than ``max_decompressed_bytes``.
     """
     header = header if header is not None else TraceHeader()
-    with open_binary(path) as stream:
+    with open_binary(path, max_decompressed_bytes) as stream:
         yield from _TraceParser(str(path), stream, header, block_bytes, raw_sink, raw_submit).blocks()
 
 
@@ -92,16 +114,39 @@ class _TraceParser:
         self.raw_submit = raw_submit
         self.consumed = 0  # decompressed bytes before the current buffer
         self.eof = False
+        self.ws_run = 0  # length of the whitespace the stream read so far ends with
+        self.max_event = max(_MAX_STALL_BLOCKS * block_bytes, MAX_EVENT_BYTES)
 
     def _read(self) -> bytes:
+        while True:
+            try:
+                data = self.stream.read(self.block_bytes)
+            except (EOFError, OSError, zlib.error) as exc:
+                raise InputError(f"{self.name}: compressed data is corrupt or cut short "
+                                 f"after {self.consumed} bytes ({exc})") from None
+            if not data:
+                self.eof = True
+                return data
+            if _NON_WS.search(data) is None:
+                self.ws_run += len(data)
+                if self.ws_run > self.max_event:
+                    continue  # whitespace beyond any event we accept: between tokens, drop it
+                return data
+            tail = data[-256:]  # strip the last bytes only: no copy of a whole block per read
+            if tail.rstrip(_WS):
+                self.ws_run = len(tail) - len(tail.rstrip(_WS))
+            else:
+                self.ws_run = len(data) - len(data.rstrip(_WS))
+            return data
+
+    def _more(self) -> tuple[bytes, InputError | None]:
+        """The next chunk, or the read error that ended the stream (refusals are raised)."""
         try:
-            data = self.stream.read(self.block_bytes)
-        except (EOFError, OSError, zlib.error) as exc:
-            raise InputError(f"{self.name}: compressed data is corrupt or cut short "
-                             f"after {self.consumed} bytes ({exc})") from None
-        if not data:
-            self.eof = True
-        return data
+            return self._read(), None
+        except RefusedTraceError:
+            raise
+        except InputError as exc:
+            return b"", exc
 
     def _error(self, offset: int, what: str) -> InputError:
         return InputError(f"{self.name}: {what} at byte {self.consumed + offset}")
@@ -123,18 +168,7 @@ class _TraceParser:
         return events
 
     def blocks(self) -> Iterator[list[TraceEvent]]:
-        buf = b""
-        match = None
-        while match is None:
-            data = self._read()
-            if not data:
-                if not buf.strip():
-                    raise InputError(f"{self.name}: empty file")
-                raise self._error(len(buf), "no traceEvents array found (not a Kineto trace?)")
-            buf += data
-            match = _ARRAY_START.search(buf)
-            if match is None and len(buf) > 64 * self.block_bytes:
-                raise self._error(0, "no traceEvents array in the first blocks")
+        buf, match = find_array(self._read, self.name, self.block_bytes)
         head = buf[: match.start()]
         self._set_early_metadata(head)
         self.consumed += match.end()
@@ -145,17 +179,16 @@ class _TraceParser:
         pending: tuple[Future[bytes | None], int, bytes] | None = None
         while not self.eof and read_error is None:
             if len(buf) < self.block_bytes:
-                try:
-                    buf += self._read()
-                except InputError as exc:
-                    read_error = exc
+                data, read_error = self._more()
+                buf += data
                 continue
             cut = last_boundary(buf)
-            if cut is None:  # one huge event or an odd layout: read more before deciding
-                try:
-                    buf += self._read()
-                except InputError as exc:
-                    read_error = exc
+            if cut is None:  # one huge event or an odd layout: read more before deciding, within bounds
+                if len(buf) > self.max_event:
+                    read_error = self._error(0, f"corrupt JSON (no event boundary within {len(buf)} bytes)")
+                    break
+                data, read_error = self._more()
+                buf += data
                 continue
             refused = False
             if pending is not None:
@@ -179,10 +212,8 @@ class _TraceParser:
                     if len(buf) > _MAX_STALL_BLOCKS * self.block_bytes:
                         raise self._error(0, "corrupt JSON (no complete event within "
                                              f"{len(buf)} bytes)")
-                    try:
-                        buf += self._read()
-                    except InputError as exc:
-                        read_error = exc
+                    data, read_error = self._more()
+                    buf += data
                     continue
                 self.consumed += len(buf) - len(leftover)
                 buf = leftover
@@ -284,8 +315,7 @@ class _TraceParser:
         pos = 0
         n = len(text)
         while True:
-            while pos < n and text[pos] in " \t\r\n,":
-                pos += 1
+            pos = _SEPARATORS.match(text, pos).end()  # type: ignore[union-attr]  # always matches
             if pos >= n or text[pos] == "]":
                 break
             try:
@@ -323,15 +353,24 @@ def last_boundary(buf: bytes, end: int | None = None) -> tuple[int, int] | None:
         comma = buf.rfind(b",", 0, pos)
         if comma <= 0:
             return None
-        left = comma - 1
-        while left >= 0 and buf[left] in _WS:
-            left -= 1
-        right = comma + 1
-        while right < limit and buf[right] in _WS:
-            right += 1
+        left = _ws_start(buf, comma) - 1
+        right = _WS_SPAN.match(buf, comma + 1, limit).end()  # type: ignore[union-attr]  # always matches
         if left >= 0 and buf[left] == 0x7D and right < limit and buf[right] == 0x7B:
             return left + 1, right
         pos = comma
+
+
+def _ws_start(buf: bytes, end: int) -> int:
+    """Start of the whitespace run that ends at ``end`` (C-speed strips of small slices: a long run
+    of hostile whitespace costs no Python loop per byte)."""
+    pos = end
+    while pos > 0:
+        lo = max(0, pos - 4096)
+        kept = buf[lo:pos].rstrip(_WS)
+        if kept:
+            return lo + len(kept)
+        pos = lo
+    return 0
 
 
 def read_all(path: str | Path) -> tuple[TraceHeader, list[TraceEvent]]:

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from triscope.collectors import ingest_sink
+from triscope.collectors.kineto import classify
 from triscope.collectors.kineto.classify import GPU_WORK_KINDS
+from triscope.collectors.kineto.errors import RefusedTraceError
 from triscope.collectors.kineto.reader import TraceHeader
+from triscope.collectors.kineto.sql import kernel_class_sql
 from triscope.errors import InputError
 from triscope.schema import TRACE_EVENTS, TRACE_RUNS, qualified
 from triscope.store.base import Store
@@ -39,9 +42,15 @@ class IngestResult:
     error: str = ""
     seconds: float = 0.0
     base_time_ns: int = 0
+    device_type: str = ""
+    """What ran the device work: GPU (CUDA, ROCm), MTIA, ...; empty when the trace has none."""
+    world_size: int | None = None
+    start_ns: int | None = None
+    """UTC epoch ns of the first and last event; None when the trace's clock is not absolute."""
+    end_ns: int | None = None
 
 
-class RankTakenError(InputError):
+class RankTakenError(RefusedTraceError):
     """Two files of one batch are the same rank of the same run; the second is not ingested."""
 
 
@@ -75,10 +84,12 @@ def expand_paths(paths: Iterable[str | Path]) -> list[tuple[Path, str | None]]:
     return out
 
 
-def claim(taken: set[tuple[str, int]], path: Path, run_id: str, rank: int) -> None:
-    """Mark (run_id, rank) as written by this batch; RankTakenError when another file has it."""
+def claim(taken: set[tuple[str, int]], path: Path, run_id: str, rank: int, known: bool = True) -> None:
+    """Mark (run_id, rank) as written by this batch; RankTakenError when another file has it
+    (``known``: the rank came from the file, not the default)."""
     if (run_id, rank) in taken:
-        raise RankTakenError(f"{path}: rank {rank} of run {run_id!r} was already ingested from another file "
+        why = "" if known else " (the file has no rank in its metadata or name: the default rank)"
+        raise RankTakenError(f"{path}: rank {rank}{why} of run {run_id!r} was already ingested from another file "
                              "in this batch; give each job its own directory or --run-id")
     taken.add((run_id, rank))
 
@@ -106,13 +117,46 @@ def move_rank(store: Store, run_id: str, old: int, new: int) -> None:
     ingest_sink.delete_rows(store, TRACE_EVENTS, _RANK_WHERE, {"run_id": run_id, "rank": old})
 
 
-def event_counts(store: Store, run_id: str, rank: int) -> tuple[int, int]:
-    """(events, GPU work events) stored for (run_id, rank)."""
-    counts = store.query(
-        f"SELECT count(), countIf(kind IN {tuple(sorted(GPU_WORK_KINDS))}) FROM {qualified(store, TRACE_EVENTS)} "
-        f"WHERE {_RANK_WHERE}", {"run_id": run_id, "rank": rank})
-    events, gpu = (int(v) for v in counts.rows[0])
-    return events, gpu
+def summarize(store: Store, result: IngestResult, header: TraceHeader) -> None:
+    """Fill ``result`` from what the store holds for its (run, rank): counts, device type, times;
+    device work of categories not known by name is recognised first (:func:`recognise_device_work`)."""
+    gpu = tuple(sorted(GPU_WORK_KINDS))
+    params = {"run_id": result.run_id, "rank": result.rank}
+    sql = (f"SELECT count(), countIf(kind IN {gpu}), min(ts_ns), max(ts_ns + dur_ns), "
+           f"groupUniqArrayIf(8)(category, kind IN {gpu}), countIf(kind = 'other' AND stream != -1) "
+           f"FROM {qualified(store, TRACE_EVENTS)} WHERE {_RANK_WHERE}")
+    row = store.query(sql, params).rows[0]
+    if row[5] and recognise_device_work(store, result.run_id, result.rank):
+        row = store.query(sql, params).rows[0]
+    result.events, result.gpu_events = int(row[0]), int(row[1])
+    result.device_type = "/".join(sorted({classify.device_type(c) for c in row[4]}))
+    result.base_time_ns = header.base_time_ns
+    result.world_size = header.world_size
+    lo, hi = header.base_time_ns + int(row[2]), header.base_time_ns + int(row[3])
+    if result.events and lo >= _ABSOLUTE_NS:  # relative clocks without a base say nothing of the date
+        result.start_ns, result.end_ns = lo, hi
+
+
+_ABSOLUTE_NS = 946_684_800 * 10**9  # 2000-01-01: earlier epoch times are a relative clock
+_HOST_KINDS = ("cpu_op", "user_annotation", "runtime", "python")
+
+
+def recognise_device_work(store: Store, run_id: str, rank: int) -> bool:
+    """Events of unknown categories that carry a stream on a pid with no host events are device work
+    (Kineto writes device activity under the device index as pid): re-key them as kernels (kind is
+    part of the sorting key: copy, then delete). True when any were found."""
+    params: dict[str, Any] = {"run_id": run_id, "rank": rank}
+    host = store.query(f"SELECT DISTINCT pid FROM {qualified(store, TRACE_EVENTS)} "
+                       f"WHERE {_RANK_WHERE} AND kind IN {_HOST_KINDS}", params).rows
+    params.update(host_pids=[r[0] for r in host], comm_re=classify.comm_kernel_pattern())
+    where = _RANK_WHERE + " AND kind = 'other' AND stream != -1 AND NOT has({host_pids:Array(String)}, pid)"
+    if not ingest_sink.has_rows(store, (TRACE_EVENTS,), where, params):
+        return False
+    ingest_sink.copy_rows(store, TRACE_EVENTS, where, params, {
+        "kind": "'kernel'", "kernel_class": kernel_class_sql("'kernel'"),
+        "device": "if(device = -1, toInt32OrDefault(pid, toInt32(-1)), device)"})
+    ingest_sink.delete_rows(store, TRACE_EVENTS, where, params)
+    return True
 
 
 def run_row(path: Path, result: IngestResult, header: TraceHeader) -> dict[str, Any]:

@@ -42,6 +42,13 @@ def _arg(tuple_name: str, key: str) -> str:
     return f"ifNull(tupleElement({tuple_name}, '{key}'), {default if isinstance(default, int) else repr(default)})"
 
 
+def kernel_class_sql(kind: str) -> str:
+    """SQL of :func:`.classify.kernel_class` for the kind expression ``kind`` (parameter ``comm_re``)."""
+    gpu = ", ".join(f"'{k}'" for k in sorted(GPU_WORK_KINDS))
+    return (f"multiIf({kind} NOT IN ({gpu}), '', {kind} != 'kernel' OR match(name, '^(Memcpy|Memset|dma)'), "
+            "'memory', match(replaceRegexpOne(name, '^void ', ''), {comm_re:String}), 'comm', 'compute')")
+
+
 def insert_sql(table: str) -> str:
     """The INSERT into ``table`` (qualified ``trace_events``); parameters: :func:`insert_params`."""
     gpu = ", ".join(f"'{k}'" for k in sorted(GPU_WORK_KINDS))
@@ -56,17 +63,17 @@ FROM (
     {{run_id:String}} AS run_id,
     {{rank:Int32}} AS rank,
     {{block:UInt32}} AS ingest_block,
-    transform(lower(cat), {{cats:Array(String)}}, {{kinds:Array(String)}}, 'other') AS kind,
+    transform(lower(cat), {{cats:Array(String)}}, {{kinds:Array(String)}},
+              if(endsWith(lower(cat), '_runtime') OR endsWith(lower(cat), '_driver'), 'runtime', 'other')) AS kind,
     cat AS category,
-    multiIf(kind NOT IN ({gpu}), '',
-            kind != 'kernel' OR match(name, '^(Memcpy|Memset|dma)'), 'memory',
-            match(replaceRegexpOne(name, '^void ', ''), {{comm_re:String}}), 'comm',
-            'compute') AS kernel_class,
+    {kernel_class_sql("kind")} AS kernel_class,
     name, pid, tid,
     -- args that are not an object carry no keys (JSONExtract would read an array's items as the tuple's)
     if(startsWith(trimLeft(args), '{{'), args, '') AS object_args,
     {_args_tuple(_ARG_INTS)} AS a,
-    toInt32({_arg("a", "device")}) AS device,
+    -- device work without a device argument (MTIA) ran on the device its pid names (classify.pid_device)
+    toInt32(if(kind IN ({gpu}) AND isNull(tupleElement(a, 'device')), toInt32OrDefault(pid, toInt32(-1)),
+               {_arg("a", "device")})) AS device,
     {_arg("a", "stream")} AS stream,
     toInt64(round(ts * 1000)) AS ts_ns,
     toInt64(round(dur * 1000)) AS dur_ns,

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
+import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from triscope.collectors.nccl.common import (
@@ -160,6 +162,58 @@ def _number(rows: list[dict[str, Any]]) -> None:
         counters[key] += 1
 
 
+@dataclass
+class KinetoSummary:
+    """What ``nccl kineto`` stored for one run, and why bus bandwidth is unknown where it is."""
+
+    run_id: str
+    rows: int = 0
+    ranks: list[int] = field(default_factory=list)
+    host_side: int = 0
+    busbw_known: int = 0
+    no_size: int = 0
+    no_size_host_side: int = 0
+    median_busbw_bytes_per_second: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(run_id: str, rows: list[dict[str, Any]]) -> KinetoSummary:
+    """Counts of ``rows`` and one-line notes for a reader: no collectives, or bus bandwidth unknown and why."""
+    known = [r["busbw_bytes_per_second"] for r in rows if math.isfinite(r["busbw_bytes_per_second"])]
+    unsized = [r for r in rows if not math.isfinite(r["msg_bytes"])]
+    out = KinetoSummary(run_id, len(rows), sorted({int(r["rank"]) for r in rows}), sum(r["device"] < 0 for r in rows),
+                        len(known), len(unsized), sum(r["device"] < 0 for r in unsized),
+                        statistics.median(known) if known else None)
+    if not rows:
+        out.notes.append("no collectives in this trace: no NCCL kernels and no gloo/mpi host-side annotations")
+    if unsized:
+        why = []
+        if out.no_size - out.no_size_host_side:
+            why.append(f"{out.no_size - out.no_size_host_side} NCCL kernels: the trace has no message sizes for them "
+                       "(no collective args on the kernels and no record_param_comms op to take them from, as in "
+                       "traces before 2024)")
+        if out.no_size_host_side:
+            why.append(f"{out.no_size_host_side} host-side (gloo) collectives: no message sizes are stored for them "
+                       "(the ingest keeps no Input Dims); a Flight Recorder dump of the same job has them "
+                       "(triscope nccl ingest)")
+        out.notes.append(f"bus bandwidth unknown for {len(unsized)} of {len(rows)} collectives: " + "; ".join(why))
+    rest = len(rows) - len(unsized) - len(known)
+    if rest > 0:
+        out.notes.append(f"bus bandwidth unknown for {rest} more: the group size is unknown or the collective has no "
+                         "bus factor (Barrier, Gather, Scatter)")
+    return out
+
+
+def ingest_kineto_summary(store: Store, run_id: str) -> KinetoSummary:
+    """Extract and store (replacing earlier extraction of the run); returns what was stored."""
+    rows = extract_kineto(store, run_id)
+    replace_rows(store, rows, "kineto", run_id)
+    return summarize(run_id, rows)
+
+
 def ingest_kineto_run(store: Store, run_id: str) -> int:
     """Extract and store (replacing earlier extraction of the run); returns rows written."""
-    return replace_rows(store, extract_kineto(store, run_id), "kineto", run_id)
+    return ingest_kineto_summary(store, run_id).rows

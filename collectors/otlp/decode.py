@@ -11,7 +11,7 @@ import zlib
 from collections.abc import Iterator
 
 from triscope.collectors.otlp.json_spans import json_spans
-from triscope.collectors.otlp.wire import Limits, TooManySpans, protobuf_spans
+from triscope.collectors.otlp.wire import Buffer, Limits, TooManySpans, protobuf_spans
 from triscope.collectors.span_mapping import SpanView
 from triscope.errors import InputError
 
@@ -22,7 +22,7 @@ JSON = "application/json"
 RPC_CODE = {400: 3, 401: 16, 404: 5, 405: 12, 411: 3, 413: 8, 415: 3, 429: 8, 500: 13, 503: 14}
 
 
-def decode_spans(body: bytes, content_type: str, limits: Limits) -> Iterator[SpanView | str]:
+def decode_spans(body: Buffer, content_type: str, limits: Limits) -> Iterator[SpanView | str]:
     """The spans of an OTLP trace export body (a string for a span that cannot be read: the reason).
     InputError (one line) for a malformed body, TooManySpans past ``limits.max_spans``."""
     if content_type == PROTOBUF:
@@ -72,7 +72,7 @@ def encode_status(code: int, message: str, content_type: str) -> bytes:
 _CHUNK = 1 << 20
 
 
-def gunzip_bounded(body: bytes, limit: int) -> bytearray:
+def gunzip_bounded(body: Buffer, limit: int) -> bytearray:
     """Decompress gzip ``body``, every member of a multi-member stream; InputError when invalid,
     OverflowError as soon as the output would exceed ``limit`` (it is never inflated further).
     Inflated a chunk at a time into one buffer: zlib's one-shot call holds the output twice."""

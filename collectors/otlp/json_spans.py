@@ -48,7 +48,7 @@ def _uint64(value: Any, name: str) -> int:
     try:
         number = int(value)
     except ValueError:
-        raise ValueError(f"{name} {value[:40]!r} is not an integer") from None
+        raise ValueError(f"{name} {str(value)[:40]!r} is not an integer") from None
     if not 0 <= number < 2**64:
         raise ValueError(f"{name} {number} is outside 0..2**64-1")
     return number

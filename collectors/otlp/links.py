@@ -92,9 +92,9 @@ class SpanMapper:
             local[(span.trace_id, span.span_id)] = link
         claimed = {(s.trace_id, s.parent_span_id) for s in requests if any(s.parent_span_id)}
         with self._lock:
-            for key, link in local.items():
-                if link:
-                    self._parents.put(key, link)
+            for key, attrs in local.items():
+                if attrs:
+                    self._parents.put(key, attrs)
             found = {key: local.get(key) or self._parents.get(key) for key in claimed}
             if self.all_spans:
                 for key in claimed:

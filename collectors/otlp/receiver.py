@@ -177,11 +177,12 @@ class _Handler(BoundedHTTPHandler):
             body = read_body(self, rx.config.max_body_bytes, required=True)
             with rx.decoding():
                 batch = self._decode(body, kind)
+            del body
         rx.store(batch)
         message = f"{batch.rejected} span(s) rejected; first: {batch.first_error}" if batch.rejected else ""
         self._send(200, encode_response(batch.rejected, message, kind), kind)
 
-    def _decode(self, body: bytes, kind: str) -> MappedBatch:
+    def _decode(self, body: bytes | bytearray, kind: str) -> MappedBatch:
         rx = self.receiver
         encoding = (self.headers.get("Content-Encoding") or "identity").strip().lower()
         limit = rx.config.max_decompressed_bytes if kind == PROTOBUF else rx.config.max_json_bytes

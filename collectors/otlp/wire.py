@@ -22,6 +22,10 @@ MAX_ATTRIBUTES = 1024
 """Attributes read per span or resource; later ones are ignored (the OTel SDK keeps 128 by default)."""
 
 
+Buffer = bytes | bytearray
+"""A request body (a gzip body is inflated into a bytearray)."""
+
+
 class TooManySpans(OverflowError):
     """The request holds more spans (or container entries) than allowed: answered 413."""
 
@@ -37,7 +41,7 @@ class _BadSpan(ValueError):
     pass
 
 
-def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+def _varint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= end or shift > 63:
@@ -50,7 +54,7 @@ def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(buf: bytes, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+def _fields(buf: Buffer, pos: int, end: int) -> Iterator[tuple[int, int, int, int]]:
     """``(field, wire type, a, b)``: a varint's value in ``a``; otherwise the value is ``buf[a:b]``."""
     while pos < end:
         tag, pos = _varint(buf, pos, end)
@@ -73,13 +77,13 @@ def _fields(buf: bytes, pos: int, end: int) -> Iterator[tuple[int, int, int, int
         pos += size
 
 
-def _text(buf: bytes, a: int, b: int, limit: int) -> str:
+def _text(buf: Buffer, a: int, b: int, limit: int) -> str:
     if b - a <= limit:  # a long string is cut before it is decoded: a 60 MB value is never copied
         return bytes(buf[a:b]).decode()
     return bytes(buf[a:a + 4 * limit]).decode(errors="ignore")[:limit]
 
 
-def _any_value(buf: bytes, a: int, b: int, limit: int) -> Any:
+def _any_value(buf: Buffer, a: int, b: int, limit: int) -> Any:
     value: Any = None
     for number, wire, x, y in _fields(buf, a, b):
         if number == 1 and wire == 2:
@@ -95,7 +99,7 @@ def _any_value(buf: bytes, a: int, b: int, limit: int) -> Any:
     return value
 
 
-def _attributes_walked(buf: bytes, a: int, b: int, limits: Limits, attrs: dict[str, Any]) -> bool:
+def _attributes_walked(buf: Buffer, a: int, b: int, limits: Limits, attrs: dict[str, Any]) -> bool:
     """One KeyValue into ``attrs`` when wanted; True when its key is ``gen_ai.*``."""
     key, value = "", None
     span = (0, 0)
@@ -125,7 +129,7 @@ def _fast_attributes(kvs: Any, limits: Limits, attrs: dict[str, Any]) -> bool:
     return gen_ai
 
 
-def _span_fast(raw: bytes, resource: dict[str, Any], limits: Limits) -> SpanView:
+def _span_fast(raw: Buffer, resource: dict[str, Any], limits: Limits) -> SpanView:
     from google.protobuf.message import DecodeError
     from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
@@ -146,7 +150,7 @@ def _span_fast(raw: bytes, resource: dict[str, Any], limits: Limits) -> SpanView
 _SPAN_IDS = {1: "trace_id", 2: "span_id", 4: "parent_span_id"}
 
 
-def _span_walked(buf: bytes, a: int, b: int, resource: dict[str, Any], limits: Limits) -> SpanView:
+def _span_walked(buf: Buffer, a: int, b: int, resource: dict[str, Any], limits: Limits) -> SpanView:
     parts: dict[str, Any] = {"name": "", "trace_id": b"", "span_id": b"", "parent_span_id": b"",
                              "start_ns": 0, "end_ns": 0, "kind": 0, "error": False}
     attrs: dict[str, Any] = {}
@@ -175,7 +179,7 @@ def _span_walked(buf: bytes, a: int, b: int, resource: dict[str, Any], limits: L
                     request=gen_ai or parts["name"] == VLLM_SPAN_NAME)
 
 
-def _resource(buf: bytes, a: int, b: int, limits: Limits) -> dict[str, Any]:
+def _resource(buf: Buffer, a: int, b: int, limits: Limits) -> dict[str, Any]:
     """The wanted attributes of a ``Resource`` (field 1 of it: attributes)."""
     attrs: dict[str, Any] = {}
     for i, (number, wire, x, y) in enumerate(_fields(buf, a, b)):
@@ -186,7 +190,7 @@ def _resource(buf: bytes, a: int, b: int, limits: Limits) -> dict[str, Any]:
     return attrs
 
 
-def _layout(body: bytes, limits: Limits) -> list[tuple[tuple[int, int], list[tuple[int, int]]]]:
+def _layout(body: Buffer, limits: Limits) -> list[tuple[tuple[int, int], list[tuple[int, int]]]]:
     """Per ResourceSpans: the resource's byte range and its spans' byte ranges. TooManySpans past the
     limit, before any span is decoded; every entry of these levels counts, so the walk is bounded."""
     budget = [8 * limits.max_spans + 1024]
@@ -220,13 +224,13 @@ def _layout(body: bytes, limits: Limits) -> list[tuple[tuple[int, int], list[tup
     return out
 
 
-def protobuf_spans(body: bytes, limits: Limits) -> Iterator[SpanView | str]:
+def protobuf_spans(body: Buffer, limits: Limits) -> Iterator[SpanView | str]:
     """Each span of the request as a SpanView, or the reason it cannot be decoded (that span only).
     Raises InputError for a malformed request and TooManySpans past the limit, before any span is decoded."""
     return _decode(body, _layout(body, limits), limits)
 
 
-def _decode(body: bytes, layout: list[tuple[tuple[int, int], list[tuple[int, int]]]], limits: Limits
+def _decode(body: Buffer, layout: list[tuple[tuple[int, int], list[tuple[int, int]]]], limits: Limits
             ) -> Iterator[SpanView | str]:
     for (ra, rb), ranges in layout:
         try:

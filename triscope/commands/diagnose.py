@@ -205,6 +205,6 @@ def render(report: StallReport, title: str = "") -> None:
     shares = report.shares()
     for cls in shares:
         if cls in ACTIONS and cls in [*report.config.alert_classes, "idle"]:
-            console.print(f"[bold]{cls}[/] -> {ACTIONS[cls]}")
+            console.print(f"[bold]{cls}[/] -> {report.action(cls)}")  # CPU-side without device data
     for b in report.breaches():
         console.print(f"[red]breach:[/] {b}")

@@ -63,36 +63,44 @@ def run_ingest(args: argparse.Namespace) -> int:
 
 
 def run_kineto(args: argparse.Namespace) -> int:
-    from triscope.collectors.nccl.kineto import ingest_kineto_run
+    from triscope.collectors.nccl.kineto import ingest_kineto_summary
 
     store = store_from(args)
     try:
-        counts = {run: ingest_kineto_run(store, run) for run in args.run_ids}
+        summaries = [ingest_kineto_summary(store, run) for run in args.run_ids]
     finally:
         store.close()
     if args.json:
-        print_json({"rows": counts})
-    else:
-        for run, n in counts.items():
-            print(f"{run}: {n} collective ops")
+        print_json({"rows": {s.run_id: s.rows for s in summaries}, "runs": [s.to_json() for s in summaries]})
+        return 0
+    for s in summaries:
+        ranks = f" on {len(s.ranks)} rank{'s' if len(s.ranks) != 1 else ''}" if s.ranks else ""
+        busbw = (f"; median bus bandwidth {s.median_busbw_bytes_per_second / 1e9:.2f} GB/s over {s.busbw_known}"
+                 if s.median_busbw_bytes_per_second is not None else "")
+        print(f"{s.run_id}: {s.rows} collective ops{ranks}{busbw}")
+        for note in s.notes:
+            print(f"  {note}")
     return 0
 
 
 def run_stragglers(args: argparse.Namespace) -> int:
-    from triscope.analyzers.nccl_crossrank import flight_recorder_check, stragglers
+    from triscope.analyzers.nccl_crossrank import flight_recorder_check, nothing_to_compare, stragglers
 
     store = store_from(args)
     try:
         report = stragglers(store, run_ids=args.run_id, min_lateness_seconds=args.min_lateness_ms / 1e3)
         fr = flight_recorder_check(store, args.run_id)
+        notes = nothing_to_compare(store, report, args.run_id)
     finally:
         store.close()
     if args.json:
-        print_json({"stragglers": report.to_json(), "flight_recorder": fr})
+        print_json({"stragglers": report.to_json(), "flight_recorder": fr, "notes": notes})
         return 0
     for r in report.by_rank():
         print(f"run {r['run_id']}: rank {r['rank']} last in {r['times_last']}/{r['collectives']} collectives, "
               f"{r['total_lateness_seconds'] * 1e3:.1f} ms total, {r['max_lateness_seconds'] * 1e3:.1f} ms max")
+    for note in notes:
+        print(note)
     for f in fr:
         print(f"flight recorder {f['run_id']} pg {f['comm_id']}: {'ok' if f['ok'] else 'PROBLEM'} "
               f"pending={len(f['pending'])} behind={[b['rank'] for b in f['ranks_behind']]} "

@@ -45,6 +45,9 @@ GPU_SAMPLES = Table(
         Column("namespace", "LowCardinality(String)", "Kubernetes namespace of that pod", since=2),
         Column("container", "LowCardinality(String)", "Kubernetes container of that pod", since=2),
         Column("error", "String", "one-line reason when state is not ok", since=2),
+        Column("mig_instance", "LowCardinality(String)", "MIG GPU instance id (dcgm GPU_I_ID); '' = whole GPU",
+               since=4),
+        Column("mig_profile", "LowCardinality(String)", "MIG profile of that instance (GPU_I_PROFILE)", since=4),
     ],
     order_by="host, gpu, ts",
     partition_by="toYYYYMMDD(ts)",
@@ -82,4 +85,5 @@ MIGRATIONS = [
               create_tables(GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES, version=1)),
     Migration(2, "gpu samples: kubernetes pod labels and error text", add_columns(GPU_SAMPLES, 2)),
     Migration(3, "allocator samples: active bytes", add_columns(ALLOCATOR_SAMPLES, 3)),
+    Migration(4, "gpu samples: MIG instance and profile (dcgm)", add_columns(GPU_SAMPLES, 4)),
 ]

@@ -18,8 +18,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
-
 from triscope.errors import ConfigError, StoreError
 from triscope.store.base import Result, Store
 
@@ -28,6 +26,8 @@ _process_lock = threading.Lock()
 
 
 def _to_insertable(values: Sequence[Any]) -> Any:
+    import numpy as np  # numpy and pyarrow are imported where used: a plain query needs neither (CLI start-up)
+
     if isinstance(values, np.ndarray):
         return values.tolist()
     return values if isinstance(values, list) else list(values)
@@ -41,6 +41,7 @@ def _column_to_numpy(column: Any) -> Any:
     and is decoded as an index array into its few distinct values. Neither path imports pandas
     (pyarrow's ``to_numpy`` does, half a second) nor ``pyarrow.compute`` (~0.1 s of a short run).
     """
+    import numpy as np
     import pyarrow as pa
 
     if column.num_chunks == 0:
@@ -61,6 +62,8 @@ _PYLIST_MAX_ROWS = 200_000
 
 def _decode_dictionary(array: Any) -> Any:
     """A dictionary-encoded Arrow array as an object array of its values."""
+    import numpy as np
+
     values = np.array(array.dictionary.to_pylist() + [None], dtype=object)
     indices = _primitive(array.indices)
     if indices is None:  # nulls: point them at the trailing None
@@ -70,6 +73,8 @@ def _decode_dictionary(array: Any) -> Any:
 
 def _primitive(array: Any) -> Any:
     """A copy of a null-free fixed-width numeric Arrow array as numpy, or None for other arrays."""
+    import numpy as np
+
     dtype = _NUMPY_KIND.get(str(array.type))
     if dtype is None or array.null_count:
         return None
@@ -131,7 +136,7 @@ class EmbeddedStore(Store):
         conn = getattr(self._local, "conn", None)
         if conn is None:
             try:
-                conn = self._chdb.connect(self.path)
+                conn = _connect(self._chdb, self.path)
                 conn.query("SELECT 1", "CSV")  # warm-up on this thread before use
                 # LowCardinality columns come out of Arrow queries as dictionaries (see _column_to_numpy)
                 conn.query("SET output_format_arrow_low_cardinality_as_dictionary = 1", "CSV")
@@ -145,7 +150,7 @@ class EmbeddedStore(Store):
     def _run(self, sql: str, fmt: str, params: Mapping[str, Any] | None) -> Any:
         try:
             bound = {k: _param_text(v) for k, v in params.items()} if params else None
-            return self._conn().query(sql, fmt, params=bound)
+            return self._conn().query(sql, fmt, params=bound or {})
         except StoreError:
             raise
         except Exception as exc:
@@ -237,6 +242,13 @@ class EmbeddedStore(Store):
                     conn.close()
             self._connections.clear()
         self._local = threading.local()
+
+
+def _connect(chdb: Any, path: str) -> Any:
+    """chDB's C-level connection (same ``query(sql, format, params)``): the ``chdb.connect`` wrapper imports
+    pyarrow and numpy (~0.1 s), which a query answered as text does not need."""
+    raw: Any = getattr(chdb, "_chdb", None)
+    return raw.connect(path) if hasattr(raw, "connect") else chdb.connect(path)
 
 
 def _literal(value: Any) -> str:

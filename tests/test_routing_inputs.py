@@ -1,0 +1,108 @@
+"""The weight engine on stored rows (issue 20 items 1 and 4, routing part): span-only backends no LB
+can know, sleeping engines, preempting engines. Rows go into a real embedded store (chDB) through
+the schema; values are synthetic, shaped like vLLM's metrics and an OTel SDK's spans."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from triscope.analyzers.routing import NAN, BackendInputs, WeightParams, compute_weights, read_inputs, with_address
+from triscope.schema import REQUESTS, SERVING_METRICS, encode_ts, qualified
+
+A, B, C = "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
+UUID = "5f0c9a3e-8d2b-4c1e-9a77-3b1f2e6d4c80"  # what the OTel SDK's service.instance.id looks like
+
+
+def _rows(store: Any, table: Any, rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        r["ts"] = encode_ts(int(r["ts"] * 1e9))
+    store.insert(qualified(store, table), table.columns_of(rows))
+
+
+def _serving(store: Any, now: float, backend: str, kv: float = 0.0, **cols: list[float]) -> None:
+    """Scrapes of ``backend`` at ``now - 30`` .. ``now - 1``; ``cols`` give one value per scrape."""
+    times = [now - 30, now - 10, now - 1]
+    _rows(store, SERVING_METRICS, [{"ts": t, "backend": backend, "host": "h", "server": "vllm", "model": "llama",
+                                    "kv_cache_usage_ratio": kv, **{k: v[i] for k, v in cols.items()}}
+                                   for i, t in enumerate(times)])
+
+
+def _weigh(store: Any, now: float, params: WeightParams | None = None):
+    params = params or WeightParams()
+    inputs = [with_address(i, params) for i in read_inputs(store, params, now)]
+    return compute_weights(inputs, None, params, now)[0]
+
+
+def test_span_only_backend_counts_neither_for_staleness_nor_normalisation(store: Any) -> None:
+    now = time.time()
+    _serving(store, now, A, kv=0.5)  # KV penalty 2
+    _serving(store, now, B, kv=0.2)  # KV penalty 1.25
+    alone = _weigh(store, now)
+    # vLLM-shaped llm_request spans under a random instance id: no address, no scrape, the newest 20 s
+    # old (past stale_after_s = 15 s), no KV and no memory (penalty 1, better than every real backend)
+    _rows(store, REQUESTS, [{"ts": now - 40 + i, "backend": UUID, "model": "llama", "span_name": "llm_request",
+                             "latency_seconds": 0.3, "status": "ok"} for i in range(21)])
+    result = _weigh(store, now)
+    assert result.unknown_backends == (UUID,) and UUID not in result.backends
+    assert result.stale is False and result.stale_backends == ()
+    assert result.backends[B].target == 1.0 and result.backends[A].target == pytest.approx(0.625)
+    assert {n: b.lb_weight for n, b in result.backends.items()} == {n: b.lb_weight for n, b in alone.backends.items()}
+    assert result.to_dict()["unknown_backends"] == [UUID]
+    # the same spans under the backend's host:port are the backend's, as before
+    _rows(store, REQUESTS, [{"ts": now - 20, "backend": C, "latency_seconds": 0.3}])
+    result = _weigh(store, now)
+    assert C in result.backends and result.stale and result.stale_backends == (C,)
+
+
+def test_sleeping_engine_is_drained_and_comes_back_awake(store: Any) -> None:
+    now = time.time()
+    _serving(store, now, A, sleep_state=[0.0, 0.0, 1.0])  # vllm:engine_sleep_state, level 1
+    _serving(store, now, B, sleep_state=[0.0, 0.0, 0.0])
+    _serving(store, now, C)  # an engine that does not export it: NaN, never drained for it
+    _rows(store, SERVING_METRICS, [{"ts": now - 0.5, "backend": C, "sleep_state": NAN}])
+    params = WeightParams()
+    inputs = [with_address(i, params) for i in read_inputs(store, params, now)]
+    by = {i.backend: i for i in inputs}
+    assert by[A].sleep_state == 1.0 and by[B].sleep_state == 0.0 and by[C].sleep_state != by[C].sleep_state
+    result, state = compute_weights(inputs, None, params, now)
+    assert result.backends[A].state == "drain" and result.backends[A].reasons == ("sleep",)
+    assert result.backends[B].state == result.backends[C].state == "ready"
+    _rows(store, SERVING_METRICS, [{"ts": now + 0.5, "backend": A, "sleep_state": 0.0}])  # woken up
+    inputs = [with_address(i, params) for i in read_inputs(store, params, now + 1)]
+    result, _ = compute_weights(inputs, state, params, now + 1)
+    assert result.backends[A].state == "ready" and result.backends[A].weight == params.floor  # slow start
+
+
+def test_rising_preemptions_counter_is_penalised(store: Any) -> None:
+    now = time.time()
+    _serving(store, now, A, preemptions_total=[3.0, 3.0, 5.0])  # 2 preemptions within the last 60 s
+    _serving(store, now, B, preemptions_total=[7.0, 7.0, 7.0])  # none
+    # C preempted 90 s ago, outside preemption_lookback_s: no longer penalised
+    _rows(store, SERVING_METRICS, [{"ts": now - 90, "backend": C, "preemptions_total": 1.0}])
+    _serving(store, now, C, preemptions_total=[4.0, 4.0, 4.0])
+    result = _weigh(store, now)
+    f = {n: b.factors.get("preemption") for n, b in result.backends.items()}
+    assert f == {A: 2.0, B: 1.0, C: 1.0}
+    assert result.backends[A].target == pytest.approx(0.5) and result.backends[B].target == 1.0
+    assert result.backends[A].inputs.preemptions == 2.0
+    # an engine restart resets the counter: what it counted since is the rise
+    _rows(store, SERVING_METRICS, [{"ts": now - 0.5, "backend": B, "preemptions_total": 0.0}])
+    assert _weigh(store, now).backends[B].factors["preemption"] == 1.0
+    off = WeightParams.from_config({"weights": {"preemption_penalty": 1.0}})
+    assert _weigh(store, now, off).backends[A].target == 1.0
+
+
+def test_engine_keeps_known_backends_and_drops_unknown_ones() -> None:
+    """The pure engine: absent backends kept (all silent: equal weights), unknown ones never published."""
+    p = WeightParams()
+    now = 1_800_000_000.0
+    fresh = [BackendInputs(n, kv_cache_usage_ratio=kv, sources={"serving": now}) for n, kv in ((A, 0.0), (B, 0.5))]
+    r, s = compute_weights(fresh, None, p, now)
+    r, s = compute_weights([], s, p, now + 400)
+    assert r.stale and r.absent_backends == (A, B) and {b.lb_weight for b in r.backends.values()} == {100}
+    assert r.backends[A].inputs.address == "" and r.backends[A].reasons == ("absent",)
+    r, s = compute_weights([BackendInputs("web-7", sources={"requests": now + 401})], s, p, now + 401)
+    assert r.unknown_backends == ("web-7",) and set(r.backends) == {A, B}
