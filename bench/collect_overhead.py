@@ -125,6 +125,7 @@ def bench_store(rows: int, batch: int, path: Path, repeat: int = 3) -> dict[str,
         "host": "'bench'", "gpu": "toUInt16(number % 8)", "gpu_uuid": "concat('GPU-', toString(number % 8))",
         "gpu_model": "'NVIDIA H100 80GB HBM3'", "source": "'nvml'", "state": "'ok'", "pod": "''",
         "namespace": "''", "container": "''", "error": "''", "clock_event_reasons": "toUInt64(32)",
+        "mig_instance": "''", "mig_profile": "''",
     }.get(c, "toFloat64(number % 1000) * 1.5") for c in GPU_SAMPLES.column_names())
 
     def timed(fn: Any) -> float:

@@ -67,16 +67,18 @@ class VllmInstall:
         return None
 
 
-def quiet_env(workdir: Path, **extra: str) -> dict[str, str]:
+def quiet_env(workdir: Path, vllm_cache: Path | None = None, **extra: str) -> dict[str, str]:
     """This environment with every cache, temporary file and socket of vLLM, torch and the HF libraries
-    under ``workdir`` (nothing in ``$HOME`` or ``/tmp``), offline, no usage reporting."""
+    under ``workdir`` (nothing in ``$HOME`` or ``/tmp``), offline, no usage reporting. ``vllm_cache``
+    (``VLLM_CACHE_ROOT``) may be shared: vLLM writes it atomically, and its model-info entry saves
+    each later start a subprocess that imports the model (20-30 s on 2 busy cores)."""
     cache, tmp = workdir / "cache", workdir / "tmp"
     for d in (cache, tmp):
         d.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "OTEL_"))}
     env.update(
         HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(cache / "hf"), XDG_CACHE_HOME=str(cache),
-        XDG_CONFIG_HOME=str(cache / "config"), VLLM_CACHE_ROOT=str(cache / "vllm"),
+        XDG_CONFIG_HOME=str(cache / "config"), VLLM_CACHE_ROOT=str(vllm_cache or cache / "vllm"),
         VLLM_CONFIG_ROOT=str(cache / "vllm-config"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
         TRITON_CACHE_DIR=str(cache / "triton"), TMPDIR=str(tmp), VLLM_RPC_BASE_PATH=str(tmp),
         VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
@@ -183,7 +185,7 @@ class VllmServer:
             extra["OTEL_RESOURCE_ATTRIBUTES"] = f"server.address=127.0.0.1,server.port={self.port}"
         if self.cpu is not None:
             extra["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
-        return quiet_env(self.workdir, **extra)
+        return quiet_env(self.workdir, vllm_cache=self.install.venv / "cache", **extra)
 
     def start(self) -> VllmServer:
         """Launch (returns at once; :meth:`wait_healthy` waits)."""

@@ -170,18 +170,15 @@ def test_every_command_exits_quietly_when_its_reader_goes_away(tmp_path: Path) -
     """``triscope ... | head``: a closed pipe ends each command with status 141 and no traceback or pipe error on
     stderr (argparse's own help and version output ignore the closed pipe and exit 0)."""
     db, trace = tmp_path / "db", str(shared_data("kineto", "a100_ddp_2024_rank0.json.gz"))
-    for args in (["--help"], ["--version"], ["diagnose", "--help"]):
-        res = _closed_pipe_run(db, *args)
-        assert res.returncode == 0 and res.stderr == "", (args, res.stderr)
-    commands = [
+    res = _closed_pipe_run(db, "--help")
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    commands = [  # one of each way a command writes: print/json.dump, rich tables, diagnose's report
         ["ingest", "trace", trace, "--run-id", "r", "--json"],
-        ["diagnose", trace, "--json"], ["diagnose", trace],
-        ["diagnose", "--trace-run", "r", "--json"], ["diagnose", "--trace-run", "r"],
-        ["diagnose", "--since", "1m", "--json"], ["diagnose", "--since", "1m"],
-        ["nccl", "kineto", "r", "--json"], ["nccl", "kineto", "r"],
-        ["nccl", "stragglers", "--json"], ["nccl", "stragglers"],
-        ["nccl", "ingest", str(shared_data("flight_recorder")), "--run-id", "fr", "--json"],
-        ["weights", "show", "--json"], ["weights", "show"],
+        ["diagnose", trace],
+        ["diagnose", "--trace-run", "r", "--json"],
+        ["nccl", "kineto", "r"],
+        ["nccl", "stragglers", "--json"],
+        ["weights", "show"],
         ["dashboards", "build", "--out", str(tmp_path / "boards")],
     ]
     loud = []

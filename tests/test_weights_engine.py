@@ -171,6 +171,22 @@ def test_continuing_backends_move_by_bounded_steps(seq) -> None:
         prev, state = result, state_new
 
 
+@SETTINGS
+@given(st.lists(st.lists(st.sampled_from(NAMES), max_size=4, unique=True), min_size=1, max_size=6))
+def test_a_published_backend_never_vanishes_by_silence(seq) -> None:
+    """Whatever subset reports at each update (none included), every backend published once is
+    still published, ready with a weight >= 1 unless drained; with nobody reporting, equal weights."""
+    state, ever = None, set()
+    for k, names in enumerate(seq):
+        result, state = compute_weights([mk(n, mem=0.5, at=NOW + k) for n in sorted(names)], state, P, NOW + k)
+        ever |= set(names)
+        assert set(result.backends) == ever
+        assert set(result.absent_backends) == ever - set(names)
+        assert all(b.lb_weight >= 1 for b in result.backends.values())
+        if not names and ever:
+            assert result.stale and {b.lb_weight for b in result.backends.values()} == {P.lb_scale}
+
+
 # --------------------------------------------------------------------------- formula examples
 
 

@@ -27,7 +27,7 @@ from triscope.schema import GPU_SAMPLES
 
 MiB = 1 << 20
 ID_COLUMNS = {"ts", "host", "gpu", "gpu_uuid", "gpu_model", "source", "state", "pod", "namespace", "container",
-              "error"}
+              "error", "mig_instance", "mig_profile"}
 METRICS = [c for c in GPU_SAMPLES.column_names() if c not in ID_COLUMNS]
 RATES = {"pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second", "nvlink_tx_bytes_per_second",
          "nvlink_rx_bytes_per_second", "sm_active_ratio", "sm_occupancy_ratio", "dram_active_ratio"}

@@ -25,3 +25,7 @@ class TraceTooLargeError(RefusedTraceError):
 
 class OtherJobError(RefusedTraceError):
     """The file belongs to another job than the other files of its run (world size, time)."""
+
+
+class RankTakenError(RefusedTraceError):
+    """Two files of one batch are the same rank of the same run; the second is not ingested."""

@@ -127,7 +127,7 @@ class _TraceParser:
             if not data:
                 self.eof = True
                 return data
-            if _NON_WS.search(data) is None:
+            if data.isspace() and not data.translate(None, _WS):  # C-speed: JSON whitespace only
                 self.ws_run += len(data)
                 if self.ws_run > self.max_event:
                     continue  # whitespace beyond any event we accept: between tokens, drop it
@@ -147,6 +147,17 @@ class _TraceParser:
             raise
         except InputError as exc:
             return b"", exc
+
+    def _grow(self, buf: bytes) -> tuple[bytes, InputError | None]:
+        """``buf`` (no event boundary in it) with more data: read until a ``{`` arrives (only then can a
+        boundary complete), the end, or more than the largest event, and join once (no quadratic copies)."""
+        pieces, size = [buf], len(buf)
+        while True:
+            data, error = self._more()
+            pieces.append(data)
+            size += len(data)
+            if not data or error is not None or b"{" in data or size > self.max_event:
+                return b"".join(pieces), error
 
     def _error(self, offset: int, what: str) -> InputError:
         return InputError(f"{self.name}: {what} at byte {self.consumed + offset}")
@@ -187,8 +198,7 @@ class _TraceParser:
                 if len(buf) > self.max_event:
                     read_error = self._error(0, f"corrupt JSON (no event boundary within {len(buf)} bytes)")
                     break
-                data, read_error = self._more()
-                buf += data
+                buf, read_error = self._grow(buf)
                 continue
             refused = False
             if pending is not None:

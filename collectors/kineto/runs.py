@@ -15,7 +15,7 @@ from typing import Any
 from triscope.collectors import ingest_sink
 from triscope.collectors.kineto import classify
 from triscope.collectors.kineto.classify import GPU_WORK_KINDS
-from triscope.collectors.kineto.errors import RefusedTraceError
+from triscope.collectors.kineto.errors import RankTakenError
 from triscope.collectors.kineto.reader import TraceHeader
 from triscope.collectors.kineto.sql import kernel_class_sql
 from triscope.errors import InputError
@@ -48,10 +48,6 @@ class IngestResult:
     start_ns: int | None = None
     """UTC epoch ns of the first and last event; None when the trace's clock is not absolute."""
     end_ns: int | None = None
-
-
-class RankTakenError(RefusedTraceError):
-    """Two files of one batch are the same rank of the same run; the second is not ingested."""
 
 
 def default_run_id(path: Path) -> str:

@@ -6,20 +6,28 @@ import argparse
 import json
 import sys
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from triscope.config import load_config
 from triscope.errors import InputError
-from triscope.store import Store, open_store
+
+if TYPE_CHECKING:
+    from triscope.store import Store
+
+# Config and store are imported when a command runs: every command module imports this one to build
+# the parser, and `triscope --help` should load no more than argparse needs.
 
 
 def config_from(args: argparse.Namespace) -> dict[str, Any]:
     """Config for this invocation (``--config`` file, then environment overrides)."""
+    from triscope.config import load_config
+
     return load_config(getattr(args, "config", None))
 
 
 def store_from(args: argparse.Namespace) -> Store:
     """Open and migrate the configured store."""
+    from triscope.store import open_store
+
     return open_store(config_from(args))
 
 

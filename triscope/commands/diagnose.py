@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from triscope.commands._common import add_common, config_from, parse_when, print_json, since_start, store_from, utc_text
 
@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
 def run_traces(args: argparse.Namespace) -> int:
     """``diagnose TRACE_OR_DIR...``: ingest, breakdown and per-step stall verdicts in one process (one store open).
 
-    Exit 2 when no file could be ingested, 1 when some could not (the others are reported), else as
-    the stall diagnosis (3 on a breached threshold)."""
+    Exit 2 when no file could be ingested, 1 when some could not or a run could not be classified (the
+    rest is reported), else as the stall diagnosis (3 on a breached threshold)."""
     from triscope.analyzers.stalls import diagnose_stalls, trace_span
     from triscope.analyzers.trace_breakdown import analyze_run
     from triscope.analyzers.trace_report import print_report, report_dict
@@ -86,12 +86,18 @@ def run_traces(args: argparse.Namespace) -> int:
     try:
         results = ingest_paths(store, args.paths, run_id=args.trace_run, on_file=on_file)
         run_ids = list(dict.fromkeys(r.run_id for r in results if r.events))
-        reports, breaches = [], []
+        reports: list[tuple[str, Any, StallReport | None]] = []
+        breaches = []
         for run_id in run_ids:
             ranks = analyze_run(store, run_id, ranks=args.rank, include_last_step=args.include_last_step)
-            start_ns, end_ns = trace_span(store, [run_id])
-            stalls = diagnose_stalls(store, start_ns, end_ns + 1, config, run_ids=[run_id], by="step")
-            breaches += stalls.breaches()
+            stalls = None
+            try:  # the breakdown stands on its own: a run the classifier refuses (too large) still gets it
+                start_ns, end_ns = trace_span(store, [run_id])
+                stalls = diagnose_stalls(store, start_ns, end_ns + 1, config, run_ids=[run_id], by="step")
+                breaches += stalls.breaches()
+            except InputError as exc:
+                failures.append(f"{run_id}: stall verdicts: {exc}")
+                print(f"triscope: error: {failures[-1]}", file=sys.stderr)
             reports.append((run_id, ranks, stalls))
     finally:
         store.close()
@@ -99,12 +105,13 @@ def run_traces(args: argparse.Namespace) -> int:
         return EXIT_INPUT
     if args.json:
         print_json({"ingested": [vars(r) for r in results], "errors": failures,
-                    "runs": [{**report_dict(run_id, ranks), "stalls": stalls.to_json()}
+                    "runs": [{**report_dict(run_id, ranks), "stalls": stalls.to_json() if stalls else None}
                              for run_id, ranks, stalls in reports]})
     else:
         for run_id, ranks, stalls in reports:
             print_report(run_id, ranks)
-            render(stalls, title=f"stall verdicts of run {run_id}, per profiler step")
+            if stalls is not None:
+                render(stalls, title=f"stall verdicts of run {run_id}, per profiler step")
     if failures:
         return 1
     return EXIT_BREACH if breaches else 0

@@ -85,6 +85,8 @@ def _print(result: Any, as_json: bool) -> None:
     console.print(table)
     if not doc["backends"]:
         console.print("no backends: configure [weights.backends] or write serving_metrics / requests rows")
+    if doc.get("unknown_backends"):
+        console.print(f"left out (no address, no scrape): {', '.join(doc['unknown_backends'])}")
     classes = ", ".join(f"{c} {v['priority_weight']:.1f}" for c, v in doc["classes"].items())
     console.print(f"class priority weights: {classes}")
     console.print(f"KV-cache scaling: {doc['scale']['action']} ({doc['scale']['reason']})")
