@@ -146,6 +146,7 @@ class _Handler(BoundedHTTPHandler):
         try:
             self._post()
         except HttpError as err:
+            self.close_connection = True  # the body may be unread (refused before reading): never reuse the socket
             self._fail(err)
 
     def _reject_method(self) -> None:
@@ -194,7 +195,7 @@ class _Handler(BoundedHTTPHandler):
             if len(body) > limit:
                 raise HttpError(413, f"{'JSON ' if kind == JSON else ''}body exceeds {limit} bytes")
             views = decode_spans(body, kind, rx.limits)
-            del body  # the decoded spans no longer need it
+            del body  # JSON is parsed by now; the protobuf walk holds its own reference
             return rx.mapper.map(views)
         except (OverflowError, TooManySpans) as exc:
             rx.count("too_large")
