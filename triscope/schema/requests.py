@@ -9,7 +9,8 @@ REQUESTS = Table(
     columns=[
         Column("ts", "DateTime64(9, 'UTC')", "span start"),
         Column("host", "LowCardinality(String)"),
-        Column("backend", "LowCardinality(String)", "serving instance: address:port from span attributes (never service.instance.id)"),
+        Column("backend", "LowCardinality(String)",
+               "serving instance: address:port from span attributes (never service.instance.id)"),
         Column("gpu", "LowCardinality(String)", "GPU index/uuid serving it when known"),
         Column("model", "LowCardinality(String)", "gen_ai.request.model / response model"),
         Column("model_version", "LowCardinality(String)"),
