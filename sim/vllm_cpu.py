@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -28,7 +29,8 @@ from triscope.sim.haproxy import free_port
 VLLM_VERSION = "0.32.0"
 REPO = Path(__file__).resolve().parent.parent
 SETUP_SCRIPT = "tools/setup_vllm_cpu.sh"
-MODEL_SCRIPT = Path(__file__).with_name("vllm_tiny_model.py")
+MODEL_SCRIPT = REPO / "tools" / "vllm_tiny_model.py"
+"""Run by the vLLM virtualenv's Python (it imports tokenizers and transformers, which triscope does not need)."""
 SERVED_MODEL = "tiny-llama"
 KV_BYTES_PER_TOKEN = 1024
 """The tiny model's KV cache per token: 2 layers x 2 KV heads x 64 dims x (K, V) x 2 bytes (bf16)."""
@@ -88,10 +90,12 @@ def quiet_env(workdir: Path, vllm_cache: Path | None = None, **extra: str) -> di
 
 
 def make_tiny_model(install: VllmInstall, out: Path, timeout_s: float = 300.0) -> Path:
-    """The tiny Llama of :mod:`triscope.sim.vllm_tiny_model` in ``out`` (made once; kept when present)."""
+    """The tiny Llama of ``tools/vllm_tiny_model.py`` in ``out`` (made once; kept when present)."""
     if (out / "config.json").exists() and (out / "tokenizer.json").exists() and (out / "model.safetensors").exists():
         return out
     partial = out.with_name(out.name + ".partial")
+    for leftover in (partial, out):  # an interrupted earlier attempt
+        shutil.rmtree(leftover, ignore_errors=True)
     proc = subprocess.run([str(install.python), str(MODEL_SCRIPT), str(partial)], capture_output=True, text=True,
                           env=quiet_env(out.parent / ".model-work"), timeout=timeout_s)
     if proc.returncode != 0:
@@ -267,15 +271,16 @@ def _group_alive(pgid: int) -> bool:
 
 @contextlib.contextmanager
 def serve(install: VllmInstall, model: Path, workdir: Path, count: int = 1,
-          options: ServerOptions | Sequence[ServerOptions] | None = None,
+          options: ServerOptions | Sequence[ServerOptions] | None = None, ports: Sequence[int] = (),
           timeout_s: float = 240.0) -> Iterator[list[VllmServer]]:
-    """``count`` servers started together (worker i bound to core ``i % cpus``), healthy on entry, stopped on exit."""
+    """``count`` servers started together (worker i bound to core ``i % cpus``; ``ports`` chosen by the
+    caller or free ones), healthy on entry, stopped on exit."""
     opts = list(options) if isinstance(options, Sequence) else [options or ServerOptions()] * count
-    if len(opts) != count:
-        raise ValueError(f"{len(opts)} server options for {count} servers")
+    if len(opts) != count or len(ports) not in (0, count):
+        raise ValueError(f"{len(opts)} server options and {len(ports)} ports for {count} servers")
     cpus = os.cpu_count() or 1
-    servers = [VllmServer(install, model, workdir / f"vllm{i}", name=f"vllm{i}", cpu=i % cpus, options=o)
-               for i, o in enumerate(opts)]
+    servers = [VllmServer(install, model, workdir / f"vllm{i}", name=f"vllm{i}", port=ports[i] if ports else 0,
+                          cpu=i % cpus, options=o) for i, o in enumerate(opts)]
     try:
         for s in servers:
             s.start()

@@ -230,5 +230,4 @@ def test_start_up_imports_only_what_the_command_needs(tmp_path: Path) -> None:
     assert loaded("--help") == set()
     assert loaded("diagnose", "--help") == set()
     assert loaded("nccl", "stragglers", "--json") == {"chdb"}
-    assert loaded("weights", "show", "--json") == {"chdb"}
     assert loaded("diagnose", "--since", "1m", "--json") & {"rich", "matplotlib", "pyarrow", "pandas"} == set()

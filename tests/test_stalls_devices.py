@@ -3,6 +3,7 @@ device data, no verdict from a sliver of trace at its edge, no "idle" for a trac
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,8 +106,12 @@ def test_the_cli_says_so_and_exits_0(tmp_path: Path, torch_cpu_trace: Path) -> N
     out = cli("diagnose", "--run-id", "cpu", "--by", "step")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "CPU only (no device data)" in out.stdout and "breach" not in out.stdout
-    advice = [line for line in out.stdout.splitlines() if " -> " in line]
-    assert advice and not any(word in line for line in advice for word in DEVICE_WORDS), advice
+    advice = [line for line in out.stdout.splitlines() if " -> " in line]  # printed for alert classes only
+    assert not any(word in line for line in advice for word in DEVICE_WORDS), advice
+    report = json.loads(cli("diagnose", "--run-id", "cpu", "--by", "step", "--json").stdout)
+    assert report["device_data"] is False and report["breaches"] == [] and report["actions"]
+    for text in report["actions"].values():
+        assert "no device data" in text and not any(word in text for word in DEVICE_WORDS), text
 
 
 def test_host_collectives_without_device_data_get_no_nccl_advice(store) -> None:

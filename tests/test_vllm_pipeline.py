@@ -35,7 +35,7 @@ from run_helpers import clean_env, running_daemon
 
 from triscope.sim.haproxy import HAProxy, Server
 from triscope.sim.vllm_cpu import SERVED_MODEL, ServerOptions, VllmInstall, VllmServer, make_tiny_model, serve
-from triscope.sim.vllm_load import CLASSES, Burst, Sent, mix
+from triscope.sim.vllm_load import CLASSES, Burst, Sent, mix, summary
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -110,8 +110,8 @@ def _sample(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def _config(work: Path, servers: list[VllmServer], ports: dict[str, int]) -> Path:
-    targets = ", ".join(f'"{s.metrics_url}"' for s in servers)
+def _config(work: Path, metrics_urls: list[str], ports: dict[str, int]) -> Path:
+    targets = ", ".join(f'"{url}"' for url in metrics_urls)
     cfg = work / "triscope.toml"
     cfg.write_text(f"""
 [store]
@@ -182,42 +182,45 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     t0 = time.monotonic()
     work = tmp_path_factory.mktemp("vllm-bed")
     model = make_tiny_model(install, install.model_dir)
-    ports = {k: free_port() for k in ("otlp", "prometheus", "feed", "agent")}
+    ports = {k: free_port() for k in ("otlp", "prometheus", "feed", "agent", "vllm0", "vllm1")}
     otlp = f"http://127.0.0.1:{ports['otlp']}/v1/traces"
     options = [ServerOptions(otlp_endpoint=otlp, profiler_dir=work / "profile"), ServerOptions(otlp_endpoint=otlp)]
+    vllm_ports = [ports["vllm0"], ports["vllm1"]]
     prom_url = f"http://127.0.0.1:{ports['prometheus']}/metrics"
     feed_url = f"http://127.0.0.1:{ports['feed']}/v1/weights"
+    cfg = _config(work, [f"http://127.0.0.1:{p}/metrics" for p in vllm_ports], ports)
     timings: dict[str, float] = {}
-    with serve(install, model, work, count=2, options=options) as servers:
+    # triscope starts while the engines do (its scrapes fail until they answer; that is logged, not fatal)
+    with running_daemon(cfg, clean_env(), cwd=work) as daemon, \
+            serve(install, model, work, count=2, options=options, ports=vllm_ports) as servers:
         bed = Bed(servers=servers, timings=timings)
         timings["servers_healthy_s"] = max(s.healthy_after_s for s in servers)
-        cfg = _config(work, servers, ports)
-        with running_daemon(cfg, clean_env(), cwd=work) as daemon:
-            wait_for(lambda: _scrape(prom_url), 60, "triscope run's /metrics", daemon.proc)
-            before = int(_sample(_scrape(prom_url), "triscope_collector_rows_total", collector="otlp",
-                                 table="requests"))
-            s0 = servers[0]
-            assert s0.post("/start_profile")[0] == 200, s0.log_tail()
+        wait_for(lambda: _scrape(prom_url), 60, "triscope run's /metrics", daemon.proc)
+        before = int(_sample(_scrape(prom_url), "triscope_collector_rows_total", collector="otlp",
+                             table="requests"))
+        s0 = servers[0]
+        assert s0.post("/start_profile")[0] == 200, s0.log_tail()
+        t = time.monotonic()
+        bed.direct = Burst(mix(DIRECT, seed=1), concurrency=12, seed=1).run(s0.port)
+        timings["direct_burst_s"] = time.monotonic() - t
+        assert s0.post("/stop_profile")[0] == 200, s0.log_tail()
+        names = [s.address for s in servers]
+        with HAProxy(work / "haproxy", [Server(s.address, s.port) for s in servers],
+                     agent_port=ports["agent"], agent_inter_ms=200) as haproxy:
+            bed.agreed_weights, bed.feed = _wait_agent_applied(haproxy, feed_url, names)
             t = time.monotonic()
-            bed.direct = Burst(mix(DIRECT, seed=1), concurrency=12, seed=1).run(s0.port)
-            timings["direct_burst_s"] = time.monotonic() - t
-            assert s0.post("/stop_profile")[0] == 200, s0.log_tail()
-            names = [s.address for s in servers]
-            with HAProxy(work / "haproxy", [Server(s.address, s.port) for s in servers],
-                         agent_port=ports["agent"], agent_inter_ms=200) as haproxy:
-                bed.agreed_weights, bed.feed = _wait_agent_applied(haproxy, feed_url, names)
-                t = time.monotonic()
-                bed.routed = Burst(mix(ROUTED, seed=2), concurrency=4, seed=2).run(haproxy.port)
-                timings["routed_burst_s"] = time.monotonic() - t
-                bed.haproxy_sessions = {r["svname"]: int(r["stot"]) for r in haproxy.stats()}
-            _wait_spans(prom_url, before + len(bed.sent))
-            for s in servers:
-                text = _scrape(s.metrics_url)
-                bed.engine[s.address] = {k: _sample(text, f"vllm:{k}") for k in (
-                    "request_success_total", "num_preemptions_total", "request_queue_time_seconds_sum",
-                    "prompt_tokens_total", "generation_tokens_total")}
-            bed.summary = daemon.stop()  # the scraper's last collect() sees the final counters
-        bed.trace_file = next(iter(s0.profile_files()), None)
+            bed.routed = Burst(mix(ROUTED, seed=2), concurrency=4, seed=2).run(haproxy.port)
+            timings["routed_burst_s"] = time.monotonic() - t
+            bed.haproxy_sessions = {r["svname"]: int(r["stot"]) for r in haproxy.stats()}
+        _wait_spans(prom_url, before + len(bed.sent))
+        for s in servers:
+            text = _scrape(s.metrics_url)
+            bed.engine[s.address] = {k: _sample(text, f"vllm:{k}") for k in (
+                "request_success_total", "num_preemptions_total", "request_queue_time_seconds_sum",
+                "prompt_tokens_total", "generation_tokens_total")}
+        bed.summary = daemon.stop()  # the scraper's last collect() sees the final counters
+    bed.trace_file = next(iter(s0.profile_files()), None)
+    timings["trace_mb"] = bed.trace_file.stat().st_size / 1e6 if bed.trace_file else 0.0
     ingest = _cli(cfg, "ingest", "trace", str(work / "profile"), "--run-id", RUN_ID, "--json")
     assert ingest.returncode == 0, ingest.stderr
     bed.ingest = json.loads(ingest.stdout)
@@ -229,7 +232,8 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     assert query.returncode == 0, query.stderr
     bed.store = json.loads(query.stdout)
     timings["total_s"] = time.monotonic() - t0
-    print(f"\nvLLM bed: {json.dumps(timings, default=lambda x: round(x, 1))}; engine {bed.engine}")
+    print(f"\nvLLM bed: seconds {({k: round(v, 1) for k, v in timings.items()})}; engines {bed.engine}\n"
+          f"direct (client min/median/max s): {summary(bed.direct)}\nrouted: {summary(bed.routed)}")
     yield bed
 
 

@@ -13,7 +13,10 @@ Exit status 3 when a configured alert threshold is breached.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -64,9 +67,7 @@ def run_traces(args: argparse.Namespace) -> int:
 
     Exit 2 when no file could be ingested, 1 when some could not or a run could not be classified (the
     rest is reported), else as the stall diagnosis (3 on a breached threshold)."""
-    from triscope.analyzers.stalls import diagnose_stalls, trace_span
-    from triscope.analyzers.trace_breakdown import analyze_run
-    from triscope.analyzers.trace_report import print_report, report_dict
+    warm = _warm_imports()  # before any heavy import of this command
     from triscope.collectors.kineto.ingest import IngestResult, ingest_paths
     from triscope.errors import InputError
     from triscope.store import open_store
@@ -86,6 +87,9 @@ def run_traces(args: argparse.Namespace) -> int:
     try:
         results = ingest_paths(store, args.paths, run_id=args.trace_run, on_file=on_file)
         run_ids = list(dict.fromkeys(r.run_id for r in results if r.events))
+        from triscope.analyzers.stalls import diagnose_stalls, trace_span
+        from triscope.analyzers.trace_breakdown import analyze_run
+
         reports: list[tuple[str, Any, StallReport | None]] = []
         breaches = []
         for run_id in run_ids:
@@ -101,8 +105,11 @@ def run_traces(args: argparse.Namespace) -> int:
             reports.append((run_id, ranks, stalls))
     finally:
         store.close()
+        warm.join()
     if not results:
         return EXIT_INPUT
+    from triscope.analyzers.trace_report import print_report, report_dict
+
     if args.json:
         print_json({"ingested": [vars(r) for r in results], "errors": failures,
                     "runs": [{**report_dict(run_id, ranks), "stalls": stalls.to_json() if stalls else None}
@@ -115,6 +122,20 @@ def run_traces(args: argparse.Namespace) -> int:
     if failures:
         return 1
     return EXIT_BREACH if breaches else 0
+
+
+def _warm_imports() -> threading.Thread:
+    """Import what the report needs on a thread while chDB starts and ingests, which release the GIL
+    (about 60 ms of a small trace's 0.8 s, measured with bench/cli_e2e.py); joined before the report."""
+    def load() -> None:
+        for name in ("numpy", "pyarrow", "triscope.analyzers.trace_report", "triscope.analyzers.stalls",
+                     "triscope.console", "rich.table"):
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+
+    thread = threading.Thread(target=load, name="triscope-warm-imports")
+    thread.start()
+    return thread
 
 
 def run_trace_report(args: argparse.Namespace) -> int:

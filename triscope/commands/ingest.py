@@ -40,6 +40,7 @@ def device_text(result: IngestResult) -> str:
 
 def run_trace(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from triscope.collectors.kineto.config import TraceIngestConfig
@@ -75,11 +76,11 @@ def run_trace(args: argparse.Namespace) -> int:
                 progress.advance(task)
             if isinstance(outcome, SkippedTraceError):
                 skipped.append(str(outcome))
-                err.print(f"[yellow]warning:[/] {outcome}", highlight=False, soft_wrap=True)
+                err.print(f"[yellow]warning:[/] {escape(str(outcome))}", highlight=False, soft_wrap=True)
             elif isinstance(outcome, InputError):
                 refused = refused or isinstance(outcome, RefusedTraceError)
                 failures.append(str(outcome))
-                err.print(f"[red]error:[/] {outcome}", highlight=False, soft_wrap=True)
+                err.print(f"[red]error:[/] {escape(str(outcome))}", highlight=False, soft_wrap=True)
 
         try:
             results = ingest_paths(store, args.paths, run_id=args.run_id, on_progress=on_events, on_file=on_file,
@@ -89,7 +90,7 @@ def run_trace(args: argparse.Namespace) -> int:
     if not results and not failures:
         failures.append(f"no Kineto trace among {', '.join(args.paths)} ({len(skipped)} file(s) skipped)")
         refused = True
-        err.print(f"[red]error:[/] {failures[-1]}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(failures[-1])}", highlight=False, soft_wrap=True)
     if args.json:
         print_json({"ingested": [vars(r) for r in results], "errors": failures, "skipped": skipped})
     else:
