@@ -29,6 +29,9 @@ MISTAKES = {
     "[run] a factory that is not a component": ('[run]\ncollectors = ["os:system"]\n', "os:system"),
     "[run] an unknown collector": ('[run]\ncollectors = ["nope"]\n', "nope"),
     "[blockio] unknown key": ("[blockio]\nformatt = 'json'\n", "formatt"),
+    "[weights] negative lookback": ('[run]\nexporters = ["weights_feed"]\n[weights]\nlookback_s = -5\n', "lookback_s"),
+    "[otlp] port out of range": ('[run]\ncollectors = ["otlp"]\n[otlp]\nport = 99999\n', "port"),
+    "[otlp] misspelt token": ('[run]\ncollectors = ["otlp"]\n[otlp]\ntokn = "secret"\n', "tokn"),
 }
 
 

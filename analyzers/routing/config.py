@@ -189,6 +189,7 @@ class WeightsConfig(ComponentConfig):
             (self.max_step_down > 0 and self.max_step_up > 0, "max_step_down/max_step_up must be > 0"),
             (self.interval_s > 0 and self.window_s > 0, "interval_s and window_s must be > 0"),
             (self.stale_after_s > 0, "stale_after_s must be > 0"),
+            (self.lookback_s > 0, "lookback_s must be > 0"),
             (self.release_memory_ratio <= self.drain_memory_ratio, "release_memory_ratio > drain_memory_ratio"),
             (self.release_kv_ratio <= self.drain_kv_ratio, "release_kv_ratio > drain_kv_ratio"),
             (self.lb_scale >= 1, "lb_scale must be >= 1"),
