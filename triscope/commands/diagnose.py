@@ -68,15 +68,25 @@ def run_traces(args: argparse.Namespace) -> int:
     Exit 2 when no file could be ingested, 1 when some could not or a run could not be classified (the
     rest is reported), else as the stall diagnosis (3 on a breached threshold)."""
     warm = _warm_imports()  # before any heavy import of this command
+    from triscope.collectors.kineto.config import TraceIngestConfig
+    from triscope.collectors.kineto.errors import RefusedTraceError, SkippedTraceError
     from triscope.collectors.kineto.ingest import IngestResult, ingest_paths
     from triscope.errors import InputError
     from triscope.store import open_store
 
     config = config_from(args)
+    settings = TraceIngestConfig.from_config(config)
     failures: list[str] = []
+    skipped: list[str] = []
+    refused = False
 
     def on_file(outcome: IngestResult | InputError) -> None:
-        if isinstance(outcome, InputError):
+        nonlocal refused
+        if isinstance(outcome, SkippedTraceError):  # a stray file in a directory: said, not a failure
+            skipped.append(str(outcome))
+            print(f"triscope: warning: {outcome}", file=sys.stderr)
+        elif isinstance(outcome, InputError):
+            refused = refused or isinstance(outcome, RefusedTraceError)
             failures.append(str(outcome))
             print(f"triscope: error: {outcome}", file=sys.stderr)
         elif not args.json:
@@ -85,7 +95,7 @@ def run_traces(args: argparse.Namespace) -> int:
 
     store = open_store(config)
     try:
-        results = ingest_paths(store, args.paths, run_id=args.trace_run, on_file=on_file)
+        results = ingest_paths(store, args.paths, run_id=args.trace_run, on_file=on_file, settings=settings)
         run_ids = list(dict.fromkeys(r.run_id for r in results if r.events))
         from triscope.analyzers.stalls import diagnose_stalls, trace_span
         from triscope.analyzers.trace_breakdown import analyze_run
@@ -111,7 +121,7 @@ def run_traces(args: argparse.Namespace) -> int:
     from triscope.analyzers.trace_report import print_report, report_dict
 
     if args.json:
-        print_json({"ingested": [vars(r) for r in results], "errors": failures,
+        print_json({"ingested": [vars(r) for r in results], "errors": failures, "skipped": skipped,
                     "runs": [{**report_dict(run_id, ranks), "stalls": stalls.to_json() if stalls else None}
                              for run_id, ranks, stalls in reports]})
     else:
@@ -120,7 +130,7 @@ def run_traces(args: argparse.Namespace) -> int:
             if stalls is not None:
                 render(stalls, title=f"stall verdicts of run {run_id}, per profiler step")
     if failures:
-        return 1
+        return EXIT_INPUT if refused else 1
     return EXIT_BREACH if breaches else 0
 
 
