@@ -75,3 +75,32 @@ def running_daemon(config: str | Path, env: dict[str, str], cwd: Path | None = N
 def written_counts(log_lines: list[str]) -> list[int]:
     """The ``written N`` figure of every ``status: written`` line the daemon logged, in order."""
     return [int(x.split("written ")[1].split(",")[0]) for x in log_lines if "status: written" in x]
+
+
+class LastRowsCollector:
+    """A collector like bpftrace's: its ``close()`` yields one last row (the window still open),
+    which only a ``collect()`` after ``close()`` returns (``ROWS_AFTER_CLOSE``)."""
+
+    name = "last_rows"
+    interval_s = 0.1
+    ROWS_AFTER_CLOSE = True
+
+    def __init__(self) -> None:
+        self._pending: list[dict[str, Any]] = []
+
+    def start(self) -> None:
+        self._pending.append({"ts": "2026-01-01 00:00:00.000000000", "host": "open", "device": "d0", "op": "read"})
+
+    def collect(self) -> dict[str, dict[str, list[Any]]]:
+        from triscope.schema import IO_LATENCY
+
+        rows, self._pending = self._pending, []
+        return {IO_LATENCY.name: IO_LATENCY.columns_of(rows)} if rows else {}
+
+    def close(self) -> None:
+        self._pending.append({"ts": "2026-01-01 00:00:01.000000000", "host": "closed", "device": "d0", "op": "read"})
+
+
+def create_last_rows(config: dict[str, Any], context: Any) -> LastRowsCollector:
+    """``run_helpers:create_last_rows``, for ``[run] collectors``."""
+    return LastRowsCollector()

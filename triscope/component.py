@@ -39,7 +39,9 @@ class Collector(Protocol):
     """A source of rows for one or more tables, polled by the daemon every ``interval_s``.
 
     Long-running sources (bpftrace, an OTLP receiver) buffer between calls or submit through
-    ``context.submit`` themselves.
+    ``context.submit`` themselves. A source whose ``close()`` yields last rows (bpftrace's END
+    probe prints the window still open) sets ``ROWS_AFTER_CLOSE = True``: the daemon then calls
+    ``collect()`` once more after ``close()``.
     """
 
     name: str

@@ -160,6 +160,8 @@ class Daemon:
             loop.collect_once()
             with contextlib.suppress(Exception):
                 loop.collector.close()
+            if getattr(loop.collector, "ROWS_AFTER_CLOSE", False):  # e.g. the window bpftrace's END prints
+                loop.collect_once()
         for exporter in self.exporters:
             with contextlib.suppress(Exception):
                 exporter.close()

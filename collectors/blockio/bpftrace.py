@@ -75,6 +75,8 @@ class BpftraceCollector:
     ``config``: a :class:`BlockioConfig` or the whole configuration (its ``[blockio]`` section)."""
 
     name = "blockio_bpftrace"
+    ROWS_AFTER_CLOSE = True
+    """close() yields the windows END prints (the one open at close): the daemon collects once more."""
 
     def __init__(self, config: Mapping[str, Any] | BlockioConfig | None = None) -> None:
         cfg = blockio_config(config)
@@ -136,11 +138,6 @@ class BpftraceCollector:
         for line in self._proc.stderr:
             if "RLIMIT_MEMLOCK" not in line:
                 self.stderr = (self.stderr + line)[-4000:]
-
-    @property
-    def buffer(self) -> WindowAssembler:
-        """Rows arrive after close() too (END prints the last windows): the daemon collects once more."""
-        return self.asm
 
     def collect(self) -> dict[str, dict[str, list[Any]]]:
         if self._proc is not None and self._proc.poll() is not None and self.stderr:
