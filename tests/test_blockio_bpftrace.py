@@ -33,6 +33,11 @@ the map keys), so a row covers exactly [ts, ts + window_seconds] however late bp
   4 standard errors of the 1/8 sample's mean (plus 1 %), and p50/p99 must fall within the log2 bucket bound (the
   interpolated estimate and the true quantile share a power-of-two bucket, ratio < 2),
   widened by the order-statistic uncertainty of the sampled quantile (rank +/- 4 sigma).
+- Where fio runs: apart from the CPU taking the disk's completion interrupts (``_io_cpus``). BPF
+  programs on classic tracepoints share one per-CPU guard, so a completion interrupting an issue
+  probe on its CPU is a skipped run: with fio there ~17 % of its reads on the 2-CPU CI machine
+  (one CI run failed the depth bound at 0.88x that way), with fio apart 0-30 runs in 150k. One
+  test puts fio on that CPU on purpose: the skipped runs must make up every read lost.
 - fio: its completed reads, less 1 % and the skipped probe runs, are a lower bound of the reads
   counted (other processes read the same disk; fio counts its reads before the IO scheduler
   merges adjacent ones into one request: a suite run counted 0.15 % fewer requests than fio's
@@ -45,6 +50,7 @@ the map keys), so a row covers exactly [ts, ts + window_seconds] however late bp
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -54,14 +60,15 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from conftest import require, require_binary
-from disk_helpers import DiskstatsSampler, synced_write
+from disk_helpers import DiskstatsSampler, cpus_apart_from_disk_irq, synced_write
 
 from triscope.collectors.blockio import (
     RESTART_AT_MAP_KEYS,
@@ -173,6 +180,25 @@ def _reads_floor(reads_lo: float, collector: BpftraceCollector) -> float:
     return 0.97 * reads_lo - 5 - collector.missed_probe_runs
 
 
+@functools.cache
+def _io_cpus() -> frozenset[int] | None:
+    """CPUs for the tests' IO apart from the disk's interrupt CPU (see
+    :func:`~disk_helpers.cpus_apart_from_disk_irq`: otherwise ~17 % of fio's completions are
+    skipped probe runs here); None where no CPU is apart, and the bounds then carry the skips."""
+    probe = Path(tempfile.gettempdir()) / f"triscope-irq-probe-{os.getpid()}.bin"
+    try:
+        cpus = cpus_apart_from_disk_irq(probe)
+    finally:
+        probe.unlink(missing_ok=True)
+    return frozenset(cpus) if cpus else None
+
+
+def _apart() -> Callable[[], None] | None:
+    """A ``preexec_fn`` running the child on :func:`_io_cpus` (None: anywhere)."""
+    cpus = _io_cpus()
+    return None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
+
+
 def _wait_live(collector: BpftraceCollector, probe: Path) -> None:
     """Do small synced writes until bpftrace reports them: its probes are attached."""
     deadline = time.monotonic() + 30
@@ -209,7 +235,7 @@ def _start_randread(data: Path, name: str, runtime_s: int) -> subprocess.Popen[s
     return subprocess.Popen(
         ["fio", f"--name={name}", f"--filename={data}", "--size=32M", "--rw=randread", "--bs=4k", "--direct=1",
          "--ioengine=libaio", "--iodepth=32", f"--runtime={runtime_s}", "--time_based", "--output-format=terse"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_apart())
 
 
 def _device_reads(rows: dict[str, list], device: str) -> list[dict]:
@@ -242,7 +268,7 @@ def _start_fsync_loops(directory: Path, loops: int, seconds: float) -> subproces
     """``loops`` threads rewriting 4 KiB and fsyncing it for ``seconds``: writes, journal commits
     and cache flushes queued beside the reads."""
     return subprocess.Popen([sys.executable, "-c", _FSYNC_LOOPS, str(directory), str(loops), str(seconds)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_apart())
 
 
 @pytest.mark.parametrize(("fmt", "interval_s", "fsync_loops"), [("json", 1.0, 0), ("text", 0.5, 0), ("json", 1.0, 4)],
@@ -261,7 +287,7 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
             out = subprocess.run(
                 ["fio", "--name=bt", f"--filename={data}", "--size=32M", "--rw=randread", "--bs=4k", "--direct=1",
                  "--ioengine=libaio", "--iodepth=32", "--runtime=4", "--time_based", "--output-format=json"],
-                capture_output=True, text=True, timeout=120)
+                capture_output=True, text=True, timeout=120, preexec_fn=_apart())
             assert out.returncode == 0, out.stderr
             if syncs is not None:
                 synced, errors = syncs.communicate(timeout=60)
@@ -272,12 +298,14 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
         assert bpf_recursion_misses(collector._proc.pid) is not None, "skipped probe runs are readable here"
         assert collector.asm.raced == 0, "bpftrace's output ran windows late: counts may be short"
         # the request-start maps hold what is in flight plus leftovers of skipped completions, and
-        # a leftover goes when its sector is read again: however many runs were skipped (beside
-        # fsync loops: thousands), the maps stay far from full and the process is never replaced
-        # (measured after runs: 0-229 entries, once 770)
-        assert collector.asm.key_counts and collector.asm.map_keys_held < RESTART_AT_MAP_KEYS // 2, (
-            collector.asm.key_counts)
-        assert collector.restarts == 0, collector.missed_probe_runs
+        # a leftover goes when its sector is read again: with the skips few (fio apart from the
+        # interrupt CPU; beside fsync loops: thousands) the maps stay far from full and the
+        # process is never replaced (measured after runs: 0-229 entries, once 770). With fio on
+        # the interrupt CPU (~17 % skipped) leftovers can pass the restart mark (the swap test).
+        assert collector.asm.key_counts, collector.asm.key_counts
+        if collector.missed_probe_runs < 5000:
+            assert collector.asm.map_keys_held < RESTART_AT_MAP_KEYS // 2, collector.asm.key_counts
+            assert collector.restarts == 0, collector.missed_probe_runs
         synced_write(tmp_path / "last.bin", 64 << 10)  # in the open window: only END can report it
     last = collector.collect().get("io_latency", {})
     assert (device, "write") in set(zip(last.get("device", []), last.get("op", []), strict=True)), last
@@ -302,7 +330,11 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
         assert floor <= r["ios"] <= reads_hi, (r["ios"], reads_lo, reads_hi, collector.missed_probe_runs)
         window_ms = r["window_seconds"] * 1e3
         lo, hi = (read_ms_lo - 2) / window_ms, (weighted_ms_hi + 2) / window_ms  # + ms truncation at both ends
-        assert 0.98 * lo <= r["queue_depth"] <= hi, (r["queue_depth"], lo, hi)
+        # a skipped completion takes its residence out of the sum: scale by the share counted; 0.01
+        # (5 ms a 0.5 s window) for shallow windows, where one run read 0.976 of the bound at depth 0.29
+        counted = r["ios"] / (r["ios"] + collector.missed_probe_runs)
+        assert 0.98 * lo * counted - 0.01 <= r["queue_depth"] <= hi, (
+            r["queue_depth"], lo, hi, collector.missed_probe_runs)
         depths.append(r["queue_depth"])
 
         lat = sorted(s for t, s in traced if t0 <= t < t1)
@@ -315,6 +347,43 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
     assert max(depths) > 8, depths  # the run really kept a deep queue
 
 
+def test_skipped_probe_runs_are_counted_and_reported(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """fio on the disk's interrupt CPU, where completions interrupt the issue probes and the kernel
+    skips them (~17 % of reads here): the collector never counts more than diskstats saw, the
+    skipped runs it reads from bpftrace's fdinfo make up every read it lost, and it says so in
+    the log."""
+    data, device = _filled_file(tmp_path)
+    others = _io_cpus()
+    on_irq = (os.sched_getaffinity(0) - others) if others else None
+    with caplog.at_level(logging.WARNING), \
+            _live_collector(tmp_path, device, {"interval_s": 0.5, "host": "bt"}) as (collector, sampler):
+        time.sleep(0.6)
+        collector.collect()  # drop the probe windows
+        missed_from = collector.missed_probe_runs
+        fio = subprocess.Popen(
+            ["fio", "--name=irq", f"--filename={data}", "--size=32M", "--rw=randread", "--bs=4k", "--direct=1",
+             "--ioengine=libaio", "--iodepth=32", "--runtime=3", "--time_based", "--output-format=terse"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            preexec_fn=None if on_irq is None else functools.partial(os.sched_setaffinity, 0, on_irq))
+        assert fio.wait(timeout=60) == 0, fio.stderr.read() if fio.stderr else ""
+        time.sleep(1.2)
+        rows = collector.collect()["io_latency"]
+        missed = collector.missed_probe_runs - missed_from
+    reads = [r for r in _device_reads(rows, device) if r["ios"] > 1000]
+    assert len(reads) >= 4, reads
+    for r in reads:
+        t0, t1 = _kernel_span(r, collector)
+        (reads_lo, reads_hi), _, _ = sampler.bracket(t0, t1)
+        assert r["ios"] <= reads_hi and r["ios"] + missed >= 0.97 * reads_lo - 5, (r["ios"], reads_lo, reads_hi, missed)
+    if missed:
+        assert any("skipped" in rec.getMessage() and "not counted" in rec.getMessage() for rec in caplog.records)
+    # the whole run: what is missing is what the kernel skipped (within the 3 % of _reads_floor)
+    first, last = _kernel_span(reads[0], collector)[0], _kernel_span(reads[-1], collector)[1]
+    (all_lo, all_hi), _, _ = sampler.bracket(first, last)
+    counted = sum(r["ios"] for r in _device_reads(rows, device) if first <= _kernel_span(r, collector)[0] < last)
+    assert counted <= all_hi and counted + missed >= 0.97 * all_lo, (counted, missed, all_lo, all_hi)
+
+
 def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
     """Replacing the bpftrace process mid-IO (what the collector does when skipped probe runs may
     have filled its request-start maps): the windows of both processes stay disjoint and each
@@ -323,10 +392,14 @@ def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
     with _live_collector(tmp_path, device, {"interval_s": 0.5, "host": "bt"}) as (collector, sampler):
         time.sleep(0.6)
         collector.collect()  # drop the probe windows
-        fio = _start_randread(data, "swap", 4)
+        fio = _start_randread(data, "swap", 9)
         time.sleep(1.7)
         swap_at = time.monotonic_ns()
         collector.restart()
+        deadline = time.monotonic() + 5  # bpftrace compiles and attaches again: 0.5-3 s here, under load
+        while not collector.asm.live_seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert collector.asm.live_seen and fio.poll() is None, "fio must still read once the new process counts"
         assert fio.wait(timeout=60) == 0, fio.stderr.read() if fio.stderr else ""
         time.sleep(1.2)
         rows = collector.collect()["io_latency"]
@@ -335,7 +408,7 @@ def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
     spans = sorted(((*_kernel_span(r, collector), r) for r in reads), key=lambda span: span[:2])
     gaps = [(a[1], b[0]) for a, b in zip(spans, spans[1:], strict=False) if b[0] != a[1]]
     assert all(end <= start for end, start in gaps), ("windows overlap", gaps)
-    assert len(gaps) == 1, gaps
+    assert len(gaps) == 1, (gaps, [(t0 - swap_at, t1 - swap_at, r["ios"]) for t0, t1, r in spans])
     (gap_from, gap_to), = gaps
     assert swap_at <= gap_from < gap_to < swap_at + 5_000_000_000, "one gap: the new program attaching"
     assert gap_from - swap_at < 100_000_000, "the old process's last window ends at the swap, not at its END"

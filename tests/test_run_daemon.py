@@ -136,13 +136,13 @@ def test_unknown_collector_is_a_one_line_error(tmp_path: Path) -> None:
     assert res.stderr.strip().splitlines()[-1].startswith("triscope: error: unknown collector 'nope'")
 
 
-def test_rows_a_collector_yields_on_close_are_written(tmp_path: Path) -> None:
+def test_rows_a_collector_yields_on_close_are_written(store_path: Path, tmp_path: Path) -> None:
     """The daemon's shutdown honours ``ROWS_AFTER_CLOSE``: the row a collector only yields once
     closed (bpftrace's END window) reaches the store beside the one collected while running."""
     from triscope.daemon import Daemon
     from triscope.store import open_store
 
-    config = {"store": {"backend": "embedded", "path": str(tmp_path / "chdb"), "database": "lastrows"},
+    config = {"store": {"backend": "embedded", "path": str(store_path), "database": "lastrows"},
               "run": {"collectors": ["run_helpers:create_last_rows"], "status_interval_s": 0},
               "writer": {"spool_dir": str(tmp_path / "spool"), "flush_interval_s": 0.1}}
     daemon = Daemon(config)
@@ -154,6 +154,7 @@ def test_rows_a_collector_yields_on_close_are_written(tmp_path: Path) -> None:
     assert summary["flushed"] and summary["collectors"]["last_rows"]["rows"] == 2, summary
     with open_store(config) as store:
         hosts = store.query("SELECT host FROM lastrows.io_latency ORDER BY ts").rows
+        store.command("DROP DATABASE IF EXISTS lastrows")
     assert hosts == [("open",), ("closed",)]
 
 
