@@ -5,6 +5,12 @@ offered load: per-class Poisson arrivals whose rate steps up by ``step_factor`` 
 ``step_s`` seconds and is modulated by bursts (``burst_factor`` x for ``burst_s`` every
 ``burst_period_s``, phase-shifted per class, mean-preserving). Requests are sent on time
 whatever the responses do (no coordinated omission) over a pool of keep-alive connections.
+
+Two request shapes: ``GET /v1/infer/<class>`` (the simulator's class costs; the default) and, with
+``drive(..., api="completions")``, ``POST /v1/completions`` with a synthetic prompt of about
+``prompt_tokens x 4`` characters, for peers that route on the request text (sglang-router, the
+Gateway API inference extension's picker). Named workloads (real trace replay, flash crowd, ...)
+are built by :mod:`triscope.sim.workloads`; docs/workloads.md describes both.
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from triscope.sim.engine import CLASSES, RequestClass
+from triscope.sim.engine import CLASSES, MODEL, RequestClass
+
+MAX_PROMPT_CHARS = 48_000
+"""Cap of the synthetic prompt text: the simulated backend refuses bodies over 64 KiB."""
+MAX_TOKENS = 1_000_000
+"""Bound of ``prompt_tokens`` / ``max_tokens`` in a request (what the simulated backend accepts)."""
+MAX_ERROR_CHARS = 200
+"""How much of an error answer's reason a :class:`Result` keeps."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,18 @@ class Arrival:
     t: float
     cls: str
     step: int
+    """Index of the load step, or of the ``bucket_s``-long time bucket of a replay (see workloads)."""
+    prompt_tokens: int | None = None
+    """Prompt length (None: the class's default, :data:`~triscope.sim.engine.CLASSES`)."""
+    max_tokens: int | None = None
+    """Tokens to generate (None: the class's default)."""
+
+    def tokens(self) -> tuple[int, int]:
+        """(prompt, max) tokens of the request, the class's defaults filling what the arrival lacks."""
+        cls = CLASSES[self.cls]
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else cls.prompt_tokens
+        out = self.max_tokens if self.max_tokens is not None else cls.completion_tokens
+        return max(1, min(MAX_TOKENS, prompt)), max(1, min(MAX_TOKENS, out))
 
 
 @dataclass
@@ -91,6 +116,11 @@ class Result:
     """Position of the arrival in the schedule (the same request across policies)."""
     engine_queue_s: float = math.nan
     """Time the request waited inside the engine for a batch slot and its KV (NaN: no answer)."""
+    reason: str = ""
+    """The ``error`` field of a non-200 JSON answer, else its first bytes (empty on success)."""
+
+
+MAX_RESPONSE_BYTES = 1 << 20
 
 
 class _Conn:
@@ -100,7 +130,7 @@ class _Conn:
 
 
 class HttpPool:
-    """Minimal HTTP/1.1 keep-alive client (GET only), enough for the bench's tiny responses."""
+    """Minimal HTTP/1.1 keep-alive client (GET and JSON POST), enough for the bench's tiny responses."""
 
     def __init__(self, host: str, port: int, max_idle: int = 512) -> None:
         self.host = host
@@ -114,10 +144,14 @@ class HttpPool:
 
     async def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
         """One GET; retries once on a stale pooled connection."""
+        return await self.request("GET", path)
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+        """One request (a JSON body when given); retries once on a stale pooled connection."""
         for attempt in range(2):
             conn = self.idle.pop() if self.idle else await self._connect()
             try:
-                return await self._exchange(conn, path)
+                return await self._exchange(conn, method, path, body)
             except (ConnectionError, asyncio.IncompleteReadError, OSError):
                 with contextlib.suppress(Exception):
                     conn.writer.close()
@@ -129,8 +163,11 @@ class HttpPool:
                 raise
         raise ConnectionError("unreachable")
 
-    async def _exchange(self, conn: _Conn, path: str) -> tuple[int, dict[str, str], bytes]:
-        conn.writer.write(f"GET {path} HTTP/1.1\r\nHost: {self.host}\r\n\r\n".encode())
+    async def _exchange(self, conn: _Conn, method: str, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        request = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
+        if body or method == "POST":
+            request += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        conn.writer.write((request + "\r\n").encode() + body)
         await conn.writer.drain()
         head = await conn.reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
@@ -140,7 +177,10 @@ class HttpPool:
             if ":" in line:
                 k, v = line.split(":", 1)
                 headers[k.strip().lower()] = v.strip()
-        body = await conn.reader.readexactly(int(headers.get("content-length", "0") or 0))
+        length = int(headers.get("content-length", "0") or 0)
+        if not 0 <= length <= MAX_RESPONSE_BYTES:  # a peer's answer is small; never buffer an unbounded one
+            raise ValueError(f"response of {length} bytes")
+        body = await conn.reader.readexactly(length)
         if headers.get("connection", "").lower() == "close" or len(self.idle) >= self.max_idle:
             conn.writer.close()
         else:
@@ -154,33 +194,96 @@ class HttpPool:
         self.idle.clear()
 
 
+_WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "with", "data", "model", "code", "value",
+          "return", "list", "time", "user", "file", "error", "test", "input", "output", "index", "result",
+          "string", "number", "class", "function", "request", "server", "memory", "batch", "token", "query")
+
+
+def synthetic_prompt(idx: int, cls: str, prompt_tokens: int) -> str:
+    """Deterministic text of about ``prompt_tokens x 4`` characters (capped at :data:`MAX_PROMPT_CHARS`).
+
+    It opens with the arrival's index, so no two requests share a prefix (the replayed trace has no
+    text, hence no prefix sharing to model); the rest is a slice, placed by ``idx``, of a fixed run of
+    common English words (a slice, not a loop per request, so a 30 kB prompt costs microseconds).
+    """
+    want = min(MAX_PROMPT_CHARS, max(8, prompt_tokens * 4))
+    head = f"request {idx} {cls}: "
+    words = _word_pool()
+    start = (idx * 7919) % (len(words) - MAX_PROMPT_CHARS)
+    return (head + words[start:start + want])[:want]
+
+
+_POOL: list[str] = []
+
+
+def _word_pool() -> str:
+    """2 x :data:`MAX_PROMPT_CHARS` of words in a fixed pseudo-random order (an LCG: the same in every process)."""
+    if not _POOL:
+        parts, n, x = [], 0, 12345
+        while n < 2 * MAX_PROMPT_CHARS:
+            x = (x * 1103515245 + 12345) & 0x7FFFFFFF
+            word = _WORDS[(x >> 16) % len(_WORDS)]
+            parts.append(word)
+            n += len(word) + 1
+        _POOL.append(" ".join(parts))
+    return _POOL[0]
+
+
+def completion_body(a: Arrival, idx: int, model: str = MODEL) -> bytes:
+    """The ``POST /v1/completions`` JSON of one arrival (OpenAI fields plus the simulator's token counts)."""
+    prompt, out = a.tokens()
+    return json.dumps({"model": model, "prompt": synthetic_prompt(idx, a.cls, prompt), "prompt_tokens": prompt,
+                       "max_tokens": out, "request_class": a.cls}).encode()
+
+
 async def _one(pool: HttpPool, a: Arrival, t_start: float, timeout_s: float, out: list[Result],
-               idx: int = -1) -> None:
+               idx: int = -1, body: bytes | None = None) -> None:
     sent = time.monotonic()
-    queue_s = math.nan
+    queue_s, reason = math.nan, ""
     try:
-        status, headers, body = await asyncio.wait_for(pool.get(f"/v1/infer/{a.cls}"), timeout_s)
+        call = pool.get(f"/v1/infer/{a.cls}") if body is None else pool.request("POST", "/v1/completions", body)
+        status, headers, answer = await asyncio.wait_for(call, timeout_s)
         backend = headers.get("x-backend", "")
         if status == 200:
-            queue_s = _engine_queue_s(body)
+            queue_s = _engine_queue_s(answer)
+        else:
+            reason = _reason(answer)
     except TimeoutError:
         status, backend = 0, ""
     except (ConnectionError, OSError, asyncio.IncompleteReadError, ValueError):
         status, backend = -1, ""
-    out.append(Result(sent - t_start, a.cls, a.step, status, time.monotonic() - sent, backend, idx, queue_s))
+    out.append(Result(sent - t_start, a.cls, a.step, status, time.monotonic() - sent, backend, idx, queue_s,
+                      reason))
 
 
 def _engine_queue_s(body: bytes) -> float:
     """``queue_s`` of a simulated backend's answer (NaN when the body has none)."""
     try:
-        return float(json.loads(body).get("queue_s", math.nan))
+        doc = json.loads(body)
+        return float(doc.get("queue_s", doc.get("timings", {}).get("queue_s", math.nan)))
     except (ValueError, TypeError, AttributeError):
         return math.nan
 
 
+def _reason(body: bytes) -> str:
+    """Why a request failed, from its answer: the JSON ``error`` field (or its ``message``), else the text."""
+    try:
+        err = json.loads(body).get("error", "")
+    except (ValueError, TypeError, AttributeError):
+        return body[:MAX_ERROR_CHARS].decode("utf-8", errors="replace")
+    return str(err.get("message", err) if isinstance(err, dict) else err)[:MAX_ERROR_CHARS]
+
+
 async def drive(host: str, port: int, schedule: list[Arrival], timeout_factor: float = 6.0,
-                progress: Callable[[float], None] | None = None) -> tuple[list[Result], float]:
-    """Send ``schedule`` open-loop; returns results and the worst send lag (s) behind schedule."""
+                progress: Callable[[float], None] | None = None, api: str = "infer",
+                model: str = MODEL) -> tuple[list[Result], float]:
+    """Send ``schedule`` open-loop; returns results and the worst send lag (s) behind schedule.
+
+    ``api="infer"`` sends ``GET /v1/infer/<class>``; ``api="completions"`` sends ``POST /v1/completions``
+    (:func:`completion_body`, the body built just before its send time so memory stays bounded).
+    """
+    if api not in ("infer", "completions"):
+        raise ValueError(f"api {api!r}: expected 'infer' or 'completions'")
     pool = HttpPool(host, port)
     results: list[Result] = []
     tasks: set[asyncio.Task[None]] = set()
@@ -193,7 +296,8 @@ async def drive(host: str, port: int, schedule: list[Arrival], timeout_factor: f
         else:
             worst_lag = max(worst_lag, -delay)
         cls: RequestClass = CLASSES[a.cls]
-        task = asyncio.create_task(_one(pool, a, t_start, max(2.0, cls.sla_s * timeout_factor), results, i))
+        body = completion_body(a, i, model) if api == "completions" else None
+        task = asyncio.create_task(_one(pool, a, t_start, max(2.0, cls.sla_s * timeout_factor), results, i, body))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         if progress is not None and i % 50 == 0:
