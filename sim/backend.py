@@ -3,7 +3,9 @@
 Routes: ``POST /v1/completions`` (``{"prompt_tokens": N, "max_tokens": M, "request_class": ...}``,
 costs from tokens; the demo), ``GET /v1/infer/<class>`` (costs from the class; the bench),
 ``GET /metrics``, ``GET /health``; bench controls ``POST /sim/pressure?bytes=N`` (pin KV),
-``POST /sim/reset`` (clear counters and pressure), ``GET /sim/state`` (JSON).
+``POST /sim/reset`` (clear counters and pressure), ``GET /sim/state`` (JSON). For sglang-router
+(docs/peers.md): ``GET /server_info``, ``/model_info`` (and their ``/get_*`` aliases) and ``GET /get_load``
+(SGLang's load report, from the engine state); ``GET /sim/calls`` counts how often each was asked.
 
 ``python -m triscope.sim.backend --backend b0:18001:40:16:1.0 --backend b1:18002:20:16:0.5``
 (``name:port:kv_gib:slots:speed``) serves several backends in one process and prints one JSON
@@ -28,6 +30,8 @@ from triscope.sim.engine import CLASSES, GIB, Engine, EngineSpec, Served
 MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
 JSON = "application/json"
+# Worker endpoints sglang-router polls (docs/peers.md); counted so tests can see the router really asks.
+ROUTER_GETS = ("/health", "/server_info", "/get_server_info", "/model_info", "/get_model_info", "/get_load")
 
 
 @dataclass
@@ -74,6 +78,7 @@ class SimBackend:
         self.host = host
         self._port = port
         self.server: asyncio.AbstractServer | None = None
+        self.calls = dict.fromkeys(ROUTER_GETS, 0)
 
     @property
     def port(self) -> int:
@@ -149,8 +154,15 @@ class SimBackend:
             return status, doc, JSON
         if path == "/metrics":
             return 200, engine.metrics_text(), "text/plain; version=0.0.4; charset=utf-8"
+        if path in self.calls and method == "GET":
+            self.calls[path] += 1
         if path in ("/health", "/healthz"):
             return 200, {"status": "ok"}, JSON
+        if path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info", "/get_load") \
+                and method == "GET":
+            return 200, self._sglang_info(path), JSON
+        if path == "/sim/calls":
+            return 200, dict(self.calls), JSON
         if path == "/sim/state":
             return 200, engine.state_json(), JSON
         if path == "/sim/reset" and method == "POST":
@@ -164,6 +176,20 @@ class SimBackend:
             engine.set_pressure(value)
             return 200, engine.state_json(), JSON
         return 404, {"error": f"no route {path}"}, JSON
+
+    def _sglang_info(self, path: str) -> object:
+        """SGLang's worker info and load documents, truthful for this simulated engine."""
+        s, engine = self.spec, self.engine
+        if path == "/get_load":
+            # SGLang's scheduler load report, one entry per data-parallel rank (this engine has one).
+            return [{"dp_rank": 0, "num_reqs": engine.running + engine.waiting, "num_waiting_reqs": engine.waiting,
+                     "num_tokens": engine.kv_tokens()}]
+        model = {"model_path": s.model, "tokenizer_path": s.model, "is_generation": True}
+        if path.endswith("model_info"):
+            return model
+        return {**model, "served_model_name": s.model, "version": "triscope-sim", "tp_size": 1, "dp_size": 1,
+                "max_running_requests": s.slots,
+                "max_total_num_tokens": int(s.kv_capacity_bytes // s.kv_bytes_per_token)}
 
     async def _completion(self, body: bytes) -> tuple[int, dict[str, Any]]:
         """``POST /v1/completions``: KV and service time from the token counts."""

@@ -231,6 +231,13 @@ class Engine:
         self.pressure = max(0, min(nbytes, self.capacity))
         self._schedule()
 
+    def kv_tokens(self) -> int:
+        """Tokens' worth of KV the pool holds now: running and staged requests plus pinned pressure.
+
+        What SGLang's ``/get_load`` reports as ``num_tokens`` (used KV slots), at this spec's bytes per token.
+        """
+        return int((self.kv_used + self.pressure) // self.spec.kv_bytes_per_token)
+
     def state_json(self) -> dict[str, object]:
         return {"backend": self.spec.name, "kv_used_bytes": self.kv_used, "pressure_bytes": self.pressure,
                 "kv_capacity_bytes": self.capacity, "kv_cache_usage_ratio": self.kv_ratio(),
