@@ -267,7 +267,9 @@ class EndpointPicker:
                 raise ValueError("not an object")
         except ValueError:
             return Decision(status=400, message="inference error: BadRequest - request body is not a JSON object")
-        model = doc.get("model") if isinstance(doc.get("model"), str) else p.default_model
+        model = doc.get("model")
+        if not isinstance(model, str):
+            model = p.default_model
         priority = p.objectives.get(headers.get(OBJECTIVE_HEADER, ""), 0)
         sat = None
         if priority < 0:  # sheddable: GIE only measures the pool for these
