@@ -18,8 +18,11 @@ if [ -f "$stamp" ] && "$py" -c "import importlib.metadata as m; assert m.version
     exit 0
 fi
 base=$(command -v python3.11 || true)
+if [ -z "$base" ] && python3 -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
+    base=$(command -v python3)
+fi
 if [ -z "$base" ]; then
-    echo "error: python3.11 not found (sglang-router's venv needs it)" >&2
+    echo "error: python3.11 not found (the sglang-router venv is made with it)" >&2
     exit 1
 fi
 # pip warns once per package about local index folders that do not hold it: noise, not errors.
