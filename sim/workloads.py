@@ -27,7 +27,7 @@ from triscope.sim.engine import CLASSES
 from triscope.sim.loadgen import Arrival, LoadShape
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "workloads" / "azure_llm_2023_code.csv"
-"""``<repo>/../shared/data/workloads/azure_llm_2023_code.csv`` (not in the repository: 8,818 rows)."""
+"""``<repo>/../shared/data/workloads/azure_llm_2023_code.csv`` (not in the repository: 8,819 rows)."""
 QPS_PER_BACKEND = 6.0
 """Default mean offered load per backend (4 backends: 24 QPS, the bench's first step)."""
 STEP_S = 45.0
