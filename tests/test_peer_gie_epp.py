@@ -159,6 +159,9 @@ def test_metrics_page_of_the_simulated_engine() -> None:
     assert got.kv_usage == pytest.approx(0.25) and got.num_gpu_blocks == 40 * GIB // (16 * 131072)
     with pytest.raises(InputError):
         parse_pod_metrics("# nothing\nother_metric 1\n", NOW)
+    # only the exact family names count, whatever else the page holds
+    page = "vllm:num_requests_waiting_by_reason 9\nvllm:num_requests_waiting{a=\"b\"} 4\nbad line {\n"
+    assert parse_pod_metrics(page, NOW).waiting == 4
 
 
 # ---------------------------------------------------------------- the real data path
