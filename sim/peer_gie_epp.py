@@ -150,8 +150,14 @@ def _int_label(labels: dict[str, str], key: str) -> int:
 
 
 def _go_json(value: object) -> bytes:
-    """Compact JSON as Go's ``json.Marshal`` writes it (no spaces; map key order aside)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    """Compact JSON as Go's ``json.Marshal`` writes it (no spaces, HTML-safe escapes; map key order aside)."""
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    for char, escaped in _GO_ESCAPES:  # these only occur inside strings, so replacing them is safe
+        text = text.replace(char, escaped)
+    return text.encode()
+
+
+_GO_ESCAPES = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
 
 
 def user_input(body: dict) -> tuple[bytes, str] | None:

@@ -99,6 +99,9 @@ def test_prompt_hashing_blocks_chain_and_bounds() -> None:
     assert user_input({"prompt": ["ab", "cd"]}) == (b"ab cd", "")
     assert user_input({"messages": [{"role": "user", "content": "hi"}], "cache_salt": "s"}) == (
         b'[{"role":"user","content":"hi"}]', "s")
+    # Go's json.Marshal escapes <, > and & (HTML-safe): the hashed bytes must be the same
+    assert user_input({"messages": [{"role": "user", "content": "a<b>&é"}]}) == (
+        '[{"role":"user","content":"a\\u003cb\\u003e\\u0026é"}]'.encode(), "")
     assert user_input({"prompt_tokens": 3}) is None
 
 
