@@ -241,8 +241,6 @@ def comparison(reports: dict[str, PolicyReport], baseline: str = "leastconn",
     return out
 
 
-
-
 # --- Judging metrics (docs/workloads.md): goodput, P99 over all offered, error split, peak QPS held ---
 
 ERROR_KINDS = ("oom", "lb_reject", "backend_503", "timeout", "connection", "http_other")
@@ -274,34 +272,43 @@ def _j(x: float) -> float | str | None:
     return "inf" if math.isinf(x) else round(x, 6)
 
 
-def _group(rs: list[Result], seconds: float, quantile: float) -> dict[str, Any]:
-    """Offered, goodput, P99 over all offered and the error split of one class in one window."""
+MIN_GOODPUT = 0.99
+"""X of *held*: a class holds a window when at least this share of its offered requests was goodput."""
+
+
+def _group(rs: list[Result], seconds: float, quantile: float, min_goodput: float) -> dict[str, Any]:
+    """Offered, goodput, P99 (all offered / successes), the error split and *held* of one class in one window."""
     cls = CLASSES[rs[0].cls] if rs else None
-    good = sum(1 for r in rs if r.status == 200 and cls is not None and r.latency_s <= cls.sla_s)
+    good = [r for r in rs if r.status == 200 and cls is not None and r.latency_s <= cls.sla_s]
     errors = dict.fromkeys(ERROR_KINDS, 0)
     for r in rs:
         kind = error_kind(r)
         if kind is not None:
             errors[kind] += 1
     tail = percentile([r.latency_s if r.status == 200 else math.inf for r in rs], quantile)
-    return {"offered": len(rs), "offered_qps": _j(len(rs) / seconds), "goodput_qps": _j(good / seconds),
-            "within_sla": good, "p99_all_s": _j(tail), "errors": errors,
-            "held": bool(rs) and cls is not None and tail <= cls.sla_s}
+    tail_ok = percentile([r.latency_s for r in rs if r.status == 200], quantile)
+    tokens = [r.completion_tokens for r in good if r.completion_tokens >= 0]
+    held = cls is not None and len(good) >= min_goodput * len(rs) - 1e-9 and tail_ok <= cls.sla_s
+    return {"offered": len(rs), "offered_qps": _j(len(rs) / seconds), "goodput_qps": _j(len(good) / seconds),
+            "within_sla": len(good), "goodput_tokens_per_s": _j(sum(tokens) / seconds) if tokens else None,
+            "p99_all_s": _j(tail), "p99_ok_s": _j(tail_ok), "errors": errors, "held": held}
 
 
 def judge(results: list[Result], bucket_s: float, *, duration_s: float | None = None,
-          offered_qps: list[float] | None = None, repetitions: int = 1, quantile: float = 99.0) -> dict[str, Any]:
+          offered_qps: list[float] | None = None, repetitions: int = 1, quantile: float = 99.0,
+          min_goodput: float = MIN_GOODPUT) -> dict[str, Any]:
     """Per ``bucket_s`` window (``Result.step``) and per class: goodput, P99 over all offered, errors, held.
 
     ``duration_s``: the run length (cuts the last window short; default: whole windows up to the
     last step). ``offered_qps``: nominal QPS per step (the step workload's), else arrivals / window
-    length. ``repetitions``: runs pooled in ``results`` (rates are divided by it). A window is *held*
-    when every class offered in it has P99 over all offered requests within its SLA (at least 99 %
-    served within SLA); *peak QPS held* is the highest offered QPS q such that every window offered
-    at most q was held (0 when none). Returns a JSON-able dict (infinite P99 as "inf").
+    length. ``repetitions``: runs pooled in ``results`` (rates are divided by it). A class *holds* a
+    window when goodput >= ``min_goodput`` x its offered requests and the P99 of its successes is
+    within its SLA (at the default 0.99 that is: P99 over all offered within SLA); a window is *held*
+    when every class offered in it holds it. *Peak QPS held* is the highest offered QPS q such that
+    every window offered at most q was held (0 when none). Returns a JSON-able dict ("inf", null).
     """
-    if bucket_s <= 0 or repetitions < 1:
-        raise ValueError("bucket_s must be > 0 and repetitions >= 1")
+    if bucket_s <= 0 or repetitions < 1 or not 0 < min_goodput <= 1:
+        raise ValueError("bucket_s must be > 0, repetitions >= 1 and min_goodput in (0, 1]")
     n_buckets = (math.ceil(duration_s / bucket_s) if duration_s is not None
                  else max((r.step for r in results), default=-1) + 1)
     total_s = duration_s if duration_s is not None else n_buckets * bucket_s
@@ -309,24 +316,34 @@ def judge(results: list[Result], bucket_s: float, *, duration_s: float | None = 
     for k in range(n_buckets):
         seconds = max(1e-9, min(bucket_s, total_s - k * bucket_s)) * repetitions
         rs = [r for r in results if r.step == k]
-        classes = {c: _group([r for r in rs if r.cls == c], seconds, quantile) for c in CLASSES}
+        classes = {c: _group([r for r in rs if r.cls == c], seconds, quantile, min_goodput) for c in CLASSES}
         offered = offered_qps[k] if offered_qps is not None and k < len(offered_qps) else len(rs) / seconds
         errors = {e: sum(g["errors"][e] for g in classes.values()) for e in ERROR_KINDS}
         buckets.append({"step": k, "t0_s": k * bucket_s, "offered_qps": _j(offered), "requests": len(rs),
                         "goodput_qps": _j(sum(g["within_sla"] for g in classes.values()) / seconds),
+                        "goodput_tokens_per_s": _tokens(classes),
                         "errors": errors, "error_rate": _j(sum(errors.values()) / len(rs) if rs else math.nan),
                         "held": bool(rs) and all(g["held"] for g in classes.values() if g["offered"]),
                         "classes": classes})
     unheld = min((float(b["offered_qps"]) for b in buckets if b["requests"] and not b["held"]), default=math.inf)
     peak = max((float(b["offered_qps"]) for b in buckets if b["held"] and float(b["offered_qps"]) < unheld),
                default=0.0)
-    whole = {c: _group([r for r in results if r.cls == c], total_s * repetitions, quantile) for c in CLASSES}
+    whole = {c: _group([r for r in results if r.cls == c], total_s * repetitions, quantile, min_goodput)
+             for c in CLASSES}
     errors = {e: sum(g["errors"][e] for g in whole.values()) for e in ERROR_KINDS}
     return {"bucket_s": bucket_s, "duration_s": total_s, "repetitions": repetitions, "quantile": quantile,
+            "min_goodput": min_goodput,
             "requests": len(results), "offered_qps": _j(len(results) / (total_s * repetitions)),
             "goodput_qps": _j(sum(g["within_sla"] for g in whole.values()) / (total_s * repetitions)),
+            "goodput_tokens_per_s": _tokens(whole),
             "errors": errors, "error_rate": _j(sum(errors.values()) / len(results) if results else math.nan),
             "peak_qps_held": round(peak, 3), "classes": whole, "buckets": buckets}
+
+
+def _tokens(classes: dict[str, dict[str, Any]]) -> float | None:
+    """Sum of the classes' goodput tokens/s (None when no answer echoed its usage)."""
+    rates = [g["goodput_tokens_per_s"] for g in classes.values() if g["goodput_tokens_per_s"] is not None]
+    return round(sum(rates), 6) if rates else None
 
 
 def plot_judgements(judgements: dict[str, dict[str, Any]], path: str, title: str = "") -> None:

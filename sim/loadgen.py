@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from triscope.sim.engine import CLASSES, MODEL, RequestClass
 
@@ -118,6 +119,10 @@ class Result:
     """Time the request waited inside the engine for a batch slot and its KV (NaN: no answer)."""
     reason: str = ""
     """The ``error`` field of a non-200 JSON answer, else its first bytes (empty on success)."""
+    prompt_tokens: int = -1
+    """``usage.prompt_tokens`` of a 200 answer (-1: the answer had none, e.g. ``GET /v1/infer``)."""
+    completion_tokens: int = -1
+    """``usage.completion_tokens`` of a 200 answer (-1: none)."""
 
 
 MAX_RESPONSE_BYTES = 1 << 20
@@ -199,15 +204,26 @@ _WORDS = ("the", "a", "of", "and", "to", "in", "is", "for", "on", "with", "data"
           "string", "number", "class", "function", "request", "server", "memory", "batch", "token", "query")
 
 
-def synthetic_prompt(idx: int, cls: str, prompt_tokens: int) -> str:
-    """Deterministic text of about ``prompt_tokens x 4`` characters (capped at :data:`MAX_PROMPT_CHARS`).
+CHARS_PER_TOKEN = 4.0
+"""Characters of synthetic prompt per requested prompt token (the tiny vLLM model's tokenizer reads
+about 4.8 of these characters per token, so a real engine sees about 0.83 x ``prompt_tokens``)."""
+MAX_SALT_CHARS = 64
 
-    It opens with the arrival's index, so no two requests share a prefix (the replayed trace has no
-    text, hence no prefix sharing to model); the rest is a slice, placed by ``idx``, of a fixed run of
-    common English words (a slice, not a loop per request, so a 30 kB prompt costs microseconds).
+
+def synthetic_prompt(idx: int, cls: str, prompt_tokens: int, salt: str = "",
+                     chars_per_token: float = CHARS_PER_TOKEN) -> str:
+    """Deterministic text of about ``prompt_tokens x chars_per_token`` characters (at most :data:`MAX_PROMPT_CHARS`).
+
+    It opens with ``salt`` and the arrival's index, so no two requests share a prefix (the replayed
+    trace has no text, hence no prefix sharing to model); a salt per run (say policy and seed) also
+    keeps an engine's prefix cache from serving a later run the prompts of an earlier one. The rest
+    is a slice, placed by ``idx``, of a fixed run of common English words (a slice, not a loop per
+    request, so a 30 kB prompt costs microseconds).
     """
-    want = min(MAX_PROMPT_CHARS, max(8, prompt_tokens * 4))
-    head = f"request {idx} {cls}: "
+    if not 0.5 <= chars_per_token <= 64 or len(salt) > MAX_SALT_CHARS:
+        raise ValueError(f"chars_per_token in [0.5, 64] and a salt of <= {MAX_SALT_CHARS} characters expected")
+    want = min(MAX_PROMPT_CHARS, max(8, round(prompt_tokens * chars_per_token)))
+    head = f"{salt} request {idx} {cls}: " if salt else f"request {idx} {cls}: "
     words = _word_pool()
     start = (idx * 7919) % (len(words) - MAX_PROMPT_CHARS)
     return (head + words[start:start + want])[:want]
@@ -229,23 +245,37 @@ def _word_pool() -> str:
     return _POOL[0]
 
 
-def completion_body(a: Arrival, idx: int, model: str = MODEL) -> bytes:
-    """The ``POST /v1/completions`` JSON of one arrival (OpenAI fields plus the simulator's token counts)."""
+MAX_EXTRA_BODY_BYTES = 4096
+
+
+def completion_body(a: Arrival, idx: int, model: str = MODEL, *, salt: str = "",
+                    chars_per_token: float = CHARS_PER_TOKEN, extra: dict[str, Any] | None = None) -> bytes:
+    """The ``POST /v1/completions`` JSON of one arrival (OpenAI fields plus the simulator's token counts).
+
+    ``extra``: more fields for a real engine (``{"ignore_eos": True, "min_tokens": ...}`` makes vLLM
+    generate exactly ``max_tokens``); it may not replace the fields above and is at most 4 KiB.
+    """
     prompt, out = a.tokens()
-    return json.dumps({"model": model, "prompt": synthetic_prompt(idx, a.cls, prompt), "prompt_tokens": prompt,
-                       "max_tokens": out, "request_class": a.cls}).encode()
+    doc: dict[str, Any] = {"model": model, "prompt": synthetic_prompt(idx, a.cls, prompt, salt, chars_per_token),
+                           "prompt_tokens": prompt, "max_tokens": out, "request_class": a.cls}
+    if extra:
+        clash = doc.keys() & extra.keys()
+        if clash or len(json.dumps(extra)) > MAX_EXTRA_BODY_BYTES:
+            raise ValueError(f"extra body fields: {', '.join(sorted(clash)) or 'over 4 KiB'}")
+        doc.update(extra)
+    return json.dumps(doc).encode()
 
 
 async def _one(pool: HttpPool, a: Arrival, t_start: float, timeout_s: float, out: list[Result],
                idx: int = -1, body: bytes | None = None) -> None:
     sent = time.monotonic()
-    queue_s, reason = math.nan, ""
+    queue_s, reason, usage = math.nan, "", (-1, -1)
     try:
         call = pool.get(f"/v1/infer/{a.cls}") if body is None else pool.request("POST", "/v1/completions", body)
         status, headers, answer = await asyncio.wait_for(call, timeout_s)
         backend = headers.get("x-backend", "")
         if status == 200:
-            queue_s = _engine_queue_s(answer)
+            queue_s, usage = _answer_fields(answer)
         else:
             reason = _reason(answer)
     except TimeoutError:
@@ -253,16 +283,27 @@ async def _one(pool: HttpPool, a: Arrival, t_start: float, timeout_s: float, out
     except (ConnectionError, OSError, asyncio.IncompleteReadError, ValueError):
         status, backend = -1, ""
     out.append(Result(sent - t_start, a.cls, a.step, status, time.monotonic() - sent, backend, idx, queue_s,
-                      reason))
+                      reason, *usage))
 
 
-def _engine_queue_s(body: bytes) -> float:
-    """``queue_s`` of a simulated backend's answer (NaN when the body has none)."""
+def _answer_fields(body: bytes) -> tuple[float, tuple[int, int]]:
+    """``queue_s`` (a simulated backend's; NaN when absent) and the echoed ``usage`` ((-1, -1) when absent)."""
     try:
         doc = json.loads(body)
-        return float(doc.get("queue_s", doc.get("timings", {}).get("queue_s", math.nan)))
+    except ValueError:
+        return math.nan, (-1, -1)
+    if not isinstance(doc, dict):
+        return math.nan, (-1, -1)
+    try:
+        queue_s = float(doc.get("queue_s", (doc.get("timings") or {}).get("queue_s", math.nan)))
     except (ValueError, TypeError, AttributeError):
-        return math.nan
+        queue_s = math.nan
+    usage = doc.get("usage")
+    try:
+        pair = (int(usage["prompt_tokens"]), int(usage["completion_tokens"])) if isinstance(usage, dict) else (-1, -1)
+    except (KeyError, ValueError, TypeError):
+        pair = (-1, -1)
+    return queue_s, pair
 
 
 def _reason(body: bytes) -> str:
@@ -276,14 +317,18 @@ def _reason(body: bytes) -> str:
 
 async def drive(host: str, port: int, schedule: list[Arrival], timeout_factor: float = 6.0,
                 progress: Callable[[float], None] | None = None, api: str = "infer",
-                model: str = MODEL) -> tuple[list[Result], float]:
+                model: str = MODEL, prompt_salt: str = "", chars_per_token: float = CHARS_PER_TOKEN,
+                extra_body: dict[str, Any] | None = None) -> tuple[list[Result], float]:
     """Send ``schedule`` open-loop; returns results and the worst send lag (s) behind schedule.
 
     ``api="infer"`` sends ``GET /v1/infer/<class>``; ``api="completions"`` sends ``POST /v1/completions``
-    (:func:`completion_body`, the body built just before its send time so memory stays bounded).
+    (:func:`completion_body` with ``prompt_salt``, ``chars_per_token`` and ``extra_body``, each body
+    built just before its send time so memory stays bounded).
     """
     if api not in ("infer", "completions"):
         raise ValueError(f"api {api!r}: expected 'infer' or 'completions'")
+    if api == "completions" and schedule:  # a bad salt / extra fails here, before anything is sent
+        completion_body(schedule[0], 0, model, salt=prompt_salt, chars_per_token=chars_per_token, extra=extra_body)
     pool = HttpPool(host, port)
     results: list[Result] = []
     tasks: set[asyncio.Task[None]] = set()
@@ -296,7 +341,8 @@ async def drive(host: str, port: int, schedule: list[Arrival], timeout_factor: f
         else:
             worst_lag = max(worst_lag, -delay)
         cls: RequestClass = CLASSES[a.cls]
-        body = completion_body(a, i, model) if api == "completions" else None
+        body = (completion_body(a, i, model, salt=prompt_salt, chars_per_token=chars_per_token, extra=extra_body)
+                if api == "completions" else None)
         task = asyncio.create_task(_one(pool, a, t_start, max(2.0, cls.sla_s * timeout_factor), results, i, body))
         tasks.add(task)
         task.add_done_callback(tasks.discard)

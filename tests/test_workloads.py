@@ -18,7 +18,7 @@ from conftest import free_port
 from triscope.sim.bench_fleet import read_ready
 from triscope.sim.closed_loop_stats import error_kind, judge, plot_judgements
 from triscope.sim.engine import CLASSES
-from triscope.sim.loadgen import MAX_PROMPT_CHARS, Arrival, Result, completion_body, drive
+from triscope.sim.loadgen import MAX_PROMPT_CHARS, Arrival, Result, completion_body, drive, synthetic_prompt
 from triscope.sim.workloads import (
     WORKLOADS,
     WorkloadError,
@@ -66,6 +66,24 @@ def test_tokens_scaled_and_bounded() -> None:
     assert Arrival(0.0, "offline_video", 0).tokens() == (8000, 200)
     big = completion_body(Arrival(0.0, "offline_video", 0, 10**9, 10**9), 7)
     assert len(big) < 64 * 1024 and len(json.loads(big)["prompt"]) == MAX_PROMPT_CHARS
+
+
+def test_completion_body_prompt_salt_and_extra() -> None:
+    a = Arrival(0.0, "realtime_speech", 0, 300, 20)
+    doc = json.loads(completion_body(a, 5, "m"))
+    assert {k: v for k, v in doc.items() if k != "prompt"} == {
+        "model": "m", "prompt_tokens": 300, "max_tokens": 20, "request_class": "realtime_speech"}
+    assert len(doc["prompt"]) == 1200 and doc["prompt"].startswith("request 5 realtime_speech: ")
+    assert doc["prompt"] == synthetic_prompt(5, "realtime_speech", 300)  # deterministic
+    assert synthetic_prompt(6, "realtime_speech", 300)[:40] != doc["prompt"][:40]  # no shared prefix
+    salted = json.loads(completion_body(a, 5, "m", salt="leastconn-s3", chars_per_token=4.8,
+                                        extra={"ignore_eos": True, "min_tokens": 20}))
+    assert salted["prompt"].startswith("leastconn-s3 request 5 ") and len(salted["prompt"]) == 1440
+    assert salted["ignore_eos"] is True and salted["min_tokens"] == 20
+    with pytest.raises(ValueError, match="max_tokens"):
+        completion_body(a, 5, extra={"max_tokens": 1})
+    with pytest.raises(ValueError, match="salt"):
+        completion_body(a, 5, salt="x" * 65)
 
 
 def test_class_assignment_stable_and_seeded() -> None:
@@ -162,6 +180,21 @@ def test_judge_goodput_error_split_and_peak_exact(tmp_path: Path) -> None:
     assert judge(results + [_r(3, speech, 200, 0.05) for _ in range(30)], 10.0)["peak_qps_held"] == 1.1
     assert error_kind(_r(0, speech, 503, 0.0)) == "oom"  # a reason-less backend 503 (older results)
 
+    # X of *held*: 100 speech requests, 95 within SLA and 5 OOM (P99 of successes 50 ms)
+    shed = [_r(0, speech, 200, 0.05) for _ in range(95)] + [_r(0, speech, 503, 0.0) for _ in range(5)]
+    assert judge(shed, 10.0)["buckets"][0]["held"] is False  # default X = 99 %
+    assert judge(shed, 10.0, min_goodput=0.95)["buckets"][0]["held"] is True
+    assert judge(shed, 10.0, min_goodput=0.96)["buckets"][0]["held"] is False
+    assert judge(shed, 10.0, min_goodput=0.95)["classes"][speech]["p99_ok_s"] == 0.05
+    slow = [_r(0, speech, 200, 0.05) for _ in range(99)] + [_r(0, speech, 200, 0.25)]  # 99 % good, P99 ok 50 ms
+    assert judge(slow, 10.0)["buckets"][0]["held"] is True
+    assert judge(slow[1:], 10.0)["buckets"][0]["held"] is False  # 98/99 good: under 99 %, P99 of 99 = the worst
+    # generated tokens of goodput requests per second (from the answers' usage)
+    toks = [Result(1.0, speech, 0, 200, 0.05, "b0", completion_tokens=20) for _ in range(3)]
+    toks.append(Result(1.0, speech, 0, 200, 0.5, "b0", completion_tokens=40))  # late: not goodput
+    assert judge(toks, 10.0)["buckets"][0]["goodput_tokens_per_s"] == 6.0
+    assert b0["goodput_tokens_per_s"] is None  # no usage recorded (GET /v1/infer)
+
     png = tmp_path / "judge.png"
     plot_judgements({"leastconn": doc, "triscope": judge(results[:11], 10.0)}, str(png), title="hand-made")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -180,17 +213,22 @@ def test_drive_completions_against_sim_backend() -> None:
         read_ready(proc, "simulated backend")
         arr = replay(load_trace(EXCERPT), seed=7, duration_s=2.0, target_qps=15.0, token_scale=0.25)
         arr.append(Arrival(2.0, "realtime_speech", 0))  # no token counts: the class's 200 / 20
-        results, lag = asyncio.run(drive("127.0.0.1", port, arr, api="completions"))
+        results, lag = asyncio.run(drive("127.0.0.1", port, arr, api="completions", prompt_salt="t1",
+                                         extra_body={"temperature": 0.0}))
         assert len(results) == len(arr) == 31
         assert Counter(r.status for r in results) == {200: 31}, [r.reason for r in results if r.status != 200]
         assert all(r.backend == "b0" and 0 <= r.engine_queue_s <= r.latency_s for r in results)
         assert sorted(r.idx for r in results) == list(range(31))
+        # the usage the backend echoed is each arrival's token counts
+        assert all((r.prompt_tokens, r.completion_tokens) == arr[r.idx].tokens() for r in results)
+        assert arr[0].tokens() == (round(4808 / 4), round(10 / 4)) and arr[-1].tokens() == (200, 20)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         assert _metric(text, "vllm:prompt_tokens_total") == sum(a.tokens()[0] for a in arr)
         assert _metric(text, "vllm:generation_tokens_total") == sum(a.tokens()[1] for a in arr)
         infer, _ = asyncio.run(drive("127.0.0.1", port, arr[:3]))  # the default request shape is unchanged
         assert [r.status for r in infer] == [200, 200, 200]
+        assert all(r.prompt_tokens == r.completion_tokens == -1 for r in infer)  # /v1/infer echoes no usage
         with pytest.raises(ValueError, match="api"):
             asyncio.run(drive("127.0.0.1", port, arr[:1], api="chat"))
     finally:
