@@ -218,7 +218,9 @@ def test_bpftrace_collector_rows_make_the_io_verdict(store, tmp_path: Path) -> N
         expected = any(p99 > 0.0012 and qd > 64 for p99, qd in over)
         assert (window.verdict == "io") == expected, (over, window.verdict, window.metrics)
         if light_from + 200_000_000 <= window.start_ns and window.end_ns + 200_000_000 <= light_to:
-            assert window.verdict != "io" and max(qd for _, qd in over) < 4, over  # depth 1 is never IO-bound
+            # depth 1 is never IO-bound (the queue depth is the device's, all ops: a journal commit or the
+            # store's own writes can raise it in one window; one local run read 33.8, so only the verdict)
+            assert window.verdict != "io", over
         if heavy_from <= window.start_ns < heavy_to and expected:
             crossed += 1
     if crossed == 0:
