@@ -230,12 +230,15 @@ def _live_collector(tmp_path: Path, device: str, config: dict) -> Iterator[tuple
         sampler.join()
 
 
-def _start_randread(data: Path, name: str, runtime_s: int) -> subprocess.Popen[str]:
-    """fio 4 KiB O_DIRECT random reads of ``data`` at depth 32 for ``runtime_s``, in the background."""
+def _start_randread(data: Path, name: str, runtime_s: int,
+                    cpus: frozenset[int] | set[int] | None = None) -> subprocess.Popen[str]:
+    """fio 4 KiB O_DIRECT random reads of ``data`` at depth 32 for ``runtime_s``, in the background,
+    on ``cpus`` (default: apart from the disk's interrupt CPU, :func:`_apart`)."""
+    preexec = _apart() if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
     return subprocess.Popen(
         ["fio", f"--name={name}", f"--filename={data}", "--size=32M", "--rw=randread", "--bs=4k", "--direct=1",
          "--ioengine=libaio", "--iodepth=32", f"--runtime={runtime_s}", "--time_based", "--output-format=terse"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_apart())
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
 
 
 def _device_reads(rows: dict[str, list], device: str) -> list[dict]:
@@ -360,11 +363,7 @@ def test_skipped_probe_runs_are_counted_and_reported(tmp_path: Path, caplog: pyt
         time.sleep(0.6)
         collector.collect()  # drop the probe windows
         missed_from = collector.missed_probe_runs
-        fio = subprocess.Popen(
-            ["fio", "--name=irq", f"--filename={data}", "--size=32M", "--rw=randread", "--bs=4k", "--direct=1",
-             "--ioengine=libaio", "--iodepth=32", "--runtime=3", "--time_based", "--output-format=terse"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            preexec_fn=None if on_irq is None else functools.partial(os.sched_setaffinity, 0, on_irq))
+        fio = _start_randread(data, "irq", 3, cpus=on_irq or os.sched_getaffinity(0))
         assert fio.wait(timeout=60) == 0, fio.stderr.read() if fio.stderr else ""
         time.sleep(1.2)
         rows = collector.collect()["io_latency"]
