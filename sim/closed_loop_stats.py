@@ -276,10 +276,11 @@ MIN_GOODPUT = 0.99
 """X of *held*: a class holds a window when at least this share of its offered requests was goodput."""
 
 
-def _group(rs: list[Result], seconds: float, quantile: float, min_goodput: float) -> dict[str, Any]:
+def _group(rs: list[Result], seconds: float, quantile: float, min_goodput: float,
+           slas: dict[str, float] | None = None) -> dict[str, Any]:
     """Offered, goodput, P99 (all offered / successes), the error split and *held* of one class in one window."""
-    cls = CLASSES[rs[0].cls] if rs else None
-    good = [r for r in rs if r.status == 200 and cls is not None and r.latency_s <= cls.sla_s]
+    sla = (slas or {}).get(rs[0].cls, CLASSES[rs[0].cls].sla_s) if rs and rs[0].cls in CLASSES else None
+    good = [r for r in rs if r.status == 200 and sla is not None and r.latency_s <= sla]
     errors = dict.fromkeys(ERROR_KINDS, 0)
     for r in rs:
         kind = error_kind(r)
@@ -288,7 +289,7 @@ def _group(rs: list[Result], seconds: float, quantile: float, min_goodput: float
     tail = percentile([r.latency_s if r.status == 200 else math.inf for r in rs], quantile)
     tail_ok = percentile([r.latency_s for r in rs if r.status == 200], quantile)
     tokens = [r.completion_tokens for r in good if r.completion_tokens >= 0]
-    held = cls is not None and len(good) >= min_goodput * len(rs) - 1e-9 and tail_ok <= cls.sla_s
+    held = sla is not None and len(good) >= min_goodput * len(rs) - 1e-9 and tail_ok <= sla
     return {"offered": len(rs), "offered_qps": _j(len(rs) / seconds), "goodput_qps": _j(len(good) / seconds),
             "within_sla": len(good), "goodput_tokens_per_s": _j(sum(tokens) / seconds) if tokens else None,
             "p99_all_s": _j(tail), "p99_ok_s": _j(tail_ok), "errors": errors, "held": held}
@@ -296,7 +297,7 @@ def _group(rs: list[Result], seconds: float, quantile: float, min_goodput: float
 
 def judge(results: list[Result], bucket_s: float, *, duration_s: float | None = None,
           offered_qps: list[float] | None = None, repetitions: int = 1, quantile: float = 99.0,
-          min_goodput: float = MIN_GOODPUT) -> dict[str, Any]:
+          min_goodput: float = MIN_GOODPUT, slas: dict[str, float] | None = None) -> dict[str, Any]:
     """Per ``bucket_s`` window (``Result.step``) and per class: goodput, P99 over all offered, errors, held.
 
     ``duration_s``: the run length (cuts the last window short; default: whole windows up to the
@@ -305,7 +306,8 @@ def judge(results: list[Result], bucket_s: float, *, duration_s: float | None = 
     window when goodput >= ``min_goodput`` x its offered requests and the P99 of its successes is
     within its SLA (at the default 0.99 that is: P99 over all offered within SLA); a window is *held*
     when every class offered in it holds it. *Peak QPS held* is the highest offered QPS q such that
-    every window offered at most q was held (0 when none). Returns a JSON-able dict ("inf", null).
+    every window offered at most q was held (0 when none). ``slas``: seconds per class replacing the
+    classes' (GPU) SLAs, e.g. a CPU test bed's. Returns a JSON-able dict ("inf", null).
     """
     if bucket_s <= 0 or repetitions < 1 or not 0 < min_goodput <= 1:
         raise ValueError("bucket_s must be > 0, repetitions >= 1 and min_goodput in (0, 1]")
@@ -316,7 +318,7 @@ def judge(results: list[Result], bucket_s: float, *, duration_s: float | None = 
     for k in range(n_buckets):
         seconds = max(1e-9, min(bucket_s, total_s - k * bucket_s)) * repetitions
         rs = [r for r in results if r.step == k]
-        classes = {c: _group([r for r in rs if r.cls == c], seconds, quantile, min_goodput) for c in CLASSES}
+        classes = {c: _group([r for r in rs if r.cls == c], seconds, quantile, min_goodput, slas) for c in CLASSES}
         offered = offered_qps[k] if offered_qps is not None and k < len(offered_qps) else len(rs) / seconds
         errors = {e: sum(g["errors"][e] for g in classes.values()) for e in ERROR_KINDS}
         buckets.append({"step": k, "t0_s": k * bucket_s, "offered_qps": _j(offered), "requests": len(rs),
@@ -328,11 +330,11 @@ def judge(results: list[Result], bucket_s: float, *, duration_s: float | None = 
     unheld = min((float(b["offered_qps"]) for b in buckets if b["requests"] and not b["held"]), default=math.inf)
     peak = max((float(b["offered_qps"]) for b in buckets if b["held"] and float(b["offered_qps"]) < unheld),
                default=0.0)
-    whole = {c: _group([r for r in results if r.cls == c], total_s * repetitions, quantile, min_goodput)
+    whole = {c: _group([r for r in results if r.cls == c], total_s * repetitions, quantile, min_goodput, slas)
              for c in CLASSES}
     errors = {e: sum(g["errors"][e] for g in whole.values()) for e in ERROR_KINDS}
     return {"bucket_s": bucket_s, "duration_s": total_s, "repetitions": repetitions, "quantile": quantile,
-            "min_goodput": min_goodput,
+            "min_goodput": min_goodput, "sla_s": {c: (slas or {}).get(c, CLASSES[c].sla_s) for c in CLASSES},
             "requests": len(results), "offered_qps": _j(len(results) / (total_s * repetitions)),
             "goodput_qps": _j(sum(g["within_sla"] for g in whole.values()) / (total_s * repetitions)),
             "goodput_tokens_per_s": _tokens(whole),
@@ -358,13 +360,16 @@ def plot_judgements(judgements: dict[str, dict[str, Any]], path: str, title: str
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 1 + len(CLASSES))
     top = 0.0
+    slas = {c: CLASSES[c].sla_s for c in CLASSES}
+    for doc in judgements.values():
+        slas.update(doc.get("sla_s", {}))
     for policy, doc in judgements.items():
         rows = sorted((b for b in doc["buckets"] if b["requests"]), key=lambda b: float(b["offered_qps"]))
         xs = [float(b["offered_qps"]) for b in rows]
         top = max([top, *xs])
         axes[0].plot(xs, [float(b["goodput_qps"]) for b in rows], marker="o", label=policy)
         for ax, c in zip(axes[1:], CLASSES, strict=True):
-            ceiling = 10 * CLASSES[c].sla_s
+            ceiling = 10 * slas[c]
             pts = [(x, b["classes"][c]["p99_all_s"]) for x, b in zip(xs, rows, strict=True)
                    if b["classes"][c]["offered"]]
             ys = [ceiling if v == "inf" else min(ceiling, float(v)) for _, v in pts]
@@ -376,7 +381,7 @@ def plot_judgements(judgements: dict[str, dict[str, Any]], path: str, title: str
     axes[0].set(xlabel="offered QPS", ylabel="goodput (200 within SLA) per s", title="goodput")
     axes[0].legend(fontsize=8)
     for ax, c in zip(axes[1:], CLASSES, strict=True):
-        ax.axhline(CLASSES[c].sla_s, ls="--", color="grey", label="SLA")
+        ax.axhline(slas[c], ls="--", color="grey", label="SLA")
         ax.set(xlabel="offered QPS", ylabel="P99 over all offered (s)", yscale="log", title=c)
         ax.legend(fontsize=8)
     if title:

@@ -81,8 +81,13 @@ class HAProxy:
                  queue_priority: dict[str, int] | None = None, class_pools: list[str] | tuple[str, ...] = (),
                  pool_maxconn: dict[str, dict[str, int]] | None = None,
                  pool_timeout_queue_ms: dict[str, int] | None = None,
-                 class_gate: dict[str, dict[str, float]] | None = None) -> None:
+                 class_gate: dict[str, dict[str, float]] | None = None, health_check_ms: int = 0,
+                 retries: int | None = None) -> None:
         self.workdir = Path(workdir)
+        self.health_check_ms = health_check_ms
+        """> 0: ``option httpchk GET /health`` and ``check inter N fall 3 rise 2`` on every server."""
+        self.retries = retries
+        """HAProxy's ``retries`` (None: its default of 3 connection retries)."""
         self.servers = servers
         self.balance = balance
         self.agent_port = agent_port
@@ -119,6 +124,8 @@ class HAProxy:
             "    timeout client 120s",
             "    timeout server 120s",
             "    option http-keep-alive",
+            *([f"    retries {self.retries}"] if self.retries is not None else []),
+            *(["    option httpchk GET /health"] if self.health_check_ms > 0 else []),
             "frontend fe",
             f"    bind 127.0.0.1:{self.port}",
         ]
@@ -145,6 +152,8 @@ class HAProxy:
             maxconn = caps.get(s.name, s.maxconn)
             if maxconn > 0:
                 line += f" maxconn {maxconn}"
+            if self.health_check_ms > 0:
+                line += f" check inter {self.health_check_ms}ms fall 3 rise 2"
             if self.agent_port is not None:
                 send = f"{s.name} {request_class}" if request_class else s.name
                 line += (f" agent-check agent-addr 127.0.0.1 agent-port {self.agent_port}"

@@ -318,12 +318,14 @@ def _reason(body: bytes) -> str:
 async def drive(host: str, port: int, schedule: list[Arrival], timeout_factor: float = 6.0,
                 progress: Callable[[float], None] | None = None, api: str = "infer",
                 model: str = MODEL, prompt_salt: str = "", chars_per_token: float = CHARS_PER_TOKEN,
-                extra_body: dict[str, Any] | None = None) -> tuple[list[Result], float]:
+                extra_body: dict[str, Any] | None = None,
+                slas: dict[str, float] | None = None) -> tuple[list[Result], float]:
     """Send ``schedule`` open-loop; returns results and the worst send lag (s) behind schedule.
 
     ``api="infer"`` sends ``GET /v1/infer/<class>``; ``api="completions"`` sends ``POST /v1/completions``
     (:func:`completion_body` with ``prompt_salt``, ``chars_per_token`` and ``extra_body``, each body
-    built just before its send time so memory stays bounded).
+    built just before its send time so memory stays bounded). A request times out after
+    ``max(2 s, timeout_factor x its class SLA)``, the SLA from ``slas`` when given (a CPU test bed's).
     """
     if api not in ("infer", "completions"):
         raise ValueError(f"api {api!r}: expected 'infer' or 'completions'")
@@ -343,7 +345,8 @@ async def drive(host: str, port: int, schedule: list[Arrival], timeout_factor: f
         cls: RequestClass = CLASSES[a.cls]
         body = (completion_body(a, i, model, salt=prompt_salt, chars_per_token=chars_per_token, extra=extra_body)
                 if api == "completions" else None)
-        task = asyncio.create_task(_one(pool, a, t_start, max(2.0, cls.sla_s * timeout_factor), results, i, body))
+        sla = (slas or {}).get(a.cls, cls.sla_s)
+        task = asyncio.create_task(_one(pool, a, t_start, max(2.0, sla * timeout_factor), results, i, body))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         if progress is not None and i % 50 == 0:

@@ -54,6 +54,9 @@ class GieParams:
     kv_util_threshold: float = 0.8
     saturation_staleness_s: float = 0.2
     """The utilization detector's own staleness limit (its default, 200 ms)."""
+    unready_after_s: float = 3.0
+    """A pod whose scrapes have failed for this long leaves the candidates until one succeeds: what Kubernetes'
+    readiness probe does to the InferencePool's endpoints (1 s period x 3 failures); 0 keeps every pod."""
     metrics_staleness_s: float = 2.0
     """EPP's ``--metrics-staleness-threshold``: only reported (GIE uses it for its pool gauges)."""
     refresh_s: float = 0.05
@@ -357,7 +360,11 @@ class MetricsScraper:
             t.join(timeout=self.timeout_s + 1)
 
     def snapshot(self) -> list[tuple[Pod, PodMetrics | None]]:
-        return [(pod, self.metrics[pod.name]) for pod in self.pods]
+        """The candidate pods and their latest metrics (unready pods left out, see ``unready_after_s``)."""
+        now, limit = time.monotonic(), self.params.unready_after_s
+        return [(pod, m) for pod in self.pods
+                if (m := self.metrics[pod.name]) is None or limit <= 0 or pod.name not in self.errors
+                or now - m.updated <= limit]
 
     def scrape_once(self, pod: Pod) -> None:
         try:

@@ -1,0 +1,204 @@
+"""Test bed v2: every policy on the real vLLM-CPU fleet and on the calibrated simulator, same offered load.
+
+``bench/testbed.py`` runs :func:`main`. For each fleet (``--fleet sim,vllm``) it starts the backends
+once, then for each policy (``sim/testbed_fronts.py``) restores them (a killed backend restarts), applies
+the scenario, starts the policy's load balancer, replays the workload's arrivals open loop through it
+(``sim/workloads.py``; the same arrivals for every policy and both fleets) and judges the results
+(``closed_loop_stats.judge``: goodput within the class SLAs, P99 over all offered, errors by kind,
+peak QPS held). It prints the side-by-side table, writes one PNG per fleet and, with ``--json``, the
+whole document. docs/closed_loop.md has the method and the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from triscope.sim.calibration import PROFILES, SimProfile
+from triscope.sim.closed_loop_stats import judge, plot_judgements
+from triscope.sim.loadgen import Arrival, drive
+from triscope.sim.testbed_fleet import FLEETS, SCENARIOS, Fleet, FleetError, make_fleet
+from triscope.sim.testbed_fronts import POLICIES, FrontOptions, front
+from triscope.sim.testbed_report import print_tables
+from triscope.sim.vllm_load import CLASSES as SIZES
+from triscope.sim.workloads import WORKLOADS, WorkloadError, bucket_seconds, build
+
+QPS_PER_BACKEND = 1.0
+"""Default mean offered load per backend of the CPU test bed (the step workload's first step; measured
+capacity in docs/closed_loop.md)."""
+AZURE_DEFAULTS = {"token_scale": 0.15, "max_total_tokens": 480}
+"""The Azure trace's tokens (median 1,469 in / 13 out) scaled to the tiny engine's 512-token context."""
+
+
+def parse_params(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` workload parameters (numbers as numbers)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--param {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="test bed v2: every policy on real vLLM-CPU and the calibrated "
+                                            "simulator (docs/closed_loop.md)")
+    p.add_argument("--fleet", default="sim,vllm", help=f"comma list of {', '.join(FLEETS)}")
+    p.add_argument("--backends", type=int, default=2, help="backends per fleet (vLLM: one core each)")
+    p.add_argument("--sim-backends", type=int, default=0, help="backends of the sim fleet (default: --backends)")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
+    p.add_argument("--workload", default="step", choices=sorted(WORKLOADS))
+    p.add_argument("--scenario", default="none", choices=SCENARIOS)
+    p.add_argument("--qps-per-backend", type=float, default=0.0,
+                   help=f"mean offered load per backend (default {QPS_PER_BACKEND})")
+    p.add_argument("--param", action="append", default=[], help="workload parameter KEY=VALUE (repeat)")
+    p.add_argument("--seed", type=int, default=None, help="arrival seed (default: a fresh one, printed)")
+    p.add_argument("--profile", default="vllm-cpu", choices=sorted(PROFILES))
+    p.add_argument("--pin-ratio", type=float, default=0.5, help="pinned: share of b0's KV the tenant holds")
+    p.add_argument("--kill-at", type=float, default=0.4, help="killed: when b0 dies, as a share of the run")
+    p.add_argument("--timeout-factor", type=float, default=6.0, help="client timeout = max(2 s, SLA x this)")
+    p.add_argument("--sglang-warmup-s", type=float, default=None, help="wait before the run (default 31 s)")
+    p.add_argument("--out-dir", default="var/testbed", help="PNGs and the JSON document go here")
+    p.add_argument("--json", action="store_true", help="print the JSON document instead of the tables")
+    args = p.parse_args(argv)
+    args.fleets = [f.strip() for f in args.fleet.split(",") if f.strip()]
+    args.policy_list = [x.strip() for x in args.policies.split(",") if x.strip()]
+    bad = [f for f in args.fleets if f not in FLEETS] + [x for x in args.policy_list if x not in POLICIES]
+    if bad or not args.fleets or not args.policy_list:
+        raise SystemExit(f"unknown fleet or policy: {', '.join(bad) or '(none given)'} "
+                         f"(fleets: {', '.join(FLEETS)}; policies: {', '.join(POLICIES)})")
+    if args.backends < 1 or args.sim_backends < 0 or not 0 < args.pin_ratio < 1 or not 0 < args.kill_at < 1:
+        raise SystemExit("--backends >= 1, --pin-ratio and --kill-at in (0, 1) expected")
+    if args.scenario == "killed" and min(args.backends, args.sim_backends or args.backends) < 2:
+        raise SystemExit("--scenario killed needs at least 2 backends")
+    args.params = parse_params(args.param)
+    if args.seed is None:
+        args.seed = secrets.randbelow(1_000_000)
+    return args
+
+
+def sized(schedule: list[Arrival]) -> list[Arrival]:
+    """Arrivals without token counts get the CPU test bed's class sizes (``sim/vllm_load.py``)."""
+    return [a if a.prompt_tokens is not None else
+            Arrival(a.t, a.cls, a.step, SIZES[a.cls].prompt_tokens, SIZES[a.cls].output_tokens) for a in schedule]
+
+
+def schedule_for(args: argparse.Namespace, backends: int) -> tuple[list[Arrival], float]:
+    params = dict(args.params)
+    if args.workload == "azure":
+        params = {**AZURE_DEFAULTS, **params}
+    qps = args.qps_per_backend or QPS_PER_BACKEND
+    try:
+        arrivals = build(args.workload, args.seed, backends, qps_per_backend=qps, **params)
+        return sized(arrivals), bucket_seconds(args.workload, **params)
+    except WorkloadError as exc:
+        raise SystemExit(f"--workload {args.workload}: {exc}") from None
+
+
+def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: float, args: argparse.Namespace,
+               profile: SimProfile, workdir: Path) -> dict[str, Any]:
+    """One replay of ``schedule`` through ``policy``: the judgement plus what the fleet counted."""
+    fleet.restore()
+    fleet.wait_idle()
+    victim = fleet.backends[0].name
+    if args.scenario == "pinned":
+        fleet.pin(victim, args.pin_ratio)
+    opts = FrontOptions(sla_s=dict(profile.sla_s), seed=args.seed)
+    if args.sglang_warmup_s is not None:
+        opts.sglang_warmup_s = args.sglang_warmup_s
+    duration = max(a.t for a in schedule) if schedule else 0.0
+    before = fleet.counters()
+    t0 = time.monotonic()
+    try:
+        with front(policy, fleet, workdir / f"{fleet.kind}-{policy}", opts) as f:
+            timer = None
+            if args.scenario == "killed":
+                timer = threading.Timer(args.kill_at * duration, fleet.kill, [victim])
+                timer.start()
+            try:
+                results, lag = asyncio.run(drive(
+                    "127.0.0.1", f.port, schedule, timeout_factor=args.timeout_factor, api="completions",
+                    model=fleet.model, prompt_salt=f"{policy}-{fleet.kind}-s{args.seed}",
+                    chars_per_token=fleet.chars_per_token, extra_body=fleet.extra_body or None, slas=profile.sla_s))
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                    timer.join()
+    finally:
+        fleet.unpin()
+    after = fleet.counters()
+    doc = judge(results, bucket_s, duration_s=math.ceil(duration / bucket_s) * bucket_s if duration else None,
+                slas=profile.sla_s)
+    doc["preemptions"] = int(sum(after.get(b, {}).get("vllm:num_preemptions_total", 0)
+                                 - before.get(b, {}).get("vllm:num_preemptions_total", 0) for b in after))
+    doc["served_by"] = {b: int(after[b]["vllm:request_success_total"] - before.get(b, {}).get(
+        "vllm:request_success_total", 0)) for b in after}
+    doc["send_lag_s"] = round(lag, 3)
+    doc["wall_s"] = round(time.monotonic() - t0, 1)
+    doc["front"] = f.info
+    return doc
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    profile = PROFILES[args.profile]
+    out_dir = Path(args.out_dir).resolve()  # HAProxy reads a relative socket path as host:port
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = {"workload": args.workload, "scenario": args.scenario, "seed": args.seed,
+                           "params": args.params, "profile": args.profile, "sla_s": profile.sla_s, "fleets": {}}
+    say = (lambda *_: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    say(f"seed {args.seed} (rerun with --seed {args.seed})")
+    for kind in args.fleets:
+        n = args.sim_backends or args.backends if kind == "sim" else args.backends
+        schedule, bucket_s = schedule_for(args, n)
+        fleet_doc: dict[str, Any] = {"backends": n, "arrivals": len(schedule), "bucket_s": bucket_s, "policies": {}}
+        say(f"{kind}: starting {n} backends ({args.scenario}) ...")
+        try:
+            with make_fleet(kind, n, args.scenario, out_dir / "work", args.profile) as fleet:
+                fleet_doc["layout"] = [{"name": b.name, "kv_tokens": b.kv_tokens, "slots": b.slots}
+                                       for b in fleet.backends]
+                for policy in args.policy_list:
+                    say(f"{kind}: {policy}, {len(schedule)} requests over {schedule[-1].t:.0f} s ...")
+                    fleet_doc["policies"][policy] = run_policy(policy, fleet, schedule, bucket_s, args, profile,
+                                                               out_dir / "work")
+        except FleetError as exc:
+            fleet_doc["error"] = str(exc)
+            say(f"{kind}: {exc}")
+        if fleet_doc["policies"]:
+            png = out_dir / f"testbed-{kind}-{args.workload}-{args.scenario}-s{args.seed}.png"
+            plot_judgements(fleet_doc["policies"], str(png),
+                            f"{kind} fleet ({n} backends), {args.workload}, {args.scenario}, seed {args.seed}")
+            fleet_doc["png"] = str(png)
+        doc["fleets"][kind] = fleet_doc
+    path = out_dir / f"testbed-{args.workload}-{args.scenario}-s{args.seed}.json"
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    doc["json_path"] = str(path)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=1, default=str)
+        sys.stdout.write("\n")
+    else:
+        print_tables(doc)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The test bed's policies: each one a real load balancer (and picker) in front of a fleet.
+
+| policy | data path | decides on |
+|---|---|---|
+| ``haproxy-rr`` / ``haproxy-leastconn`` | HAProxy | nothing / its own connection counts |
+| ``sglang-p2c`` / ``-cache-aware`` | sglang-router 0.3.2 (real) | ``/get_load`` every 30 s / prefix tree + counts |
+| ``gie-epp`` | Envoy + ext_proc, the GIE Endpoint Picker's default profile | queue, KV, prefix scrapes every 50 ms |
+| ``triscope`` | HAProxy leastconn + triscope's agent-check feed | KV, queue, latency, QPS scrapes every 100 ms |
+
+Every data path has health checks a user would configure (HAProxy ``check``, GIE's pod readiness,
+sglang-router's own) and no retries of a request that reached a backend (``retries 0``,
+``--disable-retries``, Envoy's default). docs/closed_loop.md lists the settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from triscope.analyzers.routing.config import DEFAULT_CLASSES
+from triscope.sim.bench_fleet import FeedWorker
+from triscope.sim.haproxy import HAProxy, Server
+from triscope.sim.peer_gie_epp import GieParams
+from triscope.sim.peer_gie_extproc import GieGateway
+from triscope.sim.peer_sglang import LOAD_POLL_S, SglangRouter
+from triscope.sim.testbed_fleet import Fleet
+from triscope.sim.vllm_sidecar import VllmSidecar
+
+POLICIES = ("haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware", "gie-epp", "triscope")
+HEALTH_CHECK_MS = 1000
+"""HAProxy ``check inter`` (x3 failures to mark down), like GIE's 1 s readiness probe x 3."""
+TRISCOPE_WEIGHTS: dict[str, Any] = {"interval_s": 0.1, "queue_weight": 1.0, "window_s": 5.0, "stale_after_s": 2.0,
+                                    "ewma_down": 0.5, "max_step_down": 0.5, "ewma_up": 0.3, "max_step_up": 0.2}
+"""[weights] of the test bed's feed: the closed-loop bench's, with a faster cut (a dying backend drains in
+~0.3 s) and 2 s staleness (a backend whose scrapes fail is drained, as GIE's readiness removes a pod)."""
+
+
+@dataclass
+class FrontOptions:
+    sla_s: dict[str, float] = field(default_factory=dict)
+    """Class SLAs of the test bed (CPU scale), handed to triscope's feed as ``[weights.classes.*] sla_ms``."""
+    sglang_warmup_s: float = LOAD_POLL_S + 1
+    """sglang-router's first ``/get_load`` poll runs before any worker is registered; the run starts after
+    its second one (a router in production has been up for longer than 30 s)."""
+    agent_inter_ms: int = 100
+    weights: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+
+@dataclass
+class Front:
+    """A started policy: where the load generator sends requests, and what it reports afterwards."""
+
+    port: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def triscope_overrides(opts: FrontOptions) -> dict[str, Any]:
+    classes = {c: {**spec, "sla_ms": 1000.0 * opts.sla_s[c]} if c in opts.sla_s else dict(spec)
+               for c, spec in DEFAULT_CLASSES.items()}
+    return {**TRISCOPE_WEIGHTS, "classes": classes, **opts.weights}
+
+
+@contextlib.contextmanager
+def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Iterator[Front]:
+    """Start ``policy`` in front of ``fleet`` (every backend alive), yield it, stop it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    servers = [Server(b.name, b.port) for b in fleet.backends]
+    if policy in ("haproxy-rr", "haproxy-leastconn"):
+        balance = "roundrobin" if policy == "haproxy-rr" else "leastconn"
+        with HAProxy(workdir, servers, balance=balance, health_check_ms=HEALTH_CHECK_MS, retries=0) as hap:
+            yield Front(hap.port, {"balance": balance})
+    elif policy == "triscope":
+        feed = FeedWorker({b.name: b.url for b in fleet.backends}, triscope_overrides(opts), 5.0).start()
+        try:
+            with HAProxy(workdir, servers, balance="leastconn", agent_port=feed.agent_port,
+                         agent_inter_ms=opts.agent_inter_ms, health_check_ms=HEALTH_CHECK_MS, retries=0) as hap:
+                time.sleep(max(0.5, 3 * opts.agent_inter_ms / 1000))  # the agent's first answers are in
+                yield Front(hap.port, {"feed": feed.info.get("feed", "")})
+        finally:
+            feed.stop()
+    elif policy in ("sglang-p2c", "sglang-cache-aware"):
+        with contextlib.ExitStack() as stack:
+            if fleet.kind == "vllm":  # vLLM serves none of the SGLang worker endpoints: a sidecar each
+                urls = [stack.enter_context(VllmSidecar(b.port, fleet.model, b.kv_tokens, b.slots)).url
+                        for b in fleet.backends]
+            else:
+                urls = [b.url for b in fleet.backends]
+            router = stack.enter_context(SglangRouter(
+                urls, "power_of_two" if policy == "sglang-p2c" else "cache_aware", workdir=workdir))
+            if policy == "sglang-p2c":
+                time.sleep(opts.sglang_warmup_s)
+            yield Front(router.port, {"router": "sglang-router 0.3.2", "warmup_s": opts.sglang_warmup_s
+                                      if policy == "sglang-p2c" else 0.0})
+    elif policy == "gie-epp":
+        with GieGateway([b.address for b in fleet.backends], workdir, GieParams(default_model=fleet.model),
+                        seed=opts.seed) as gw:
+            yield Front(gw.port, {"picker": "GIE EPP default profile (re-implemented), Envoy ext_proc"})
+    else:
+        raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")

@@ -1,0 +1,66 @@
+"""The test bed's side-by-side tables (text): one row per policy, one block per fleet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triscope.sim.closed_loop_stats import ERROR_KINDS
+from triscope.sim.engine import CLASSES
+
+SHORT = {"realtime_speech": "speech", "interactive_image_text": "image", "offline_video": "video"}
+
+
+def _ms(v: Any) -> str:
+    if v is None:
+        return "-"
+    return "inf" if v == "inf" else f"{float(v) * 1000:.0f}"
+
+
+def policy_row(name: str, d: dict[str, Any]) -> list[str]:
+    """peak QPS held, goodput, offered, P99 over all offered per class, errors by kind, preemptions."""
+    errors = d["errors"]
+    err = " ".join(f"{k}:{v}" for k, v in errors.items() if v) or "0"
+    return [name, f"{d['peak_qps_held']:.2f}", f"{float(d['goodput_qps']):.2f}", f"{float(d['offered_qps']):.2f}",
+            *(_ms(d["classes"][c]["p99_all_s"]) for c in CLASSES), f"{100 * float(d['error_rate'] or 0):.1f}",
+            err, str(d.get("preemptions", "-"))]
+
+
+def step_rows(policies: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """Goodput / offered per window and policy (a held window is marked *)."""
+    n = max((len(d["buckets"]) for d in policies.values()), default=0)
+    rows = []
+    for k in range(n):
+        row = [str(k)]
+        for d in policies.values():
+            b = d["buckets"][k] if k < len(d["buckets"]) else None
+            row.append("-" if b is None or not b["requests"] else
+                       f"{float(b['goodput_qps']):.2f}/{float(b['offered_qps']):.2f}{'*' if b['held'] else ''}")
+        rows.append(row)
+    return rows
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    line = lambda r: "  ".join(str(x).rjust(w) if i else str(x).ljust(w)  # noqa: E731
+                                for i, (x, w) in enumerate(zip(r, widths, strict=True)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def print_tables(doc: dict[str, Any]) -> None:
+    slas = ", ".join(f"{SHORT[c]} {v * 1000:.0f} ms" for c, v in doc["sla_s"].items())
+    print(f"workload {doc['workload']}, scenario {doc['scenario']}, seed {doc['seed']}; class SLAs: {slas}")
+    print(f"errors: {', '.join(ERROR_KINDS)}; P99 over all offered requests (a failure is infinitely slow)")
+    for kind, f in doc["fleets"].items():
+        print(f"\n## {kind} fleet: {f['backends']} backends, {f['arrivals']} requests"
+              + (f" - {f['error']}" if f.get("error") else ""))
+        if not f["policies"]:
+            continue
+        header = ["policy", "peak QPS held", "goodput/s", "offered/s", *(f"P99 {SHORT[c]} ms" for c in CLASSES),
+                  "errors %", "errors", "preemptions"]
+        print(_table(header, [policy_row(n, d) for n, d in f["policies"].items()]))
+        print(f"\ngoodput/offered per {f['bucket_s']:g} s window (* = held)")
+        print(_table(["window", *f["policies"]], step_rows(f["policies"])))
+        if f.get("png"):
+            print(f"PNG: {f['png']}")
+    if doc.get("json_path"):
+        print(f"\nJSON: {doc['json_path']}")
