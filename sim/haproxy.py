@@ -7,6 +7,7 @@ import io
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,8 @@ class HAProxy:
         self.port = port or free_port()
         self.binary = binary or shutil.which("haproxy") or "haproxy"
         self.socket_path = self.workdir / "haproxy.sock"
+        if len(str(self.socket_path.resolve())) > 100:  # a UNIX socket path has at most 107 bytes
+            self.socket_path = Path(tempfile.mkdtemp(prefix="hap-")) / "haproxy.sock"
         self.config_path = self.workdir / "haproxy.cfg"
         self.proc: subprocess.Popen | None = None
 
