@@ -10,6 +10,8 @@ costs from tokens; the demo), ``GET /v1/infer/<class>`` (costs from the class; t
 ``python -m triscope.sim.backend --backend b0:18001:40:16:1.0 --backend b1:18002:20:16:0.5``
 (``name:port:kv_gib:slots:speed``) serves several backends in one process and prints one JSON
 line when all ports listen; :class:`BackgroundBackends` runs them on a thread of the caller.
+``--profile vllm-cpu`` gives every backend a calibrated engine (:mod:`triscope.sim.calibration`:
+per-token costs, batch slowdown, paged KV with preemption; docs/calibration.md).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from triscope.sim.calibration import PROFILES, SimProfile
 from triscope.sim.engine import CLASSES, GIB, Engine, EngineSpec, Served
 
 MAX_HEADER_BYTES = 16 * 1024
@@ -46,6 +49,8 @@ class BackendSpec:
     batch_slowdown: float = 0.8
     staged_fraction: float = 0.25
     host: str = "127.0.0.1"
+    profile: SimProfile | None = None
+    """Engine costs and KV model from a calibration profile (its slowdown and staging replace the two above)."""
 
     @classmethod
     def parse(cls, text: str) -> BackendSpec:
@@ -65,6 +70,8 @@ class BackendSpec:
         return f"{self.name}:{self.port}:{self.kv_gib}:{self.slots}:{self.speed}"
 
     def engine(self) -> EngineSpec:
+        if self.profile is not None:
+            return self.profile.engine_spec(self.name, self.kv_gib, self.slots, self.speed)
         return EngineSpec(self.name, int(self.kv_gib * GIB), slots=self.slots, speed=self.speed,
                           batch_slowdown=self.batch_slowdown, staged_fraction=self.staged_fraction)
 
@@ -144,7 +151,9 @@ class SimBackend:
             cls = CLASSES.get(path.rsplit("/", 1)[-1])
             if cls is None:
                 return 404, {"error": "unknown request class"}, JSON
-            done = await engine.serve(cls.name, cls.kv_bytes, (0.3 * cls.service_s, 0.7 * cls.service_s))
+            # a paged engine sizes KV from tokens: the class's own counts
+            tokens = (cls.prompt_tokens, cls.completion_tokens) if engine.paged is not None else (0, 0)
+            done = await engine.serve(cls.name, cls.kv_bytes, (0.3 * cls.service_s, 0.7 * cls.service_s), tokens)
             if isinstance(done, str):
                 return 503, {"error": done, "backend": self.spec.name}, JSON
             return 200, {"backend": self.spec.name, "class": cls.name, "queue_s": round(done.queue_s, 6),
@@ -283,19 +292,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="simulated vLLM-style backends for the closed-loop bench")
     parser.add_argument("--backend", action="append", required=True,
                         help="name:port[:kv_gib[:slots[:speed]]] (repeat)")
-    parser.add_argument("--batch-slowdown", type=float, default=0.8,
-                        help="service-time growth at a full batch (1 + x * running/slots)")
-    parser.add_argument("--staged-fraction", type=float, default=0.25,
-                        help="share of a request's KV held from arrival (staged inputs) before it runs")
+    parser.add_argument("--batch-slowdown", type=float, default=None,
+                        help="service-time growth at a full batch (1 + x * running/slots); default 0.8")
+    parser.add_argument("--staged-fraction", type=float, default=None,
+                        help="share of a request's KV held from arrival (staged inputs) before it runs; default 0.25")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                        help="calibrated engine model (docs/calibration.md); excludes the two options above")
     args = parser.parse_args(argv)
+    if args.profile is not None and (args.batch_slowdown is not None or args.staged_fraction is not None):
+        print("error: --profile sets the batch slowdown and staging; drop --batch-slowdown / --staged-fraction",
+              file=sys.stderr)
+        return 2
     try:
         specs = [BackendSpec.parse(s) for s in args.backend]
+        for s in specs:
+            s.profile = PROFILES[args.profile] if args.profile is not None else None
+            if s.profile is not None:
+                Engine(s.engine())  # a pool the profile cannot use (no whole block) fails here, in one line
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for s in specs:
-        s.batch_slowdown = args.batch_slowdown
-        s.staged_fraction = args.staged_fraction
+        s.batch_slowdown = 0.8 if args.batch_slowdown is None else args.batch_slowdown
+        s.staged_fraction = 0.25 if args.staged_fraction is None else args.staged_fraction
     asyncio.run(serve(specs))
     return 0
 

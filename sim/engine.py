@@ -12,6 +12,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from triscope.sim.engine_paged import PagedKV
+
 GIB = 1024**3
 MODEL = "sim/llava-onevision-7b"
 
@@ -94,6 +96,19 @@ class EngineSpec:
     kv_bytes_per_token: float = 128 * 1024
     prefill_s_per_token: float = 20e-6
     decode_s_per_token: float = 2e-3
+    overhead_s: float = 0.0
+    """Fixed time per request before it queues (HTTP, tokenizer), outside the batch; 0: none."""
+    paged_kv: bool = False
+    """vLLM's step loop: KV grows block by block while decoding, preemption (recompute) when a block
+    is short, a step's prefill delays its decodes (:mod:`triscope.sim.engine_paged`; costs from the
+    per-token figures below); False: a request's whole KV is reserved at admission, its service time
+    is fixed then, and nothing is ever preempted."""
+    kv_block_tokens: int = 16
+    """Paged KV: tokens per block (vLLM: 16 on GPUs, 128 on its CPU backend)."""
+    kv_reserved_blocks: int = 0
+    """Paged KV: blocks of the pool no request gets (vLLM v1 keeps one null block)."""
+    watermark_blocks: int = 0
+    """Paged KV: blocks an admission leaves free while something runs (vLLM's ``watermark``, 0 by default)."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +149,7 @@ class Engine:
         self.queue: deque[tuple[asyncio.Future[float], float, float]] = deque()
         self.c = _Counters()
         self.peak_kv_ratio = 0.0
+        self.paged: PagedKV | None = PagedKV(self) if spec.paged_kv else None
 
     def kv_ratio(self) -> float:
         return min(1.0, (self.kv_used + self.pressure) / self.capacity)
@@ -173,8 +189,14 @@ class Engine:
         """Queue, run and finish one request: its timings, or the reason for a 503.
 
         ``work_s`` is (prefill, decode) time on an idle engine; ``cls`` names the class ('' for none).
+        With ``spec.paged_kv`` the request runs in the engine's step loop: KV from ``tokens`` (block by
+        block), costs from the spec's per-token figures; ``kv_bytes`` and ``work_s`` are not used.
         """
         t0 = time.monotonic()
+        if self.spec.overhead_s > 0:
+            await asyncio.sleep(self.spec.overhead_s)
+        if self.paged is not None:
+            return await self.paged.serve(cls, t0, tokens)
         staged = int(kv_bytes * self.spec.staged_fraction)
         reason = self.refusal(kv_bytes, staged)
         if reason is not None:
@@ -209,6 +231,11 @@ class Engine:
             self.running -= 1
             self._schedule()
         done = time.monotonic()
+        self.record(cls, t0, started, done, tokens)
+        return Served(started - t0, ttft, done - t0, prefill, decode)
+
+    def record(self, cls: str, t0: float, started: float, done: float, tokens: tuple[int, int]) -> None:
+        """Count one finished request (arrived ``t0``, first admitted ``started``)."""
         c = self.c
         c.e2e.observe(done - t0)
         c.queue_time.observe(started - t0)
@@ -217,19 +244,26 @@ class Engine:
         c.success[cls] = c.success.get(cls, 0) + 1
         c.prompt_tokens += tokens[0]
         c.generation_tokens += tokens[1]
-        return Served(started - t0, ttft, done - t0, prefill, decode)
+
+    def _reschedule(self) -> None:
+        if self.paged is not None:
+            self.paged.kick()
+        else:
+            self._schedule()
 
     def reset(self) -> None:
         """Forget counters and pressure (in-flight requests keep running)."""
         self.pressure = 0
         self.c = _Counters()
         self.peak_kv_ratio = self.kv_ratio()
-        self._schedule()
+        if self.paged is not None:
+            self.paged.preemptions = 0
+        self._reschedule()
 
     def set_pressure(self, nbytes: float) -> None:
         """Pin ``nbytes`` of KV (a leak, a long-context tenant), bounded by the pool."""
         self.pressure = max(0, min(nbytes, self.capacity))
-        self._schedule()
+        self._reschedule()
 
     def kv_tokens(self) -> int:
         """Tokens' worth of KV the pool holds now: running and staged requests plus pinned pressure.
@@ -239,7 +273,8 @@ class Engine:
         return int((self.kv_used + self.pressure) // self.spec.kv_bytes_per_token)
 
     def state_json(self) -> dict[str, object]:
-        return {"backend": self.spec.name, "kv_used_bytes": self.kv_used, "pressure_bytes": self.pressure,
+        extra = {"preemptions": self.paged.preemptions} if self.paged is not None else {}
+        return {**extra, "backend": self.spec.name, "kv_used_bytes": self.kv_used, "pressure_bytes": self.pressure,
                 "kv_capacity_bytes": self.capacity, "kv_cache_usage_ratio": self.kv_ratio(),
                 "peak_kv_ratio": self.peak_kv_ratio, "running": self.running, "waiting": self.waiting,
                 "success": dict(self.c.success), "oom": dict(self.c.refused)}
@@ -277,8 +312,7 @@ class Engine:
             *c.queue_time.render("vllm:request_queue_time_seconds", lab),
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge",
-            f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",engine="0",'
-            f'gpu_memory_utilization="0.9",num_gpu_blocks="{int(self.capacity // (16 * 131072))}"}} 1.0',
+            *self._cache_config(),
             "# HELP triscope_sim_kv_capacity_bytes KV pool size of the simulated engine.",
             "# TYPE triscope_sim_kv_capacity_bytes gauge",
             f"triscope_sim_kv_capacity_bytes {float(self.capacity)}",
@@ -295,4 +329,17 @@ class Engine:
         for name in CLASSES:
             lines.append(f'triscope_sim_oom_rejections_total{{request_class="{name}"}} '
                          f"{float(c.refused.get(name, 0))}")
+        if self.paged is not None:
+            lines += ["# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+                      "# TYPE vllm:num_preemptions_total counter",
+                      f"vllm:num_preemptions_total{{{lab}}} {float(self.paged.preemptions)}"]
         return "\n".join(lines) + "\n"
+
+    def _cache_config(self) -> list[str]:
+        """``vllm:cache_config_info``: the paged pool's real blocks, else the old fixed 16 x 128 KiB reading."""
+        if self.paged is None:
+            block, blocks = 16, int(self.capacity // (16 * 131072))
+        else:
+            block, blocks = self.paged.block_tokens, self.paged.total + self.spec.kv_reserved_blocks
+        return [f'vllm:cache_config_info{{block_size="{block}",cache_dtype="auto",engine="0",'
+                f'gpu_memory_utilization="0.9",num_gpu_blocks="{blocks}"}} 1.0']
