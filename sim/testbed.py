@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import math
 import os
@@ -146,6 +147,9 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
                                  - before.get(b, {}).get("vllm:num_preemptions_total", 0) for b in after))
     doc["served_by"] = {b: int(after[b]["vllm:request_success_total"] - before.get(b, {}).get(
         "vllm:request_success_total", 0)) for b in after}
+    failed = collections.Counter(f"{r.status} {r.reason[:120]}".strip() for r in results
+                                 if r.status not in (200, 0, -1))
+    doc["failed_answers"] = dict(failed.most_common(5))  # what the LB or backend said, for the reader
     doc["send_lag_s"] = round(lag, 3)
     doc["wall_s"] = round(time.monotonic() - t0, 1)
     doc["front"] = f.info

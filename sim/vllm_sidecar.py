@@ -66,10 +66,19 @@ class VllmSidecar:
         return self
 
     def stop(self) -> None:
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    async def _shutdown(self) -> None:
+        """Close the listener and every client connection (their tasks end before the loop stops)."""
         if self._server is not None:
-            self._loop.call_soon_threadsafe(self._server.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+            self._server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def __enter__(self) -> VllmSidecar:
         return self.start()
@@ -113,12 +122,23 @@ class VllmSidecar:
                         continue
                     await _answer(writer, 200, doc)
                     continue
-                if upstream is None:
-                    upstream = await asyncio.open_connection("127.0.0.1", self.upstream_port, limit=MAX_HEAD_BYTES)
-                up_reader, up_writer = upstream
-                up_writer.write(raw_head + body)
-                await up_writer.drain()
-                answer = await _read_head(up_reader)
+                answer = None
+                for fresh in (upstream is None, True):  # uvicorn drops idle keep-alives after 5 s: reconnect once
+                    if fresh:
+                        if upstream is not None:
+                            upstream[1].close()
+                        upstream = await asyncio.open_connection("127.0.0.1", self.upstream_port,
+                                                                 limit=MAX_HEAD_BYTES)
+                    assert upstream is not None
+                    up_reader, up_writer = upstream
+                    try:
+                        up_writer.write(raw_head + body)
+                        await up_writer.drain()
+                        answer = await _read_head(up_reader)
+                    except ConnectionError:
+                        answer = None
+                    if answer is not None or fresh:
+                        break
                 if answer is None:
                     return
                 _, _, up_headers, up_raw = answer
