@@ -75,10 +75,13 @@ class VllmSidecar:
         """Close the listener and every client connection (their tasks end before the loop stops)."""
         if self._server is not None:
             self._server.close()
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for _ in range(3):  # a connection accepted while closing starts one more task
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if not tasks:
+                break
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def __enter__(self) -> VllmSidecar:
         return self.start()
