@@ -130,3 +130,17 @@ def test_pinned_backend_holds_the_tenant_only_during_the_run(tmp_path: Path) -> 
         fleet.unpin()
         with urllib.request.urlopen(fleet.backends[0].url + "/sim/state", timeout=5) as resp:
             assert json.loads(resp.read())["pressure_bytes"] == 0
+
+
+def test_azure_arrivals_fit_the_cpu_engines_context() -> None:
+    """The real trace's prompts (median 1,469 tokens) are scaled and cut to the tiny engine's 512-token context."""
+    from triscope.sim.testbed import schedule_for
+
+    trace = Path(__file__).parent / "data" / "azure_llm_2023_code_excerpt.csv"
+    args = parse_args(["--workload", "azure", "--seed", "3", "--param", f"trace={trace}",
+                       "--param", "duration_s=60"])
+    arrivals, bucket_s = schedule_for(args, 2)
+    assert bucket_s == 10.0 and len(arrivals) == 120  # 1 QPS per backend x 2 x 60 s
+    assert all(a.prompt_tokens is not None and a.max_tokens is not None for a in arrivals)
+    assert max(a.prompt_tokens + a.max_tokens for a in arrivals) <= 480  # type: ignore[operator]
+    assert len({a.prompt_tokens for a in arrivals}) > 20  # the trace's sizes, not one class default

