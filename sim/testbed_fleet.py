@@ -59,11 +59,16 @@ class Backend:
         return f"127.0.0.1:{self.port}"
 
 
+HETERO_KV_TOKENS = 640
+"""KV of the small backends of ``hetero-memory``: 5 blocks of 128 tokens, 4 usable after vLLM's null block =
+512 tokens, the least vLLM starts with at ``--max-model-len 512`` (one longest request)."""
+
+
 def backend_layout(n: int, scenario: str) -> list[Backend]:
-    """``n`` backends; under ``hetero-memory`` every odd one has half the KV cache (at least one request's 512)."""
+    """``n`` backends; under ``hetero-memory`` every odd one has :data:`HETERO_KV_TOKENS` of KV instead of 1,024."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r} (known: {', '.join(SCENARIOS)})")
-    return [Backend(f"b{i}", free_port(), KV_TOKENS // 2 if scenario == "hetero-memory" and i % 2 else KV_TOKENS)
+    return [Backend(f"b{i}", free_port(), HETERO_KV_TOKENS if scenario == "hetero-memory" and i % 2 else KV_TOKENS)
             for i in range(n)]
 
 

@@ -11,6 +11,7 @@ Facts, flags and figures: docs/vllm-testbed.md. Requests: :mod:`triscope.sim.vll
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -69,9 +70,27 @@ class VllmInstall:
         return None
 
 
+# A Unix socket path must fit sockaddr_un (107 bytes); vLLM appends "/<uuid4>" (37) to its RPC base path.
+_RPC_BASE_MAX = 107 - 37
+
+
+def rpc_socket_dir(tmp: Path) -> Path:
+    """``tmp`` when vLLM's ZMQ sockets fit under it, else a short private directory under /tmp named
+    after it (deep work directories, such as pytest's, would make ``bind`` fail)."""
+    if len(str(tmp)) <= _RPC_BASE_MAX:
+        return tmp
+    digest = hashlib.sha256(str(tmp).encode()).hexdigest()[:16]
+    short = Path("/tmp") / f"triscope-rpc-{digest}"
+    short.mkdir(mode=0o700, exist_ok=True)
+    if short.stat().st_uid != os.getuid():  # somebody else's directory: never put our sockets there
+        raise RuntimeError(f"{short} belongs to another user; give vLLM a shorter work directory")
+    return short
+
+
 def quiet_env(workdir: Path, vllm_cache: Path | None = None, **extra: str) -> dict[str, str]:
     """This environment with every cache, temporary file and socket of vLLM, torch and the HF libraries
-    under ``workdir`` (nothing in ``$HOME`` or ``/tmp``), offline, no usage reporting. ``vllm_cache``
+    under ``workdir`` (nothing in ``$HOME`` or ``/tmp``; for a deep ``workdir`` the sockets go to
+    :func:`rpc_socket_dir`), offline, no usage reporting. ``vllm_cache``
     (``VLLM_CACHE_ROOT``) may be shared: vLLM writes it atomically, and its model-info entry saves
     each later start a subprocess that imports the model (20-30 s on 2 busy cores)."""
     cache, tmp = workdir / "cache", workdir / "tmp"
@@ -82,7 +101,7 @@ def quiet_env(workdir: Path, vllm_cache: Path | None = None, **extra: str) -> di
         HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(cache / "hf"), XDG_CACHE_HOME=str(cache),
         XDG_CONFIG_HOME=str(cache / "config"), VLLM_CACHE_ROOT=str(vllm_cache or cache / "vllm"),
         VLLM_CONFIG_ROOT=str(cache / "vllm-config"), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-        TRITON_CACHE_DIR=str(cache / "triton"), TMPDIR=str(tmp), VLLM_RPC_BASE_PATH=str(tmp),
+        TRITON_CACHE_DIR=str(cache / "triton"), TMPDIR=str(tmp), VLLM_RPC_BASE_PATH=str(rpc_socket_dir(tmp)),
         VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
     )
     env.update(extra)
@@ -254,6 +273,9 @@ class VllmServer:
         if proc.poll() is None or _group_alive(proc.pid):
             _signal_group(proc.pid, signal.SIGKILL)
             proc.wait(10)
+        rpc = rpc_socket_dir(self.workdir / "tmp")
+        if rpc != self.workdir / "tmp":
+            shutil.rmtree(rpc, ignore_errors=True)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from triscope.sim.peer_gie_extproc import envoy_path
 from triscope.sim.peer_sglang import missing_message, venv_python
 from triscope.sim.testbed import main, parse_args, run
 from triscope.sim.testbed_fleet import SimTestFleet, backend_layout
+from triscope.sim.vllm_cpu import quiet_env, rpc_socket_dir
 from triscope.sim.vllm_sidecar import MAX_BODY_BYTES, VllmSidecar, vllm_load
 
 pytestmark = pytest.mark.integration
@@ -122,7 +124,7 @@ def test_a_killed_backend_is_routed_around(tmp_path: Path) -> None:
 
 def test_pinned_backend_holds_the_tenant_only_during_the_run(tmp_path: Path) -> None:
     with SimTestFleet(backend_layout(2, "hetero-memory"), tmp_path) as fleet:
-        assert [b.kv_tokens for b in fleet.backends] == [1024, 512]
+        assert [b.kv_tokens for b in fleet.backends] == [1024, 640]
         fleet.pin("b0", 0.5)
         with urllib.request.urlopen(fleet.backends[0].url + "/sim/state", timeout=5) as resp:
             state = json.loads(resp.read())
@@ -144,3 +146,19 @@ def test_azure_arrivals_fit_the_cpu_engines_context() -> None:
     assert all(a.prompt_tokens is not None and a.max_tokens is not None for a in arrivals)
     assert max(a.prompt_tokens + a.max_tokens for a in arrivals) <= 480  # type: ignore[operator]
     assert len({a.prompt_tokens for a in arrivals}) > 20  # the trace's sizes, not one class default
+
+
+def test_vllm_sockets_fit_sockaddr_un_from_a_deep_workdir(tmp_path: Path) -> None:
+    """CI's pytest work directories made vLLM's ZMQ ``bind`` fail (path over 107 bytes)."""
+    shallow = Path("/tmp/tb")
+    assert rpc_socket_dir(shallow) == shallow
+    deep = tmp_path / ("d" * 80) / "b0" / "tmp"
+    short = rpc_socket_dir(deep)
+    try:
+        assert short != deep and short == rpc_socket_dir(deep)  # stable per work directory
+        assert len(f"{short}/{uuid.uuid4()}") <= 107
+        assert short.is_dir() and (short.stat().st_mode & 0o777) == 0o700
+        assert quiet_env(tmp_path / ("e" * 80))["VLLM_RPC_BASE_PATH"].startswith("/tmp/triscope-rpc-")
+    finally:
+        for d in (short, rpc_socket_dir(tmp_path / ("e" * 80) / "tmp")):
+            d.rmdir()
