@@ -29,6 +29,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import xxhash
@@ -39,7 +40,6 @@ from triscope.errors import InputError
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 """GIE names the request's InferenceObjective in this header; the objective carries its priority."""
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
 MAX_METRICS_BYTES = 1 << 20
 
 
@@ -339,8 +339,11 @@ class EndpointPicker:
 class MetricsScraper:
     """One thread per pod fetching ``http://<address>/metrics`` every ``refresh_s``."""
 
-    def __init__(self, pods: list[Pod], params: GieParams, timeout_s: float = 1.0) -> None:
+    def __init__(self, pods: list[Pod], params: GieParams, timeout_s: float = 1.0,
+                 on_scrape: Callable[[Pod, PodMetrics], None] | None = None) -> None:
         self.pods = pods
+        self.on_scrape = on_scrape
+        """Called with each successful scrape (another picker's feed), from the scraping thread."""
         self.params = params
         self.timeout_s = timeout_s
         self.metrics: dict[str, PodMetrics | None] = {pod.name: None for pod in pods}
@@ -369,8 +372,10 @@ class MetricsScraper:
     def scrape_once(self, pod: Pod) -> None:
         try:
             text = fetch(f"http://{pod.address}/metrics", timeout_s=self.timeout_s, max_bytes=MAX_METRICS_BYTES)
-            self.metrics[pod.name] = parse_pod_metrics(text.decode(errors="replace"), time.monotonic())
+            metrics = self.metrics[pod.name] = parse_pod_metrics(text.decode(errors="replace"), time.monotonic())
             self.errors.pop(pod.name, None)
+            if self.on_scrape is not None:
+                self.on_scrape(pod, metrics)
         except InputError as exc:  # keep the last values: they go stale by their timestamp
             self.errors[pod.name] = str(exc)
 

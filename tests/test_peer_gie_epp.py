@@ -210,9 +210,9 @@ def test_requests_reach_the_backend_the_picker_chose(gateway: tuple[GieGateway, 
     for i in range(12):
         status, raw = post(gw, body(f"request {i}"), {"x-gateway-destination-endpoint": "127.0.0.1:1"})
         assert status == 200, raw
-        assert gw.extproc.last is not None and gw.extproc.last.pod is not None
-        assert json.loads(raw)["backend"] == gw.extproc.last.pod.name  # the client's own header was overwritten
-        seen.add(gw.extproc.last.pod.name)
+        assert gw.extproc.last is not None and gw.extproc.last.address
+        assert json.loads(raw)["backend"] == gw.extproc.last.name  # the client's own header was overwritten
+        seen.add(gw.extproc.last.name)
     assert len(seen) >= 2  # idle, equal pods: ties shuffled
 
 
@@ -251,8 +251,9 @@ def test_repeated_long_prompts_stick_to_one_backend(gateway: tuple[GieGateway, S
         assert status == 200
         backends.append(json.loads(raw)["backend"])
     assert len(set(backends)) == 1, backends
-    last = gw.extproc.last
-    assert last is not None and last.total_blocks > 30 and last.prefix_match == {backends[0]: last.total_blocks}
+    assert gw.extproc.last is not None
+    last = gw.extproc.last.detail
+    assert last.total_blocks > 30 and last.prefix_match == {backends[0]: last.total_blocks}
 
 
 @pytest.mark.integration

@@ -94,7 +94,7 @@ def test_every_policy_routes_and_is_judged(tmp_path: Path, capsys: pytest.Captur
                           "--out-dir", str(tmp_path)]))
     sim = doc["fleets"]["sim"]
     assert set(sim["policies"]) == {"haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware",
-                                    "gie-epp", "triscope"}
+                                    "gie-epp", "triscope", "triscope-epp"}
     for name, d in sim["policies"].items():
         assert d["requests"] == sim["arrivals"], name  # every offered request has an outcome
         ok = sum(c["offered"] - sum(c["errors"].values()) for c in d["classes"].values())
@@ -112,7 +112,8 @@ def test_a_killed_backend_is_routed_around(tmp_path: Path) -> None:
     doc = run(parse_args(["--fleet", "sim", "--backends", "2", "--scenario", "killed", "--kill-at", "0.3",
                           "--workload", "flash-crowd", "--param", "duration_s=20", "--param", "factor=1",
                           "--param", "bucket_s=5", "--qps-per-backend", "1.5", "--seed", "4",
-                          "--policies", "haproxy-rr,gie-epp,triscope", "--out-dir", str(tmp_path), "--json"]))
+                          "--policies", "haproxy-rr,gie-epp,triscope,triscope-epp", "--out-dir", str(tmp_path),
+                          "--json"]))
     for name, d in doc["fleets"]["sim"]["policies"].items():
         buckets = d["buckets"]
         # b0 dies at 6 s; every policy has stopped sending to it within its 3 s of detection by the last window

@@ -1,0 +1,201 @@
+"""Per-request endpoint picking by KV headroom and outstanding work (the EPP exporter's brain).
+
+The weight engine publishes every 100-250 ms; a burst lands between two updates. The picker keeps
+what the engine cannot: its own ledger of requests in flight per backend (opened at the pick, closed
+when the proxied request ends), so a burst never herds onto the backend that looked emptiest at the
+last scrape. Per request it estimates the KV the request will hold (prompt + expected output) and:
+
+1. keeps the backends the engine allows (not drained, class admission ``ready``, healthy, scraped
+   within ``unready_after_s``);
+2. among those whose free KV (capacity x (1 - usage) at the last scrape, minus what the ledger sent
+   there since) fits the request, picks the least outstanding work per unit of weight; work is the
+   ledger's tokens plus the requests the backend runs or queues that did not come through this
+   picker (another LB, a pinned tenant), at the mean request size;
+3. when none fits, the least work among all candidates (queueing there beats evicting elsewhere).
+
+Pure logic: scrapes come in through :meth:`HeadroomPicker.observe`, engine results through
+:meth:`HeadroomPicker.set_weights`; times are ``time.monotonic()`` seconds. docs/routing.md#picker.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from triscope.analyzers.routing.model import DRAIN, WeightsResult
+
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class PickerParams:
+    """Knobs of :class:`HeadroomPicker` (defaults written once)."""
+
+    unready_after_s: float = 3.0
+    """A backend whose last good scrape is older leaves the candidates (as Kubernetes readiness would)."""
+    stale_after_s: float = 1.0
+    """Older scrapes still count for health, but their KV and queue figures are not trusted."""
+    visible_after_s: float = 0.2
+    """A request picked this long before a scrape is assumed to be in that scrape's KV and counts."""
+    kv_reserve_ratio: float = 0.05
+    """Share of each backend's KV kept free by the fit test (decode growth of running requests)."""
+    default_request_tokens: float = 256.0
+    """Size assumed for requests of unknown size until the picker has seen some."""
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class LiveSignals:
+    """One scrape of a backend (vLLM's ``/metrics``); NaN where not exported."""
+
+    waiting: float = NAN
+    running: float = NAN
+    kv_usage: float = NAN
+    kv_capacity_tokens: float = NAN
+    updated: float = -math.inf
+
+
+@dataclass(frozen=True)
+class RequestNeed:
+    """What a request will hold: its class and KV tokens (prompt + expected output)."""
+
+    request_class: str = ""
+    kv_tokens: float = NAN
+
+
+@dataclass
+class _Backend:
+    name: str
+    address: str
+    signals: LiveSignals = field(default_factory=LiveSignals)
+    in_flight: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """ticket -> (picked at, tokens)."""
+
+
+@dataclass(frozen=True)
+class Pick:
+    """A choice (``address`` set) or a refusal (``status`` and ``message``)."""
+
+    backend: str = ""
+    address: str = ""
+    ticket: int = -1
+    status: int = 200
+    message: str = ""
+    factors: Mapping[str, Any] = field(default_factory=dict)
+
+
+class HeadroomPicker:
+    """Thread-safe per-request picker over a fixed set of backends (name -> ``host:port``)."""
+
+    def __init__(self, backends: Mapping[str, str], params: PickerParams | None = None) -> None:
+        if not backends:
+            raise ValueError("the picker needs at least one backend")
+        self.params = params or PickerParams()
+        self._backends = {name: _Backend(name, address) for name, address in backends.items()}
+        self._weights: WeightsResult | None = None
+        self._lock = threading.Lock()
+        self._rng = random.Random(self.params.seed)
+        self._next_ticket = 0
+        self._recent_sizes: deque[float] = deque(maxlen=256)
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return tuple(self._backends)
+
+    def observe(self, backend: str, signals: LiveSignals) -> None:
+        """Record a successful scrape of ``backend``."""
+        with self._lock:
+            self._backends[backend].signals = signals
+
+    def set_weights(self, result: WeightsResult | None) -> None:
+        """The weight engine's latest result: drains, class admission and relative weights."""
+        with self._lock:
+            self._weights = result
+
+    def in_flight(self) -> dict[str, int]:
+        with self._lock:
+            return {name: len(b.in_flight) for name, b in self._backends.items()}
+
+    def pick(self, need: RequestNeed, now: float) -> Pick:
+        """Choose a backend for one request and open its ledger entry (close it with :meth:`finish`)."""
+        with self._lock:
+            tokens = need.kv_tokens if math.isfinite(need.kv_tokens) and need.kv_tokens > 0 else self._mean_size()
+            rows = {name: self._factors(b, need.request_class, now) for name, b in self._backends.items()}
+            candidates = [n for n, f in rows.items() if f["eligible"]]
+            if not candidates:  # every backend unready or drained: the least bad one, never a refusal by default
+                candidates = [n for n, f in rows.items() if f["healthy"]] or list(rows)
+            fitting = [n for n in candidates if rows[n]["free_kv_tokens"] - rows[n]["reserve_tokens"] >= tokens]
+            pool = fitting or candidates
+            best = min(rows[n]["work_per_weight"] for n in pool)
+            chosen = self._rng.choice([n for n in pool if rows[n]["work_per_weight"] <= best * (1 + 1e-9)])
+            self._next_ticket += 1
+            backend = self._backends[chosen]
+            backend.in_flight[self._next_ticket] = (now, tokens)
+            self._recent_sizes.append(tokens)
+            return Pick(chosen, backend.address, self._next_ticket,
+                        factors={"request_tokens": tokens, "fits": bool(fitting), "backends": rows})
+
+    def finish(self, pick: Pick) -> None:
+        """The request of ``pick`` ended (answered, failed or cancelled); idempotent."""
+        if pick.ticket < 0:
+            return
+        with self._lock:
+            b = self._backends.get(pick.backend)
+            if b is not None:
+                b.in_flight.pop(pick.ticket, None)
+
+    def explain(self, now: float, request_class: str = "") -> dict[str, dict[str, Any]]:
+        """Every factor the next pick of ``request_class`` would weigh, per backend."""
+        with self._lock:
+            return {name: self._factors(b, request_class, now) for name, b in self._backends.items()}
+
+    def _mean_size(self) -> float:
+        sizes = self._recent_sizes
+        return sum(sizes) / len(sizes) if sizes else self.params.default_request_tokens
+
+    def _factors(self, b: _Backend, request_class: str, now: float) -> dict[str, Any]:
+        p, s = self.params, b.signals
+        age = now - s.updated
+        healthy = age <= p.unready_after_s
+        fresh = age <= p.stale_after_s
+        own_tokens = sum(t for _, t in b.in_flight.values())
+        visible = sum(1 for at, _ in b.in_flight.values() if at <= s.updated - p.visible_after_s)
+        unseen_tokens = sum(t for at, t in b.in_flight.values() if at > s.updated - p.visible_after_s)
+        engine_load = _sum_finite(s.running, s.waiting)
+        external = max(0.0, engine_load - visible) if fresh and math.isfinite(engine_load) else 0.0
+        capacity = s.kv_capacity_tokens
+        if fresh and math.isfinite(capacity) and capacity > 0 and math.isfinite(s.kv_usage):
+            free = capacity * (1.0 - min(1.0, max(0.0, s.kv_usage))) - unseen_tokens
+            reserve = capacity * p.kv_reserve_ratio
+        else:  # nothing trustworthy to fit against: every request fits, work decides
+            free, reserve = math.inf, 0.0
+        weight, drained, class_state = self._engine_view(b.name, request_class)
+        work = own_tokens + external * self._mean_size()
+        return {
+            "healthy": healthy, "fresh": fresh, "scrape_age_s": age if math.isfinite(age) else None,
+            "in_flight": len(b.in_flight), "in_flight_tokens": own_tokens, "unseen_tokens": unseen_tokens,
+            "external_requests": external, "free_kv_tokens": free, "reserve_tokens": reserve,
+            "weight": weight, "drained": drained, "class_state": class_state,
+            "work_tokens": work, "work_per_weight": work / weight if weight > 0 else math.inf,
+            "eligible": healthy and not drained and class_state != DRAIN and weight > 0,
+        }
+
+    def _engine_view(self, backend: str, request_class: str) -> tuple[float, bool, str | None]:
+        """(relative weight, drained, class admission) from the engine's last result; neutral without one."""
+        result = self._weights
+        if result is None or backend not in result.backends:
+            return 1.0, False, None
+        verdict = result.backends[backend]
+        top = max((v.weight for v in result.backends.values() if math.isfinite(v.weight)), default=0.0)
+        weight = verdict.weight / top if top > 0 and math.isfinite(verdict.weight) else 1.0
+        return max(weight, 0.05), verdict.state == DRAIN, result.class_state(backend, request_class)
+
+
+def _sum_finite(*values: float) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) if finite else NAN

@@ -1,0 +1,94 @@
+"""triscope as a Gateway API Inference Extension Endpoint Picker: per-request picks over ext_proc.
+
+:class:`HeadroomChooser` reads each buffered OpenAI request (``/v1/completions`` or
+``/v1/chat/completions``), estimates the KV it will hold and asks
+:class:`~triscope.analyzers.routing.picker.HeadroomPicker`; Envoy (or any GIE-conformant gateway)
+routes to the ``x-gateway-destination-endpoint`` it answers. The end of the request's ext_proc
+stream closes the picker's ledger entry. Live scrapes reach the picker through its ``observe``;
+the weight engine's results through ``set_weights``, so drains and class admission of the HAProxy,
+EDS, Traefik and JSON feeds hold for per-request picks too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from triscope.analyzers.routing.picker import HeadroomPicker, Pick, RequestNeed
+from triscope.exporters.extproc import Choice
+
+CLASS_HEADER = "x-triscope-class"
+"""The request's class (``speech``, ``image-text``, ...); a JSON field ``request_class`` also counts."""
+
+
+@dataclass(frozen=True)
+class NeedParams:
+    """How a request's KV need is estimated from its body."""
+
+    chars_per_token: float = 4.0
+    """Prompt characters per token (a text prompt is not tokenized here: a tokenizer per model costs more
+    than the estimate's error, which the KV reserve absorbs)."""
+    default_output_tokens: float = 256.0
+    """Expected output when the request sets no ``max_tokens``."""
+
+
+def request_need(doc: Mapping[str, Any], headers: Mapping[str, str], params: NeedParams) -> RequestNeed:
+    """The class and KV tokens (prompt + expected output) of one OpenAI-style request body."""
+    prompt = _prompt_tokens(doc.get("prompt"), params) + _chat_tokens(doc.get("messages"), params)
+    out = doc.get("max_tokens", doc.get("max_completion_tokens"))
+    output = float(out) if isinstance(out, int | float) and not isinstance(out, bool) and out > 0 else (
+        params.default_output_tokens)
+    cls = headers.get(CLASS_HEADER) or doc.get("request_class") or ""
+    return RequestNeed(str(cls)[:64], prompt + output if prompt > 0 else math.nan)
+
+
+def _prompt_tokens(prompt: Any, params: NeedParams) -> float:
+    if isinstance(prompt, str):
+        return len(prompt) / params.chars_per_token
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):  # token ids
+            return float(len(prompt))
+        return sum(_prompt_tokens(p, params) for p in prompt)
+    return 0.0
+
+
+def _chat_tokens(messages: Any, params: NeedParams) -> float:
+    if not isinstance(messages, list):
+        return 0.0
+    chars = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):  # parts: text counts by length; images by what the caller says
+            chars += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
+    return chars / params.chars_per_token
+
+
+class HeadroomChooser:
+    """The ext_proc :class:`~triscope.exporters.extproc.Chooser` of :class:`HeadroomPicker`."""
+
+    def __init__(self, picker: HeadroomPicker, need: NeedParams | None = None) -> None:
+        self.picker = picker
+        self.need = need or NeedParams()
+
+    def choose(self, body: bytes | None, headers: Mapping[str, str]) -> Choice:
+        need = RequestNeed(headers.get(CLASS_HEADER, "")[:64])
+        if body is not None:
+            try:
+                doc = json.loads(body)
+            except ValueError:
+                doc = None
+            if not isinstance(doc, dict):
+                return Choice(status=400, message="request body is not a JSON object")
+            need = request_need(doc, headers, self.need)
+        pick = self.picker.pick(need, time.monotonic())
+        return Choice(pick.backend, pick.address, detail=pick)
+
+    def done(self, choice: Choice) -> None:
+        if isinstance(choice.detail, Pick):
+            self.picker.finish(choice.detail)

@@ -1,0 +1,112 @@
+"""The per-request headroom picker (analyzers/routing/picker.py) and its request-need parser (exporters/epp.py).
+
+Pure logic on made-up scrapes; the picker behind a real Envoy is in tests/test_epp_gateway.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from triscope.analyzers.routing.model import BackendInputs, BackendWeight, ScaleDecision, WeightsResult
+from triscope.analyzers.routing.picker import HeadroomPicker, LiveSignals, PickerParams, RequestNeed
+from triscope.exporters.epp import HeadroomChooser, NeedParams, request_need
+
+NOW = 1000.0
+
+
+def _picker(n: int = 2, **params: object) -> HeadroomPicker:
+    return HeadroomPicker({f"b{i}": f"127.0.0.1:{9000 + i}" for i in range(n)}, PickerParams(seed=1, **params))
+
+
+def _idle(picker: HeadroomPicker, capacity: float = 1024.0, at: float = NOW) -> None:
+    for name in picker.backends:
+        picker.observe(name, LiveSignals(waiting=0, running=0, kv_usage=0.0, kv_capacity_tokens=capacity, updated=at))
+
+
+def test_a_burst_between_scrapes_spreads_by_the_ledger() -> None:
+    picker = _picker(4)
+    _idle(picker)
+    picks = [picker.pick(RequestNeed("speech", 64), NOW + 0.01 * i) for i in range(40)]
+    assert Counter(p.backend for p in picks) == {f"b{i}": 10 for i in range(4)}  # no herding on stale zeros
+    for p in picks:
+        picker.finish(p)
+        picker.finish(p)  # idempotent
+    assert picker.in_flight() == {f"b{i}": 0 for i in range(4)}
+
+
+def test_work_is_counted_in_tokens_not_connections() -> None:
+    picker = _picker(2)
+    _idle(picker, capacity=100_000)
+    big = picker.pick(RequestNeed("video", 400), NOW)
+    smalls = [picker.pick(RequestNeed("speech", 50), NOW) for _ in range(7)]
+    assert all(s.backend != big.backend for s in smalls)  # 7 x 50 < 400: leastconn would alternate
+
+
+def test_a_request_that_fits_nowhere_else_avoids_the_full_backend() -> None:
+    picker = _picker(2)
+    picker.observe("b0", LiveSignals(0, 1, 0.9, 1024.0, NOW))  # 102 tokens free, lightly loaded
+    picker.observe("b1", LiveSignals(0, 4, 0.2, 1024.0, NOW))  # room, busier
+    pick = picker.pick(RequestNeed("video", 400), NOW)
+    assert pick.backend == "b1" and pick.factors["fits"]
+    assert picker.pick(RequestNeed("speech", 30), NOW).backend == "b0"  # small ones still fit b0
+
+
+def test_requests_from_other_clients_count_as_work() -> None:
+    picker = _picker(2)
+    picker.observe("b0", LiveSignals(3, 4, 0.0, math.nan, NOW))  # a pinned tenant's 7 requests
+    picker.observe("b1", LiveSignals(0, 0, 0.0, math.nan, NOW))
+    got = Counter(picker.pick(RequestNeed("", 256), NOW).backend for _ in range(6))
+    assert got == {"b1": 6}
+
+
+def test_unready_and_drained_backends_leave_the_candidates() -> None:
+    picker = _picker(3)
+    _idle(picker)
+    picker.observe("b2", LiveSignals(0, 0, 0.0, 1024.0, NOW - 10))  # scrapes failing for 10 s
+    picker.set_weights(_result({"b0": "drain", "b1": "ready", "b2": "ready"}))
+    assert {picker.pick(RequestNeed("speech", 10), NOW).backend for _ in range(5)} == {"b1"}
+    explained = picker.explain(NOW, "speech")
+    assert explained["b0"]["drained"] and not explained["b2"]["healthy"] and explained["b1"]["in_flight"] == 5
+
+
+def test_when_nothing_is_eligible_it_still_routes() -> None:
+    picker = _picker(2)  # never scraped: a gateway starting up
+    assert picker.pick(RequestNeed("", math.nan), NOW).backend in ("b0", "b1")
+
+
+def test_stale_kv_is_not_trusted_for_fit() -> None:
+    picker = _picker(2, stale_after_s=1.0)
+    picker.observe("b0", LiveSignals(0, 0, 1.0, 1024.0, NOW - 2))  # full, but 2 s ago
+    picker.observe("b1", LiveSignals(0, 0, 0.0, 1024.0, NOW))
+    row = picker.explain(NOW)["b0"]
+    assert not row["fresh"] and row["healthy"] and math.isinf(row["free_kv_tokens"])
+
+
+def _result(states: dict[str, str]) -> WeightsResult:
+    backends = {n: BackendWeight(n, 1.0, 1.0, 100, s, (), {}, BackendInputs(n), 0.0) for n, s in states.items()}
+    return WeightsResult(backends, 1, NOW, False, (), False, {}, ScaleDecision("hold", math.nan, ""))
+
+
+@pytest.mark.parametrize(("doc", "headers", "cls", "tokens"), [
+    ({"prompt": "x" * 400, "max_tokens": 100}, {}, "", 200.0),
+    ({"prompt": [1, 2, 3], "max_tokens": 7, "request_class": "speech"}, {}, "speech", 10.0),
+    ({"messages": [{"role": "user", "content": "y" * 40}], "max_completion_tokens": 5},
+     {"x-triscope-class": "video"}, "video", 15.0),
+    ({"prompt": "z" * 8}, {}, "", 258.0),  # no max_tokens: the default output
+])
+def test_request_need_from_openai_bodies(doc: dict, headers: dict, cls: str, tokens: float) -> None:
+    need = request_need(doc, headers, NeedParams())
+    assert need.request_class == cls and need.kv_tokens == pytest.approx(tokens)
+
+
+def test_chooser_refuses_a_body_that_is_not_json_and_closes_the_ledger() -> None:
+    picker = _picker(2)
+    chooser = HeadroomChooser(picker)
+    assert chooser.choose(b"[1, 2", {}).status == 400
+    choice = chooser.choose(b'{"prompt": "hello", "max_tokens": 4}', {})
+    assert choice.address.startswith("127.0.0.1:") and sum(picker.in_flight().values()) == 1
+    chooser.done(choice)
+    assert sum(picker.in_flight().values()) == 0
