@@ -31,7 +31,8 @@ from triscope.analyzers.routing import (
 from triscope.component import Context, Submit
 from triscope.errors import ConfigError
 from triscope.exporters import prometheus_text
-from triscope.exporters.feed_http import FeedHTTPServer, json_error
+from triscope.exporters.feed_http import json_error
+from triscope.exporters.feed_server import FeedHTTPServer
 from triscope.exporters.formats import FORMATS, renderer
 from triscope.exporters.haproxy_agent import AgentServer
 from triscope.schema import WEIGHTS_HISTORY

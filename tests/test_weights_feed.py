@@ -645,3 +645,58 @@ def test_store_reader_counter_rate_and_lookback(store) -> None:
     assert c.qps == pytest.approx(180.0 / 7.0, rel=1e-6)  # counter rate over the 10 s window
     assert c.p99_seconds == {}  # NaN P99 = not measured
     assert c.memory_used_ratio != c.memory_used_ratio and c.sources["serving"] == pytest.approx(now - 1, abs=1e-3)
+
+
+def _read_responses(sock: socket.socket, count: int) -> list[bytes]:
+    """``count`` complete HTTP responses (Content-Length framed) from ``sock``."""
+    data, out = b"", []
+    while len(out) < count:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+        while (end := data.find(b"\r\n\r\n")) >= 0:
+            head = data[:end].decode("latin-1")
+            length = int(next(h.split(":", 1)[1] for h in head.split("\r\n")
+                              if h.lower().startswith("content-length")))
+            if len(data) < end + 4 + length:
+                break
+            out.append(data[:end + 4 + length])
+            data = data[end + 4 + length:]
+    return out
+
+
+def test_keep_alive_pipelining_and_connection_close(feed: WeightFeed) -> None:
+    request = b"GET /v1/weights HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", feed.http_port), timeout=5) as s:
+        s.sendall(request * 3 + b"HEAD /v1/weights HTTP/1.1\r\nHost: x\r\n\r\n"[:20])  # 3 whole, 1 split
+        answers = _read_responses(s, 3)
+        assert len(answers) == 3 and all(a.startswith(b"HTTP/1.1 200") for a in answers)
+        assert len(set(answers)) == 1  # the same pre-encoded bytes
+        s.sendall(b"HEAD /v1/weights HTTP/1.1\r\nHost: x\r\n\r\n"[20:]
+                  + b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+        rest = b""
+        while chunk := s.recv(65536):
+            rest += chunk
+        head_answer, _, after = rest.partition(b"\r\n\r\n")
+        assert head_answer.startswith(b"HTTP/1.1 200") and after.startswith(b"HTTP/1.1 200")  # HEAD: no body
+        assert after.endswith(b"ok\n") and b"Connection: close" in after
+    with socket.create_connection(("127.0.0.1", feed.http_port), timeout=5) as s:  # HTTP/1.0: one request
+        s.sendall(b"GET /v1/weights HTTP/1.0\r\n\r\n")
+        assert _read_responses(s, 1)[0].startswith(b"HTTP/1.1 200") and s.recv(10) == b""
+
+
+def test_oversized_head_malformed_line_and_idle_connections_are_closed(fleet: Fleet) -> None:
+    p = params(feed={"port": 0, "agent_port": -1, "header_timeout_s": 0.3})
+    with WeightFeed(p, inputs_fn=fleet).start() as feed:
+        with socket.create_connection(("127.0.0.1", feed.http_port), timeout=5) as s:
+            s.sendall(b"GET /v1/weights HTTP/1.1\r\nX-Big: " + b"a" * 20_000)
+            assert s.recv(100).startswith(b"HTTP/1.1 431")
+        with socket.create_connection(("127.0.0.1", feed.http_port), timeout=5) as s:
+            s.sendall(b"BREW\r\n\r\n")
+            assert s.recv(100).startswith(b"HTTP/1.1 400")
+        with socket.create_connection(("127.0.0.1", feed.http_port), timeout=5) as s:
+            s.sendall(b"GET /v1/weights HTTP/1.1\r\n")  # never finished
+            started = time.monotonic()
+            assert s.recv(100) == b"" and time.monotonic() - started < 3
+        assert weights(feed)["backends"]  # still serving

@@ -14,7 +14,7 @@ last scrape. Per request it estimates the KV the request will hold (prompt + exp
 3. when none fits, the least work among all candidates (queueing there beats evicting elsewhere).
 
 Pure logic: scrapes come in through :meth:`HeadroomPicker.observe`, engine results through
-:meth:`HeadroomPicker.set_weights`; times are ``time.monotonic()`` seconds. docs/routing.md#picker.
+:meth:`HeadroomPicker.set_weights`; times are ``time.monotonic()`` seconds. docs/epp.md.
 """
 
 from __future__ import annotations

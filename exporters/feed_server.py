@@ -1,0 +1,226 @@
+"""The weight feed's HTTP server: an event-loop HTTP/1.1 server answering from pre-encoded responses.
+
+Load balancers poll the feed many times a second each; at fleet scale that is hundreds of thousands
+of polls a second. A thread-per-connection server spends most of each poll in the HTTP machinery,
+so this one parses just what the feed needs (request line, ``Content-Length``, ``Transfer-Encoding``,
+``Connection``) on one asyncio loop (uvloop when installed) and answers repeated polls with the same
+encoded bytes until the engine publishes a new result (:func:`~triscope.exporters.feed_http.route`
+returns the same body object until then, so the cache key's hash is computed once).
+
+Bounds: at most ``max_connections`` connections (``max_per_client`` from one address), extra ones
+are closed unanswered; request heads over ``MAX_HEAD_BYTES`` get 431, bodies over the feed's
+``max_body_bytes`` 413 (nothing read), chunked bodies 411; a connection idle for
+``header_timeout_s`` before a complete request is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import Counter
+from typing import TYPE_CHECKING, cast
+
+from triscope.exporters.feed_http import JSON_TYPE, json_error, route
+
+if TYPE_CHECKING:
+    from triscope.exporters.feed import WeightFeed
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 16 * 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+_CACHE_LIMIT = 64
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
+            413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            503: "Service Unavailable"}
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop  # optional: about twice the requests per second of the default loop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+class FeedHTTPServer:
+    """The feed's HTTP listener on ``bind:port`` (0 = ephemeral) on its own thread and event loop."""
+
+    def __init__(self, feed: WeightFeed, bind: str, port: int, max_connections: int, max_per_client: int = 0,
+                 header_timeout_s: float | None = None) -> None:
+        self.feed = feed
+        self.max_connections = max_connections
+        self.max_per_client = max_per_client or min(max_connections, max(16, max_connections // 4))
+        self.header_timeout_s = header_timeout_s or DEFAULT_HEADER_TIMEOUT_S
+        self.connections = 0
+        self.per_client: Counter[str] = Counter()
+        self.open_connections: set[_Connection] = set()
+        self._cache: dict[tuple[int, str, bytes, bool], bytes] = {}
+        self._loop = _new_loop()
+        self._server: asyncio.Server | None = None
+        self._loop.run_until_complete(self._listen(bind, port))
+        assert self._server is not None
+        self.port: int = int(self._server.sockets[0].getsockname()[1])
+        self._thread: threading.Thread | None = None
+
+    async def _listen(self, bind: str, port: int) -> None:
+        self._server = await self._loop.create_server(lambda: _Connection(self), bind, port, backlog=1024,
+                                                      reuse_address=True)
+
+    def start(self) -> FeedHTTPServer:
+        self._thread = threading.Thread(target=self._loop.run_forever, name="triscope-feed-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+                for conn in list(self.open_connections):
+                    conn.close()
+        if self._thread is not None and self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=2.0)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=2.0)
+        self._thread = None
+        if not self._loop.is_running() and not self._loop.is_closed():
+            self._loop.close()
+
+    def response(self, method: str, path: str, body: bytes, close: bool) -> bytes:
+        """The encoded answer to one request (HEAD: headers only)."""
+        try:
+            status, ctype, payload = route(self.feed, "GET" if method == "HEAD" else method, path, body)
+        except Exception as exc:
+            text = str(exc).strip().splitlines()
+            log.warning("feed %s %s failed: %s", method, path, text[0] if text else type(exc).__name__)
+            status, ctype, payload = 500, JSON_TYPE, json_error(text[0] if text else type(exc).__name__)
+        if method == "HEAD":
+            return encode(status, ctype, payload, close)[: -len(payload) or None]
+        key = (status, ctype, payload, close)
+        cached = self._cache.get(key)
+        if cached is None:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            cached = self._cache[key] = encode(status, ctype, payload, close)
+        return cached
+
+
+def encode(status: int, ctype: str, body: bytes, close: bool) -> bytes:
+    head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nServer: triscope-feed\r\n"
+            f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\nCache-Control: no-store\r\n"
+            + ("Connection: close\r\n" if close else "") + "\r\n")
+    return head.encode("latin-1") + body
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: FeedHTTPServer) -> None:
+        self.server = server
+        self.buffer = b""
+        self.transport: asyncio.Transport | None = None
+        self.client = ""
+        self.counted = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = tcp = cast(asyncio.Transport, transport)  # uvloop's TCP transport is no subclass
+        peer = tcp.get_extra_info("peername")
+        self.client = str(peer[0]) if peer else ""
+        s = self.server
+        if s.connections >= s.max_connections or s.per_client[self.client] >= s.max_per_client:
+            tcp.abort()  # over the bound: closed unanswered, as the agent port does
+            return
+        s.connections += 1
+        s.per_client[self.client] += 1
+        self.counted = True
+        s.open_connections.add(self)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.counted:
+            s = self.server
+            s.connections -= 1
+            s.per_client[self.client] -= 1
+            if s.per_client[self.client] <= 0:
+                del s.per_client[self.client]
+            s.open_connections.discard(self)
+            self.counted = False
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _arm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = asyncio.get_running_loop().call_later(self.server.header_timeout_s, self.close)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while self.transport is not None and not self.transport.is_closing():
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buffer) > MAX_HEAD_BYTES:
+                    self._fail(431, "request head too large")
+                return
+            if end > MAX_HEAD_BYTES:
+                self._fail(431, "request head too large")
+                return
+            if not self._one(end):
+                return
+
+    def _one(self, end: int) -> bool:
+        """Answer the request whose head ends at ``end``; False when its body has not fully arrived."""
+        lines = self.buffer[:end].decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            self._fail(400, "malformed request line")
+            return False
+        method, target, version = parts
+        length, chunked, connection = "0", False, ""
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            if name == "content-length":
+                length = value.strip()
+            elif name == "transfer-encoding":
+                chunked = value.strip().lower() != "identity"
+            elif name == "connection":
+                connection = value.strip().lower()
+        if chunked:
+            self._fail(411, "chunked bodies are not accepted; send Content-Length")
+            return False
+        try:
+            size = int(length)
+        except ValueError:
+            size = -1
+        if size < 0:
+            self._fail(400, f"bad Content-Length {length!r}")
+            return False
+        limit = self.server.feed.max_body_bytes
+        if size > limit:
+            self._fail(413, f"body of {size} bytes exceeds the limit of {limit} ([weights.feed] max_body_bytes)")
+            return False
+        start = end + 4
+        if len(self.buffer) < start + size:
+            return False
+        body, self.buffer = self.buffer[start:start + size], self.buffer[start + size:]
+        close = connection == "close" or (version == "HTTP/1.0" and connection != "keep-alive")
+        assert self.transport is not None
+        self.transport.write(self.server.response(method, target.split("?", 1)[0], body, close))
+        if close:
+            self.transport.close()
+            return False
+        self._arm()
+        return True
+
+    def _fail(self, status: int, message: str) -> None:
+        """An error answer, then close: the rest of the stream cannot be framed."""
+        assert self.transport is not None
+        self.transport.write(encode(status, JSON_TYPE, json_error(message), True))
+        self.transport.close()
