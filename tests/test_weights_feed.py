@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -700,3 +701,25 @@ def test_oversized_head_malformed_line_and_idle_connections_are_closed(fleet: Fl
             started = time.monotonic()
             assert s.recv(100) == b"" and time.monotonic() - started < 3
         assert weights(feed)["backends"]  # still serving
+
+
+def test_cli_explain_shows_every_factor_of_one_backend(store, tmp_path, capsys, monkeypatch) -> None:
+    from triscope.cli import main
+
+    monkeypatch.delenv("TRISCOPE_CONFIG", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    _seed(store, time.time())
+    cfg = _config_file(tmp_path, store, '[weights.backends."gpu-b:8000"]\nhost = "gpu-b"\ngpus = [0]\n')
+    assert main(["weights", "explain", "gpu-a:8000", "--json", "-c", cfg]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["inputs"]["memory_used_ratio"] == pytest.approx(0.9)
+    assert doc["penalties"]["memory"] > 1 and set(doc["penalties"]) >= {"memory", "kv_cache", "load", "latency"}
+    product = math.prod(v for v in doc["penalties"].values())
+    assert doc["penalty_product"] == pytest.approx(product) and doc["raw_weight"] == pytest.approx(1 / product)
+    assert doc["haproxy_agent_reply"] == f"ready {doc['lb_weight']}%"
+    assert main(["weights", "explain", "gpu-b:8000", "-c", cfg]) == 0
+    out = capsys.readouterr().out
+    assert "gpu-b:8000" in out and "drain because" in out and "penalties" in out and "'drain'" in out
+    assert main(["weights", "explain", "nope:1", "-c", cfg]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gpu-a:8000" in err

@@ -36,6 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show = sub.add_parser("show", help="compute one update from the store and print it")
     add_common(show)
     show.set_defaults(func=run_show)
+    explain = sub.add_parser("explain", help="compute one update from the store and show every factor behind "
+                                             "one backend's weight")
+    explain.add_argument("backend", help="backend name as in `weights show` (host:port)")
+    add_common(explain)
+    explain.set_defaults(func=run_explain)
     gate = sub.add_parser("haproxy-gate", help="print the HAProxy lines of the per-request batch gate "
                                                "(classes with admit_batch_ratio)")
     gate.add_argument("--pool", action="append", default=[], metavar="CLASS=BACKEND",
@@ -109,6 +114,73 @@ def _once(args: argparse.Namespace) -> int:
         _print(feed.update(), args.json)
     finally:
         store.close()
+    return 0
+
+
+def explanation(result: Any, backend: str) -> dict[str, Any]:
+    """Every factor behind ``backend``'s verdict in ``result``: the weight is 1 / the product of its
+    penalties, normalised over the fleet, damped towards ``target``; what each LB is told follows."""
+    from triscope.exporters.haproxy_agent import agent_reply
+
+    b = result.backends[backend]
+    doc = result.to_dict()["backends"][backend]
+    penalties = doc["factors"]
+    product = 1.0
+    for v in penalties.values():
+        product *= v if v is not None else 1.0
+    return {
+        "backend": backend, "version": result.version, "state": b.state, "reasons": list(b.reasons),
+        "weight": doc["weight"], "target": doc["target"], "lb_weight": b.lb_weight,
+        "penalties": penalties, "penalty_product": product, "raw_weight": 1.0 / product if product > 0 else None,
+        "inputs": doc["inputs"], "age_seconds": doc["age_seconds"], "stale": backend in result.stale_backends,
+        "drain_suppressed": b.drain_suppressed,
+        "class_admission": {c: states.get(backend) for c, states in result.class_admission.items()},
+        "haproxy_agent_reply": agent_reply(result, backend).strip(),
+        "class_priority_weights": {c: dict(v).get("priority_weight") for c, v in result.classes.items()},
+    }
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    """``triscope weights explain BACKEND``."""
+    from triscope.commands._common import print_json
+    from triscope.errors import InputError
+    from triscope.exporters.feed import WeightFeed
+    from triscope.store import open_store
+
+    config, params = _params(args)
+    store = open_store(config)
+    try:  # one update, as `weights show`
+        result = WeightFeed(params, store=store).update()
+    finally:
+        store.close()
+    if args.backend not in result.backends:
+        known = ", ".join(sorted(result.backends)) or "none (no serving metrics, GPU samples or [weights.backends])"
+        raise InputError(f"no backend {args.backend!r} in the weights (known: {known})")
+    doc = explanation(result, args.backend)
+    if args.json:
+        print_json(doc)
+        return 0
+    from triscope.console import report_console
+
+    def num(x: Any, spec: str = ".3g") -> str:
+        return "-" if x is None else format(x, spec)
+
+    console = report_console()
+    console.print(f"[bold]{args.backend}[/bold] (weights v{doc['version']}): {doc['state']}"
+                  + (f" because {', '.join(doc['reasons'])}" if doc["reasons"] else "")
+                  + (" [STALE inputs]" if doc["stale"] else ""))
+    console.print("penalties (each >= 1; raw weight = 1 / their product): " + ", ".join(
+        f"{k} {num(v)}" for k, v in doc["penalties"].items()) + f" -> product {num(doc['penalty_product'])}")
+    console.print(f"weight {num(doc['weight'])} (target {num(doc['target'])}, damped), LB weight {doc['lb_weight']}, "
+                  f"HAProxy agent says {doc['haproxy_agent_reply']!r}")
+    i = doc["inputs"]
+    console.print("inputs: " + ", ".join(f"{k} {num(v)}" for k, v in i.items()
+                                         if k not in ("p99_seconds", "sources", "healthy"))
+                  + f", healthy {i['healthy']}, age {num(doc['age_seconds'])} s")
+    if i["p99_seconds"]:
+        console.print("P99 by class: " + ", ".join(f"{c} {num(v)} s" for c, v in i["p99_seconds"].items()))
+    if doc["class_admission"]:
+        console.print("class admission: " + ", ".join(f"{c} {s}" for c, s in doc["class_admission"].items()))
     return 0
 
 

@@ -1,0 +1,108 @@
+"""CPU each test-bed policy's data path spends per request (the LB, its picker and their scrapes).
+
+    .venv/bin/python bench/datapath_cpu.py --requests 1500 --policies haproxy-leastconn,gie-epp,triscope-epp
+
+Two simulated vLLM-CPU backends (cheap: they sleep for their compute), one policy at a time in front
+of them (``sim/testbed_fronts.py``, the same processes as ``bench/testbed.py``), a client in its own
+process sending small completions from 8 connections. CPU is read from /proc (psutil) before and
+after: the policy's own processes (HAProxy, Envoy, sglang-router, triscope's feed worker) and this
+process, which hosts the in-process pickers (GIE's and triscope's ext_proc servers and their 50 ms
+scrapers). On a host whose engines are CPU-bound (the 2-core vLLM test bed) this CPU is taken from
+the engines; docs/closed_loop.md uses it to read the real-fleet results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from triscope.sim.testbed_fleet import SimTestFleet, backend_layout
+from triscope.sim.testbed_fronts import POLICIES, FrontOptions, front
+
+CLIENT = r"""
+import http.client, json, sys, threading, time
+port, total, conns = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+body = json.dumps({"model": "tiny-llama", "prompt": "hello world " * 8, "prompt_tokens": 24, "max_tokens": 4,
+                   "request_class": "speech"}).encode()
+ok = [0] * conns
+def run(i):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    for _ in range(total // conns):
+        c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = c.getresponse(); r.read()
+        ok[i] += r.status == 200
+t0 = time.monotonic()
+ts = [threading.Thread(target=run, args=(i,)) for i in range(conns)]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(json.dumps({"ok": sum(ok), "sent": conns * (total // conns), "wall_s": time.monotonic() - t0}))
+"""
+
+
+def _cpu(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def measure(policy: str, fleet: SimTestFleet, workdir: Path, requests: int, conns: int) -> dict[str, float]:
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    with front(policy, fleet, workdir / policy, FrontOptions(sglang_warmup_s=0.0, seed=1)) as fr:
+        lb = [p for p in me.children(recursive=True) if p.pid not in before]
+        time.sleep(1.0)  # idle scrapes and health checks settle
+        lb0, own0, t0 = _cpu(lb), _cpu([me]), time.monotonic()
+        out = subprocess.run([sys.executable, "-c", CLIENT, str(fr.port), str(requests), str(conns)],
+                             capture_output=True, text=True, check=True, timeout=600)
+        lb1, own1, t1 = _cpu(lb), _cpu([me]), time.monotonic()
+    client = json.loads(out.stdout)
+    n = max(1, client["ok"])
+    return {"requests_ok": client["ok"], "sent": client["sent"], "wall_s": round(t1 - t0, 2),
+            "lb_processes_cpu_ms_per_request": round(1000 * (lb1 - lb0) / n, 3),
+            "in_process_picker_cpu_ms_per_request": round(1000 * (own1 - own0) / n, 3),
+            "total_cpu_ms_per_request": round(1000 * ((lb1 - lb0) + (own1 - own0)) / n, 3),
+            "data_path_cpu_share_of_one_core": round(((lb1 - lb0) + (own1 - own0)) / (t1 - t0), 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="CPU per request of each policy's data path")
+    parser.add_argument("--requests", type=int, default=1500)
+    parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--policies", default="haproxy-leastconn,triscope,gie-epp,triscope-epp")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or args.requests < args.connections:
+        parser.error(f"unknown policies {unknown} (known: {', '.join(POLICIES)})" if unknown
+                     else "--requests must be >= --connections")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="tsdp-") as tmp, \
+            SimTestFleet(backend_layout(2, "none"), Path(tmp)) as fleet:
+        for policy in policies:
+            results[policy] = measure(policy, fleet, Path(tmp), args.requests, args.connections)
+            if not args.json:
+                r = results[policy]
+                print(f"{policy:<20} {r['requests_ok']:>5}/{r['sent']} ok  LB processes "
+                      f"{r['lb_processes_cpu_ms_per_request']:6.2f} ms  in-process picker "
+                      f"{r['in_process_picker_cpu_ms_per_request']:6.2f} ms  total "
+                      f"{r['total_cpu_ms_per_request']:6.2f} ms CPU/request  "
+                      f"({r['data_path_cpu_share_of_one_core']:.2f} of a core)", flush=True)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
