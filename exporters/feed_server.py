@@ -7,8 +7,12 @@ so this one parses just what the feed needs (request line, ``Content-Length``, `
 encoded bytes until the engine publishes a new result (:func:`~triscope.exporters.feed_http.route`
 returns the same body object until then, so the cache key's hash is computed once).
 
-Bounds: at most ``max_connections`` connections (``max_per_client`` from one address), extra ones
-are closed unanswered; request heads over ``MAX_HEAD_BYTES`` get 431, bodies over the feed's
+Bounds: at most ``max_connections`` connections (``max_per_client`` from one address); at a limit a
+new connection takes the slot of the oldest slow one (from that client when its own limit is the one
+reached): one that started a request and has not finished its head within 0.25 s, or that has sent
+nothing for 1 s, as :mod:`triscope.httpserver` does; with none, the new one is closed unanswered. A
+poll that sends its request at once therefore gets in while slow clients hold every slot. Request
+heads over ``MAX_HEAD_BYTES`` get 431, bodies over the feed's
 ``max_body_bytes`` 413 (nothing read), chunked bodies 411; a connection idle for
 ``header_timeout_s`` before a complete request is closed.
 """
@@ -23,6 +27,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, cast
 
 from triscope.exporters.feed_http import JSON_TYPE, json_error, route
+from triscope.httpserver import DEFAULT_EVICT_AFTER_S, DEFAULT_EVICT_PARTIAL_AFTER_S, default_max_per_client
 
 if TYPE_CHECKING:
     from triscope.exporters.feed import WeightFeed
@@ -53,11 +58,13 @@ class FeedHTTPServer:
                  header_timeout_s: float | None = None) -> None:
         self.feed = feed
         self.max_connections = max_connections
-        self.max_per_client = max_per_client or min(max_connections, max(16, max_connections // 4))
+        self.max_per_client = max_per_client or default_max_per_client(max_connections)
         self.header_timeout_s = header_timeout_s or DEFAULT_HEADER_TIMEOUT_S
-        self.connections = 0
         self.per_client: Counter[str] = Counter()
         self.open_connections: set[_Connection] = set()
+        self.refused_total = 0
+        self.evicted_total = 0
+        self.expired_total = 0
         self._cache: dict[tuple[int, str, bytes, bool], bytes] = {}
         self._loop = _new_loop()
         self._server: asyncio.Server | None = None
@@ -89,6 +96,42 @@ class FeedHTTPServer:
         self._thread = None
         if not self._loop.is_running() and not self._loop.is_closed():
             self._loop.close()
+
+    @property
+    def connections(self) -> int:
+        """Connections holding a slot now."""
+        return len(self.open_connections)
+
+    def admit(self, conn: _Connection, now: float) -> bool:
+        """Give ``conn`` a slot, evicting the oldest slow connection at a limit; False: refuse it."""
+        client_full = self.per_client[conn.client] >= self.max_per_client
+        if client_full or self.connections >= self.max_connections:
+            victim = self._victim(conn.client if client_full else None, now)
+            if victim is None:
+                self.refused_total += 1
+                return False
+            self.evicted_total += 1
+            victim.drop(abort=True)
+        self.open_connections.add(conn)
+        self.per_client[conn.client] += 1
+        return True
+
+    def release(self, conn: _Connection) -> None:
+        if conn in self.open_connections:
+            self.open_connections.discard(conn)
+            self.per_client[conn.client] -= 1
+            if self.per_client[conn.client] <= 0:
+                del self.per_client[conn.client]
+
+    def _victim(self, client: str | None, now: float) -> _Connection | None:
+        best: _Connection | None = None
+        for c in self.open_connections:
+            grace = DEFAULT_EVICT_PARTIAL_AFTER_S if c.buffer else DEFAULT_EVICT_AFTER_S
+            if now - c.since < grace or (client is not None and c.client != client):
+                continue
+            if best is None or c.since < best.since:
+                best = c
+        return best
 
     def response(self, method: str, path: str, body: bytes, close: bool) -> bytes:
         """The encoded answer to one request (HEAD: headers only)."""
@@ -122,43 +165,45 @@ class _Connection(asyncio.Protocol):
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
         self.client = ""
-        self.counted = False
+        self.since = 0.0
+        """When it connected or last got an answer (the start of its wait for a request)."""
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = tcp = cast(asyncio.Transport, transport)  # uvloop's TCP transport is no subclass
         peer = tcp.get_extra_info("peername")
         self.client = str(peer[0]) if peer else ""
-        s = self.server
-        if s.connections >= s.max_connections or s.per_client[self.client] >= s.max_per_client:
-            tcp.abort()  # over the bound: closed unanswered, as the agent port does
+        self.since = asyncio.get_running_loop().time()
+        if not self.server.admit(self, self.since):
+            tcp.abort()  # over the bound and nobody to evict: closed unanswered
+            self.transport = None
             return
-        s.connections += 1
-        s.per_client[self.client] += 1
-        self.counted = True
-        s.open_connections.add(self)
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.drop(abort=False)
+
+    def drop(self, abort: bool) -> None:
+        """Give the slot back (at once, also when evicted); ``abort`` cuts the connection."""
         if self.timer is not None:
             self.timer.cancel()
-        if self.counted:
-            s = self.server
-            s.connections -= 1
-            s.per_client[self.client] -= 1
-            if s.per_client[self.client] <= 0:
-                del s.per_client[self.client]
-            s.open_connections.discard(self)
-            self.counted = False
+            self.timer = None
+        self.server.release(self)
+        if abort and self.transport is not None:
+            self.transport.abort()
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
 
+    def _expire(self) -> None:
+        self.server.expired_total += 1
+        self.close()
+
     def _arm(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        self.timer = asyncio.get_running_loop().call_later(self.server.header_timeout_s, self.close)
+        self.timer = asyncio.get_running_loop().call_later(self.server.header_timeout_s, self._expire)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -216,6 +261,7 @@ class _Connection(asyncio.Protocol):
         if close:
             self.transport.close()
             return False
+        self.since = asyncio.get_running_loop().time()
         self._arm()
         return True
 

@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kill-at", type=float, default=0.4, help="killed: when b0 dies, as a share of the run")
     p.add_argument("--timeout-factor", type=float, default=6.0, help="client timeout = max(2 s, SLA x this)")
     p.add_argument("--sglang-warmup-s", type=float, default=None, help="wait before the run (default 31 s)")
+    p.add_argument("--epp-scrape-ms", type=float, default=None,
+                   help="triscope-epp: /metrics scrape period (default 250 ms; the GIE picker keeps its 50 ms)")
     p.add_argument("--out-dir", default="var/testbed", help="PNGs and the JSON document go here")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the tables")
     args = p.parse_args(argv)
@@ -81,6 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad or not args.fleets or not args.policy_list:
         raise SystemExit(f"unknown fleet or policy: {', '.join(bad) or '(none given)'} "
                          f"(fleets: {', '.join(FLEETS)}; policies: {', '.join(POLICIES)})")
+    if args.epp_scrape_ms is not None and not 10 <= args.epp_scrape_ms <= 10_000:
+        raise SystemExit("--epp-scrape-ms must be 10-10000")
     if args.backends < 1 or args.sim_backends < 0 or not 0 < args.pin_ratio < 1 or not 0 < args.kill_at < 1:
         raise SystemExit("--backends >= 1, --pin-ratio and --kill-at in (0, 1) expected")
     if args.scenario == "killed" and min(args.backends, args.sim_backends or args.backends) < 2:
@@ -120,6 +124,8 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
     opts = FrontOptions(sla_s=dict(profile.sla_s), seed=args.seed)
     if args.sglang_warmup_s is not None:
         opts.sglang_warmup_s = args.sglang_warmup_s
+    if args.epp_scrape_ms is not None:
+        opts.epp_scrape_s = args.epp_scrape_ms / 1000
     duration = max(a.t for a in schedule) if schedule else 0.0
     before = fleet.counters()
     t0 = time.monotonic()

@@ -6,7 +6,7 @@
 | ``sglang-p2c`` / ``-cache-aware`` | sglang-router 0.3.2 (real) | ``/get_load`` every 30 s / prefix tree + counts |
 | ``gie-epp`` | Envoy + ext_proc, the GIE Endpoint Picker's default profile | queue, KV, prefix scrapes every 50 ms |
 | ``triscope`` | HAProxy leastconn + triscope's agent-check feed | KV, queue, latency, QPS scrapes every 100 ms |
-| ``triscope-epp`` | Envoy + ext_proc, triscope's headroom picker | own in-flight ledger, KV fit, 50 ms scrapes |
+| ``triscope-epp`` | Envoy + ext_proc, triscope's headroom picker | own in-flight ledger, KV fit, 250 ms scrapes |
 
 Every data path has health checks a user would configure (HAProxy ``check``, GIE's pod readiness,
 sglang-router's own) and no retries of a request that reached a backend (``retries 0``,
@@ -51,6 +51,9 @@ class FrontOptions:
     """sglang-router's first ``/get_load`` poll runs before any worker is registered; the run starts after
     its second one (a router in production has been up for longer than 30 s)."""
     agent_inter_ms: int = 100
+    epp_scrape_s: float = 0.25
+    """triscope-epp's scrape period: its ledger covers what changes between scrapes, and each scrape costs the
+    engine's API server CPU (``bench/datapath_cpu.py --vllm-scrape-cost``)."""
     weights: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
 
@@ -114,10 +117,11 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
             yield Front(gw.port, {"picker": "GIE EPP default profile (re-implemented), Envoy ext_proc"})
     elif policy == "triscope-epp":
         picker = HeadroomPicker({b.name: b.address for b in fleet.backends}, PickerParams(seed=opts.seed))
-        scraper = MetricsScraper([Pod(b.name, b.address) for b in fleet.backends], GieParams(default_model=fleet.model),
+        scraper = MetricsScraper([Pod(b.name, b.address) for b in fleet.backends],
+                                 GieParams(default_model=fleet.model, refresh_s=opts.epp_scrape_s),
                                  on_scrape=lambda pod, m: picker.observe(pod.name, live_signals(m)))
         chooser = HeadroomChooser(picker, NeedParams(chars_per_token=fleet.chars_per_token))
         with EppGateway(chooser, scraper, workdir) as gw:
-            yield Front(gw.port, {"picker": "triscope HeadroomPicker, Envoy ext_proc"})
+            yield Front(gw.port, {"picker": "triscope HeadroomPicker, Envoy ext_proc", "scrape_s": opts.epp_scrape_s})
     else:
         raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")

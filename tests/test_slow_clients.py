@@ -140,7 +140,8 @@ def _poll_agent(port: int) -> float:
 # three rounds from the LB's own address (the hard case: only eviction lets a poll in), one from another
 @pytest.mark.parametrize("source, round_", [("127.0.0.1", 0), ("127.0.0.1", 1), ("127.0.0.1", 2), ("127.0.0.2", 0)])
 def test_lb_polls_are_answered_while_slow_clients_attack(feed: WeightFeed, source: str, round_: int) -> None:
-    server = feed._http._server  # type: ignore[union-attr]
+    server = feed._http  # the event-loop server (exporters/feed_server.py)
+    assert server is not None
     agent = feed._agent._server  # type: ignore[union-attr]
     slow_http = Attack(feed.http_port, HTTP_ATTACKERS, b"GET /v1/weights HTTP/1.1\r\nHost: x\r\n", b"X-a: b\r\n",
                        2.0, source)
@@ -155,7 +156,7 @@ def test_lb_polls_are_answered_while_slow_clients_attack(feed: WeightFeed, sourc
             time.sleep(0.1)
         # bounds held throughout: never more than the caps, threads bounded
         assert server.connections <= server.max_connections
-        assert max(server._per_client.values(), default=0) <= server.max_per_client
+        assert max(server.per_client.values(), default=0) <= server.max_per_client
         assert threading.active_count() < 2 * (server.max_per_client + agent.max_per_client) + 64
     print(f"\n{source} round {round_}: HTTP polls max {max(http_s) * 1000:.0f} ms, agent max "
           f"{max(agent_s) * 1000:.0f} ms; http refused {server.refused_total} evicted {server.evicted_total} "
