@@ -37,12 +37,19 @@ def test_a_burst_between_scrapes_spreads_by_the_ledger() -> None:
     assert picker.in_flight() == {f"b{i}": 0 for i in range(4)}
 
 
-def test_work_is_counted_in_tokens_not_connections() -> None:
-    picker = _picker(2)
+def test_work_can_be_counted_in_tokens_instead_of_requests() -> None:
+    picker = _picker(2, work_unit="tokens")
     _idle(picker, capacity=100_000)
     big = picker.pick(RequestNeed("video", 400), NOW)
     smalls = [picker.pick(RequestNeed("speech", 50), NOW) for _ in range(7)]
     assert all(s.backend != big.backend for s in smalls)  # 7 x 50 < 400: leastconn would alternate
+    by_count = _picker(2)
+    _idle(by_count, capacity=100_000)
+    big = by_count.pick(RequestNeed("video", 400), NOW)
+    assert Counter(by_count.pick(RequestNeed("speech", 50), NOW).backend == big.backend for _ in range(7)) == {
+        False: 4, True: 3}
+    with pytest.raises(ValueError, match="work_unit"):
+        _picker(2, work_unit="bytes")
 
 
 def test_a_request_that_fits_nowhere_else_avoids_the_full_backend() -> None:

@@ -9,8 +9,8 @@ last scrape. Per request it estimates the KV the request will hold (prompt + exp
    within ``unready_after_s``);
 2. among those whose free KV (capacity x (1 - usage) at the last scrape, minus what the ledger sent
    there since) fits the request, picks the least outstanding work per unit of weight; work is the
-   ledger's tokens plus the requests the backend runs or queues that did not come through this
-   picker (another LB, a pinned tenant), at the mean request size;
+   ledger's requests (or their tokens) plus the requests the backend runs or queues that did not
+   come through this picker (another LB, a pinned tenant);
 3. when none fits, the least work among all candidates (queueing there beats evicting elsewhere).
 
 Pure logic: scrapes come in through :meth:`HeadroomPicker.observe`, engine results through
@@ -46,6 +46,10 @@ class PickerParams:
     """Share of each backend's KV kept free by the fit test (decode growth of running requests)."""
     default_request_tokens: float = 256.0
     """Size assumed for requests of unknown size until the picker has seen some."""
+    work_unit: str = "requests"
+    """What outstanding work counts: ``requests`` (in flight, as leastconn; the better of the two on the
+    vLLM-CPU test bed, docs/epp.md) or ``tokens`` (their KV need, which overweights long requests near
+    their end)."""
     seed: int | None = None
 
 
@@ -96,6 +100,8 @@ class HeadroomPicker:
         if not backends:
             raise ValueError("the picker needs at least one backend")
         self.params = params or PickerParams()
+        if self.params.work_unit not in ("requests", "tokens"):
+            raise ValueError(f"work_unit must be requests or tokens, not {self.params.work_unit!r}")
         self._backends = {name: _Backend(name, address) for name, address in backends.items()}
         self._weights: WeightsResult | None = None
         self._lock = threading.Lock()
@@ -175,7 +181,8 @@ class HeadroomPicker:
         else:  # nothing trustworthy to fit against: every request fits, work decides
             free, reserve = math.inf, 0.0
         weight, drained, class_state = self._engine_view(b.name, request_class)
-        work = own_tokens + external * self._mean_size()
+        by_tokens = p.work_unit == "tokens"
+        work = own_tokens + external * self._mean_size() if by_tokens else len(b.in_flight) + external
         return {
             "healthy": healthy, "fresh": fresh, "scrape_age_s": age if math.isfinite(age) else None,
             "in_flight": len(b.in_flight), "in_flight_tokens": own_tokens, "unseen_tokens": unseen_tokens,
