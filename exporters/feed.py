@@ -31,7 +31,7 @@ from triscope.analyzers.routing import (
 from triscope.component import Context, Submit
 from triscope.errors import ConfigError
 from triscope.exporters import prometheus_text
-from triscope.exporters.feed_http import json_error
+from triscope.exporters.feed_http import json_error, one_line
 from triscope.exporters.feed_server import FeedHTTPServer
 from triscope.exporters.formats import FORMATS, renderer
 from triscope.exporters.haproxy_agent import AgentServer
@@ -42,11 +42,6 @@ log = logging.getLogger(__name__)
 JSON_TYPE = "application/json"
 InputsFn = Callable[[], Sequence[BackendInputs]]
 Response = tuple[int, str, bytes]
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class WeightFeed:
@@ -177,9 +172,9 @@ class WeightFeed:
             self._history_error = ""
         except Exception as exc:
             self.history_rows_dropped += len(columns["ts"])
-            if _one_line(exc) != self._history_error:
-                log.warning("weights history rows not submitted: %s", _one_line(exc))
-            self._history_error = _one_line(exc)
+            if one_line(exc) != self._history_error:
+                log.warning("weights history rows not submitted: %s", one_line(exc))
+            self._history_error = one_line(exc)
 
     def inputs_age_seconds(self) -> float:
         """Age of the oldest backend input at the last update (NaN before one)."""
@@ -207,14 +202,14 @@ class WeightFeed:
             self.update()
         except Exception as exc:
             self.update_errors_total += 1
-            message = _one_line(exc)
+            message = one_line(exc)
             if message != self.last_error:
                 log.warning("weights update failed: %s", message)
             self.last_error = message
             try:
                 self._fall_back()
             except Exception as fallback_exc:  # the engine on no inputs: never expected, never fatal
-                log.warning("weights fallback failed: %s", _one_line(fallback_exc))
+                log.warning("weights fallback failed: %s", one_line(fallback_exc))
         else:
             self.last_error = ""
 
@@ -265,7 +260,7 @@ class WeightFeed:
                                           max_per_client=self.params.feed.max_connections_per_client).start()
         except OSError as exc:
             self.close()
-            raise ConfigError(f"weight feed cannot listen on {self.bind}: {_one_line(exc)}") from None
+            raise ConfigError(f"weight feed cannot listen on {self.bind}: {one_line(exc)}") from None
         self._stop.clear()
         self._loop = threading.Thread(target=self._run_loop, name="triscope-feed-update", daemon=True)
         self._loop.start()
@@ -288,7 +283,7 @@ class WeightFeed:
             try:
                 self._store.close()
             except Exception as exc:
-                log.debug("weight feed: closing the store: %s", _one_line(exc))
+                log.debug("weight feed: closing the store: %s", one_line(exc))
             self._store, self._owns_store = None, False
 
     def __enter__(self) -> WeightFeed:

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
 JSON_TYPE = "application/json"
 
 
+def one_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, else its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def json_error(message: str) -> bytes:
     """``{"error": message}`` on one line."""
     return json.dumps({"error": message}).encode() + b"\n"

@@ -26,8 +26,13 @@ import threading
 from collections import Counter
 from typing import TYPE_CHECKING, cast
 
-from triscope.exporters.feed_http import JSON_TYPE, json_error, route
-from triscope.httpserver import DEFAULT_EVICT_AFTER_S, DEFAULT_EVICT_PARTIAL_AFTER_S, default_max_per_client
+from triscope.exporters.feed_http import JSON_TYPE, json_error, one_line, route
+from triscope.httpserver import (
+    DEFAULT_EVICT_AFTER_S,
+    DEFAULT_EVICT_PARTIAL_AFTER_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    default_max_per_client,
+)
 
 if TYPE_CHECKING:
     from triscope.exporters.feed import WeightFeed
@@ -35,7 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 16 * 1024
-DEFAULT_HEADER_TIMEOUT_S = 10.0
 _CACHE_LIMIT = 64
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
             413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
@@ -138,9 +142,8 @@ class FeedHTTPServer:
         try:
             status, ctype, payload = route(self.feed, "GET" if method == "HEAD" else method, path, body)
         except Exception as exc:
-            text = str(exc).strip().splitlines()
-            log.warning("feed %s %s failed: %s", method, path, text[0] if text else type(exc).__name__)
-            status, ctype, payload = 500, JSON_TYPE, json_error(text[0] if text else type(exc).__name__)
+            log.warning("feed %s %s failed: %s", method, path, one_line(exc))
+            status, ctype, payload = 500, JSON_TYPE, json_error(one_line(exc))
         if method == "HEAD":
             return encode(status, ctype, payload, close)[: -len(payload) or None]
         key = (status, ctype, payload, close)

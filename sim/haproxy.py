@@ -7,14 +7,13 @@ import io
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from triscope.exporters.haproxy_gate import LUA_PATH as GATE_LUA
 from triscope.exporters.haproxy_gate import gate_rules
-from triscope.sim.procs import stop_process
+from triscope.sim.procs import socket_dir, stop_process
 
 
 def free_port() -> int:
@@ -105,9 +104,8 @@ class HAProxy:
             raise ValueError(f"pool limits for classes without a pool: {', '.join(sorted(unknown))}")
         self.port = port or free_port()
         self.binary = binary or shutil.which("haproxy") or "haproxy"
-        self.socket_path = self.workdir / "haproxy.sock"
-        if len(str(self.socket_path.resolve())) > 100:  # a UNIX socket path has at most 107 bytes
-            self.socket_path = Path(tempfile.mkdtemp(prefix="hap-")) / "haproxy.sock"
+        # HAProxy binds "<path>.<pid>.tmp" first, then renames it: room for the suffix too
+        self.socket_path = socket_dir(self.workdir.resolve(), len("/haproxy.sock.4194304.tmp")) / "haproxy.sock"
         self.config_path = self.workdir / "haproxy.cfg"
         self.proc: subprocess.Popen | None = None
 

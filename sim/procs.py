@@ -1,9 +1,30 @@
-"""Child processes of the test bed (backends, HAProxy, feed workers): stop them without leaks."""
+"""Child processes of the test bed (backends, HAProxy, feed workers): stop them without leaks, and
+give their Unix sockets paths that fit."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import subprocess
+from pathlib import Path
 from typing import Any
+
+SUN_PATH_MAX = 107
+"""Longest Unix socket path (``sizeof(sockaddr_un.sun_path)`` less its NUL)."""
+
+
+def socket_dir(folder: Path, reserve: int, prefix: str = "triscope-sock-") -> Path:
+    """``folder`` when a socket name of ``reserve`` bytes (separator included) fits under it, else a short
+    private directory under /tmp named after it (the same one on every call, created mode 0700): deep
+    work directories, such as pytest's, would make ``bind`` fail."""
+    if len(str(folder)) + reserve <= SUN_PATH_MAX:
+        return folder
+    digest = hashlib.sha256(str(folder).encode()).hexdigest()[:16]
+    short = Path("/tmp") / f"{prefix}{digest}"
+    short.mkdir(mode=0o700, exist_ok=True)
+    if short.stat().st_uid != os.getuid():  # somebody else's directory: never put our sockets there
+        raise RuntimeError(f"{short} belongs to another user; use a shorter work directory")
+    return short
 
 
 def stop_process(proc: subprocess.Popen[Any] | None, grace_s: float = 5.0) -> None:

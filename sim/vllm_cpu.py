@@ -11,7 +11,6 @@ Facts, flags and figures: docs/vllm-testbed.md. Requests: :mod:`triscope.sim.vll
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from triscope.sim.haproxy import free_port
+from triscope.sim.procs import socket_dir
 
 VLLM_VERSION = "0.32.0"
 REPO = Path(__file__).resolve().parent.parent
@@ -70,21 +70,10 @@ class VllmInstall:
         return None
 
 
-# A Unix socket path must fit sockaddr_un (107 bytes); vLLM appends "/<uuid4>" (37) to its RPC base path.
-_RPC_BASE_MAX = 107 - 37
-
-
 def rpc_socket_dir(tmp: Path) -> Path:
-    """``tmp`` when vLLM's ZMQ sockets fit under it, else a short private directory under /tmp named
-    after it (deep work directories, such as pytest's, would make ``bind`` fail)."""
-    if len(str(tmp)) <= _RPC_BASE_MAX:
-        return tmp
-    digest = hashlib.sha256(str(tmp).encode()).hexdigest()[:16]
-    short = Path("/tmp") / f"triscope-rpc-{digest}"
-    short.mkdir(mode=0o700, exist_ok=True)
-    if short.stat().st_uid != os.getuid():  # somebody else's directory: never put our sockets there
-        raise RuntimeError(f"{short} belongs to another user; give vLLM a shorter work directory")
-    return short
+    """Where vLLM's ZMQ sockets go (``VLLM_RPC_BASE_PATH``): ``tmp``, or a short private directory when
+    vLLM's ``/<uuid4>`` names would not fit under it (:func:`~triscope.sim.procs.socket_dir`)."""
+    return socket_dir(tmp, 37, prefix="triscope-rpc-")
 
 
 def quiet_env(workdir: Path, vllm_cache: Path | None = None, **extra: str) -> dict[str, str]:
