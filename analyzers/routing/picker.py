@@ -170,7 +170,9 @@ class HeadroomPicker:
         healthy = age <= p.unready_after_s
         fresh = age <= p.stale_after_s
         own_tokens = sum(t for _, t in b.in_flight.values())
-        visible = sum(1 for at, _ in b.in_flight.values() if at <= s.updated - p.visible_after_s)
+        # the engine counts a request as waiting as soon as it arrives: every pick before the scrape is in
+        # its running + waiting (or not yet arrived), so none of them may count again as another client's
+        visible = sum(1 for at, _ in b.in_flight.values() if at <= s.updated)
         unseen_tokens = sum(t for at, t in b.in_flight.values() if at > s.updated - p.visible_after_s)
         engine_load = _sum_finite(s.running, s.waiting)
         external = max(0.0, engine_load - visible) if fresh and math.isfinite(engine_load) else 0.0
