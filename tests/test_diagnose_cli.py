@@ -214,20 +214,24 @@ def test_json_piped_into_head(tmp_path: Path) -> None:
 
 def test_start_up_imports_only_what_the_command_needs(tmp_path: Path) -> None:
     """CLI start-up stays small: ``--help`` loads none of chDB, numpy, rich, matplotlib; a query on an empty
-    store loads chDB only (timed by bench/cli_e2e.py)."""
-    heavy = ("chdb", "numpy", "rich", "matplotlib", "pyarrow", "pandas")
+    store loads chDB's engine only, not its package (timed by bench/cli_e2e.py), and a command configured for a
+    server store does not load chDB at all."""
+    heavy = ("chdb._chdb", "chdb", "numpy", "rich", "matplotlib", "pyarrow", "pandas")
     probe = ("import sys, contextlib, io\nfrom triscope.cli import main\nout = io.StringIO()\n"
              "try:\n    with contextlib.redirect_stdout(out): main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
              f"print(' '.join(m for m in {heavy!r} if m in sys.modules))")
     env = {**os.environ, "TRISCOPE_STORE__PATH": str(tmp_path / "db")}
 
-    def loaded(*args: str) -> set[str]:
-        res = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env,
-                             cwd=REPO, timeout=120)
+    def loaded(*args: str, **extra_env: str) -> set[str]:
+        res = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True,
+                             env={**env, **extra_env}, cwd=REPO, timeout=120)
         assert res.returncode == 0, res.stderr
         return set(res.stdout.split())
 
     assert loaded("--help") == set()
     assert loaded("diagnose", "--help") == set()
-    assert loaded("nccl", "stragglers", "--json") == {"chdb"}
+    assert loaded("nccl", "stragglers", "--json") == {"chdb._chdb"}
+    # A server store (nothing listens on this port: the command fails with its one-line error) needs no chDB.
+    assert "chdb._chdb" not in loaded("nccl", "stragglers", "--json", TRISCOPE_STORE__BACKEND="server",
+                                      TRISCOPE_STORE__URL="http://127.0.0.1:9")
     assert loaded("diagnose", "--since", "1m", "--json") & {"rich", "matplotlib", "pyarrow", "pandas"} == set()

@@ -183,7 +183,7 @@ def test_releasing_memory_hands_freed_engine_memory_back_to_the_os(store):
     heavy = "SELECT length(groupArray(toString(number))) FROM numbers(3000000)"
     store.query(heavy)
     kept = _rss_anon_mb()
-    with store.releasing_memory(period_s=0.02):
+    with store.releasing_memory(period_s=0.02, after_s=0.02):
         import time
 
         time.sleep(0.3)

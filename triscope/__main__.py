@@ -1,5 +1,3 @@
-import sys
+from triscope.cli import entry
 
-from triscope.cli import main
-
-sys.exit(main())
+entry()

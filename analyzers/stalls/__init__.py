@@ -9,11 +9,11 @@ Modules: :mod:`.config` (``[stalls]``), :mod:`.readers` (SQL), :mod:`.metrics` (
 """
 
 from triscope.analyzers.intervals import coverage as busy_ns
-from triscope.analyzers.stalls.classifier import diagnose_stalls, parse_duration
+from triscope.analyzers.stalls.classifier import diagnose_runs, diagnose_stalls, parse_duration
 from triscope.analyzers.stalls.config import CLASSES, UNCLASSIFIED, StallsConfig, stall_config
 from triscope.analyzers.stalls.readers import trace_span
 from triscope.analyzers.stalls.report import ACTIONS, Evidence, StallReport, Window
 from triscope.analyzers.stalls.rules import classify_window
 
 __all__ = ["ACTIONS", "CLASSES", "UNCLASSIFIED", "Evidence", "StallReport", "StallsConfig", "Window", "busy_ns",
-           "classify_window", "diagnose_stalls", "parse_duration", "stall_config", "trace_span"]
+           "classify_window", "diagnose_runs", "diagnose_stalls", "parse_duration", "stall_config", "trace_span"]

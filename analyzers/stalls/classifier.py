@@ -52,7 +52,8 @@ class _Units(dict[tuple[str, str], Unit]):
 
 
 def _gather(store: Store, start_ns: int, end_ns: int, max_events: int, host_set: set[str], gpu_set: set[int],
-            model: str | None, run_ids: list[str] | None) -> tuple[_Units, bool]:
+            model: str | None, run_ids: list[str] | None,
+            parts: list[dict[str, Any]] | None = None) -> tuple[_Units, bool]:
     """Units with their samples and trace intervals; whether a model filter applies."""
     units = _Units()
     model_gpus = readers.model_gpus(store, model, start_ns, end_ns) if model else None
@@ -62,7 +63,9 @@ def _gather(store: Store, start_ns: int, end_ns: int, max_events: int, host_set:
             continue
         sm, dram, l2, util = (float("nan") if v is None else float(v) for v in ratios)
         units.get_unit(host, int(gpu)).samples.append((int(ts), sm, dram, l2, util))
-    for part in readers.trace_parts(store, start_ns, end_ns, run_ids):
+    if parts is None:
+        parts = readers.trace_parts(store, start_ns, end_ns, run_ids)
+    for part in parts:
         if host_set and part["host"] not in host_set:
             continue
         if gpu_set and part["device"] not in gpu_set:
@@ -79,15 +82,19 @@ def _gather(store: Store, start_ns: int, end_ns: int, max_events: int, host_set:
 
 def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, Any],
                     hosts: Iterable[str] | None = None, gpus: Iterable[int] | None = None,
-                    model: str | None = None, run_ids: list[str] | None = None, by: str = "window") -> StallReport:
-    """Classify every window (or profiler step) of every GPU/rank with data in [start_ns, end_ns)."""
+                    model: str | None = None, run_ids: list[str] | None = None, by: str = "window",
+                    trace_parts: list[dict[str, Any]] | None = None) -> StallReport:
+    """Classify every window (or profiler step) of every GPU/rank with data in [start_ns, end_ns).
+
+    ``trace_parts``: ``readers.trace_parts`` of this range and these runs when the caller has them."""
     cfg = stall_config(config)
     if end_ns <= start_ns:
         raise InputError("the time range is empty (--until is before --since)")
     w_ns = int(round(cfg.window_ms * 1e6))
     host_set = set(hosts or [])
     gpu_set = {int(g) for g in gpus or []}
-    units, by_model = _gather(store, start_ns, end_ns, cfg.max_trace_events, host_set, gpu_set, model, run_ids)
+    units, by_model = _gather(store, start_ns, end_ns, cfg.max_trace_events, host_set, gpu_set, model, run_ids,
+                              trace_parts)
     io_by_host: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
     for row in readers.io_rows(store, start_ns, end_ns):
         io_by_host[row[0]].append(row)
@@ -123,3 +130,10 @@ def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, 
     report.flight_recorder = flight_recorder_check(store, run_ids, None if run_ids else start_ns,
                                                    None if run_ids else end_ns)
     return report
+
+
+def diagnose_runs(store: Store, run_ids: list[str], config: dict[str, Any], by: str = "step") -> StallReport:
+    """Verdicts over the whole recorded span of the given trace runs (their extents read once)."""
+    parts = readers.trace_parts(store, -(2**62), 2**62, run_ids)
+    start_ns, end_ns = readers.span_of(parts, run_ids)
+    return diagnose_stalls(store, start_ns, end_ns + 1, config, run_ids=run_ids, by=by, trace_parts=parts)

@@ -101,7 +101,11 @@ def trace_parts(store: Store, start_ns: int, end_ns: int, run_ids: list[str] | N
 
 def trace_span(store: Store, run_ids: list[str]) -> tuple[int, int]:
     """UTC epoch ns span covered by the given trace runs."""
-    parts = trace_parts(store, -(2**62), 2**62, run_ids)
+    return span_of(trace_parts(store, -(2**62), 2**62, run_ids), run_ids)
+
+
+def span_of(parts: list[dict[str, Any]], run_ids: list[str]) -> tuple[int, int]:
+    """UTC epoch ns span covered by ``trace_parts`` of the given runs."""
     if not parts:
         raise InputError(f"no trace events for run(s) {', '.join(run_ids)}")
     return min(p["lo"] for p in parts), max(p["hi"] for p in parts)

@@ -78,7 +78,7 @@ def _trace_files(paths: list[str] | None) -> list[tuple[str, Path]]:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from triscope.analyzers.stalls import diagnose_stalls, trace_span
+    from triscope.analyzers.stalls import diagnose_runs
     from triscope.analyzers.trace_breakdown import analyze_run
     from triscope.analyzers.trace_report import print_report, report_dict
     from triscope.collectors.kineto.ingest import ingest_trace
@@ -116,8 +116,7 @@ def run(args: argparse.Namespace) -> int:
             for entry in _unique_runs(report["runs"]):
                 ranks = analyze_run(store, entry["run_id"])
                 entry["breakdown"] = report_dict(entry["run_id"], ranks)
-                start_ns, end_ns = trace_span(store, [entry["run_id"]])
-                stalls = diagnose_stalls(store, start_ns, end_ns + 1, config, run_ids=[entry["run_id"]], by="step")
+                stalls = diagnose_runs(store, [entry["run_id"]], config, by="step")
                 entry["stalls"] = stalls.to_json()
                 entry["stall_shares"] = stalls.share_text()
                 if not args.json:

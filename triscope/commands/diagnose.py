@@ -67,7 +67,6 @@ def run_traces(args: argparse.Namespace) -> int:
 
     Exit 2 when no file could be ingested, 1 when some could not or a run could not be classified (the
     rest is reported), else as the stall diagnosis (3 on a breached threshold)."""
-    warm = _warm_imports()  # before any heavy import of this command
     from triscope.collectors.kineto.config import TraceIngestConfig
     from triscope.collectors.kineto.errors import RefusedTraceError, SkippedTraceError
     from triscope.collectors.kineto.ingest import IngestResult, ingest_paths
@@ -94,10 +93,12 @@ def run_traces(args: argparse.Namespace) -> int:
                   f"({outcome.gpu_events:,} GPU) in {outcome.seconds:.2f}s", file=sys.stderr)
 
     store = open_store(config)
+    # Started once the store is open: before, the command's own imports and chDB's start-up need the GIL.
+    warm = _warm_imports()
     try:
         results = ingest_paths(store, args.paths, run_id=args.trace_run, on_file=on_file, settings=settings)
         run_ids = list(dict.fromkeys(r.run_id for r in results if r.events))
-        from triscope.analyzers.stalls import diagnose_stalls, trace_span
+        from triscope.analyzers.stalls import diagnose_runs
         from triscope.analyzers.trace_breakdown import analyze_run
 
         reports: list[tuple[str, Any, StallReport | None]] = []
@@ -106,8 +107,7 @@ def run_traces(args: argparse.Namespace) -> int:
             ranks = analyze_run(store, run_id, ranks=args.rank, include_last_step=args.include_last_step)
             stalls = None
             try:  # the breakdown stands on its own: a run the classifier refuses (too large) still gets it
-                start_ns, end_ns = trace_span(store, [run_id])
-                stalls = diagnose_stalls(store, start_ns, end_ns + 1, config, run_ids=[run_id], by="step")
+                stalls = diagnose_runs(store, [run_id], config, by="step")
                 breaches += stalls.breaches()
             except InputError as exc:
                 failures.append(f"{run_id}: stall verdicts: {exc}")

@@ -88,6 +88,9 @@ _NUMPY_KIND = {"int8": "i1", "int16": "<i2", "int32": "<i4", "int64": "<i8", "ui
 
 RELEASE_MEMORY_PERIOD_S = 0.05
 """136 MB trace, ingest + breakdown: peak RSS 389 MB instead of 430, time within noise."""
+RELEASE_MEMORY_AFTER_S = 0.5
+"""The first purge: short work (a 27 MB trace ingests in ~0.3 s) frees little and would pay a
+connection and purges (~30 ms of a 0.8 s ``triscope diagnose``) for nothing."""
 
 
 class EmbeddedStore(Store):
@@ -95,9 +98,9 @@ class EmbeddedStore(Store):
 
     def __init__(self, path: str | os.PathLike[str], database: str = "triscope", cluster: str = "") -> None:
         global _process_path
-        import chdb  # imported here: chDB start-up is heavy and not every command needs it
+        from triscope.store.chdb_engine import engine  # here: chDB start-up is heavy, not every command needs it
 
-        self._chdb = chdb
+        self._engine = engine()
         self.path = str(Path(path).resolve())
         self.database = database
         self.cluster = cluster
@@ -136,7 +139,7 @@ class EmbeddedStore(Store):
         conn = getattr(self._local, "conn", None)
         if conn is None:
             try:
-                conn = _connect(self._chdb, self.path)
+                conn = self._engine.connect(self.path)
                 conn.query("SELECT 1", "CSV")  # warm-up on this thread before use
                 # LowCardinality columns come out of Arrow queries as dictionaries (see _column_to_numpy)
                 conn.query("SET output_format_arrow_low_cardinality_as_dictionary = 1", "CSV")
@@ -203,14 +206,17 @@ class EmbeddedStore(Store):
     reads_local_files = True
 
     @contextlib.contextmanager
-    def releasing_memory(self, period_s: float = RELEASE_MEMORY_PERIOD_S) -> Iterator[None]:
-        """Purge the allocator's freed pages every ``period_s`` while the block runs (as the
+    def releasing_memory(self, period_s: float = RELEASE_MEMORY_PERIOD_S,
+                         after_s: float = RELEASE_MEMORY_AFTER_S) -> Iterator[None]:
+        """Purge the allocator's freed pages every ``period_s`` from ``after_s`` on while the block runs (as the
         ClickHouse server's memory worker does; chDB runs none). jemalloc keeps freed pages ~5 s,
         and inserts and merges free memory in one thread's arena while another allocates, so
         without this resident memory grows to about twice what the queries hold."""
         stop = threading.Event()
 
         def purge() -> None:
+            if stop.wait(max(0.0, after_s - period_s)):
+                return
             while not stop.wait(period_s):
                 try:
                     self.command("SYSTEM JEMALLOC PURGE")
@@ -242,13 +248,6 @@ class EmbeddedStore(Store):
                     conn.close()
             self._connections.clear()
         self._local = threading.local()
-
-
-def _connect(chdb: Any, path: str) -> Any:
-    """chDB's C-level connection (same ``query(sql, format, params)``): the ``chdb.connect`` wrapper imports
-    pyarrow and numpy (~0.1 s), which a query answered as text does not need."""
-    raw: Any = getattr(chdb, "_chdb", None)
-    return raw.connect(path) if hasattr(raw, "connect") else chdb.connect(path)
 
 
 def _literal(value: Any) -> str:
