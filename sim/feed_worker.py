@@ -21,9 +21,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from triscope.collectors.prom_text import histogram_quantile, parse_exposition
 from triscope.collectors.serving_metrics import aggregate
 from triscope.errors import InputError
+from triscope.prom_text import histogram_quantile, parse_exposition
 
 NAN = float("nan")
 CLASS_HIST = "triscope_sim_request_latency_seconds"

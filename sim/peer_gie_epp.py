@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from triscope.collectors.http_fetch import fetch
-from triscope.collectors.prom_text import parse_exposition
 from triscope.errors import InputError
+from triscope.http_fetch import fetch
+from triscope.prom_text import keep_families, parse_exposition
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 """GIE names the request's InferenceObjective in this header; the objective carries its priority."""
@@ -109,24 +109,9 @@ FAMILIES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_c
             "vllm:cache_config_info")
 
 
-def _family_lines(text: str) -> str:
-    """Only the lines of :data:`FAMILIES`: parsing a whole ~200-line vLLM page 60 times a second
-    costs a CPU core's half in Python (GIE's Go parser does not mind)."""
-    keep = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            parts = line.split(" ", 3)
-            name = parts[2] if len(parts) > 2 else ""
-        else:
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in FAMILIES:
-            keep.append(line)
-    return "\n".join(keep) + "\n"
-
-
 def parse_pod_metrics(text: str, now: float) -> PodMetrics:
     """The values GIE's vLLM mapping reads from a ``/metrics`` page (InputError when none is there)."""
-    series = parse_exposition(_family_lines(text), "metrics")
+    series = parse_exposition(keep_families(text, FAMILIES), "metrics")
 
     def first(name: str) -> tuple[dict[str, str], float] | None:
         samples = series.get(name)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from triscope.collectors.prom_text import parse_exposition
+from triscope.prom_text import parse_exposition
 from triscope.sim.backend import BackendSpec
 from triscope.sim.bench_fleet import PYTHON, read_ready
 from triscope.sim.haproxy import free_port

@@ -17,8 +17,8 @@ import threading
 import urllib.request
 from typing import Any
 
-from triscope.collectors.prom_text import parse_exposition
 from triscope.errors import InputError
+from triscope.prom_text import parse_exposition
 from triscope.sim.haproxy import free_port
 
 MAX_HEAD_BYTES = 16 * 1024

@@ -37,6 +37,22 @@ def test_a_burst_between_scrapes_spreads_by_the_ledger() -> None:
     assert picker.in_flight() == {f"b{i}": 0 for i in range(4)}
 
 
+def test_a_request_that_ended_after_the_scrape_is_not_another_clients() -> None:
+    """A scrape that saw our request running, read after the request ended: the engine's count still holds it,
+    but it is ours (not external load) until the next scrape."""
+    picker = _picker(2)
+    _idle(picker, at=NOW)
+    short = picker.pick(RequestNeed("speech", 64), NOW + 0.01)
+    other = "b1" if short.backend == "b0" else "b0"
+    picker.observe(short.backend, LiveSignals(0, 1, 0.0, 1024.0, NOW + 0.05))  # it runs at the scrape
+    picker.finish(short, now=NOW + 0.06)
+    rows = picker.explain(NOW + 0.07)
+    assert rows[short.backend]["external_requests"] == 0 and rows[short.backend]["work_tokens"] == 0
+    picker.observe(short.backend, LiveSignals(0, 1, 0.0, 1024.0, NOW + 0.10))  # another client's, this time
+    assert picker.explain(NOW + 0.11)[short.backend]["external_requests"] == 1
+    assert picker.explain(NOW + 0.11)[other]["external_requests"] == 0
+
+
 def test_work_can_be_counted_in_tokens_instead_of_requests() -> None:
     picker = _picker(2, work_unit="tokens")
     _idle(picker, capacity=100_000)

@@ -9,8 +9,8 @@ import pytest
 from conftest import free_port
 from scrape_helpers import Route, raw_server
 
-from triscope.collectors.http_fetch import UnreachableError, fetch
 from triscope.errors import InputError
+from triscope.http_fetch import UnreachableError, fetch
 
 BODY = b"# TYPE up gauge\nup 1\n"
 

@@ -10,10 +10,10 @@ import pytest
 from conftest import free_port, shared_data
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from triscope.collectors.prom_text import bucket_delta, histogram_quantile, parse_exposition
 from triscope.collectors.serving_metrics import ServingMetricsScraper, Target, create
 from triscope.component import Context
 from triscope.errors import InputError
+from triscope.prom_text import bucket_delta, histogram_quantile, parse_exposition
 from triscope.schema import qualified
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

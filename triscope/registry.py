@@ -28,6 +28,7 @@ COLLECTORS: dict[str, str] = {
 EXPORTERS: dict[str, str] = {
     "prometheus": "triscope.exporters.prometheus:create",
     "weights_feed": "triscope.exporters.feed:create",
+    "epp": "triscope.exporters.epp_service:create",  # per-request picks over Envoy ext_proc (GIE EPP)
 }
 """Exporter names usable in ``[run] exporters``."""
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -65,6 +66,48 @@ class LiveSignals:
 
 
 @dataclass(frozen=True)
+class EngineView:
+    """What the picker takes from the weight engine: weights, drains and class admission per backend."""
+
+    weights: Mapping[str, float] = field(default_factory=dict)
+    drained: frozenset[str] = frozenset()
+    class_admission: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Per class, per backend: ``ready`` or ``drain``."""
+    version: int = 0
+
+    @classmethod
+    def of(cls, result: WeightsResult) -> EngineView:
+        return cls({n: v.weight for n, v in result.backends.items()},
+                   frozenset(n for n, v in result.backends.items() if v.state == DRAIN),
+                   result.class_admission, result.version)
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> EngineView:
+        """The feed's ``/v1/weights`` JSON (``WeightsResult.to_dict``); ValueError when it is not one."""
+        backends = doc.get("backends")
+        if not isinstance(backends, Mapping):
+            raise ValueError("not a /v1/weights document: no backends table")
+        weights, drained = {}, set()
+        for name, b in backends.items():
+            if not isinstance(b, Mapping):
+                raise ValueError(f"not a /v1/weights document: backend {name!r} is not a table")
+            w = b.get("weight")
+            weights[str(name)] = float(w) if isinstance(w, int | float) and not isinstance(w, bool) else NAN
+            if b.get("state") == DRAIN:
+                drained.add(str(name))
+        admission = {}
+        for cls_name, entry in (doc.get("class_admission") or {}).items():
+            states = entry.get("backends") if isinstance(entry, Mapping) else None
+            if isinstance(states, Mapping):
+                admission[str(cls_name)] = {str(k): str(v) for k, v in states.items()}
+        version = doc.get("version")
+        return cls(weights, frozenset(drained), admission, version if isinstance(version, int) else 0)
+
+    def class_state(self, backend: str, request_class: str) -> str | None:
+        return self.class_admission.get(request_class, {}).get(backend)
+
+
+@dataclass(frozen=True)
 class RequestNeed:
     """What a request will hold: its class and KV tokens (prompt + expected output)."""
 
@@ -79,6 +122,8 @@ class _Backend:
     signals: LiveSignals = field(default_factory=LiveSignals)
     in_flight: dict[int, tuple[float, float]] = field(default_factory=dict)
     """ticket -> (picked at, tokens)."""
+    ended: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=4096))
+    """(picked at, ended at) of requests that ended after the last scrape: the scrape may still count them."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +148,7 @@ class HeadroomPicker:
         if self.params.work_unit not in ("requests", "tokens"):
             raise ValueError(f"work_unit must be requests or tokens, not {self.params.work_unit!r}")
         self._backends = {name: _Backend(name, address) for name, address in backends.items()}
-        self._weights: WeightsResult | None = None
+        self._engine: EngineView | None = None
         self._lock = threading.Lock()
         self._rng = random.Random(self.params.seed)
         self._next_ticket = 0
@@ -116,12 +161,17 @@ class HeadroomPicker:
     def observe(self, backend: str, signals: LiveSignals) -> None:
         """Record a successful scrape of ``backend``."""
         with self._lock:
-            self._backends[backend].signals = signals
+            b = self._backends[backend]
+            b.signals = signals
+            while b.ended and b.ended[0][1] <= signals.updated:  # ended before this scrape: not in it
+                b.ended.popleft()
 
-    def set_weights(self, result: WeightsResult | None) -> None:
-        """The weight engine's latest result: drains, class admission and relative weights."""
+    def set_weights(self, result: WeightsResult | EngineView | None) -> None:
+        """The weight engine's latest result (in process, or read from the feed's ``/v1/weights``):
+        drains, class admission and relative weights; None: neutral."""
+        view = EngineView.of(result) if isinstance(result, WeightsResult) else result
         with self._lock:
-            self._weights = result
+            self._engine = view
 
     def in_flight(self) -> dict[str, int]:
         with self._lock:
@@ -146,14 +196,16 @@ class HeadroomPicker:
             return Pick(chosen, backend.address, self._next_ticket,
                         factors={"request_tokens": tokens, "fits": bool(fitting), "backends": rows})
 
-    def finish(self, pick: Pick) -> None:
-        """The request of ``pick`` ended (answered, failed or cancelled); idempotent."""
+    def finish(self, pick: Pick, now: float | None = None) -> None:
+        """The request of ``pick`` ended (answered, failed or cancelled) at ``now`` (monotonic); idempotent."""
         if pick.ticket < 0:
             return
+        ended_at = time.monotonic() if now is None else now
         with self._lock:
             b = self._backends.get(pick.backend)
-            if b is not None:
-                b.in_flight.pop(pick.ticket, None)
+            entry = b.in_flight.pop(pick.ticket, None) if b is not None else None
+            if b is not None and entry is not None:
+                b.ended.append((entry[0], ended_at))
 
     def explain(self, now: float, request_class: str = "") -> dict[str, dict[str, Any]]:
         """Every factor the next pick of ``request_class`` would weigh, per backend."""
@@ -173,6 +225,8 @@ class HeadroomPicker:
         # the engine counts a request as waiting as soon as it arrives: every pick before the scrape is in
         # its running + waiting (or not yet arrived), so none of them may count again as another client's
         visible = sum(1 for at, _ in b.in_flight.values() if at <= s.updated)
+        # so is a request that ran across the scrape and has ended since: still in that scrape's count
+        visible += sum(1 for at, end in b.ended if at <= s.updated < end)
         unseen_tokens = sum(t for at, t in b.in_flight.values() if at > s.updated - p.visible_after_s)
         engine_load = _sum_finite(s.running, s.waiting)
         external = max(0.0, engine_load - visible) if fresh and math.isfinite(engine_load) else 0.0
@@ -196,13 +250,13 @@ class HeadroomPicker:
 
     def _engine_view(self, backend: str, request_class: str) -> tuple[float, bool, str | None]:
         """(relative weight, drained, class admission) from the engine's last result; neutral without one."""
-        result = self._weights
-        if result is None or backend not in result.backends:
+        view = self._engine
+        if view is None or backend not in view.weights:
             return 1.0, False, None
-        verdict = result.backends[backend]
-        top = max((v.weight for v in result.backends.values() if math.isfinite(v.weight)), default=0.0)
-        weight = verdict.weight / top if top > 0 and math.isfinite(verdict.weight) else 1.0
-        return max(weight, 0.05), verdict.state == DRAIN, result.class_state(backend, request_class)
+        own = view.weights[backend]
+        top = max((w for w in view.weights.values() if math.isfinite(w)), default=0.0)
+        weight = own / top if top > 0 and math.isfinite(own) else 1.0
+        return max(weight, 0.05), backend in view.drained, view.class_state(backend, request_class)
 
 
 def _sum_finite(*values: float) -> float:

@@ -15,8 +15,8 @@ from triscope.collectors.dcgm.config import DcgmConfig, TargetSpec
 from triscope.collectors.dcgm.parse import FIELDS, Field, Parsed, is_blank, parse_exposition
 from triscope.collectors.dcgm.rows import NO_GPU, Identity, fold, rows_from_text
 from triscope.collectors.dcgm.scraper import DcgmScraper
-from triscope.collectors.http_fetch import UnreachableError
 from triscope.component import Context
+from triscope.http_fetch import UnreachableError
 
 
 def create(config: dict[str, Any], context: Context) -> DcgmScraper:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from triscope.collectors.http_fetch import REDIRECT_POLICIES
 from triscope.component import ComponentConfig, config_field, interval, positive
 from triscope.errors import ConfigError
+from triscope.http_fetch import REDIRECT_POLICIES
 
 
 @dataclass(frozen=True)

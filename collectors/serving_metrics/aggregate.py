@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from triscope.collectors.prom_text import Series, le_bound
 from triscope.collectors.serving_metrics.engines import (
     COUNTER,
     ENGINES,
@@ -29,6 +28,7 @@ from triscope.collectors.serving_metrics.engines import (
     first_present,
 )
 from triscope.errors import InputError
+from triscope.prom_text import Series, le_bound
 
 HISTOGRAMS = ("latency", "ttft", "queue_time", "itl")
 _SKIP = frozenset(REPLICA_LABELS) | {"le", "quantile"}

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from triscope.collectors.prom_text import Series
 from triscope.errors import InputError
+from triscope.prom_text import Series
 
 GAUGE_SUM = "gauge_sum"
 """Summed over data-parallel shards (vLLM ``engine``, SGLang ``dp_rank``); one value across TP/PP ranks."""

@@ -18,12 +18,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from triscope.collectors.http_fetch import fetch
-from triscope.collectors.prom_text import bucket_delta, histogram_quantile, parse_exposition
 from triscope.collectors.serving_metrics.aggregate import InstanceSnapshot, aggregate
 from triscope.collectors.serving_metrics.engines import detect_server
 from triscope.collectors.serving_metrics.targets import ServingMetricsConfig, Target
 from triscope.errors import InputError
+from triscope.http_fetch import fetch
+from triscope.prom_text import bucket_delta, histogram_quantile, parse_exposition
 from triscope.schema import SERVING_METRICS, encode_ts
 from triscope.store_link import one_line
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from triscope.collectors.http_fetch import REDIRECT_POLICIES
 from triscope.collectors.serving_metrics.engines import ENGINES
 from triscope.component import ComponentConfig, config_field, interval, positive
 from triscope.errors import ConfigError
+from triscope.http_fetch import REDIRECT_POLICIES
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Collection
 
 from triscope.errors import InputError
 
@@ -28,6 +29,22 @@ def parse_exposition(text: str, source: str = "metrics") -> Series:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise InputError(f"{source}: not Prometheus text format: {first}") from None
     return dict(series)
+
+
+def keep_families(text: str, names: Collection[str]) -> str:
+    """Only the lines (samples and comments) of the metric families ``names``: parsing a whole vLLM page
+    (~200 lines) several times a second per backend costs a core's share in Python; the lines a caller
+    reads are a handful."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            name = parts[2] if len(parts) > 2 else ""
+        else:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            keep.append(line)
+    return "\n".join(keep) + "\n"
 
 
 def le_bound(text: str) -> float:

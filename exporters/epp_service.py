@@ -1,0 +1,222 @@
+"""``[epp]``: the Endpoint Picker as a ``triscope run`` exporter.
+
+Runs the ext_proc server of :mod:`triscope.exporters.epp` with its own live inputs:
+
+- a scraper per backend of ``[weights.backends]`` (its ``address``), reading ``/metrics`` every
+  ``scrape_interval_s`` into :class:`~triscope.analyzers.routing.picker.HeadroomPicker` (vLLM or
+  SGLang gauges, :mod:`triscope.analyzers.routing.live`);
+- the weight engine's decisions (drains, class admission, weights), read from the feed's
+  ``/v1/weights`` every ``weights_poll_s``: the same engine state the HAProxy agent, EDS, Traefik and
+  JSON feeds publish, whether the feed runs in this process or another.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from triscope.analyzers.routing import WeightParams
+from triscope.analyzers.routing.live import live_signals
+from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, PickerParams
+from triscope.component import ComponentConfig, Context, interval, non_negative, port, positive
+from triscope.errors import ConfigError, InputError, TriscopeError
+from triscope.exporters.epp import HeadroomChooser, NeedParams
+from triscope.exporters.extproc import MAX_BODY_BYTES, MAX_STREAMS, ExtProcServer
+from triscope.http_fetch import fetch
+
+log = logging.getLogger(__name__)
+
+MAX_METRICS_BYTES = 4 << 20
+MAX_WEIGHTS_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class EppConfig(ComponentConfig):
+    """``[epp]``: where the picker listens, what it scrapes, how it estimates a request (docs/epp.md)."""
+
+    section = "epp"
+    bind: str = "127.0.0.1"
+    port: int = 9002
+    """ext_proc gRPC port (GIE's EPP port; 0 = ephemeral)."""
+    backends: tuple[str, ...] = ()
+    """Names in ``[weights.backends]`` to pick among (empty: every one with an ``address``)."""
+    metrics_path: str = "/metrics"
+    scrape_interval_s: float = 0.25
+    """Each backend's ``/metrics`` period (one vLLM-CPU scrape costs its engine ~10 ms of CPU, docs/epp.md)."""
+    scrape_timeout_s: float = 1.0
+    weights_url: str = ""
+    """The feed's ``/v1/weights``; empty: this process's ``[weights.feed]`` when ``[run] exporters`` has
+    ``weights_feed``, else none (the picker then uses live scrapes only)."""
+    weights_poll_s: float = 0.25
+    weights_stale_after_s: float = 10.0
+    """Engine decisions older than this are dropped (neutral weights, no drains)."""
+    chars_per_token: float = 4.0
+    default_output_tokens: float = 256.0
+    work_unit: str = "requests"
+    unready_after_s: float = 3.0
+    stale_after_s: float = 1.0
+    visible_after_s: float = 0.2
+    kv_reserve_ratio: float = 0.05
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_streams: int = MAX_STREAMS
+
+    def validate(self, where: str) -> None:
+        port(where, "port", self.port)
+        interval(where, scrape_interval_s=self.scrape_interval_s, scrape_timeout_s=self.scrape_timeout_s,
+                 weights_poll_s=self.weights_poll_s, weights_stale_after_s=self.weights_stale_after_s,
+                 unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s)
+        positive(where, chars_per_token=self.chars_per_token)
+        non_negative(where, default_output_tokens=self.default_output_tokens, visible_after_s=self.visible_after_s)
+        if not 0 <= self.kv_reserve_ratio < 1:
+            raise ConfigError(f"{where} kv_reserve_ratio must be in [0, 1), got {self.kv_reserve_ratio}")
+        if self.work_unit not in ("requests", "tokens"):
+            raise ConfigError(f"{where} work_unit must be 'requests' or 'tokens', got {self.work_unit!r}")
+        if not self.metrics_path.startswith("/"):
+            raise ConfigError(f"{where} metrics_path must start with '/', got {self.metrics_path!r}")
+        if self.weights_url and not self.weights_url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where} weights_url must be an http(s) URL, got {self.weights_url!r}")
+        if self.max_body_bytes < 1 or self.max_streams < 1:
+            raise ConfigError(f"{where} max_body_bytes and max_streams must be >= 1")
+
+    def picker_params(self) -> PickerParams:
+        return PickerParams(unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s,
+                            visible_after_s=self.visible_after_s, kv_reserve_ratio=self.kv_reserve_ratio,
+                            work_unit=self.work_unit)
+
+
+def picker_backends(cfg: EppConfig, weights: WeightParams) -> dict[str, str]:
+    """name -> ``host:port`` of the backends the picker chooses among; ConfigError when there are none."""
+    known = {name: b.address for name, b in weights.backends.items() if b.address}
+    if cfg.backends:
+        missing = [n for n in cfg.backends if n not in known]
+        if missing:
+            raise ConfigError(f"[epp] backends {', '.join(missing)} have no [weights.backends.NAME] address")
+        return {n: known[n] for n in cfg.backends}
+    if not known:
+        raise ConfigError("[epp] needs backends: give [weights.backends.NAME] an address (host:port)")
+    return known
+
+
+def default_weights_url(config: Mapping[str, Any], weights: WeightParams) -> str:
+    """This process's feed, when ``[run] exporters`` starts one on a fixed port."""
+    exporters = (config.get("run") or {}).get("exporters") or []
+    feed = weights.feed
+    if "weights_feed" not in exporters or feed.port <= 0:
+        return ""
+    host = "127.0.0.1" if feed.bind in ("", "0.0.0.0") else ("[::1]" if feed.bind == "::" else feed.bind)
+    return f"http://{host}:{feed.port}/v1/weights"
+
+
+class _Every:
+    """A thread calling ``step()`` every ``period_s`` (a ticker that skips missed ticks)."""
+
+    def __init__(self, name: str, period_s: float, step: Callable[[], None]) -> None:
+        self.period_s, self.step = period_s, step
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            self.step()
+            next_at = max(next_at + self.period_s, time.monotonic())
+            self._stop.wait(max(0.0, next_at - time.monotonic()))
+
+
+class EppService:
+    """The ``[epp]`` exporter: ext_proc server + per-backend scrapers + the engine's decisions."""
+
+    def __init__(self, cfg: EppConfig, backends: Mapping[str, str], weights_url: str = "") -> None:
+        self.cfg = cfg
+        self.weights_url = weights_url
+        self.picker = HeadroomPicker(backends, cfg.picker_params())
+        self.chooser = HeadroomChooser(self.picker, NeedParams(cfg.chars_per_token, cfg.default_output_tokens))
+        self.server = ExtProcServer(self.chooser, cfg.max_body_bytes, cfg.bind, cfg.port, cfg.max_streams)
+        self.scrape_errors: dict[str, str] = {}
+        self.scrapes_total = 0
+        self.weights_error = ""
+        self.weights_version = 0
+        self._weights_at = -float("inf")
+        self._tickers = [_Every(f"epp-scrape-{name}", cfg.scrape_interval_s,
+                                functools.partial(self._scrape, name, address)) for name, address in backends.items()]
+        if weights_url:
+            self._tickers.append(_Every("epp-weights", cfg.weights_poll_s, self._poll_weights))
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def start(self) -> None:
+        try:
+            self.server.start()
+        except (RuntimeError, OSError) as exc:  # grpc: "Failed to bind to address"
+            raise ConfigError(f"[epp] cannot listen on {self.cfg.bind}:{self.cfg.port}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        for ticker in self._tickers:
+            ticker.start()
+        log.info("epp: ext_proc on %s:%d, %d backends, weights from %s", self.cfg.bind, self.port,
+                 len(self.picker.backends), self.weights_url or "(none)")
+
+    def close(self) -> None:
+        for ticker in self._tickers:
+            ticker.stop(self.cfg.scrape_timeout_s + 1.0)
+        self.server.stop()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for reports and tests: picks per backend, scrape errors, the engine view's version."""
+        return {"picks": dict(self.server.counts), "in_flight": self.picker.in_flight(),
+                "scrapes_total": self.scrapes_total, "scrape_errors": dict(self.scrape_errors),
+                "weights_version": self.weights_version, "weights_error": self.weights_error}
+
+    def _scrape(self, name: str, address: str) -> None:
+        url = f"http://{address}{self.cfg.metrics_path}"
+        try:
+            text = fetch(url, timeout_s=self.cfg.scrape_timeout_s, max_bytes=MAX_METRICS_BYTES)
+            self.picker.observe(name, live_signals(text.decode("utf-8", "replace"), time.monotonic(), url))
+            self.scrapes_total += 1
+            self.scrape_errors.pop(name, None)
+        except TriscopeError as exc:  # last values stay; they go stale by their timestamp
+            if self.scrape_errors.get(name) != str(exc):
+                log.warning("epp: %s", exc)
+            self.scrape_errors[name] = str(exc)
+
+    def _poll_weights(self) -> None:
+        now = time.monotonic()
+        try:
+            body = fetch(self.weights_url, timeout_s=self.cfg.scrape_timeout_s, max_bytes=MAX_WEIGHTS_BYTES)
+            try:
+                view = EngineView.from_document(json.loads(body))
+            except (ValueError, AttributeError, TypeError) as exc:
+                raise InputError(f"{self.weights_url}: not a /v1/weights document ({exc})") from None
+            self.picker.set_weights(view)
+            self.weights_version, self._weights_at, self.weights_error = view.version, now, ""
+        except TriscopeError as exc:
+            if self.weights_error != str(exc):
+                log.warning("epp: engine decisions: %s", exc)
+            self.weights_error = str(exc)
+            if now - self._weights_at > self.cfg.weights_stale_after_s:
+                self.picker.set_weights(None)
+
+
+def create(config: dict[str, Any], context: Context) -> EppService:
+    """Exporter for ``triscope run``: ``[epp]`` over the backends of ``[weights.backends]``."""
+    cfg = EppConfig.from_config(config)
+    weights = WeightParams.from_config(config)
+    return EppService(cfg, picker_backends(cfg, weights), cfg.weights_url or default_weights_url(config, weights))
+
+
+__all__ = ["EppConfig", "EppService", "create"]

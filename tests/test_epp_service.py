@@ -1,0 +1,135 @@
+"""The ``[epp]`` exporter's parts that need no Envoy: its config, the live signals it reads from a
+``/metrics`` page, and the engine view it reads from the feed's ``/v1/weights`` (tests/test_epp_run.py runs
+the whole of it behind a real Envoy)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from triscope.analyzers.routing import WeightParams
+from triscope.analyzers.routing.live import live_signals
+from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, LiveSignals, PickerParams, RequestNeed
+from triscope.component import Context
+from triscope.errors import ConfigError, InputError
+from triscope.exporters.epp_service import EppConfig, create, default_weights_url, picker_backends
+
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="101"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="101"} 1.0
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 12345.0
+"""
+
+SGLANG_PAGE = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 4.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m"} 1.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="m"} 0.75
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{model_name="m"} 8192.0
+"""
+
+
+def test_live_signals_from_a_data_parallel_vllm_page() -> None:
+    s = live_signals(VLLM_PAGE, 5.0)
+    assert (s.running, s.waiting, s.updated) == (4.0, 2.0, 5.0)
+    assert s.kv_usage == pytest.approx(0.375)  # the engines' mean
+    assert s.kv_capacity_tokens == 2 * 100 * 16  # block 0 of each engine is vLLM's null block
+
+
+def test_live_signals_from_sglang_and_pages_without_them() -> None:
+    s = live_signals(SGLANG_PAGE, 1.0)
+    assert (s.running, s.waiting, s.kv_usage, s.kv_capacity_tokens) == (4.0, 1.0, 0.75, 8192.0)
+    partial = live_signals("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\n", 1.0)
+    assert partial.running == 2 and math.isnan(partial.waiting) and math.isnan(partial.kv_capacity_tokens)
+    with pytest.raises(InputError, match="none of vLLM's or SGLang's"):
+        live_signals("# TYPE up gauge\nup 1\n", 1.0, "http://x/metrics")
+    with pytest.raises(InputError, match="not Prometheus text"):
+        live_signals("vllm:num_requests_running{ 1\n", 1.0)
+
+
+def test_engine_view_from_the_feed_document_drives_the_picker() -> None:
+    doc = {"version": 7, "backends": {"a": {"weight": 1.0, "state": "ready"}, "b": {"weight": 0.5, "state": "ready"},
+                                      "c": {"weight": None, "state": "drain"}},
+           "class_admission": {"offline_video": {"backends": {"a": "drain", "b": "ready", "c": "drain"}}}}
+    view = EngineView.from_document(doc)
+    assert view.version == 7 and view.drained == {"c"} and view.class_state("a", "offline_video") == "drain"
+    picker = HeadroomPicker({n: f"127.0.0.1:{9000 + i}" for i, n in enumerate("abc")}, PickerParams(seed=3))
+    for n in "abc":
+        picker.observe(n, LiveSignals(0, 0, 0.0, 10_000.0, 100.0))
+    picker.set_weights(view)
+    assert {picker.pick(RequestNeed("offline_video", 10), 100.0).backend for _ in range(5)} == {"b"}
+    rows = picker.explain(100.0, "realtime_speech")
+    assert rows["b"]["weight"] == 0.5 and not rows["c"]["eligible"] and rows["a"]["eligible"]
+    picker.set_weights(None)
+    assert picker.explain(100.0, "offline_video")["c"]["eligible"]
+    for bad in ({}, {"backends": []}, {"backends": {"a": 3}}):
+        with pytest.raises(ValueError, match="not a /v1/weights document"):
+            EngineView.from_document(bad)
+
+
+def _config(**epp: object) -> dict[str, object]:
+    return {"weights": {"backends": {"v0": {"address": "127.0.0.1:8001"}, "v1": {"address": "127.0.0.1:8002"},
+                                     "noaddr": {"host": "h"}}},
+            "epp": epp}
+
+
+def test_config_backends_and_the_feed_url() -> None:
+    cfg = EppConfig.from_config(_config())
+    weights = WeightParams.from_config(_config())
+    assert picker_backends(cfg, weights) == {"v0": "127.0.0.1:8001", "v1": "127.0.0.1:8002"}
+    only = EppConfig.from_config(_config(backends=["v1"]))
+    assert picker_backends(only, weights) == {"v1": "127.0.0.1:8002"}
+    with pytest.raises(ConfigError, match=r"\[epp\] backends noaddr have no"):
+        picker_backends(EppConfig.from_config(_config(backends=["noaddr"])), weights)
+    with pytest.raises(ConfigError, match="needs backends"):
+        picker_backends(cfg, WeightParams.from_config({}))
+    assert default_weights_url({}, weights) == ""
+    assert default_weights_url({"run": {"exporters": ["weights_feed", "epp"]}}, weights) == (
+        "http://127.0.0.1:9470/v1/weights")
+    service = create({**_config(), "run": {"exporters": ["epp"]}}, Context())
+    assert service.weights_url == "" and set(service.picker.backends) == {"v0", "v1"}
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("port", 70000, "port must be a port"),
+    ("scrape_interval_s", 0, "scrape_interval_s must be > 0"),
+    ("work_unit", "bytes", "work_unit must be"),
+    ("kv_reserve_ratio", 1.0, "kv_reserve_ratio must be in"),
+    ("metrics_path", "metrics", "metrics_path must start with"),
+    ("weights_url", "ftp://x", "weights_url must be an http"),
+    ("chars_per_token", 0, "chars_per_token must be > 0"),
+    ("colour", "red", "unknown keys: colour"),
+])
+def test_bad_config_is_one_line(key: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        EppConfig.from_config({"epp": {key: value}})
+    assert "\n" not in str(err.value)
+
+
+def test_a_port_in_use_is_a_one_line_error() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        taken = sock.getsockname()[1]
+        service = create(_config(port=taken), Context())
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{taken}"):
+            service.start()
+        service.close()
