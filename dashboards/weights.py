@@ -113,6 +113,12 @@ GROUP BY backend, state, reasons, stale ORDER BY last_seen DESC LIMIT 100""", ta
                                          prom_target("triscope_kv_cache_scale_recommendation", "{{action}}", ref="B")],
                    "1 while drained (memory or KV cache past its drain ratio); KV-cache scale action", unit="short",
                    w=8),
+        timeseries("Admission level per class", [
+            prom_target("triscope_class_admission_level", "{{request_class}} level"),
+            prom_target("triscope_class_shed_ratio", "{{request_class}} shed", ref="B"),
+            prom_target("triscope_fleet_pressure_ratio", "fleet pressure", ref="C")],
+            "0 normal, 1 degrade (shed a share of the lowest class), 2 limit (token bucket), 3 break (fallback); "
+            "the shed share and the fleet pressure they follow ([weights.levels])", unit="short", w=8),
         timeseries("Weight updates per second", [prom_target(
             "rate(triscope_weights_updates_total[$__rate_interval])", "{{instance}}")],
             "the feed's update loop (triscope_weights_updates_total)", unit="ops", w=12),

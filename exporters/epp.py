@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from triscope.analyzers.routing.picker import HeadroomPicker, Pick, RequestNeed
+from triscope.analyzers.routing.gate import ClassGate
+from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, Pick, RequestNeed
 from triscope.exporters.extproc import Choice
 
 CLASS_HEADER = "x-triscope-class"
@@ -69,12 +71,32 @@ def _chat_tokens(messages: Any, params: NeedParams) -> float:
     return chars / params.chars_per_token
 
 
-class HeadroomChooser:
-    """The ext_proc :class:`~triscope.exporters.extproc.Chooser` of :class:`HeadroomPicker`."""
+@dataclass(frozen=True)
+class Fallback:
+    """The answer to a request the admission levels refuse (the request reaches no backend)."""
 
-    def __init__(self, picker: HeadroomPicker, need: NeedParams | None = None) -> None:
+    status: int = 503
+    body: str = '{"error": {"message": "overloaded: request class shed by triscope, retry later", ' \
+                '"type": "triscope_admission"}}'
+
+
+class HeadroomChooser:
+    """The ext_proc :class:`~triscope.exporters.extproc.Chooser` of :class:`HeadroomPicker`, with the
+    admission levels' :class:`~triscope.analyzers.routing.gate.ClassGate` in front of it."""
+
+    def __init__(self, picker: HeadroomPicker, need: NeedParams | None = None, gate: ClassGate | None = None,
+                 fallback: Fallback | None = None) -> None:
         self.picker = picker
         self.need = need or NeedParams()
+        self.gate = gate or ClassGate()
+        self.fallback = fallback or Fallback()
+        self.refused: Counter[tuple[str, str]] = Counter()
+        """(class, level) -> requests refused by the admission levels."""
+
+    def set_engine(self, view: EngineView | None) -> None:
+        """The weight engine's decisions: drains, class admission and weights for the picker, levels for the gate."""
+        self.picker.set_weights(view)
+        self.gate.set_levels(view.class_levels if view is not None else {})
 
     def choose(self, body: bytes | None, headers: Mapping[str, str]) -> Choice:
         need = RequestNeed(headers.get(CLASS_HEADER, "")[:64])
@@ -86,7 +108,12 @@ class HeadroomChooser:
             if not isinstance(doc, dict):
                 return Choice(status=400, message="request body is not a JSON object")
             need = request_need(doc, headers, self.need)
-        pick = self.picker.pick(need, time.monotonic())
+        now = time.monotonic()
+        refusal = self.gate.admit(need.request_class, now)
+        if refusal is not None:
+            self.refused[(need.request_class, refusal)] += 1
+            return Choice(status=self.fallback.status, message=self.fallback.body, detail=refusal)
+        pick = self.picker.pick(need, now)
         return Choice(pick.backend, pick.address, detail=pick)
 
     def done(self, choice: Choice) -> None:

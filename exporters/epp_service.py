@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from triscope.analyzers.routing import WeightParams
+from triscope.analyzers.routing.gate import ClassGate
 from triscope.analyzers.routing.live import live_signals
 from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, PickerParams
 from triscope.component import ComponentConfig, Context, interval, non_negative, port, positive
 from triscope.errors import ConfigError, InputError, TriscopeError
-from triscope.exporters.epp import HeadroomChooser, NeedParams
+from triscope.exporters.epp import Fallback, HeadroomChooser, NeedParams
 from triscope.exporters.extproc import MAX_BODY_BYTES, MAX_STREAMS, ExtProcServer
 from triscope.http_fetch import fetch
 
@@ -65,6 +66,11 @@ class EppConfig(ComponentConfig):
     kv_reserve_ratio: float = 0.05
     max_body_bytes: int = MAX_BODY_BYTES
     max_streams: int = MAX_STREAMS
+    levels_window_s: float = 10.0
+    """Arrivals per class over this window set a limited class's rate (``[weights.levels]``)."""
+    fallback_status: int = 503
+    fallback_body: str = Fallback.body
+    """What a request refused by an admission level gets (an OpenAI-style error by default)."""
 
     def validate(self, where: str) -> None:
         port(where, "port", self.port)
@@ -81,6 +87,10 @@ class EppConfig(ComponentConfig):
             raise ConfigError(f"{where} metrics_path must start with '/', got {self.metrics_path!r}")
         if self.weights_url and not self.weights_url.startswith(("http://", "https://")):
             raise ConfigError(f"{where} weights_url must be an http(s) URL, got {self.weights_url!r}")
+        if not 400 <= self.fallback_status <= 599:
+            raise ConfigError(f"{where} fallback_status must be an HTTP error status 400-599, "
+                              f"got {self.fallback_status}")
+        positive(where, levels_window_s=self.levels_window_s)
         if self.max_body_bytes < 1 or self.max_streams < 1:
             raise ConfigError(f"{where} max_body_bytes and max_streams must be >= 1")
 
@@ -144,7 +154,8 @@ class EppService:
         self.cfg = cfg
         self.weights_url = weights_url
         self.picker = HeadroomPicker(backends, cfg.picker_params())
-        self.chooser = HeadroomChooser(self.picker, NeedParams(cfg.chars_per_token, cfg.default_output_tokens))
+        self.chooser = HeadroomChooser(self.picker, NeedParams(cfg.chars_per_token, cfg.default_output_tokens),
+                                       ClassGate(cfg.levels_window_s), Fallback(cfg.fallback_status, cfg.fallback_body))
         self.server = ExtProcServer(self.chooser, cfg.max_body_bytes, cfg.bind, cfg.port, cfg.max_streams)
         self.scrape_errors: dict[str, str] = {}
         self.scrapes_total = 0
@@ -179,6 +190,7 @@ class EppService:
     def stats(self) -> dict[str, Any]:
         """Counters for reports and tests: picks per backend, scrape errors, the engine view's version."""
         return {"picks": dict(self.server.counts), "in_flight": self.picker.in_flight(),
+                "refused": {f"{c}:{level}": n for (c, level), n in self.chooser.refused.items()},
                 "scrapes_total": self.scrapes_total, "scrape_errors": dict(self.scrape_errors),
                 "weights_version": self.weights_version, "weights_error": self.weights_error}
 
@@ -202,14 +214,14 @@ class EppService:
                 view = EngineView.from_document(json.loads(body))
             except (ValueError, AttributeError, TypeError) as exc:
                 raise InputError(f"{self.weights_url}: not a /v1/weights document ({exc})") from None
-            self.picker.set_weights(view)
+            self.chooser.set_engine(view)
             self.weights_version, self._weights_at, self.weights_error = view.version, now, ""
         except TriscopeError as exc:
             if self.weights_error != str(exc):
                 log.warning("epp: engine decisions: %s", exc)
             self.weights_error = str(exc)
             if now - self._weights_at > self.cfg.weights_stale_after_s:
-                self.picker.set_weights(None)
+                self.chooser.set_engine(None)
 
 
 def create(config: dict[str, Any], context: Context) -> EppService:

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 
 from triscope.analyzers.routing import DRAIN, READY, BackendWeight, WeightsResult
+from triscope.analyzers.routing.model import LEVELS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -108,6 +109,19 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
              "1 when the backend admits the request class, 0 when drained or closed by the class's KV or batch limit.",
              [({"backend": b, "request_class": c}, 1.0 if st == READY else 0.0)
               for c, states in admission for b, st in sorted(states.items())])
+    levels = sorted(result.class_levels.items()) if result is not None else []
+    w.family("triscope_class_admission_level", "gauge",
+             "Admission level of a request class: 0 normal, 1 degrade (shed a share), 2 limit (token bucket), "
+             "3 break (fallback answer).",
+             [({"request_class": c}, float(LEVELS.index(lv.level))) for c, lv in levels])
+    w.family("triscope_class_shed_ratio", "gauge", "Share of a request class the gateway sheds (degrade).",
+             [({"request_class": c}, lv.shed_ratio) for c, lv in levels])
+    w.family("triscope_class_admit_ratio", "gauge",
+             "Share of a limited request class's recent arrival rate the gateway admits (limit).",
+             [({"request_class": c}, lv.admit_ratio) for c, lv in levels])
+    w.family("triscope_fleet_pressure_ratio", "gauge",
+             "Fleet pressure the admission levels follow (1 = full: KV usage, queue per running request, P99/SLA).",
+             [({}, result.pressure if result is not None else math.nan)])
     action = result.scale.action if result is not None else ""
     w.family("triscope_kv_cache_scale_recommendation", "gauge", "1 for the current KV-cache scaling action.",
              [({"action": a}, 1.0 if a == action else 0.0) for a in SCALE_ACTIONS] if result is not None else [])

@@ -6,7 +6,9 @@
 | ``sglang-p2c`` / ``-cache-aware`` | sglang-router 0.3.2 (real) | ``/get_load`` every 30 s / prefix tree + counts |
 | ``gie-epp`` | Envoy + ext_proc, the GIE Endpoint Picker's default profile | queue, KV, prefix scrapes every 50 ms |
 | ``triscope`` | HAProxy leastconn + triscope's agent-check feed | KV, queue, latency, QPS scrapes every 100 ms |
-| ``triscope-epp`` | Envoy + ext_proc, triscope's headroom picker | own in-flight ledger, KV fit, 250 ms scrapes |
+| ``triscope-epp`` | Envoy + ext_proc, triscope's headroom picker | own in-flight ledger, KV fit, 250 ms scrapes, the
+  weight engine's drains / class admission / weights (its feed polled every 250 ms) |
+| ``triscope-epp-levels`` | the same | the same, and the engine's admission levels per class |
 
 Every data path has health checks a user would configure (HAProxy ``check``, GIE's pod readiness,
 sglang-router's own) and no retries of a request that reached a backend (``retries 0``,
@@ -16,6 +18,7 @@ sglang-router's own) and no retries of a request that reached a backend (``retri
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from triscope.analyzers.routing.config import DEFAULT_CLASSES
-from triscope.analyzers.routing.picker import HeadroomPicker, LiveSignals, PickerParams
+from triscope.analyzers.routing.gate import ClassGate
+from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, LiveSignals, PickerParams
 from triscope.exporters.epp import HeadroomChooser, NeedParams
 from triscope.sim.bench_fleet import FeedWorker
 from triscope.sim.haproxy import HAProxy, Server
@@ -34,7 +38,10 @@ from triscope.sim.testbed_fleet import Fleet
 from triscope.sim.vllm_sidecar import VllmSidecar
 
 POLICIES = ("haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware", "gie-epp", "triscope",
-            "triscope-epp")
+            "triscope-epp", "triscope-epp-levels")
+EPP_ENGINE_INTERVAL_S = 0.5
+"""triscope-epp's weight engine period: its decisions (drains, class admission, levels) change slowly, and
+each of its scrapes costs a vLLM engine ~10 ms of CPU on top of the picker's own."""
 HEALTH_CHECK_MS = 1000
 """HAProxy ``check inter`` (x3 failures to mark down), like GIE's 1 s readiness probe x 3."""
 TRISCOPE_WEIGHTS: dict[str, Any] = {"interval_s": 0.1, "queue_weight": 1.0, "window_s": 5.0, "stale_after_s": 2.0,
@@ -80,6 +87,29 @@ def live_signals(m: PodMetrics) -> LiveSignals:
                        updated=m.updated)
 
 
+class EngineFollower:
+    """Polls the feed's ``/v1/weights`` and hands each document to the chooser, as ``[epp]`` does."""
+
+    def __init__(self, feed: FeedWorker, chooser: HeadroomChooser, period_s: float = 0.25) -> None:
+        self.feed, self.chooser, self.period_s = feed, chooser, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="epp-engine", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError, ValueError):
+                self.chooser.set_engine(EngineView.from_document(self.feed.weights_doc()))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> EngineFollower:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 @contextlib.contextmanager
 def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Iterator[Front]:
     """Start ``policy`` in front of ``fleet`` (every backend alive), yield it, stop it."""
@@ -115,13 +145,23 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
         with GieGateway([b.address for b in fleet.backends], workdir, GieParams(default_model=fleet.model),
                         seed=opts.seed) as gw:
             yield Front(gw.port, {"picker": "GIE EPP default profile (re-implemented), Envoy ext_proc"})
-    elif policy == "triscope-epp":
+    elif policy in ("triscope-epp", "triscope-epp-levels"):
+        overrides = {**triscope_overrides(opts), "interval_s": EPP_ENGINE_INTERVAL_S}
+        if policy == "triscope-epp-levels":
+            overrides["levels"] = {"enabled": True, **overrides.get("levels", {})}
         picker = HeadroomPicker({b.name: b.address for b in fleet.backends}, PickerParams(seed=opts.seed))
         scraper = MetricsScraper([Pod(b.name, b.address) for b in fleet.backends],
                                  GieParams(default_model=fleet.model, refresh_s=opts.epp_scrape_s),
                                  on_scrape=lambda pod, m: picker.observe(pod.name, live_signals(m)))
-        chooser = HeadroomChooser(picker, NeedParams(chars_per_token=fleet.chars_per_token))
-        with EppGateway(chooser, scraper, workdir) as gw:
-            yield Front(gw.port, {"picker": "triscope HeadroomPicker, Envoy ext_proc", "scrape_s": opts.epp_scrape_s})
+        chooser = HeadroomChooser(picker, NeedParams(chars_per_token=fleet.chars_per_token),
+                                  ClassGate(seed=opts.seed))
+        feed = FeedWorker({b.name: b.url for b in fleet.backends}, overrides, 5.0).start()
+        try:
+            with EngineFollower(feed, chooser), EppGateway(chooser, scraper, workdir) as gw:
+                yield Front(gw.port, {"picker": "triscope HeadroomPicker, Envoy ext_proc",
+                                      "scrape_s": opts.epp_scrape_s, "engine_interval_s": EPP_ENGINE_INTERVAL_S,
+                                      "levels": policy == "triscope-epp-levels"})
+        finally:
+            feed.stop()
     else:
         raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")

@@ -1,6 +1,6 @@
 """``triscope run`` with the ``[epp]`` exporter in GIE's data path: a real Envoy asks the daemon's picker
 over ext_proc and routes to simulated vLLM backends; the picker scrapes them itself and takes the weight
-engine's class admission from the same daemon's feed (``/v1/weights``)."""
+engine's class admission and admission levels from the same daemon's feed (``/v1/weights``)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,10 @@ interval_s = 0.3
 
 [weights.classes.offline_video]   # a backend at >= 30 % KV takes no more videos
 admit_kv_ratio = 0.3
+
+[weights.levels]
+enabled = true
+hold_s = 0.5
 
 {backends}
 [weights.feed]
@@ -172,3 +176,30 @@ def test_engine_class_admission_reaches_per_request_picks(bed: Bed) -> None:
         assert speech["b0"] >= 1, speech
     finally:
         bed.fleet.reset()
+
+
+def test_a_class_no_backend_takes_gets_the_fallback_answer(bed: Bed) -> None:
+    """Every backend at 60 % KV: none admits videos (admit_kv_ratio 0.3), so the class is at ``break`` and the
+    picker answers its requests itself (503 and the fallback body) instead of queueing them anywhere;
+    speech still goes through. The level is in /v1/weights and in the feed's /metrics."""
+    bed.fleet.reset()
+    for name in NAMES:
+        bed.fleet.set_pressure(name, int(0.6 * 40 * GIB))
+    _wait(lambda: _weights(bed)["class_levels"]["offline_video"]["level"] == "break", 30,
+          "offline_video at break", bed.daemon)
+    time.sleep(0.5)  # the picker's next polls of the feed
+    try:
+        status, raw = post(bed, {"prompt": "v", "prompt_tokens": 10, "max_tokens": 5},
+                           {"x-triscope-class": "offline_video"})
+        assert status == 503 and json.loads(raw)["error"]["type"] == "triscope_admission", raw
+        status, raw = post(bed, {"prompt": "s", "prompt_tokens": 10, "max_tokens": 5},
+                           {"x-triscope-class": "realtime_speech"})
+        assert status == 200 and json.loads(raw)["backend"] in NAMES
+        with urllib.request.urlopen(bed.feed_url.replace("/v1/weights", "/metrics"), timeout=5) as resp:
+            metrics = resp.read().decode()
+        assert 'triscope_class_admission_level{request_class="offline_video"} 3' in metrics
+        assert 'triscope_class_admission_level{request_class="realtime_speech"} 0' in metrics
+    finally:
+        bed.fleet.reset()
+    _wait(lambda: _weights(bed)["class_levels"]["offline_video"]["level"] == "normal", 30,
+          "offline_video back to normal", bed.daemon)

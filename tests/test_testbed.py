@@ -94,7 +94,7 @@ def test_every_policy_routes_and_is_judged(tmp_path: Path, capsys: pytest.Captur
                           "--out-dir", str(tmp_path)]))
     sim = doc["fleets"]["sim"]
     assert set(sim["policies"]) == {"haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware",
-                                    "gie-epp", "triscope", "triscope-epp"}
+                                    "gie-epp", "triscope", "triscope-epp", "triscope-epp-levels"}
     for name, d in sim["policies"].items():
         assert d["requests"] == sim["arrivals"], name  # every offered request has an outcome
         ok = sum(c["offered"] - sum(c["errors"].values()) for c in d["classes"].values())

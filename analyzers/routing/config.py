@@ -115,6 +115,38 @@ class FeedConfig(ComponentConfig):
         return getattr(self, key)
 
 
+@dataclass(frozen=True)
+class LevelsConfig(ComponentConfig):
+    """``[weights.levels]``: per-class admission levels (analyzers/routing/levels.py, docs/weights.md)."""
+
+    section = "weights.levels"
+    enabled: bool = False
+    """Off by default: levels shed requests, which a deployment opts into (the gateway enforces them)."""
+    degrade_at: float = 0.85
+    """Fleet pressure at which the lowest class starts shedding."""
+    limit_at: float = 0.95
+    """Fleet pressure at which every class but the top one is rate-limited."""
+    release_margin: float = 0.05
+    hold_s: float = 3.0
+    max_shed_ratio: float = 0.5
+    limit_admit_ratio: float = 0.8
+    """Share of a limited class's recent arrival rate the gateway admits."""
+    queue_full: float = 1.0
+    """Waiting requests per running request that count as full pressure."""
+    latency_full: float = 1.0
+    """P99 / SLA of a class above the lowest that counts as full pressure."""
+
+    def validate(self, where: str) -> None:
+        if not 0 < self.degrade_at <= self.limit_at:
+            raise ConfigError(f"{where} needs 0 < degrade_at <= limit_at, got {self.degrade_at} and {self.limit_at}")
+        for key in ("max_shed_ratio", "limit_admit_ratio"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"{where} {key} must be in [0, 1], got {getattr(self, key)}")
+        non_negative(where, release_margin=self.release_margin, hold_s=self.hold_s)
+        if not (self.queue_full > 0 and self.latency_full > 0):
+            raise ConfigError(f"{where} queue_full and latency_full must be > 0")
+
+
 def default_classes() -> dict[str, RequestClass]:
     return parse_classes(DEFAULT_CLASSES)
 
@@ -162,6 +194,7 @@ class WeightsConfig(ComponentConfig):
     classes: Mapping[str, RequestClass] = field(default_factory=default_classes)
     backends: Mapping[str, BackendConfig] = field(default_factory=dict)
     feed: FeedConfig = field(default_factory=FeedConfig)
+    levels: LevelsConfig = field(default_factory=LevelsConfig)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None, where: str | None = None) -> Self:
@@ -179,6 +212,8 @@ class WeightsConfig(ComponentConfig):
         raw["backends"] = parse_backends(backends)
         if "feed" in raw:  # checked here so a mistake is reported as [weights.feed]
             raw["feed"] = FeedConfig.from_mapping(raw["feed"]).as_dict()
+        if "levels" in raw:
+            raw["levels"] = LevelsConfig.from_mapping(raw["levels"]).as_dict()
         return super().from_mapping(raw, where)
 
     def validate(self, where: str) -> None:

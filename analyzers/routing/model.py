@@ -83,6 +83,8 @@ class EngineState:
     """(class, backend) pairs closed by the class's admission limit at the last update."""
     absent: frozenset[str] = frozenset()
     """Backends published without inputs at the last update (what :func:`forget` removes by default)."""
+    class_levels: Mapping[str, ClassLevel] = field(default_factory=dict)
+    """Each class's admission level at the last update (hysteresis)."""
 
 
 def forget(state: EngineState, names: Iterable[str] | None = None) -> tuple[EngineState, tuple[str, ...]]:
@@ -143,6 +145,42 @@ class ScaleDecision:
                 "reason": self.reason}
 
 
+NORMAL, DEGRADE, LIMIT, BREAK = "normal", "degrade", "limit", "break"
+LEVELS = (NORMAL, DEGRADE, LIMIT, BREAK)
+"""In order of severity; ``triscope_class_admission_level`` exports the index."""
+
+
+@dataclass(frozen=True)
+class ClassLevel:
+    """One class's admission level and what the gateway does about it."""
+
+    level: str = NORMAL
+    shed_ratio: float = 0.0
+    """Share of the class's requests to shed (``degrade``; the lowest class also at ``limit``)."""
+    admit_ratio: float = 1.0
+    """Share of the class's recent arrival rate to admit (``limit``)."""
+    since: float = -math.inf
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"level": self.level, "shed_ratio": self.shed_ratio, "admit_ratio": self.admit_ratio,
+                "since": self.since if math.isfinite(self.since) else None, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> ClassLevel:
+        level = doc.get("level")
+        if level not in LEVELS:
+            raise ValueError(f"unknown admission level {level!r}")
+        return cls(str(level), _ratio(doc.get("shed_ratio"), 0.0), _ratio(doc.get("admit_ratio"), 1.0),
+                   reason=str(doc.get("reason") or ""))
+
+
+def _ratio(value: Any, default: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return default
+    return min(1.0, max(0.0, float(value)))
+
+
 @dataclass(frozen=True)
 class WeightsResult:
     """One engine update: per-backend weights plus fleet-level flags."""
@@ -163,6 +201,10 @@ class WeightsResult:
     """Known backends with no inputs within ``lookback_s``: still published (docs/weights.md)."""
     unknown_backends: tuple[str, ...] = ()
     """Backends no load balancer can know (no address, no scrape, not configured): left out."""
+    class_levels: Mapping[str, ClassLevel] = field(default_factory=dict)
+    """Per class: its admission level (analyzers/routing/levels.py); all ``normal`` while levels are off."""
+    pressure: float = NAN
+    """The fleet pressure the levels were set from (NaN when nothing is measured)."""
 
     def class_state(self, backend: str, request_class: str) -> str | None:
         """``ready``/``drain`` of ``backend`` for ``request_class``; None when either is unknown."""
@@ -183,6 +225,8 @@ class WeightsResult:
                        "open_backends": sum(1 for s in states.values() if s == READY),
                        "shedding": bool(states) and all(s == DRAIN for s in states.values())}
                 for name, states in sorted(self.class_admission.items())},
+            "class_levels": {name: level.to_dict() for name, level in sorted(self.class_levels.items())},
+            "pressure": _num(self.pressure),
         }
 
 

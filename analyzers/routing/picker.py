@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from triscope.analyzers.routing.model import DRAIN, WeightsResult
+from triscope.analyzers.routing.model import DRAIN, ClassLevel, WeightsResult
 
 NAN = float("nan")
 
@@ -74,12 +74,14 @@ class EngineView:
     class_admission: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """Per class, per backend: ``ready`` or ``drain``."""
     version: int = 0
+    class_levels: Mapping[str, ClassLevel] = field(default_factory=dict)
+    """Per class: the admission level the gateway enforces (:class:`~.gate.ClassGate`)."""
 
     @classmethod
     def of(cls, result: WeightsResult) -> EngineView:
         return cls({n: v.weight for n, v in result.backends.items()},
                    frozenset(n for n, v in result.backends.items() if v.state == DRAIN),
-                   result.class_admission, result.version)
+                   result.class_admission, result.version, result.class_levels)
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> EngineView:
@@ -100,8 +102,10 @@ class EngineView:
             states = entry.get("backends") if isinstance(entry, Mapping) else None
             if isinstance(states, Mapping):
                 admission[str(cls_name)] = {str(k): str(v) for k, v in states.items()}
+        levels = {str(c): ClassLevel.from_dict(v) for c, v in (doc.get("class_levels") or {}).items()
+                  if isinstance(v, Mapping)}
         version = doc.get("version")
-        return cls(weights, frozenset(drained), admission, version if isinstance(version, int) else 0)
+        return cls(weights, frozenset(drained), admission, version if isinstance(version, int) else 0, levels)
 
     def class_state(self, backend: str, request_class: str) -> str | None:
         return self.class_admission.get(request_class, {}).get(backend)

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from triscope.analyzers.routing.admission import class_admission, drain_reasons
 from triscope.analyzers.routing.config import NAN, RequestClass, WeightParams
+from triscope.analyzers.routing.levels import class_levels, fleet_pressure
 from triscope.analyzers.routing.model import (
     DRAIN,
     READY,
@@ -238,13 +239,16 @@ def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | Non
         scale, above, below = scale_decision(list(present.values()), replace(prev, newest_instance_at=newest),
                                              params, now)
     admission, closed = class_admission(results, prev.class_closed, params, stale)
+    levels = class_levels(results, admission, prev.class_levels, params, now, stale)
+    pressure = NAN if stale else fleet_pressure(results, params)[0]
     published = (tuple((n, results[n].lb_weight, results[n].state) for n in names) + (("stale", stale),)
-                 + tuple(sorted(closed)))
+                 + tuple(sorted(closed))
+                 + tuple((c, lv.level, round(lv.shed_ratio, 2)) for c, lv in sorted(levels.items())))
     version = prev.version + 1 if published != prev.published else prev.version
     result = WeightsResult(results, version, now, stale, stale_backends, suppressed,
                            class_priorities(inputs, params), scale, params.interval_s, admission,
-                           tuple(sorted(absent)), unknown)
-    state = EngineState(states, version, published, above, below, newest, stale, closed, frozenset(absent))
+                           tuple(sorted(absent)), unknown, levels, pressure)
+    state = EngineState(states, version, published, above, below, newest, stale, closed, frozenset(absent), levels)
     return result, state
 
 
