@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import math
 import os
@@ -29,6 +30,7 @@ from triscope.sim.closed_loop_stats import judge, plot_judgements
 from triscope.sim.loadgen import Arrival, drive
 from triscope.sim.testbed_fleet import FLEETS, SCENARIOS, Fleet, FleetError, make_fleet
 from triscope.sim.testbed_fronts import POLICIES, FrontOptions, front
+from triscope.sim.testbed_record import MetricsRecorder
 from triscope.sim.testbed_report import print_tables
 from triscope.sim.vllm_load import CLASSES as SIZES
 from triscope.sim.workloads import WORKLOADS, WorkloadError, bucket_seconds, build
@@ -75,6 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epp-scrape-ms", type=float, default=None,
                    help="triscope-epp: /metrics scrape period (default 250 ms; the GIE picker keeps its 50 ms)")
     p.add_argument("--out-dir", default="var/testbed", help="PNGs and the JSON document go here")
+    p.add_argument("--record-metrics", default="", help="append every backend's KV usage and queue, scraped "
+                                                        "every 250 ms during each run, to this CSV")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the tables")
     args = p.parse_args(argv)
     args.fleets = [f.strip() for f in args.fleet.split(",") if f.strip()]
@@ -135,11 +139,16 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
             if args.scenario == "killed":
                 timer = threading.Timer(args.kill_at * duration, fleet.kill, [victim])
                 timer.start()
+            recorder = (MetricsRecorder(Path(args.record_metrics), fleet.kind, policy,
+                                        {b.name: b.url for b in fleet.backends})
+                        if args.record_metrics else contextlib.nullcontext())
             try:
-                results, lag = asyncio.run(drive(
-                    "127.0.0.1", f.port, schedule, timeout_factor=args.timeout_factor, api="completions",
-                    model=fleet.model, prompt_salt=f"{policy}-{fleet.kind}-s{args.seed}",
-                    chars_per_token=fleet.chars_per_token, extra_body=fleet.extra_body or None, slas=profile.sla_s))
+                with recorder:
+                    results, lag = asyncio.run(drive(
+                        "127.0.0.1", f.port, schedule, timeout_factor=args.timeout_factor, api="completions",
+                        model=fleet.model, prompt_salt=f"{policy}-{fleet.kind}-s{args.seed}",
+                        chars_per_token=fleet.chars_per_token, extra_body=fleet.extra_body or None,
+                        slas=profile.sla_s))
             finally:
                 if timer is not None:
                     timer.cancel()

@@ -29,6 +29,13 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="101"} 1.0
 vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="101"} 1.0
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 5.0
+vllm:num_preemptions_total{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 1.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="deferred"} 1.0
+vllm:num_requests_waiting_by_reason{engine="1",model_name="m",reason="capacity"} 0.0
 # TYPE vllm:generation_tokens_total counter
 vllm:generation_tokens_total{engine="0",model_name="m"} 12345.0
 """
@@ -50,6 +57,7 @@ def test_live_signals_from_a_data_parallel_vllm_page() -> None:
     assert (s.running, s.waiting, s.updated) == (4.0, 2.0, 5.0)
     assert s.kv_usage == pytest.approx(0.375)  # the engines' mean
     assert s.kv_capacity_tokens == 2 * 100 * 16  # block 0 of each engine is vLLM's null block
+    assert s.preemptions_total == 7.0 and s.waiting_for_capacity == 1.0
 
 
 def test_live_signals_from_sglang_and_pages_without_them() -> None:

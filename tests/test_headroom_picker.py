@@ -53,6 +53,23 @@ def test_a_request_that_ended_after_the_scrape_is_not_another_clients() -> None:
     assert picker.explain(NOW + 0.11)[other]["external_requests"] == 0
 
 
+def test_a_backend_that_preempts_or_queues_for_kv_is_full_whatever_its_gauge() -> None:
+    """Early signals: a preemption since the previous scrape, or requests waiting for KV capacity, mean the
+    engine is out of KV now (the usage gauge can read 70 % between two block allocations)."""
+    picker = _picker(2)
+    for name in picker.backends:
+        picker.observe(name, LiveSignals(0, 2, 0.5, 10_000.0, NOW, preemptions_total=3.0, waiting_for_capacity=0.0))
+    picker.observe("b0", LiveSignals(0, 2, 0.7, 10_000.0, NOW + 0.25, preemptions_total=4.0, waiting_for_capacity=0.0))
+    picker.observe("b1", LiveSignals(0, 3, 0.6, 10_000.0, NOW + 0.25, preemptions_total=3.0, waiting_for_capacity=0.0))
+    rows = picker.explain(NOW + 0.3)
+    assert rows["b0"]["preempting"] and rows["b0"]["free_kv_tokens"] == 0 and not rows["b1"]["preempting"]
+    assert {picker.pick(RequestNeed("video", 100), NOW + 0.3).backend for _ in range(4)} == {"b1"}
+    picker.observe("b0", LiveSignals(0, 2, 0.7, 10_000.0, NOW + 0.5, preemptions_total=4.0, waiting_for_capacity=0.0))
+    assert not picker.explain(NOW + 0.5)["b0"]["preempting"]  # no new preemption: its gauge counts again
+    picker.observe("b1", LiveSignals(2, 3, 0.6, 10_000.0, NOW + 0.5, preemptions_total=3.0, waiting_for_capacity=2.0))
+    assert picker.explain(NOW + 0.5)["b1"]["free_kv_tokens"] == 0
+
+
 def test_work_can_be_counted_in_tokens_instead_of_requests() -> None:
     picker = _picker(2, work_unit="tokens")
     _idle(picker, capacity=100_000)

@@ -18,7 +18,11 @@ _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 _VLLM_CACHE_INFO = "vllm:cache_config_info"
 _SGLANG_TOKENS = "sglang:max_total_num_tokens"
-FAMILIES = frozenset((*_RUNNING, *_WAITING, *_KV_USAGE, _VLLM_CACHE_INFO, _SGLANG_TOKENS))
+# V1 registers the counter as vllm:num_preemptions (exposed with _total); SGLang's preemption is a retraction
+_PREEMPTIONS = ("vllm:num_preemptions_total", "vllm:num_preemptions", "sglang:num_retracted_requests_total")
+_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+FAMILIES = frozenset((*_RUNNING, *_WAITING, *_KV_USAGE, *_PREEMPTIONS, _VLLM_CACHE_INFO, _SGLANG_TOKENS,
+                      _WAITING_BY_REASON))
 
 
 def live_signals(text: str, now: float, source: str = "metrics") -> LiveSignals:
@@ -33,6 +37,10 @@ def live_signals(text: str, now: float, source: str = "metrics") -> LiveSignals:
         kv_usage=sum(usage) / len(usage) if usage else math.nan,
         kv_capacity_tokens=_capacity_tokens(series),
         updated=now,
+        preemptions_total=sum(p) if (p := _first(series, _PREEMPTIONS)) else math.nan,
+        waiting_for_capacity=sum(v for labels, v in series.get(_WAITING_BY_REASON, [])
+                                 if labels.get("reason") == "capacity" and math.isfinite(v))
+        if _WAITING_BY_REASON in series else math.nan,
     )
 
 

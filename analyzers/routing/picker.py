@@ -63,6 +63,10 @@ class LiveSignals:
     kv_usage: float = NAN
     kv_capacity_tokens: float = NAN
     updated: float = -math.inf
+    preemptions_total: float = NAN
+    """The engine's preemptions counter (``vllm:num_preemptions_total``)."""
+    waiting_for_capacity: float = NAN
+    """Requests waiting because the KV cache is full (``vllm:num_requests_waiting_by_reason{reason="capacity"}``)."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,8 @@ class _Backend:
     signals: LiveSignals = field(default_factory=LiveSignals)
     in_flight: dict[int, tuple[float, float]] = field(default_factory=dict)
     """ticket -> (picked at, tokens)."""
+    preempting: bool = False
+    """The engine preempted between its last two scrapes: it is out of KV now, whatever the usage gauge says."""
     ended: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=4096))
     """(picked at, ended at) of requests that ended after the last scrape: the scrape may still count them."""
 
@@ -166,6 +172,8 @@ class HeadroomPicker:
         """Record a successful scrape of ``backend``."""
         with self._lock:
             b = self._backends[backend]
+            before = b.signals.preemptions_total
+            b.preempting = math.isfinite(before) and signals.preemptions_total > before
             b.signals = signals
             while b.ended and b.ended[0][1] <= signals.updated:  # ended before this scrape: not in it
                 b.ended.popleft()
@@ -235,9 +243,13 @@ class HeadroomPicker:
         engine_load = _sum_finite(s.running, s.waiting)
         external = max(0.0, engine_load - visible) if fresh and math.isfinite(engine_load) else 0.0
         capacity = s.kv_capacity_tokens
+        # early signs that the KV is already short, before the usage gauge reads full
+        kv_short = fresh and (b.preempting or s.waiting_for_capacity > 0)
         if fresh and math.isfinite(capacity) and capacity > 0 and math.isfinite(s.kv_usage):
-            free = capacity * (1.0 - min(1.0, max(0.0, s.kv_usage))) - unseen_tokens
+            free = 0.0 if kv_short else capacity * (1.0 - min(1.0, max(0.0, s.kv_usage))) - unseen_tokens
             reserve = capacity * p.kv_reserve_ratio
+        elif kv_short:
+            free, reserve = 0.0, 1.0
         else:  # nothing trustworthy to fit against: every request fits, work decides
             free, reserve = math.inf, 0.0
         weight, drained, class_state = self._engine_view(b.name, request_class)
@@ -247,6 +259,7 @@ class HeadroomPicker:
             "healthy": healthy, "fresh": fresh, "scrape_age_s": age if math.isfinite(age) else None,
             "in_flight": len(b.in_flight), "in_flight_tokens": own_tokens, "unseen_tokens": unseen_tokens,
             "external_requests": external, "free_kv_tokens": free, "reserve_tokens": reserve,
+            "preempting": b.preempting and fresh, "waiting_for_capacity": s.waiting_for_capacity,
             "weight": weight, "drained": drained, "class_state": class_state,
             "work_tokens": work, "work_per_weight": work / weight if weight > 0 else math.inf,
             "eligible": healthy and not drained and class_state != DRAIN and weight > 0,
