@@ -325,10 +325,13 @@ class MetricsScraper:
     """One thread per pod fetching ``http://<address>/metrics`` every ``refresh_s``."""
 
     def __init__(self, pods: list[Pod], params: GieParams, timeout_s: float = 1.0,
-                 on_scrape: Callable[[Pod, PodMetrics], None] | None = None) -> None:
+                 on_scrape: Callable[[Pod, PodMetrics], None] | None = None,
+                 on_text: Callable[[Pod, str, float], None] | None = None) -> None:
         self.pods = pods
         self.on_scrape = on_scrape
         """Called with each successful scrape (another picker's feed), from the scraping thread."""
+        self.on_text = on_text
+        """Called with each successful scrape's page and time, for a picker that reads more than GIE's gauges."""
         self.params = params
         self.timeout_s = timeout_s
         self.metrics: dict[str, PodMetrics | None] = {pod.name: None for pod in pods}
@@ -357,10 +360,13 @@ class MetricsScraper:
     def scrape_once(self, pod: Pod) -> None:
         try:
             text = fetch(f"http://{pod.address}/metrics", timeout_s=self.timeout_s, max_bytes=MAX_METRICS_BYTES)
-            metrics = self.metrics[pod.name] = parse_pod_metrics(text.decode(errors="replace"), time.monotonic())
+            page = text.decode(errors="replace")
+            metrics = self.metrics[pod.name] = parse_pod_metrics(page, time.monotonic())
             self.errors.pop(pod.name, None)
             if self.on_scrape is not None:
                 self.on_scrape(pod, metrics)
+            if self.on_text is not None:
+                self.on_text(pod, page, metrics.updated)
         except InputError as exc:  # keep the last values: they go stale by their timestamp
             self.errors[pod.name] = str(exc)
 

@@ -43,12 +43,15 @@ AZURE_DEFAULTS = {"token_scale": 0.15, "max_total_tokens": 480}
 
 
 def parse_params(items: list[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` workload parameters (numbers as numbers)."""
+    """``KEY=VALUE`` parameters (numbers as numbers, ``true`` / ``false`` as booleans)."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--param {item!r}: expected KEY=VALUE")
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+            continue
         try:
             out[key] = int(value) if value.lstrip("-").isdigit() else float(value)
         except ValueError:
@@ -76,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sglang-warmup-s", type=float, default=None, help="wait before the run (default 31 s)")
     p.add_argument("--epp-scrape-ms", type=float, default=None,
                    help="triscope-epp: /metrics scrape period (default 250 ms; the GIE picker keeps its 50 ms)")
+    p.add_argument("--epp-picker", action="append", default=[],
+                   help="triscope-epp: a PickerParams setting KEY=VALUE (repeat), e.g. engine_weights=false")
     p.add_argument("--out-dir", default="var/testbed", help="PNGs and the JSON document go here")
     p.add_argument("--record-metrics", default="", help="append every backend's KV usage and queue, scraped "
                                                         "every 250 ms during each run, to this CSV")
@@ -130,6 +135,7 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
         opts.sglang_warmup_s = args.sglang_warmup_s
     if args.epp_scrape_ms is not None:
         opts.epp_scrape_s = args.epp_scrape_ms / 1000
+    opts.picker = parse_params(args.epp_picker)
     duration = max(a.t for a in schedule) if schedule else 0.0
     before = fleet.counters()
     t0 = time.monotonic()

@@ -27,11 +27,12 @@ from typing import Any
 
 from triscope.analyzers.routing.config import DEFAULT_CLASSES
 from triscope.analyzers.routing.gate import ClassGate
-from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, LiveSignals, PickerParams
+from triscope.analyzers.routing.live import live_signals
+from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, PickerParams
 from triscope.exporters.epp import HeadroomChooser, NeedParams
 from triscope.sim.bench_fleet import FeedWorker
 from triscope.sim.haproxy import HAProxy, Server
-from triscope.sim.peer_gie_epp import GieParams, MetricsScraper, Pod, PodMetrics
+from triscope.sim.peer_gie_epp import GieParams, MetricsScraper, Pod
 from triscope.sim.peer_gie_extproc import EppGateway, GieGateway
 from triscope.sim.peer_sglang import LOAD_POLL_S, SglangRouter
 from triscope.sim.testbed_fleet import Fleet
@@ -62,6 +63,8 @@ class FrontOptions:
     """triscope-epp's scrape period: its ledger covers what changes between scrapes, and each scrape costs the
     engine's API server CPU (``bench/datapath_cpu.py --vllm-scrape-cost``)."""
     weights: dict[str, Any] = field(default_factory=dict)
+    picker: dict[str, Any] = field(default_factory=dict)
+    """triscope-epp's PickerParams overrides (``--epp-picker KEY=VALUE``)."""
     seed: int = 0
 
 
@@ -77,14 +80,6 @@ def triscope_overrides(opts: FrontOptions) -> dict[str, Any]:
     classes = {c: {**spec, "sla_ms": 1000.0 * opts.sla_s[c]} if c in opts.sla_s else dict(spec)
                for c, spec in DEFAULT_CLASSES.items()}
     return {**TRISCOPE_WEIGHTS, "classes": classes, **opts.weights}
-
-
-def live_signals(m: PodMetrics) -> LiveSignals:
-    """A GIE scrape as the headroom picker's signals (vLLM's block 0 is its null block: never usable)."""
-    blocks = max(0, m.num_gpu_blocks - 1) if m.num_gpu_blocks else 0
-    return LiveSignals(waiting=m.waiting, running=m.running, kv_usage=m.kv_usage,
-                       kv_capacity_tokens=float(blocks * m.block_size) if blocks and m.block_size else float("nan"),
-                       updated=m.updated)
 
 
 class EngineFollower:
@@ -149,10 +144,12 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
         overrides = {**triscope_overrides(opts), "interval_s": EPP_ENGINE_INTERVAL_S}
         if policy == "triscope-epp-levels":
             overrides["levels"] = {"enabled": True, **overrides.get("levels", {})}
-        picker = HeadroomPicker({b.name: b.address for b in fleet.backends}, PickerParams(seed=opts.seed))
+        picker = HeadroomPicker({b.name: b.address for b in fleet.backends},
+                                PickerParams(**{"seed": opts.seed, **opts.picker}))
+        # the product's parser (analyzers/routing/live.py): preemptions and waiting-by-reason too
         scraper = MetricsScraper([Pod(b.name, b.address) for b in fleet.backends],
                                  GieParams(default_model=fleet.model, refresh_s=opts.epp_scrape_s),
-                                 on_scrape=lambda pod, m: picker.observe(pod.name, live_signals(m)))
+                                 on_text=lambda pod, page, at: picker.observe(pod.name, live_signals(page, at)))
         chooser = HeadroomChooser(picker, NeedParams(chars_per_token=fleet.chars_per_token),
                                   ClassGate(seed=opts.seed))
         feed = FeedWorker({b.name: b.url for b in fleet.backends}, overrides, 5.0).start()

