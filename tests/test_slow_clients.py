@@ -142,7 +142,8 @@ def _poll_agent(port: int) -> float:
 def test_lb_polls_are_answered_while_slow_clients_attack(feed: WeightFeed, source: str, round_: int) -> None:
     server = feed._http  # the event-loop server (exporters/feed_server.py)
     assert server is not None
-    agent = feed._agent._server  # type: ignore[union-attr]
+    agent = feed._agent
+    assert agent is not None
     slow_http = Attack(feed.http_port, HTTP_ATTACKERS, b"GET /v1/weights HTTP/1.1\r\nHost: x\r\n", b"X-a: b\r\n",
                        2.0, source)
     slow_agent = Attack(feed.agent_port, AGENT_ATTACKERS, b"1", b"2", 0.5, source)
