@@ -20,7 +20,6 @@ import json
 import math
 import multiprocessing
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -30,10 +29,7 @@ from typing import Any
 
 from triscope.analyzers.routing import BackendInputs, WeightParams
 from triscope.exporters.feed import WeightFeed
-from triscope.sim.haproxy import free_port, wait_port
-from triscope.sim.procs import stop_process
-
-STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")
+from triscope.sim.nginx import STREAM_MODULE, Nginx
 
 
 def _check_loop(port: int, names: list[str], concurrency: int, duration_s: float, seed: int,
@@ -97,44 +93,15 @@ def triscope_agent(n: int) -> WeightFeed:
     return WeightFeed(params, inputs_fn=fresh).start()
 
 
-class NginxStream:
+def nginx_answering(prefix: Path, reply: str) -> Nginx:
     """nginx, one worker, answering every TCP connection with ``reply`` and closing it."""
-
-    def __init__(self, prefix: Path, reply: str) -> None:
-        self.prefix, self.reply, self.port = prefix, reply, free_port()
-        self.proc: Any = None
-
-    def start(self) -> NginxStream:
-        import subprocess
-
-        binary = shutil.which("nginx") or "/usr/sbin/nginx"
-        if not Path(binary).exists() or not STREAM_MODULE.exists():
-            raise SystemExit("needs nginx and its stream module (Debian packages nginx, libnginx-mod-stream)")
-        (self.prefix / "logs").mkdir(parents=True, exist_ok=True)
-        conf = self.prefix / "nginx.conf"
-        reply = self.reply.replace("\n", "\\n")
-        conf.write_text(f"""
-load_module {STREAM_MODULE};
-daemon off;
-master_process off;
-worker_processes 1;
-pid {self.prefix}/nginx.pid;
-error_log {self.prefix}/logs/error.log warn;
-events {{ worker_connections 4096; }}
-stream {{
+    text = reply.replace("\n", "\\n")
+    return Nginx(prefix, lambda port: f"""stream {{
     server {{
-        listen 127.0.0.1:{self.port} backlog=1024;
-        return "{reply}";
+        listen 127.0.0.1:{port} backlog=1024;
+        return "{text}";
     }}
-}}
-""")
-        self.proc = subprocess.Popen([binary, "-p", str(self.prefix), "-c", str(conf)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        wait_port(self.port, proc=self.proc)
-        return self
-
-    def stop(self) -> None:
-        stop_process(self.proc)
+}}""", modules=[STREAM_MODULE], worker_connections=4096)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         feed.close()
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as tmp:
-        nginx = NginxStream(Path(tmp), "ready 100%\n").start()
+        nginx = nginx_answering(Path(tmp), "ready 100%\n").start()
         try:
             # nginx's return does not read: a line sent to a socket it already closed resets it, so its
             # clients send nothing (its side is the floor: accept, write, close)

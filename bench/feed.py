@@ -31,7 +31,7 @@ from typing import Any
 from triscope.sim.backend import BackendSpec
 from triscope.sim.bench_fleet import BENCH_WEIGHTS, FeedWorker, SimFleet
 from triscope.sim.haproxy import HAProxy, Server, free_port, wait_port
-from triscope.sim.procs import stop_process
+from triscope.sim.nginx import Nginx
 
 _UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 
@@ -72,31 +72,10 @@ def run_wrk(url: str, threads: int, connections: int, duration_s: float) -> dict
     return parse_wrk(proc.stdout)
 
 
-class Nginx:
-    """nginx, one worker, serving ``root`` on 127.0.0.1 (no daemon, everything under ``prefix``)."""
-
-    def __init__(self, prefix: Path, root: Path) -> None:
-        self.prefix = prefix
-        self.root = root
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Nginx:
-        binary = shutil.which("nginx") or "/usr/sbin/nginx"
-        if not Path(binary).exists():
-            raise SystemExit("nginx is not installed (Debian package nginx)")
-        for d in ("logs", "tmp"):
-            (self.prefix / d).mkdir(parents=True, exist_ok=True)
-        tmp = self.prefix / "tmp"
-        conf = self.prefix / "nginx.conf"
-        conf.write_text(f"""
-daemon off;
-master_process off;
-worker_processes 1;
-pid {self.prefix}/nginx.pid;
-error_log {self.prefix}/logs/error.log warn;
-events {{ worker_connections 1024; }}
-http {{
+def nginx_serving(prefix: Path, root: Path) -> Nginx:
+    """nginx serving the files of ``root`` over HTTP."""
+    tmp = prefix / "tmp"
+    return Nginx(prefix, lambda port: f"""http {{
     access_log off;
     client_body_temp_path {tmp}/body;
     proxy_temp_path {tmp}/proxy;
@@ -105,19 +84,11 @@ http {{
     scgi_temp_path {tmp}/scgi;
     types {{ application/json json; }}
     server {{
-        listen 127.0.0.1:{self.port};
-        root {self.root};
+        listen 127.0.0.1:{port};
+        root {root};
         location / {{ }}
     }}
-}}
-""")
-        self.proc = subprocess.Popen([binary, "-p", str(self.prefix), "-c", str(conf)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        wait_port(self.port, proc=self.proc)
-        return self
-
-    def stop(self) -> None:
-        stop_process(self.proc)
+}}""")
 
 
 def _get(url: str) -> bytes:
@@ -132,7 +103,7 @@ def throughput(feed: FeedWorker, workdir: Path, args: argparse.Namespace) -> dic
     root = workdir / "www"
     root.mkdir(parents=True, exist_ok=True)
     (root / "weights.json").write_bytes(body)
-    nginx = Nginx(workdir / "nginx", root).start()
+    nginx = nginx_serving(workdir / "nginx", root).start()
     try:
         nginx_url = f"http://127.0.0.1:{nginx.port}/weights.json"
         assert _get(nginx_url) == body

@@ -15,9 +15,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,9 @@ from triscope.component import ComponentConfig, Context, interval, non_negative,
 from triscope.errors import ConfigError, InputError, TriscopeError
 from triscope.exporters.epp import Fallback, HeadroomChooser, NeedParams
 from triscope.exporters.extproc import MAX_BODY_BYTES, MAX_STREAMS, ExtProcServer
+from triscope.exporters.feed_http import one_line
 from triscope.http_fetch import fetch
+from triscope.ticker import Ticker
 
 log = logging.getLogger(__name__)
 
@@ -123,30 +124,6 @@ def default_weights_url(config: Mapping[str, Any], weights: WeightParams) -> str
     return f"http://{host}:{feed.port}/v1/weights"
 
 
-class _Every:
-    """A thread calling ``step()`` every ``period_s`` (a ticker that skips missed ticks)."""
-
-    def __init__(self, name: str, period_s: float, step: Callable[[], None]) -> None:
-        self.period_s, self.step = period_s, step
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout_s: float) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=timeout_s)
-
-    def _run(self) -> None:
-        next_at = time.monotonic()
-        while not self._stop.is_set():
-            self.step()
-            next_at = max(next_at + self.period_s, time.monotonic())
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
-
-
 class EppService:
     """The ``[epp]`` exporter: ext_proc server + per-backend scrapers + the engine's decisions."""
 
@@ -162,10 +139,10 @@ class EppService:
         self.weights_error = ""
         self.weights_version = 0
         self._weights_at = -float("inf")
-        self._tickers = [_Every(f"epp-scrape-{name}", cfg.scrape_interval_s,
+        self._tickers = [Ticker(f"epp-scrape-{name}", cfg.scrape_interval_s,
                                 functools.partial(self._scrape, name, address)) for name, address in backends.items()]
         if weights_url:
-            self._tickers.append(_Every("epp-weights", cfg.weights_poll_s, self._poll_weights))
+            self._tickers.append(Ticker("epp-weights", cfg.weights_poll_s, self._poll_weights))
 
     @property
     def port(self) -> int:
@@ -175,8 +152,7 @@ class EppService:
         try:
             self.server.start()
         except (RuntimeError, OSError) as exc:  # grpc: "Failed to bind to address"
-            raise ConfigError(f"[epp] cannot listen on {self.cfg.bind}:{self.cfg.port}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+            raise ConfigError(f"[epp] cannot listen on {self.cfg.bind}:{self.cfg.port}: {one_line(exc)}") from None
         for ticker in self._tickers:
             ticker.start()
         log.info("epp: ext_proc on %s:%d, %d backends, weights from %s", self.cfg.bind, self.port,

@@ -123,7 +123,6 @@ class _AgentConnection(LoopConnection):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.started = self.since
         if self.transport is not None and not self.probation:
             self._arm_read()
 
@@ -146,7 +145,7 @@ class _AgentConnection(LoopConnection):
         if self.timer is not None:
             self.timer.cancel()
         loop = asyncio.get_running_loop()
-        left = self.started + LINE_DEADLINE_S - loop.time()
+        left = self.since + LINE_DEADLINE_S - loop.time()  # since: when it connected (answered once, then closed)
         self.timer = loop.call_later(max(0.0, min(self.server.read_timeout_s, left)), self._expire)
 
     def _expire(self) -> None:  # the line as it stands (HAProxy sends it at once: a slow client's)

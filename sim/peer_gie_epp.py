@@ -24,6 +24,7 @@ with hand-made :class:`PodMetrics`.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import threading
@@ -37,6 +38,7 @@ import xxhash
 from triscope.errors import InputError
 from triscope.http_fetch import fetch
 from triscope.prom_text import keep_families, parse_exposition
+from triscope.ticker import Ticker
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 """GIE names the request's InferenceObjective in this header; the objective carries its priority."""
@@ -325,30 +327,25 @@ class MetricsScraper:
     """One thread per pod fetching ``http://<address>/metrics`` every ``refresh_s``."""
 
     def __init__(self, pods: list[Pod], params: GieParams, timeout_s: float = 1.0,
-                 on_scrape: Callable[[Pod, PodMetrics], None] | None = None,
                  on_text: Callable[[Pod, str, float], None] | None = None) -> None:
         self.pods = pods
-        self.on_scrape = on_scrape
-        """Called with each successful scrape (another picker's feed), from the scraping thread."""
         self.on_text = on_text
         """Called with each successful scrape's page and time, for a picker that reads more than GIE's gauges."""
         self.params = params
         self.timeout_s = timeout_s
         self.metrics: dict[str, PodMetrics | None] = {pod.name: None for pod in pods}
         self.errors: dict[str, str] = {}
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(pod,), name=f"gie-scrape-{pod.name}", daemon=True)
+        self._tickers = [Ticker(f"gie-scrape-{pod.name}", params.refresh_s, functools.partial(self.scrape_once, pod))
                          for pod in pods]
 
     def start(self) -> MetricsScraper:
-        for t in self._threads:
-            t.start()
+        for ticker in self._tickers:
+            ticker.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=self.timeout_s + 1)
+        for ticker in self._tickers:
+            ticker.stop(self.timeout_s + 1)
 
     def snapshot(self) -> list[tuple[Pod, PodMetrics | None]]:
         """The candidate pods and their latest metrics (unready pods left out, see ``unready_after_s``)."""
@@ -363,19 +360,10 @@ class MetricsScraper:
             page = text.decode(errors="replace")
             metrics = self.metrics[pod.name] = parse_pod_metrics(page, time.monotonic())
             self.errors.pop(pod.name, None)
-            if self.on_scrape is not None:
-                self.on_scrape(pod, metrics)
             if self.on_text is not None:
                 self.on_text(pod, page, metrics.updated)
         except InputError as exc:  # keep the last values: they go stale by their timestamp
             self.errors[pod.name] = str(exc)
-
-    def _run(self, pod: Pod) -> None:
-        next_at = time.monotonic()
-        while not self._stop.is_set():
-            self.scrape_once(pod)
-            next_at = max(next_at + self.params.refresh_s, time.monotonic())  # a ticker that skips missed ticks
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
 
     def stale(self, now: float | None = None) -> list[str]:
         """Pods whose metrics are older than ``metrics_staleness_s`` (GIE's 2 s log/gauge threshold)."""

@@ -18,7 +18,6 @@ sglang-router's own) and no retries of a request that reached a backend (``retri
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from triscope.sim.peer_gie_extproc import EppGateway, GieGateway
 from triscope.sim.peer_sglang import LOAD_POLL_S, SglangRouter
 from triscope.sim.testbed_fleet import Fleet
 from triscope.sim.vllm_sidecar import VllmSidecar
+from triscope.ticker import Ticker
 
 POLICIES = ("haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware", "gie-epp", "triscope",
             "triscope-epp", "triscope-epp-levels")
@@ -86,23 +86,19 @@ class EngineFollower:
     """Polls the feed's ``/v1/weights`` and hands each document to the chooser, as ``[epp]`` does."""
 
     def __init__(self, feed: FeedWorker, chooser: HeadroomChooser, period_s: float = 0.25) -> None:
-        self.feed, self.chooser, self.period_s = feed, chooser, period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="epp-engine", daemon=True)
+        self.feed, self.chooser = feed, chooser
+        self._ticker = Ticker("epp-engine", period_s, self._follow)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(OSError, ValueError):
-                self.chooser.set_engine(EngineView.from_document(self.feed.weights_doc()))
-            self._stop.wait(self.period_s)
+    def _follow(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.chooser.set_engine(EngineView.from_document(self.feed.weights_doc()))
 
     def __enter__(self) -> EngineFollower:
-        self._thread.start()
+        self._ticker.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._ticker.stop(5.0)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ Columns: ``fleet, policy, backend, t_s`` (seconds since the run began), ``kv_usa
 from __future__ import annotations
 
 import csv
+import functools
 import threading
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 from triscope.analyzers.routing.live import live_signals
 from triscope.errors import TriscopeError
 from triscope.http_fetch import fetch
+from triscope.ticker import Ticker
 
 COLUMNS = ("fleet", "policy", "backend", "t_s", "kv_usage", "running", "waiting")
 
@@ -25,33 +27,28 @@ class MetricsRecorder:
         self.path, self.fleet, self.policy, self.backends, self.period_s = path, fleet, policy, backends, period_s
         self.rows: list[tuple[str, str, str, float, float, float, float]] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(n, u), daemon=True) for n, u in backends.items()]
+        self._tickers = [Ticker(f"record-{n}", period_s, functools.partial(self._scrape, n, u))
+                         for n, u in backends.items()]
         self._t0 = 0.0
 
-    def _run(self, name: str, base_url: str) -> None:
-        next_at = time.monotonic()
-        while not self._stop.is_set():
-            t = time.monotonic() - self._t0
-            try:
-                s = live_signals(fetch(base_url + "/metrics", timeout_s=1.0, max_bytes=4 << 20).decode(), t)
-                with self._lock:
-                    self.rows.append((self.fleet, self.policy, name, round(t, 3), s.kv_usage, s.running, s.waiting))
-            except TriscopeError:
-                pass
-            next_at = max(next_at + self.period_s, time.monotonic())
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
+    def _scrape(self, name: str, base_url: str) -> None:
+        t = time.monotonic() - self._t0
+        try:
+            s = live_signals(fetch(base_url + "/metrics", timeout_s=1.0, max_bytes=4 << 20).decode(), t)
+        except TriscopeError:
+            return
+        with self._lock:
+            self.rows.append((self.fleet, self.policy, name, round(t, 3), s.kv_usage, s.running, s.waiting))
 
     def __enter__(self) -> MetricsRecorder:
         self._t0 = time.monotonic()
-        for t in self._threads:
-            t.start()
+        for ticker in self._tickers:
+            ticker.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=5)
+        for ticker in self._tickers:
+            ticker.stop(5.0)
         new = not self.path.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", newline="") as fh:

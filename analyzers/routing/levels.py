@@ -58,14 +58,14 @@ def _by_weight(params: WeightParams) -> list[str]:
     return sorted(params.classes, key=lambda c: (params.classes[c].weight, c))
 
 
-def class_levels(backends: Mapping[str, BackendWeight], admission: Mapping[str, Mapping[str, str]],
+def class_levels(pressure: float, source: str, admission: Mapping[str, Mapping[str, str]],
                  previous: Mapping[str, ClassLevel], params: WeightParams, now: float,
                  stale: bool) -> dict[str, ClassLevel]:
-    """Every class's level for this update (all ``normal`` while levels are off or inputs are stale)."""
+    """Every class's level for this update from :func:`fleet_pressure`'s ``(pressure, source)`` and the
+    class admission per backend (all ``normal`` while levels are off, inputs are stale or no backend reports)."""
     cfg = params.levels
-    if not cfg.enabled or stale or not backends:
+    if not cfg.enabled or stale or not any(admission.values()):
         return {c: ClassLevel(since=now) for c in params.classes}
-    pressure, source = fleet_pressure(backends, params)
     order = _by_weight(params)
     out: dict[str, ClassLevel] = {}
     for rank, cname in enumerate(order):

@@ -239,8 +239,8 @@ def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | Non
         scale, above, below = scale_decision(list(present.values()), replace(prev, newest_instance_at=newest),
                                              params, now)
     admission, closed = class_admission(results, prev.class_closed, params, stale)
-    levels = class_levels(results, admission, prev.class_levels, params, now, stale)
-    pressure = NAN if stale else fleet_pressure(results, params)[0]
+    pressure, source = (NAN, "") if stale else fleet_pressure(results, params)
+    levels = class_levels(pressure, source, admission, prev.class_levels, params, now, stale)
     published = (tuple((n, results[n].lb_weight, results[n].state) for n in names) + (("stale", stale),)
                  + tuple(sorted(closed))
                  + tuple((c, lv.level, round(lv.shed_ratio, 2)) for c, lv in sorted(levels.items())))

@@ -3,8 +3,9 @@
 ``import chdb`` costs a CLI command about 0.2 s before its first query: the 550 MB engine library is
 mapped and initialised, and the package's ``__init__`` then opens an in-memory connection to read the
 engine's version (and imports ``importlib.metadata``). triscope needs only the engine's C-level module,
-``chdb._chdb``. :func:`start_loading` loads it on a worker thread, which runs in parallel with the
-command's own imports (``dlopen`` and the engine's start-up do not hold the GIL). The package's
+``chdb._chdb``. :func:`start_loading` loads it on a worker thread, whose ``dlopen`` of the library
+(which does not hold the GIL) runs in parallel with the command's own imports; the engine's global
+start-up then happens at the store's first connection. The package's
 ``__init__`` is not run there: it changes the process's working directory while it imports, which
 would move relative paths under the main thread's feet.
 
@@ -76,7 +77,7 @@ def _load_into_state_locked() -> None:
 
 
 def _load_engine_only() -> ModuleType | None:
-    """Load ``chdb/_chdb.abi3.so`` as ``chdb._chdb`` and start the engine with one in-memory query."""
+    """Load ``chdb/_chdb.abi3.so`` as ``chdb._chdb`` (None when this chDB has no such file)."""
     spec = importlib.util.find_spec("chdb")
     locations = list(spec.submodule_search_locations or []) if spec else []
     library = next((Path(p) / "_chdb.abi3.so" for p in locations if (Path(p) / "_chdb.abi3.so").is_file()), None)
