@@ -29,7 +29,7 @@ from triscope.errors import ConfigError, InputError, TriscopeError
 from triscope.exporters.epp import Fallback, HeadroomChooser, NeedParams
 from triscope.exporters.extproc import MAX_BODY_BYTES, MAX_STREAMS, ExtProcServer
 from triscope.exporters.feed_http import one_line
-from triscope.http_fetch import fetch
+from triscope.http_fetch import RefusedError, fetch
 from triscope.ticker import Ticker
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,8 @@ class EppService:
             self.scrapes_total += 1
             self.scrape_errors.pop(name, None)
         except TriscopeError as exc:  # last values stay; they go stale by their timestamp
+            if isinstance(exc, RefusedError):
+                self.picker.refused(name)
             if self.scrape_errors.get(name) != str(exc):
                 log.warning("epp: %s", exc)
             self.scrape_errors[name] = str(exc)

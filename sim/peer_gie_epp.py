@@ -327,10 +327,13 @@ class MetricsScraper:
     """One thread per pod fetching ``http://<address>/metrics`` every ``refresh_s``."""
 
     def __init__(self, pods: list[Pod], params: GieParams, timeout_s: float = 1.0,
-                 on_text: Callable[[Pod, str, float], None] | None = None) -> None:
+                 on_text: Callable[[Pod, str, float], None] | None = None,
+                 on_error: Callable[[Pod, InputError], None] | None = None) -> None:
         self.pods = pods
         self.on_text = on_text
         """Called with each successful scrape's page and time, for a picker that reads more than GIE's gauges."""
+        self.on_error = on_error
+        """Called with each failed scrape's error (GIE itself only lets the pod's metrics go stale)."""
         self.params = params
         self.timeout_s = timeout_s
         self.metrics: dict[str, PodMetrics | None] = {pod.name: None for pod in pods}
@@ -364,6 +367,8 @@ class MetricsScraper:
                 self.on_text(pod, page, metrics.updated)
         except InputError as exc:  # keep the last values: they go stale by their timestamp
             self.errors[pod.name] = str(exc)
+            if self.on_error is not None:
+                self.on_error(pod, exc)
 
     def stale(self, now: float | None = None) -> list[str]:
         """Pods whose metrics are older than ``metrics_staleness_s`` (GIE's 2 s log/gauge threshold)."""

@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sglang-warmup-s", type=float, default=None, help="wait before the run (default 31 s)")
     p.add_argument("--epp-scrape-ms", type=float, default=None,
                    help="triscope-epp: /metrics scrape period (default 250 ms; the GIE picker keeps its 50 ms)")
+    p.add_argument("--epp-engine-ms", type=float, default=None,
+                   help="triscope-epp: its weight engine's period, each a scrape of every engine (default 500 ms)")
     p.add_argument("--epp-picker", action="append", default=[],
                    help="triscope-epp: a PickerParams setting KEY=VALUE (repeat), e.g. engine_weights=false")
     p.add_argument("--out-dir", default="var/testbed", help="PNGs and the JSON document go here")
@@ -92,8 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad or not args.fleets or not args.policy_list:
         raise SystemExit(f"unknown fleet or policy: {', '.join(bad) or '(none given)'} "
                          f"(fleets: {', '.join(FLEETS)}; policies: {', '.join(POLICIES)})")
-    if args.epp_scrape_ms is not None and not 10 <= args.epp_scrape_ms <= 10_000:
-        raise SystemExit("--epp-scrape-ms must be 10-10000")
+    for flag, value in (("--epp-scrape-ms", args.epp_scrape_ms), ("--epp-engine-ms", args.epp_engine_ms)):
+        if value is not None and not 10 <= value <= 10_000:
+            raise SystemExit(f"{flag} must be 10-10000")
     if args.backends < 1 or args.sim_backends < 0 or not 0 < args.pin_ratio < 1 or not 0 < args.kill_at < 1:
         raise SystemExit("--backends >= 1, --pin-ratio and --kill-at in (0, 1) expected")
     if args.scenario == "killed" and min(args.backends, args.sim_backends or args.backends) < 2:
@@ -135,6 +138,8 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
         opts.sglang_warmup_s = args.sglang_warmup_s
     if args.epp_scrape_ms is not None:
         opts.epp_scrape_s = args.epp_scrape_ms / 1000
+    if args.epp_engine_ms is not None:
+        opts.epp_engine_s = args.epp_engine_ms / 1000
     opts.picker = parse_params(args.epp_picker)
     duration = max(a.t for a in schedule) if schedule else 0.0
     before = fleet.counters()

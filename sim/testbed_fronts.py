@@ -18,6 +18,7 @@ sglang-router's own) and no retries of a request that reached a backend (``retri
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from triscope.analyzers.routing.gate import ClassGate
 from triscope.analyzers.routing.live import live_signals
 from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, PickerParams
 from triscope.exporters.epp import HeadroomChooser, NeedParams
+from triscope.http_fetch import RefusedError
 from triscope.sim.bench_fleet import FeedWorker
 from triscope.sim.haproxy import HAProxy, Server
 from triscope.sim.peer_gie_epp import GieParams, MetricsScraper, Pod
@@ -62,6 +64,8 @@ class FrontOptions:
     epp_scrape_s: float = 0.25
     """triscope-epp's scrape period: its ledger covers what changes between scrapes, and each scrape costs the
     engine's API server CPU (``bench/datapath_cpu.py --vllm-scrape-cost``)."""
+    epp_engine_s: float = EPP_ENGINE_INTERVAL_S
+    """triscope-epp's weight engine period (its own scrapes of every engine)."""
     weights: dict[str, Any] = field(default_factory=dict)
     picker: dict[str, Any] = field(default_factory=dict)
     """triscope-epp's PickerParams overrides (``--epp-picker KEY=VALUE``)."""
@@ -137,7 +141,7 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
                         seed=opts.seed) as gw:
             yield Front(gw.port, {"picker": "GIE EPP default profile (re-implemented), Envoy ext_proc"})
     elif policy in ("triscope-epp", "triscope-epp-levels"):
-        overrides = {**triscope_overrides(opts), "interval_s": EPP_ENGINE_INTERVAL_S}
+        overrides = {**triscope_overrides(opts), "interval_s": opts.epp_engine_s}
         if policy == "triscope-epp-levels":
             overrides["levels"] = {"enabled": True, **overrides.get("levels", {})}
         picker = HeadroomPicker({b.name: b.address for b in fleet.backends},
@@ -145,16 +149,22 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
         # the product's parser (analyzers/routing/live.py): preemptions and waiting-by-reason too
         scraper = MetricsScraper([Pod(b.name, b.address) for b in fleet.backends],
                                  GieParams(default_model=fleet.model, refresh_s=opts.epp_scrape_s),
-                                 on_text=lambda pod, page, at: picker.observe(pod.name, live_signals(page, at)))
+                                 on_text=lambda pod, page, at: picker.observe(pod.name, live_signals(page, at)),
+                                 on_error=functools.partial(_scrape_failed, picker))
         chooser = HeadroomChooser(picker, NeedParams(chars_per_token=fleet.chars_per_token),
                                   ClassGate(seed=opts.seed))
         feed = FeedWorker({b.name: b.url for b in fleet.backends}, overrides, 5.0).start()
         try:
             with EngineFollower(feed, chooser), EppGateway(chooser, scraper, workdir) as gw:
                 yield Front(gw.port, {"picker": "triscope HeadroomPicker, Envoy ext_proc",
-                                      "scrape_s": opts.epp_scrape_s, "engine_interval_s": EPP_ENGINE_INTERVAL_S,
+                                      "scrape_s": opts.epp_scrape_s, "engine_interval_s": opts.epp_engine_s,
                                       "levels": policy == "triscope-epp-levels"})
         finally:
             feed.stop()
     else:
         raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+
+
+def _scrape_failed(picker: HeadroomPicker, pod: Pod, exc: Exception) -> None:
+    if isinstance(exc, RefusedError):  # as the product's [epp] does: nothing listens, out now
+        picker.refused(pod.name)

@@ -49,6 +49,10 @@ class RawServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening (a closed port refuses connections); idempotent."""
         self.stop.set()
         self.sock.close()
         self._accept.join(timeout=5)

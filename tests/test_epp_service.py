@@ -1,12 +1,14 @@
 """The ``[epp]`` exporter's parts that need no Envoy: its config, the live signals it reads from a
-``/metrics`` page, and the engine view it reads from the feed's ``/v1/weights`` (tests/test_epp_run.py runs
-the whole of it behind a real Envoy)."""
+``/metrics`` page, its scrapes of real sockets, and the engine view it reads from the feed's
+``/v1/weights`` (tests/test_epp_run.py runs the whole of it behind a real Envoy)."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
+from scrape_helpers import Route, raw_server
 
 from triscope.analyzers.routing import WeightParams
 from triscope.analyzers.routing.live import live_signals
@@ -141,3 +143,31 @@ def test_a_port_in_use_is_a_one_line_error() -> None:
         with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{taken}"):
             service.start()
         service.close()
+
+
+def test_a_backend_that_stops_listening_leaves_at_its_next_scrape() -> None:
+    with raw_server({"/metrics": Route(body=VLLM_PAGE.encode())}) as v0, \
+            raw_server({"/metrics": Route(body=VLLM_PAGE.encode())}) as v1:
+        config = {"weights": {"backends": {"v0": {"address": f"127.0.0.1:{v0.port}"},
+                                           "v1": {"address": f"127.0.0.1:{v1.port}"}}},
+                  "epp": {"port": 0, "scrape_interval_s": 0.05}}
+        service = create(config, Context())
+        service.start()
+        try:
+            _wait(lambda: all(r["healthy"] for r in service.picker.explain(time.monotonic()).values()))
+            v1.close()  # the engine's process is gone: its port refuses connections
+            _wait(lambda: service.picker.explain(time.monotonic())["v1"]["refused"])
+            row = service.picker.explain(time.monotonic())["v1"]
+            # out because nothing listens, not because its last answer is old (that takes unready_after_s, 3 s)
+            assert not row["healthy"] and row["scrape_age_s"] < PickerParams().unready_after_s
+            picks = {service.picker.pick(RequestNeed("speech", 10), time.monotonic()).backend for _ in range(6)}
+            assert picks == {"v0"} and "v1" in service.stats()["scrape_errors"]
+        finally:
+            service.close()
+
+
+def _wait(condition: object, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)

@@ -112,6 +112,18 @@ def test_unready_and_drained_backends_leave_the_candidates() -> None:
     assert explained["b0"]["drained"] and not explained["b2"]["healthy"] and explained["b1"]["in_flight"] == 5
 
 
+def test_a_refused_scrape_takes_a_backend_out_until_one_answers() -> None:
+    picker = _picker(2)
+    _idle(picker)
+    picker.refused("b1")  # its port refused a scrape: the engine's process is gone
+    row = picker.explain(NOW)["b1"]
+    assert row["refused"] and not row["healthy"] and row["scrape_age_s"] == 0
+    assert {picker.pick(RequestNeed("speech", 10), NOW).backend for _ in range(4)} == {"b0"}
+    picker.observe("b1", LiveSignals(0, 0, 0.0, 1024.0, NOW + 1))  # restarted: its scrape answers again
+    assert picker.explain(NOW + 1)["b1"]["healthy"]
+    assert picker.pick(RequestNeed("speech", 10), NOW + 1).backend == "b1"  # b0 holds the 4 above
+
+
 def test_when_nothing_is_eligible_it_still_routes() -> None:
     picker = _picker(2)  # never scraped: a gateway starting up
     assert picker.pick(RequestNeed("", math.nan), NOW).backend in ("b0", "b1")

@@ -10,7 +10,7 @@ from conftest import free_port
 from scrape_helpers import Route, raw_server
 
 from triscope.errors import InputError
-from triscope.http_fetch import UnreachableError, fetch
+from triscope.http_fetch import RefusedError, UnreachableError, fetch
 
 BODY = b"# TYPE up gauge\nup 1\n"
 
@@ -55,9 +55,9 @@ def test_status_refused_and_encoding_are_one_line() -> None:
     for bad in ("http://127.0.0.1:99999/metrics", "http://127.0.0.1:port/metrics", "ftp://127.0.0.1/metrics"):
         with pytest.raises(InputError, match="not an http"):
             fetch(bad, timeout_s=1, max_bytes=100)
-    with pytest.raises(UnreachableError, match="scrape failed") as err:
+    with pytest.raises(RefusedError, match="scrape failed") as err:  # nothing listens: a process gone
         fetch(f"http://127.0.0.1:{free_port()}/metrics", timeout_s=1, max_bytes=100)
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and isinstance(err.value, UnreachableError)
 
 
 def test_redirect_policy() -> None:

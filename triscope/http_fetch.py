@@ -11,8 +11,8 @@ Redirects (``allow_redirects``): ``False`` answers a 3xx with an error; ``True``
 ``"same-origin"`` follows up to 5 redirects to the same scheme, host and port (e.g. Starlette's
 ``/metrics`` -> ``/metrics/``); ``"any"`` follows them to any http(s) URL. All within the same
 deadline. Failures to get an answer (connect, deadline, HTTP status) raise
-:class:`UnreachableError`, a subclass of InputError; a body over ``max_bytes``, a refused redirect
-or an unsupported encoding raise plain InputError.
+:class:`UnreachableError`, a subclass of InputError (:class:`RefusedError` when nothing listens);
+a body over ``max_bytes``, a refused redirect or an unsupported encoding raise plain InputError.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ _DEFAULT_HEADERS = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "id
 
 class UnreachableError(InputError):
     """The target gave no complete answer: connection refused, deadline passed, non-2xx status."""
+
+
+class RefusedError(UnreachableError):
+    """Nothing listens at the target's port (connection refused): its process is gone, not slow."""
 
 
 class _Watchdog:
@@ -152,7 +156,8 @@ class _Attempt:
             # A socket timeout is the deadline too: every socket operation is bounded by what remains.
             if self.fired or isinstance(exc, TimeoutError) or time.monotonic() >= self.deadline:
                 raise TimeoutError() from None
-            raise UnreachableError(f"{self.url}: scrape failed: {_one_line(exc)}") from None
+            kind = RefusedError if isinstance(exc, ConnectionRefusedError) else UnreachableError
+            raise kind(f"{self.url}: scrape failed: {_one_line(exc)}") from None
         finally:
             _WATCHDOG.disarm(key)
             self.conn.close()

@@ -5,8 +5,8 @@ what the engine cannot: its own ledger of requests in flight per backend (opened
 when the proxied request ends), so a burst never herds onto the backend that looked emptiest at the
 last scrape. Per request it estimates the KV the request will hold (prompt + expected output) and:
 
-1. keeps the backends the engine allows (not drained, class admission ``ready``, healthy, scraped
-   within ``unready_after_s``);
+1. keeps the backends the engine allows (not drained, class admission ``ready``, healthy: scraped
+   within ``unready_after_s`` and not refusing connections since);
 2. among those whose free KV (capacity x (1 - usage) at the last scrape, minus what the ledger sent
    there since) fits the request, picks the least outstanding work per unit of weight; work is the
    ledger's requests (or their tokens) plus the requests the backend runs or queues that did not
@@ -139,6 +139,8 @@ class _Backend:
     """The engine preempted between its last two scrapes: it is out of KV now, whatever the usage gauge says."""
     ended: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=4096))
     """(picked at, ended at) of requests that ended after the last scrape: the scrape may still count them."""
+    refused: bool = False
+    """Its last scrape found nothing listening: the process is gone, not slow; unready until a scrape answers."""
 
 
 @dataclass(frozen=True)
@@ -180,8 +182,15 @@ class HeadroomPicker:
             before = b.signals.preemptions_total
             b.preempting = math.isfinite(before) and signals.preemptions_total > before
             b.signals = signals
+            b.refused = False
             while b.ended and b.ended[0][1] <= signals.updated:  # ended before this scrape: not in it
                 b.ended.popleft()
+
+    def refused(self, backend: str) -> None:
+        """A scrape of ``backend`` was refused (nothing listens): it leaves the candidates now rather than
+        ``unready_after_s`` after its last answer, until a scrape answers again."""
+        with self._lock:
+            self._backends[backend].refused = True
 
     def set_weights(self, result: WeightsResult | EngineView | None) -> None:
         """The weight engine's latest result (in process, or read from the feed's ``/v1/weights``):
@@ -236,7 +245,7 @@ class HeadroomPicker:
     def _factors(self, b: _Backend, request_class: str, now: float) -> dict[str, Any]:
         p, s = self.params, b.signals
         age = now - s.updated
-        healthy = age <= p.unready_after_s
+        healthy = age <= p.unready_after_s and not b.refused
         fresh = age <= p.stale_after_s
         own_tokens = sum(t for _, t in b.in_flight.values())
         # the engine counts a request as waiting as soon as it arrives: every pick before the scrape is in
@@ -261,7 +270,8 @@ class HeadroomPicker:
         by_tokens = p.work_unit == "tokens"
         work = own_tokens + external * self._mean_size() if by_tokens else len(b.in_flight) + external
         return {
-            "healthy": healthy, "fresh": fresh, "scrape_age_s": age if math.isfinite(age) else None,
+            "healthy": healthy, "refused": b.refused, "fresh": fresh,
+            "scrape_age_s": age if math.isfinite(age) else None,
             "in_flight": len(b.in_flight), "in_flight_tokens": own_tokens, "unseen_tokens": unseen_tokens,
             "external_requests": external, "free_kv_tokens": free, "reserve_tokens": reserve,
             "preempting": b.preempting and fresh, "waiting_for_capacity": s.waiting_for_capacity,
