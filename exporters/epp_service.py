@@ -65,6 +65,9 @@ class EppConfig(ComponentConfig):
     stale_after_s: float = 1.0
     visible_after_s: float = 0.2
     kv_reserve_ratio: float = 0.05
+    misfit_penalty: float = 1.0
+    """Extra work, in requests, of a backend the request does not fit (a large value, say 1000: only where
+    it fits while anything does)."""
     max_body_bytes: int = MAX_BODY_BYTES
     max_streams: int = MAX_STREAMS
     levels_window_s: float = 10.0
@@ -79,7 +82,8 @@ class EppConfig(ComponentConfig):
                  weights_poll_s=self.weights_poll_s, weights_stale_after_s=self.weights_stale_after_s,
                  unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s)
         positive(where, chars_per_token=self.chars_per_token)
-        non_negative(where, default_output_tokens=self.default_output_tokens, visible_after_s=self.visible_after_s)
+        non_negative(where, default_output_tokens=self.default_output_tokens, visible_after_s=self.visible_after_s,
+                     misfit_penalty=self.misfit_penalty)
         if not 0 <= self.kv_reserve_ratio < 1:
             raise ConfigError(f"{where} kv_reserve_ratio must be in [0, 1), got {self.kv_reserve_ratio}")
         if self.work_unit not in ("requests", "tokens"):
@@ -98,7 +102,7 @@ class EppConfig(ComponentConfig):
     def picker_params(self) -> PickerParams:
         return PickerParams(unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s,
                             visible_after_s=self.visible_after_s, kv_reserve_ratio=self.kv_reserve_ratio,
-                            work_unit=self.work_unit)
+                            work_unit=self.work_unit, misfit_penalty=self.misfit_penalty)
 
 
 def picker_backends(cfg: EppConfig, weights: WeightParams) -> dict[str, str]:

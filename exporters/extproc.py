@@ -214,8 +214,14 @@ class ExtProcServer:
         return destination_response(kind, choice.address)
 
 
+UPSTREAM_IDLE_TIMEOUT_S = 4.0
+"""Envoy closes an idle pooled connection to a backend after this: below uvicorn's 5 s keep-alive (vLLM's
+API server), so Envoy never reuses a connection the server is closing (a 503 "connection termination")."""
+
+
 def envoy_bootstrap(listen_port: int, admin_port: int, extproc_port: int, max_body_bytes: int = MAX_BODY_BYTES,
-                    route_timeout_s: float = 120.0, message_timeout_s: float = 2.0) -> dict:
+                    route_timeout_s: float = 120.0, message_timeout_s: float = 2.0,
+                    upstream_idle_timeout_s: float = UPSTREAM_IDLE_TIMEOUT_S) -> dict:
     """Envoy config: listener -> ext_proc (headers SEND, body BUFFERED) -> router -> ORIGINAL_DST cluster."""
     def sock(port: int) -> dict:
         return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
@@ -252,6 +258,10 @@ def envoy_bootstrap(listen_port: int, admin_port: int, extproc_port: int, max_bo
             "clusters": [
                 {"name": "pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "1s",
                  "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+                 "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                     "common_http_protocol_options": {"idle_timeout": f"{upstream_idle_timeout_s}s"},
+                     "explicit_http_config": {"http_protocol_options": {}}}},
                  "circuit_breakers": {"thresholds": [big]}},
                 {"name": "epp", "type": "STATIC", "connect_timeout": "1s",
                  "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {

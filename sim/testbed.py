@@ -3,7 +3,8 @@
 ``bench/testbed.py`` runs :func:`main`. For each fleet (``--fleet sim,vllm``) it starts the backends
 once, then for each policy (``sim/testbed_fronts.py``) restores them (a killed backend restarts), applies
 the scenario, starts the policy's load balancer, replays the workload's arrivals open loop through it
-(``sim/workloads.py``; the same arrivals for every policy and both fleets) and judges the results
+from a client process of its own (``sim/workloads.py``; the same arrivals for every policy and both
+fleets; a picker serving in this process shares no interpreter lock with the client) and judges the results
 (``closed_loop_stats.judge``: goodput within the class SLAs, P99 over all offered, errors by kind,
 peak QPS held). It prints the side-by-side table, writes one PNG per fleet and, with ``--json``, the
 whole document. docs/closed_loop.md has the method and the figures.
@@ -12,7 +13,6 @@ whole document. docs/closed_loop.md has the method and the figures.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import contextlib
 import json
@@ -27,7 +27,7 @@ from typing import Any
 
 from triscope.sim.calibration import PROFILES, SimProfile
 from triscope.sim.closed_loop_stats import judge, plot_judgements
-from triscope.sim.loadgen import Arrival, drive
+from triscope.sim.loadgen import Arrival, ClientProcess
 from triscope.sim.testbed_fleet import FLEETS, SCENARIOS, Fleet, FleetError, make_fleet
 from triscope.sim.testbed_fronts import POLICIES, FrontOptions, front
 from triscope.sim.testbed_record import MetricsRecorder
@@ -145,7 +145,7 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
     before = fleet.counters()
     t0 = time.monotonic()
     try:
-        with front(policy, fleet, workdir / f"{fleet.kind}-{policy}", opts) as f:
+        with front(policy, fleet, workdir / f"{fleet.kind}-{policy}", opts) as f, ClientProcess() as client:
             timer = None
             if args.scenario == "killed":
                 timer = threading.Timer(args.kill_at * duration, fleet.kill, [victim])
@@ -155,11 +155,11 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
                         if args.record_metrics else contextlib.nullcontext())
             try:
                 with recorder:
-                    results, lag = asyncio.run(drive(
+                    results, lag = client.drive(
                         "127.0.0.1", f.port, schedule, timeout_factor=args.timeout_factor, api="completions",
                         model=fleet.model, prompt_salt=f"{policy}-{fleet.kind}-s{args.seed}",
                         chars_per_token=fleet.chars_per_token, extra_body=fleet.extra_body or None,
-                        slas=profile.sla_s))
+                        slas=profile.sla_s)
             finally:
                 if timer is not None:
                     timer.cancel()

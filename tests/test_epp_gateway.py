@@ -17,7 +17,7 @@ from conftest import free_port, require
 from triscope.analyzers.routing.live import live_signals
 from triscope.analyzers.routing.picker import HeadroomPicker, PickerParams
 from triscope.exporters.epp import HeadroomChooser
-from triscope.exporters.extproc import envoy_path
+from triscope.exporters.extproc import UPSTREAM_IDLE_TIMEOUT_S, envoy_path
 from triscope.sim.backend import BackendSpec
 from triscope.sim.bench_fleet import SimFleet
 from triscope.sim.engine import GIB
@@ -79,6 +79,22 @@ def test_requests_go_where_the_picker_said_and_the_ledger_closes(bed: Bed) -> No
         last = bed.gateway.extproc.last
         assert last is not None and json.loads(raw)["backend"] == last.name  # the client's header was replaced
     assert wait_ledger_empty(bed.picker) == {"b0": 0, "b1": 0, "b2": 0}
+
+
+def test_envoy_drops_idle_backend_connections_before_the_server_does(bed: Bed) -> None:
+    # uvicorn (vLLM's API server) closes a connection idle for 5 s; Envoy reusing one it is closing answers
+    # 503 "connection termination", so Envoy must close idle ones first (UPSTREAM_IDLE_TIMEOUT_S, 4 s)
+    def closed_idle() -> int:
+        stats = bed.gateway.admin("/stats?filter=^cluster.pool.upstream_cx_idle_timeout$")
+        return int(stats.split(":")[1]) if ":" in stats else 0
+
+    before = closed_idle()
+    status, raw = post(bed, body(5, 2, " idle"))
+    assert status == 200, raw
+    deadline = time.monotonic() + UPSTREAM_IDLE_TIMEOUT_S + 4
+    while closed_idle() == before:
+        assert time.monotonic() < deadline, "Envoy kept an idle backend connection open"
+        time.sleep(0.2)
 
 
 def test_concurrent_long_requests_are_held_in_the_ledger_and_spread(bed: Bed) -> None:

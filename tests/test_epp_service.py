@@ -114,6 +114,9 @@ def test_config_backends_and_the_feed_url() -> None:
         "http://127.0.0.1:9470/v1/weights")
     service = create({**_config(), "run": {"exporters": ["epp"]}}, Context())
     assert service.weights_url == "" and set(service.picker.backends) == {"v0", "v1"}
+    assert service.picker.params.misfit_penalty == 1.0
+    strict = create(_config(misfit_penalty=1000.0), Context())  # only where it fits, short of 1,000 queued
+    assert strict.picker.params.misfit_penalty == 1000.0
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
@@ -124,6 +127,7 @@ def test_config_backends_and_the_feed_url() -> None:
     ("metrics_path", "metrics", "metrics_path must start with"),
     ("weights_url", "ftp://x", "weights_url must be an http"),
     ("chars_per_token", 0, "chars_per_token must be > 0"),
+    ("misfit_penalty", -1.0, "misfit_penalty must be >= 0"),
     ("colour", "red", "unknown keys: colour"),
 ])
 def test_bad_config_is_one_line(key: str, value: object, message: str) -> None:

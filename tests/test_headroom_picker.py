@@ -85,13 +85,27 @@ def test_work_can_be_counted_in_tokens_instead_of_requests() -> None:
         _picker(2, work_unit="bytes")
 
 
-def test_a_request_that_fits_nowhere_else_avoids_the_full_backend() -> None:
-    picker = _picker(2)
+def test_a_strict_fit_sends_a_request_only_where_it_fits() -> None:
+    picker = _picker(2, misfit_penalty=math.inf)
     picker.observe("b0", LiveSignals(0, 1, 0.9, 1024.0, NOW))  # 102 tokens free, lightly loaded
     picker.observe("b1", LiveSignals(0, 4, 0.2, 1024.0, NOW))  # room, busier
     pick = picker.pick(RequestNeed("video", 400), NOW)
     assert pick.backend == "b1" and pick.factors["fits"]
     assert picker.pick(RequestNeed("speech", 30), NOW).backend == "b0"  # small ones still fit b0
+
+
+def test_a_misfit_penalty_makes_the_fit_a_cost_not_a_filter() -> None:
+    picker = _picker(2, misfit_penalty=1.0)
+    picker.observe("b0", LiveSignals(0, 1, 0.9, 1024.0, NOW))  # 102 tokens free, 1 request
+    picker.observe("b1", LiveSignals(0, 4, 0.2, 1024.0, NOW))  # room, 4 requests
+    picks = [picker.pick(RequestNeed("video", 400), NOW).backend for _ in range(6)]
+    # b0's work (1, then 2, plus the penalty) stays under b1's 4 for two picks; from then on the lines even out
+    assert picks[:2] == ["b0", "b0"] and "b1" in picks[2:]
+    # a backend short of KV by an early signal (waiting for capacity) takes nothing that fits elsewhere
+    short = _picker(2, misfit_penalty=1.0)
+    short.observe("b0", LiveSignals(1, 1, 0.9, 1024.0, NOW, waiting_for_capacity=1.0))
+    short.observe("b1", LiveSignals(0, 4, 0.2, 1024.0, NOW))
+    assert {short.pick(RequestNeed("video", 100), NOW).backend for _ in range(3)} == {"b1"}
 
 
 def test_requests_from_other_clients_count_as_work() -> None:

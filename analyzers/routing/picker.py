@@ -7,11 +7,13 @@ last scrape. Per request it estimates the KV the request will hold (prompt + exp
 
 1. keeps the backends the engine allows (not drained, class admission ``ready``, healthy: scraped
    within ``unready_after_s`` and not refusing connections since);
-2. among those whose free KV (capacity x (1 - usage) at the last scrape, minus what the ledger sent
-   there since) fits the request, picks the least outstanding work per unit of weight; work is the
-   ledger's requests (or their tokens) plus the requests the backend runs or queues that did not
-   come through this picker (another LB, a pinned tenant);
-3. when none fits, the least work among all candidates (queueing there beats evicting elsewhere).
+2. picks the least outstanding work per unit of weight; work is the ledger's requests (or their
+   tokens) plus the requests the backend runs or queues that did not come through this picker
+   (another LB, a pinned tenant), and the fit: whether the backend's free KV (capacity x (1 - usage)
+   at the last scrape, minus what the ledger sent there since) holds the request;
+3. a backend the request does not fit counts ``misfit_penalty`` more work (one request), unless it is
+   short of KV by an early signal (then it takes nothing that fits elsewhere); when none fits, work
+   alone decides.
 
 Pure logic: scrapes come in through :meth:`HeadroomPicker.observe`, engine results through
 :meth:`HeadroomPicker.set_weights`; times are ``time.monotonic()`` seconds. docs/epp.md.
@@ -56,6 +58,12 @@ class PickerParams:
     only, every weight 1)."""
     early_signals: bool = True
     """A preemption since the previous scrape, or requests waiting for KV capacity, make a backend full."""
+    misfit_penalty: float = 1.0
+    """Work added to a backend the request does not fit by its KV gauge, in requests (or mean request sizes
+    with ``tokens``): the fit counts the whole expected output, which the engine allocates only as it
+    decodes, so a much shorter line wins over it (on the real test bed a strict fit queued the large
+    backend, docs/epp.md); ``inf``: never send to such a backend while another fits. A backend short of
+    KV by an early signal never takes a request that fits elsewhere."""
     seed: int | None = None
 
 
@@ -211,10 +219,18 @@ class HeadroomPicker:
             candidates = [n for n, f in rows.items() if f["eligible"]]
             if not candidates:  # every backend unready or drained: the least bad one, never a refusal by default
                 candidates = [n for n, f in rows.items() if f["healthy"]] or list(rows)
-            fitting = [n for n in candidates if rows[n]["free_kv_tokens"] - rows[n]["reserve_tokens"] >= tokens]
-            pool = fitting or candidates
-            best = min(rows[n]["work_per_weight"] for n in pool)
-            chosen = self._rng.choice([n for n in pool if rows[n]["work_per_weight"] <= best * (1 + 1e-9)])
+            fitting = {n for n in candidates if rows[n]["free_kv_tokens"] - rows[n]["reserve_tokens"] >= tokens}
+            penalty = self.params.misfit_penalty * (self._mean_size() if self.params.work_unit == "tokens" else 1.0)
+            scores = {}
+            for n in candidates:
+                row = rows[n]
+                if n in fitting or not fitting:  # when nothing fits, work alone decides
+                    scores[n] = row["work_per_weight"]
+                else:  # short of KV by an early signal: out while anything fits
+                    extra = math.inf if row["kv_short"] else penalty
+                    scores[n] = (row["work_tokens"] + extra) / row["weight"]
+            best = min(scores.values())
+            chosen = self._rng.choice([n for n, v in scores.items() if v <= best * (1 + 1e-9)])
             self._next_ticket += 1
             backend = self._backends[chosen]
             backend.in_flight[self._next_ticket] = (now, tokens)
@@ -274,7 +290,7 @@ class HeadroomPicker:
             "scrape_age_s": age if math.isfinite(age) else None,
             "in_flight": len(b.in_flight), "in_flight_tokens": own_tokens, "unseen_tokens": unseen_tokens,
             "external_requests": external, "free_kv_tokens": free, "reserve_tokens": reserve,
-            "preempting": b.preempting and fresh, "waiting_for_capacity": s.waiting_for_capacity,
+            "preempting": b.preempting and fresh, "waiting_for_capacity": s.waiting_for_capacity, "kv_short": kv_short,
             "weight": weight, "drained": drained, "class_state": class_state,
             "work_tokens": work, "work_per_weight": work / weight if weight > 0 else math.inf,
             "eligible": healthy and not drained and class_state != DRAIN and weight > 0,
