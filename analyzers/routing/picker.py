@@ -11,9 +11,10 @@ last scrape. Per request it estimates the KV the request will hold (prompt + exp
    tokens) plus the requests the backend runs or queues that did not come through this picker
    (another LB, a pinned tenant), and the fit: whether the backend's free KV (capacity x (1 - usage)
    at the last scrape, minus what the ledger sent there since) holds the request;
-3. a backend the request does not fit counts ``misfit_penalty`` more work (one request), unless it is
-   short of KV by an early signal (then it takes nothing that fits elsewhere); when none fits, work
-   alone decides.
+3. a backend the request does not fit counts ``misfit_penalty`` more work (one request): the KV of
+   the picker's own requests frees as they end; a backend short of KV by an early signal, or running
+   requests the picker did not send, takes nothing that fits elsewhere. When none fits, work alone
+   decides.
 
 Pure logic: scrapes come in through :meth:`HeadroomPicker.observe`, engine results through
 :meth:`HeadroomPicker.set_weights`; times are ``time.monotonic()`` seconds. docs/epp.md.
@@ -63,7 +64,8 @@ class PickerParams:
     with ``tokens``): the fit counts the whole expected output, which the engine allocates only as it
     decodes, so a much shorter line wins over it (on the real test bed a strict fit queued the large
     backend, docs/epp.md); ``inf``: never send to such a backend while another fits. A backend short of
-    KV by an early signal never takes a request that fits elsewhere."""
+    KV by an early signal, or running requests this picker did not send (whose KV may not free soon: a
+    pinned tenant), never takes a request that fits elsewhere."""
     seed: int | None = None
 
 
@@ -226,8 +228,10 @@ class HeadroomPicker:
                 row = rows[n]
                 if n in fitting or not fitting:  # when nothing fits, work alone decides
                     scores[n] = row["work_per_weight"]
-                else:  # short of KV by an early signal: out while anything fits
-                    extra = math.inf if row["kv_short"] else penalty
+                else:  # the KV of requests this picker did not send (a tenant, another gateway) may never
+                    # free in time, nor may KV already short by an early signal: out while anything fits
+                    strict = row["kv_short"] or row["external_requests"] > 0
+                    extra = math.inf if strict else penalty
                     scores[n] = (row["work_tokens"] + extra) / row["weight"]
             best = min(scores.values())
             chosen = self._rng.choice([n for n, v in scores.items() if v <= best * (1 + 1e-9)])
