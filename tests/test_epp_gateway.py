@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 from conftest import free_port, require
+from lb_helpers import wait_for
 
 from triscope.analyzers.routing.live import live_signals
 from triscope.analyzers.routing.picker import HeadroomPicker, PickerParams
@@ -91,10 +92,7 @@ def test_envoy_drops_idle_backend_connections_before_the_server_does(bed: Bed) -
     before = closed_idle()
     status, raw = post(bed, body(5, 2, " idle"))
     assert status == 200, raw
-    deadline = time.monotonic() + UPSTREAM_IDLE_TIMEOUT_S + 4
-    while closed_idle() == before:
-        assert time.monotonic() < deadline, "Envoy kept an idle backend connection open"
-        time.sleep(0.2)
+    wait_for(lambda: closed_idle() > before, UPSTREAM_IDLE_TIMEOUT_S + 4, "Envoy closing an idle backend connection")
 
 
 def test_concurrent_long_requests_are_held_in_the_ledger_and_spread(bed: Bed) -> None:

@@ -8,6 +8,7 @@ import math
 import time
 
 import pytest
+from lb_helpers import wait_for
 from scrape_helpers import Route, raw_server
 
 from triscope.analyzers.routing import WeightParams
@@ -158,9 +159,10 @@ def test_a_backend_that_stops_listening_leaves_at_its_next_scrape() -> None:
         service = create(config, Context())
         service.start()
         try:
-            _wait(lambda: all(r["healthy"] for r in service.picker.explain(time.monotonic()).values()))
+            wait_for(lambda: all(r["healthy"] for r in service.picker.explain(time.monotonic()).values()), 5.0,
+                     "both backends scraped")
             v1.close()  # the engine's process is gone: its port refuses connections
-            _wait(lambda: service.picker.explain(time.monotonic())["v1"]["refused"])
+            wait_for(lambda: service.picker.explain(time.monotonic())["v1"]["refused"], 5.0, "v1's scrape refused")
             row = service.picker.explain(time.monotonic())["v1"]
             # out because nothing listens, not because its last answer is old (that takes unready_after_s, 3 s)
             assert not row["healthy"] and row["scrape_age_s"] < PickerParams().unready_after_s
@@ -169,9 +171,3 @@ def test_a_backend_that_stops_listening_leaves_at_its_next_scrape() -> None:
         finally:
             service.close()
 
-
-def _wait(condition: object, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
