@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from lb_helpers import wait_for
 
 from triscope.httpserver import BoundedHTTPHandler, BoundedHTTPServer, HttpError, read_body, serve_in_thread, stop
 
@@ -57,6 +58,9 @@ def test_body_bound_and_keep_alive(server: BoundedHTTPServer) -> None:
     assert _post(server, b"hello") == (200, b"hello")
     status, message = _post(server, b"x" * 17)
     assert status == 413 and message == b"body of 17 bytes exceeds the limit of 16"
+    # The server frees a slot when its handler thread sees the client's close; under load that lags the
+    # client, and the cap is 2: wait for both so the next connection is not refused at the cap.
+    wait_for(lambda: server.connections == 0, 5, "the server to release both closed connections")
     conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=5)
     for i in range(3):  # one connection, several requests, each within its own deadline
         conn.request("POST", "/", body=str(i).encode())
@@ -85,7 +89,7 @@ def test_connections_over_the_cap_are_closed_and_others_served(server: BoundedHT
     assert server.refused_total >= 1
     for s in held:
         s.close()
-    time.sleep(0.2)
+    wait_for(lambda: server.connections == 0, 5, "the server to release the closed connections")
     assert _post(server, b"ok") == (200, b"ok")  # slots come back when clients leave
     extra.close()
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]  # no tracebacks
@@ -127,7 +131,7 @@ def test_many_slow_connections_are_bounded_cut_and_quiet(caplog: pytest.LogCaptu
             s.setblocking(False)
             socks.append((s, time.monotonic()))
         time.sleep(0.5)  # slow ones hold every slot either may hold, old enough to give way
-        assert srv.connections == 2 * srv.max_per_client
+        wait_for(lambda: srv.connections == 2 * srv.max_per_client, 5, "the accept loop to fill both clients' slots")
         assert _post(srv, b"fast") == (200, b"fast")  # a slow one of 127.0.0.1 was evicted for it
         assert srv.evicted_total == 1
         end = time.monotonic() + 2.5
@@ -178,8 +182,9 @@ def test_a_client_hanging_up_mid_request_costs_one_quiet_line(caplog: pytest.Log
             s.sendall(b"POST / HTTP/1.1\r\nContent-Length: 100\r\n\r\nonly a part")
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
             s.close()
-        time.sleep(0.3)
         assert _post(server, b"ok") == (200, b"ok")
+        wait_for(lambda: len([r for r in caplog.records if "test-hangup" in r.getMessage()]) >= 5, 5,
+                 "one log line per client that hung up")
     finally:
         stop(server, thread)
     assert len([r for r in caplog.records if "test-hangup" in r.getMessage()]) == 5  # one line per client
