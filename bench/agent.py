@@ -3,7 +3,9 @@
     .venv/bin/python bench/agent.py [--backends 1000] [--clients 2] [--concurrency 32] [--duration-s 5]
 
 triscope: a :class:`~triscope.exporters.feed.WeightFeed` over ``--backends`` backends (HTTP port
-off), its agent port answering ``ready NN%`` per backend. nginx: one worker, its stream module's
+off, the engine updating every second), its agent port answering ``ready NN%`` per backend; measured
+twice, the port served on the feed's own event loop (the default) and by a process of its own
+(``[weights.feed] agent_process = true``). nginx: one worker, its stream module's
 ``return`` sending the same kind of answer to every connection; it does not read a line, so its
 clients send none (the floor of a TCP answer: a stricter baseline than a server doing the agent's
 work). The load: ``--clients`` processes, each keeping ``--concurrency`` checks in flight, a check
@@ -79,7 +81,7 @@ def load(port: int, names: list[str], clients: int, concurrency: int, duration_s
             "p50_s": q[49], "p99_s": q[98]}
 
 
-def triscope_agent(n: int) -> WeightFeed:
+def triscope_agent(n: int, process: bool = False) -> WeightFeed:
     now = time.time()
     inputs = [BackendInputs(f"b{i}", kv_cache_usage_ratio=(i % 10) / 10, address=f"10.0.{i // 250}.{i % 250}:8000",
                             sources={"serving": now}) for i in range(n)]
@@ -89,7 +91,8 @@ def triscope_agent(n: int) -> WeightFeed:
         return [BackendInputs(**{**i.__dict__, "sources": {"serving": t}}) for i in inputs]
 
     params = WeightParams.from_config({"weights": {"interval_s": 1.0, "discover": False,
-                                                   "feed": {"port": -1, "agent_port": 0, "max_connections": 4096}}})
+                                                   "feed": {"port": -1, "agent_port": 0, "max_connections": 4096,
+                                                            "agent_process": process}}})
     return WeightFeed(params, inputs_fn=fresh).start()
 
 
@@ -113,13 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     names = [f"b{i}" for i in range(args.backends)]
-    feed = triscope_agent(args.backends)
-    try:
-        sample = feed.result
-        assert sample is not None
-        ours = load(feed.agent_port, names, args.clients, args.concurrency, args.duration_s)
-    finally:
-        feed.close()
+    ours = {}
+    for mode, process in (("triscope", False), ("triscope_process", True)):
+        feed = triscope_agent(args.backends, process)
+        try:
+            assert feed.result is not None
+            ours[mode] = load(feed.agent_port, names, args.clients, args.concurrency, args.duration_s)
+        finally:
+            feed.close()
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as tmp:
         nginx = nginx_answering(Path(tmp), "ready 100%\n").start()
         try:
@@ -128,20 +132,26 @@ def main(argv: list[str] | None = None) -> int:
             theirs = load(nginx.port, names, args.clients, args.concurrency, args.duration_s, send=False)
         finally:
             nginx.stop()
-    doc = {"backends": args.backends, "clients": args.clients, "concurrency": args.concurrency,
-           "duration_s": args.duration_s, "triscope": ours, "nginx": theirs,
-           "throughput_ratio": ours["checks_per_s"] / theirs["checks_per_s"] if theirs["checks_per_s"] else math.nan,
-           "p99_ratio": ours["p99_s"] / theirs["p99_s"] if theirs["p99_s"] else math.nan}
+    doc: dict[str, Any] = {"backends": args.backends, "clients": args.clients, "concurrency": args.concurrency,
+                           "duration_s": args.duration_s, **ours, "nginx": theirs}
+    for mode, r in ours.items():
+        suffix = mode.removeprefix("triscope")
+        doc[f"throughput_ratio{suffix}"] = (r["checks_per_s"] / theirs["checks_per_s"]
+                                            if theirs["checks_per_s"] else math.nan)
+        doc[f"p99_ratio{suffix}"] = r["p99_s"] / theirs["p99_s"] if theirs["p99_s"] else math.nan
     if args.json:
         json.dump(doc, sys.stdout, indent=2)
         print()
         return 0
     print(f"{args.backends} backends, {args.clients} x {args.concurrency} checks in flight, {args.duration_s:g} s each")
-    for name in ("triscope", "nginx"):
+    for name in (*ours, "nginx"):
         r = doc[name]
-        print(f"  {name:8s} {r['checks_per_s']:9.0f} checks/s  p50 {r['p50_s'] * 1e3:6.2f} ms  "
+        print(f"  {name:16s} {r['checks_per_s']:9.0f} checks/s  p50 {r['p50_s'] * 1e3:6.2f} ms  "
               f"p99 {r['p99_s'] * 1e3:6.2f} ms  failed {r['failed']}")
-    print(f"  triscope / nginx: throughput x{doc['throughput_ratio']:.2f}, p99 x{doc['p99_ratio']:.2f}")
+    for mode in ours:
+        suffix = mode.removeprefix("triscope")
+        print(f"  {mode} / nginx: throughput x{doc['throughput_ratio' + suffix]:.2f}, "
+              f"p99 x{doc['p99_ratio' + suffix]:.2f}")
     return 0
 
 

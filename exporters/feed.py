@@ -31,6 +31,7 @@ from triscope.analyzers.routing import (
 from triscope.component import Context, Submit
 from triscope.errors import ConfigError
 from triscope.exporters import prometheus_text
+from triscope.exporters.agent_process import AgentProcess
 from triscope.exporters.feed_http import json_error, one_line
 from triscope.exporters.feed_server import FeedHTTPServer
 from triscope.exporters.formats import FORMATS, renderer
@@ -78,7 +79,7 @@ class WeightFeed:
         self._stop = threading.Event()
         self._loop: threading.Thread | None = None
         self._http: FeedHTTPServer | None = None
-        self._agent: AgentServer | None = None
+        self._agent: AgentServer | AgentProcess | None = None
         self.updates_total = 0
         self.update_errors_total = 0
         self.last_update = 0.0
@@ -130,6 +131,9 @@ class WeightFeed:
         body = json.dumps(result.to_dict(), separators=(",", ":")).encode() + b"\n"
         with self._lock:
             self._result, self._state, self._weights_body = result, state, body
+        agent = self._agent
+        if isinstance(agent, AgentProcess):
+            agent.publish(result)
 
     def _fall_back(self) -> None:
         """After a failed update: once the last good result is older than ``stale_after_s`` (or there
@@ -255,9 +259,13 @@ class WeightFeed:
             if self._agent_port_cfg >= 0:
                 inflight = {key: b.max_inflight for n, b in self.params.backends.items() if b.max_inflight > 0
                             for key in (n, b.address) if key}
-                self._agent = AgentServer(lambda: self._result, self.bind, self._agent_port_cfg,
-                                          max_connections=self.max_connections, max_inflight=inflight,
-                                          max_per_client=self.params.feed.max_connections_per_client).start()
+                if self.params.feed.agent_process:
+                    self._agent = AgentProcess(self.bind, self._agent_port_cfg, inflight, self.max_connections,
+                                               self.params.feed.max_connections_per_client).start(self._result)
+                else:
+                    self._agent = AgentServer(lambda: self._result, self.bind, self._agent_port_cfg,
+                                              max_connections=self.max_connections, max_inflight=inflight,
+                                              max_per_client=self.params.feed.max_connections_per_client).start()
         except OSError as exc:
             self.close()
             raise ConfigError(f"weight feed cannot listen on {self.bind}: {one_line(exc)}") from None

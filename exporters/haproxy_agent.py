@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable, Mapping
 
 from triscope.analyzers.routing import DRAIN, WeightsResult
@@ -82,7 +83,8 @@ class AgentServer(LoopServer):
     def __init__(self, result_fn: Callable[[], WeightsResult | None], bind: str = "127.0.0.1",
                  port: int = 0, max_line: int = MAX_LINE, read_timeout_s: float = READ_TIMEOUT_S,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 max_inflight: Mapping[str, int] | None = None, max_per_client: int = 0) -> None:
+                 max_inflight: Mapping[str, int] | None = None, max_per_client: int = 0,
+                 sock: socket.socket | None = None) -> None:
         self.result_fn = result_fn
         self.max_inflight = dict(max_inflight or {})
         self.max_line = max_line
@@ -92,7 +94,7 @@ class AgentServer(LoopServer):
         """Connections over the bound waiting :data:`PROBATION_S` for their line (at most ``max_connections``)."""
         self._replies: dict[str, bytes] = {}
         self._replies_for: WeightsResult | None = None
-        super().__init__(bind, port, max_connections, max_per_client, LINE_DEADLINE_S)
+        super().__init__(bind, port, max_connections, max_per_client, LINE_DEADLINE_S, sock)
 
     def reply(self, line: str) -> bytes:
         """The encoded answer to one ``agent-send`` line, cached until the engine publishes a new result."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 from collections import Counter
 from typing import Self, cast
@@ -35,7 +36,8 @@ class LoopServer:
     connection: type[LoopConnection]
     thread_name = "triscope-loop-server"
 
-    def __init__(self, bind: str, port: int, max_connections: int, max_per_client: int, timeout_s: float) -> None:
+    def __init__(self, bind: str, port: int, max_connections: int, max_per_client: int, timeout_s: float,
+                 sock: socket.socket | None = None) -> None:
         self.max_connections = max_connections
         self.max_per_client = max_per_client or default_max_per_client(max_connections)
         self.timeout_s = timeout_s
@@ -46,12 +48,15 @@ class LoopServer:
         self.expired_total = 0
         self._loop = _new_loop()
         self._server: asyncio.Server | None = None
-        self._loop.run_until_complete(self._listen(bind, port))
+        self._loop.run_until_complete(self._listen(bind, port, sock))
         assert self._server is not None
         self.port: int = int(self._server.sockets[0].getsockname()[1])
         self._thread: threading.Thread | None = None
 
-    async def _listen(self, bind: str, port: int) -> None:
+    async def _listen(self, bind: str, port: int, sock: socket.socket | None) -> None:
+        if sock is not None:  # a listening socket handed over by another process (agent_process)
+            self._server = await self._loop.create_server(lambda: self.connection(self), sock=sock, backlog=1024)
+            return
         self._server = await self._loop.create_server(lambda: self.connection(self), bind, port, backlog=1024,
                                                       reuse_address=True)
 

@@ -72,6 +72,17 @@ def feed(fleet: Fleet) -> Iterator[WeightFeed]:
         f.close()
 
 
+@pytest.fixture(params=[False, True], ids=["agent-in-process", "agent-process"])
+def agent_feed(request: pytest.FixtureRequest, fleet: Fleet) -> Iterator[WeightFeed]:
+    """A feed whose agent port runs in the feed's process, then in a process of its own."""
+    feed_cfg = {"port": 0, "agent_port": 0, "max_body_bytes": 1024, "agent_process": request.param}
+    f = WeightFeed(params(feed=feed_cfg), inputs_fn=fleet).start()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
 def get(feed: WeightFeed, path: str, method: str = "GET", body: bytes | None = None,
         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", feed.http_port, timeout=5)
@@ -287,7 +298,8 @@ def test_factory_builds_a_feed_from_config() -> None:
 # --------------------------------------------------------------------------- HAProxy agent
 
 
-def test_agent_replies_percent_drain_and_unknown(feed: WeightFeed, fleet: Fleet) -> None:
+def test_agent_replies_percent_drain_and_unknown(agent_feed: WeightFeed, fleet: Fleet) -> None:
+    feed = agent_feed
     doc = weights(feed)
     lb_b = doc["backends"][name(1)]["lb_weight"]
     assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
@@ -298,14 +310,16 @@ def test_agent_replies_percent_drain_and_unknown(feed: WeightFeed, fleet: Fleet)
     assert agent(feed.agent_port, b"\n") == b"ready 100%\n"
     fleet.mem["a"] = 0.98
     wait_for(lambda: weights(feed)["backends"][name(0)]["state"] == "drain")
-    assert agent(feed.agent_port, name(0).encode() + b"\r\n") == b"drain\n"
+    # an agent process gets the update's table just after /v1/weights has it
+    wait_for(lambda: agent(feed.agent_port, name(0).encode() + b"\r\n") == b"drain\n")
     fleet.mem["a"] = 0.1  # released: slow start, never 0%
     wait_for(lambda: weights(feed)["backends"][name(0)]["state"] == "ready")
-    first = agent(feed.agent_port, name(0).encode() + b"\n")
+    first = wait_for(lambda: (r := agent(feed.agent_port, name(0).encode() + b"\n")) != b"drain\n" and r)
     assert first.startswith(b"ready ") and first.endswith(b"%\n") and int(first[6:-2]) >= 1
 
 
-def test_agent_line_framing(feed: WeightFeed) -> None:
+def test_agent_line_framing(agent_feed: WeightFeed) -> None:
+    feed = agent_feed
     # split across writes, no newline but EOF, trailing words ignored only after the newline
     with socket.create_connection(("127.0.0.1", feed.agent_port), timeout=5) as s:
         s.sendall(name(0).encode()[:5])
@@ -320,7 +334,8 @@ def test_agent_line_framing(feed: WeightFeed) -> None:
     assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
 
 
-def test_agent_silent_client_times_out_without_blocking_others(feed: WeightFeed) -> None:
+def test_agent_silent_client_times_out_without_blocking_others(agent_feed: WeightFeed) -> None:
+    feed = agent_feed
     silent = socket.create_connection(("127.0.0.1", feed.agent_port), timeout=5)
     try:
         t0 = time.monotonic()
@@ -565,9 +580,11 @@ agent_port = -1
         server.shutdown()
 
 
-def test_connection_cap_closes_extra_connections(fleet: Fleet) -> None:
+@pytest.mark.parametrize("agent_process", [False, True], ids=["agent-in-process", "agent-process"])
+def test_connection_cap_closes_extra_connections(fleet: Fleet, agent_process: bool) -> None:
     p = WeightParams.from_config({"weights": {"interval_s": 0.1,
-                                              "feed": {"port": 0, "agent_port": 0, "max_connections": 2}}})
+                                              "feed": {"port": 0, "agent_port": 0, "max_connections": 2,
+                                                       "agent_process": agent_process}}})
     with WeightFeed(p, inputs_fn=fleet).start() as feed:
         for port in (feed.agent_port, feed.http_port):
             idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
