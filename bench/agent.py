@@ -5,7 +5,7 @@
 triscope: a :class:`~triscope.exporters.feed.WeightFeed` over ``--backends`` backends (HTTP port
 off, the engine updating every second), its agent port answering ``ready NN%`` per backend; measured
 twice, the port served on the feed's own event loop (the default) and by a process of its own
-(``[weights.feed] agent_process = true``). nginx: one worker, its stream module's
+(``[weights.feed] serve_process = true``). nginx: one worker, its stream module's
 ``return`` sending the same kind of answer to every connection; it does not read a line, so its
 clients send none (the floor of a TCP answer: a stricter baseline than a server doing the agent's
 work). The load: ``--clients`` processes, each keeping ``--concurrency`` checks in flight, a check
@@ -92,7 +92,7 @@ def triscope_agent(n: int, process: bool = False) -> WeightFeed:
 
     params = WeightParams.from_config({"weights": {"interval_s": 1.0, "discover": False,
                                                    "feed": {"port": -1, "agent_port": 0, "max_connections": 4096,
-                                                            "agent_process": process}}})
+                                                            "serve_process": process}}})
     return WeightFeed(params, inputs_fn=fresh).start()
 
 

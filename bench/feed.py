@@ -4,8 +4,10 @@
     .venv/bin/python bench/feed.py --duration-s 15 --lag-trials 20 --json
 
 1. ``wrk`` drives triscope's feed (``GET /v1/weights``, real ``WeightFeed`` fed by live scrapes of
-   simulated backends) and then nginx serving the very same JSON document as a static file, with
-   the same connections, threads and duration. Prints requests/s, P50/P99 and the ratios.
+   simulated backends), once with its ports served by a process of their own (``[weights.feed]
+   serve_process``) and once as default, and then nginx serving the very same JSON document as a
+   static file, with the same connections, threads and duration. Prints requests/s, P50/P99 and the
+   ratios.
 2. Two simulated backends sit behind real HAProxy whose servers use agent-check against the
    feed. The bench pins memory on one backend (``/sim/pressure``) and times until HAProxy's
    ``get weight`` for that server changes; then releases it and times the recovery. It also
@@ -96,8 +98,10 @@ def _get(url: str) -> bytes:
         return resp.read()
 
 
-def throughput(feed: FeedWorker, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """wrk against the feed's /v1/weights, then against nginx serving the same bytes."""
+def throughput(feed: FeedWorker, workdir: Path, args: argparse.Namespace,
+               before: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+    """wrk against the feed's /v1/weights, then against nginx serving the same bytes; ``before``: results
+    of other feeds measured just before (the serving-process mode), reported with their ratios."""
     feed_url = f"http://127.0.0.1:{feed.info['http_port']}/v1/weights"
     body = _get(feed_url)
     root = workdir / "www"
@@ -107,14 +111,23 @@ def throughput(feed: FeedWorker, workdir: Path, args: argparse.Namespace) -> dic
     try:
         nginx_url = f"http://127.0.0.1:{nginx.port}/weights.json"
         assert _get(nginx_url) == body
-        run_wrk(feed_url, args.threads, args.connections, 1)  # warm-up
-        feed_res = run_wrk(feed_url, args.threads, args.connections, args.duration_s)
+        feed_res = wrk_feed(feed, args)
         nginx_res = run_wrk(nginx_url, args.threads, args.connections, args.duration_s)
     finally:
         nginx.stop()
-    return {"body_bytes": len(body), "feed": feed_res, "nginx": nginx_res,
-            "rps_ratio_feed_over_nginx": feed_res["rps"] / nginx_res["rps"] if nginx_res["rps"] else math.nan,
-            "p99_ratio_feed_over_nginx": feed_res["p99_s"] / nginx_res["p99_s"] if nginx_res["p99_s"] else math.nan}
+    doc: dict[str, Any] = {"body_bytes": len(body), "feed": feed_res, **(before or {}), "nginx": nginx_res}
+    for label in ("feed", *(before or {})):
+        res = doc[label]
+        doc[f"rps_ratio_{label}_over_nginx"] = res["rps"] / nginx_res["rps"] if nginx_res["rps"] else math.nan
+        doc[f"p99_ratio_{label}_over_nginx"] = res["p99_s"] / nginx_res["p99_s"] if nginx_res["p99_s"] else math.nan
+    return doc
+
+
+def wrk_feed(feed: FeedWorker, args: argparse.Namespace) -> dict[str, float]:
+    """wrk against one feed's /v1/weights after a one-second warm-up."""
+    feed_url = f"http://127.0.0.1:{feed.info['http_port']}/v1/weights"
+    run_wrk(feed_url, args.threads, args.connections, 1)
+    return run_wrk(feed_url, args.threads, args.connections, args.duration_s)
 
 
 def _feed_lb_weight(feed: FeedWorker, name: str) -> int | None:
@@ -181,10 +194,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fleet = SimFleet(specs, 0.8).start()
         feed = None
         try:
-            feed = FeedWorker({s.name: fleet.url(s) for s in specs}, overrides, 3.0).start()
+            urls = {s.name: fleet.url(s) for s in specs}
+            # the serving-process mode first, alone (its feed engine scrapes the same backends)
+            feed = FeedWorker(urls, {**overrides, "feed": {"serve_process": True}}, 3.0).start()
+            before = {"feed_process": wrk_feed(feed, args)} if int(feed.info.get("http_port", -1)) > 0 else {}
+            feed.stop()
+            feed = FeedWorker(urls, overrides, 3.0).start()
             doc["feed_impl"] = feed.info.get("feed", "")
             if int(feed.info.get("http_port", -1)) > 0:
-                doc["throughput"] = throughput(feed, workdir, args)
+                doc["throughput"] = throughput(feed, workdir, args, before)
             else:
                 doc["throughput"] = {"skipped": "the feed has no HTTP endpoint (triscope.exporters.feed absent)"}
             servers = [Server(s.name, s.port) for s in specs]
@@ -207,12 +225,14 @@ def print_report(doc: dict[str, Any]) -> None:
         print(f"throughput: skipped ({tp['skipped']})")
     else:
         print(f"throughput (wrk, same connections/duration, {tp['body_bytes']} B JSON):")
-        for name in ("feed", "nginx"):
+        labels = [k for k in ("feed", "feed_process") if k in tp]
+        for name in (*labels, "nginx"):
             r = tp[name]
-            print(f"  {name:6s} {r['rps']:10.0f} req/s   p50 {r['p50_s'] * 1e3:7.2f} ms   "
+            print(f"  {name:12s} {r['rps']:10.0f} req/s   p50 {r['p50_s'] * 1e3:7.2f} ms   "
                   f"p99 {r['p99_s'] * 1e3:7.2f} ms   errors {r['non_2xx'] + r['socket_errors']:.0f}")
-        print(f"  feed/nginx: throughput x{tp['rps_ratio_feed_over_nginx']:.2f}, "
-              f"p99 x{tp['p99_ratio_feed_over_nginx']:.2f}")
+        for name in labels:
+            print(f"  {name}/nginx: throughput x{tp[f'rps_ratio_{name}_over_nginx']:.2f}, "
+                  f"p99 x{tp[f'p99_ratio_{name}_over_nginx']:.2f}")
     lag = doc["lag"]
     for part, label in (("feed", "memory change -> /v1/weights change"),
                         ("lb", "memory change -> HAProxy weight change")):

@@ -31,8 +31,8 @@ from triscope.analyzers.routing import (
 from triscope.component import Context, Submit
 from triscope.errors import ConfigError
 from triscope.exporters import prometheus_text
-from triscope.exporters.agent_process import AgentProcess
 from triscope.exporters.feed_http import json_error, one_line
+from triscope.exporters.feed_process import FeedProcess, agent_table
 from triscope.exporters.feed_server import FeedHTTPServer
 from triscope.exporters.formats import FORMATS, renderer
 from triscope.exporters.haproxy_agent import AgentServer
@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 JSON_TYPE = "application/json"
 InputsFn = Callable[[], Sequence[BackendInputs]]
 Response = tuple[int, str, bytes]
+POLLED_PATHS = ("/v1/weights", "/v1/traefik")
+"""Routes the serving process answers from its table (``serve_process``); it passes others on."""
 
 
 class WeightFeed:
@@ -79,7 +81,10 @@ class WeightFeed:
         self._stop = threading.Event()
         self._loop: threading.Thread | None = None
         self._http: FeedHTTPServer | None = None
-        self._agent: AgentServer | AgentProcess | None = None
+        self._agent: AgentServer | None = None
+        self._process: FeedProcess | None = None
+        self._max_inflight = {key: b.max_inflight for n, b in params.backends.items() if b.max_inflight > 0
+                              for key in (n, b.address) if key}
         self.updates_total = 0
         self.update_errors_total = 0
         self.last_update = 0.0
@@ -131,9 +136,16 @@ class WeightFeed:
         body = json.dumps(result.to_dict(), separators=(",", ":")).encode() + b"\n"
         with self._lock:
             self._result, self._state, self._weights_body = result, state, body
-        agent = self._agent
-        if isinstance(agent, AgentProcess):
-            agent.publish(result)
+        if self._process is not None:
+            self._process.publish(agent_table(result, self._max_inflight), self._polled_responses())
+
+    def _polled_responses(self) -> dict[tuple[str, str], tuple[bytes, bytes]]:
+        """The encoded answers of the routes load balancers poll, for the serving process's table."""
+        if self._http is None:
+            return {}
+        http = self._http
+        return {("GET", path): (http.response("GET", path, b"", False), http.response("GET", path, b"", True))
+                for path in POLLED_PATHS}
 
     def _fall_back(self) -> None:
         """After a failed update: once the last good result is older than ``stale_after_s`` (or there
@@ -228,44 +240,45 @@ class WeightFeed:
     @property
     def http_port(self) -> int:
         """Bound HTTP port (-1 when off or not started)."""
+        if self._process is not None:
+            return self._process.port("http")
         return self._http.port if self._http is not None else -1
 
     @property
     def agent_port(self) -> int:
         """Bound HAProxy agent port (-1 when off or not started)."""
+        if self._process is not None:
+            return self._process.port("agent")
         return self._agent.port if self._agent is not None else -1
 
     @property
     def urls(self) -> dict[str, str]:
         """Endpoint URLs of the running feed."""
         out: dict[str, str] = {}
-        if self._http is not None:
+        if self.http_port >= 0:
             base = f"http://{self.bind}:{self.http_port}"
             out.update({"weights": f"{base}/v1/weights", "metrics": f"{base}/metrics"})
             out.update({name: f"{base}{fmt.path}" for name, fmt in FORMATS.items()})
             out["healthz"] = f"{base}/healthz"
-        if self._agent is not None:
+        if self.agent_port >= 0:
             out["haproxy_agent"] = f"tcp://{self.bind}:{self.agent_port}"
         return out
 
     def start(self) -> WeightFeed:
         """First update (a failure is logged, not raised), then the servers and the update loop."""
         self.step()
+        feed = self.params.feed
         try:
-            if self._port_cfg >= 0:
-                feed = self.params.feed
-                self._http = FeedHTTPServer(self, self.bind, self._port_cfg, self.max_connections,
-                                            feed.max_connections_per_client, feed.header_timeout_s).start()
-            if self._agent_port_cfg >= 0:
-                inflight = {key: b.max_inflight for n, b in self.params.backends.items() if b.max_inflight > 0
-                            for key in (n, b.address) if key}
-                if self.params.feed.agent_process:
-                    self._agent = AgentProcess(self.bind, self._agent_port_cfg, inflight, self.max_connections,
-                                               self.params.feed.max_connections_per_client).start(self._result)
-                else:
+            if feed.serve_process:
+                self._start_process()
+            else:
+                if self._port_cfg >= 0:
+                    self._http = FeedHTTPServer(self, self.bind, self._port_cfg, self.max_connections,
+                                                feed.max_connections_per_client, feed.header_timeout_s).start()
+                if self._agent_port_cfg >= 0:
                     self._agent = AgentServer(lambda: self._result, self.bind, self._agent_port_cfg,
-                                              max_connections=self.max_connections, max_inflight=inflight,
-                                              max_per_client=self.params.feed.max_connections_per_client).start()
+                                              max_connections=self.max_connections, max_inflight=self._max_inflight,
+                                              max_per_client=feed.max_connections_per_client).start()
         except OSError as exc:
             self.close()
             raise ConfigError(f"weight feed cannot listen on {self.bind}: {one_line(exc)}") from None
@@ -274,6 +287,18 @@ class WeightFeed:
         self._loop.start()
         log.info("weight feed: %s", ", ".join(f"{k} {v}" for k, v in self.urls.items()))
         return self
+
+    def _start_process(self) -> None:
+        """The ports in a serving process; the HTTP routes it passes on reach this feed on loopback."""
+        feed = self.params.feed
+        if self._port_cfg >= 0:
+            self._http = FeedHTTPServer(self, "127.0.0.1", 0, self.max_connections, self.max_connections,
+                                        feed.header_timeout_s).start()
+        process = FeedProcess(self.bind, self._agent_port_cfg if self._agent_port_cfg >= 0 else None,
+                              self._port_cfg if self._port_cfg >= 0 else None, self.max_connections,
+                              feed.max_connections_per_client, self._http.port if self._http is not None else -1,
+                              self.max_body_bytes, feed.header_timeout_s)
+        self._process = process.start(agent_table(self._result, self._max_inflight), self._polled_responses())
 
     def close(self) -> None:
         """Stop the loop and both servers; idempotent."""
@@ -287,6 +312,9 @@ class WeightFeed:
         if self._agent is not None:
             self._agent.close()
             self._agent = None
+        if self._process is not None:
+            self._process.close()
+            self._process = None
         if self._owns_store and self._store is not None:
             try:
                 self._store.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import TYPE_CHECKING
 
 from triscope.exporters.feed_http import JSON_TYPE, json_error, one_line, route
@@ -40,11 +41,16 @@ class FeedHTTPServer(LoopServer):
 
     thread_name = "triscope-feed-http"
 
-    def __init__(self, feed: WeightFeed, bind: str, port: int, max_connections: int, max_per_client: int = 0,
-                 header_timeout_s: float | None = None) -> None:
+    def __init__(self, feed: WeightFeed | None, bind: str, port: int, max_connections: int, max_per_client: int = 0,
+                 header_timeout_s: float | None = None, sock: socket.socket | None = None) -> None:
         self.feed = feed
         self._cache: dict[tuple[int, str, bytes, bool], bytes] = {}
-        super().__init__(bind, port, max_connections, max_per_client, header_timeout_s or DEFAULT_HEADER_TIMEOUT_S)
+        super().__init__(bind, port, max_connections, max_per_client, header_timeout_s or DEFAULT_HEADER_TIMEOUT_S,
+                         sock)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.feed.max_body_bytes if self.feed is not None else 0
 
     @property
     def header_timeout_s(self) -> float:
@@ -52,6 +58,7 @@ class FeedHTTPServer(LoopServer):
 
     def response(self, method: str, path: str, body: bytes, close: bool) -> bytes:
         """The encoded answer to one request (HEAD: headers only)."""
+        assert self.feed is not None
         try:
             status, ctype, payload = route(self.feed, "GET" if method == "HEAD" else method, path, body)
         except Exception as exc:
@@ -120,18 +127,28 @@ class _Connection(LoopConnection):
         if size < 0:
             self._fail(400, f"bad Content-Length {length!r}")
             return False
-        limit = self.server.feed.max_body_bytes
+        limit = self.server.max_body_bytes
         if size > limit:
             self._fail(413, f"body of {size} bytes exceeds the limit of {limit} ([weights.feed] max_body_bytes)")
             return False
         start = end + 4
         if len(self.buffer) < start + size:
             return False
+        raw = self.buffer[:start + size]
         body, self.buffer = self.buffer[start:start + size], self.buffer[start + size:]
         close = connection == "close" or (version == "HTTP/1.0" and connection != "keep-alive")
+        return self.respond(method, target.split("?", 1)[0], body, close, raw)
+
+    def respond(self, method: str, path: str, body: bytes, close: bool, raw: bytes) -> bool:
+        """Answer one parsed request (``raw``: its bytes as sent); False when nothing more is to be read now."""
         assert self.transport is not None
-        self.transport.write(self.server.response(method, target.split("?", 1)[0], body, close))
+        self.transport.write(self.server.response(method, path, body, close))
+        return self.answered(close)
+
+    def answered(self, close: bool) -> bool:
+        """After an answer: close, or wait for the next request; False once closed."""
         if close:
+            assert self.transport is not None
             self.transport.close()
             return False
         self.since = asyncio.get_running_loop().time()
@@ -146,3 +163,5 @@ class _Connection(LoopConnection):
 
 
 FeedHTTPServer.connection = _Connection
+FeedConnection = _Connection
+"""The feed's HTTP connection protocol (:mod:`.table_servers` answers some requests from a table)."""

@@ -111,7 +111,7 @@ def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[HAPr
     params = WeightParams.from_config({"weights": {"interval_s": INTERVAL_S, "ewma_up": 1.0, "ewma_down": 1.0,
                                                    "max_step_up": 1.0, "max_step_down": 1.0, "slow_start": False,
                                                    "feed": {"port": 0, "agent_port": 0,
-                                                            "agent_process": getattr(request, "param", False)}}})
+                                                            "serve_process": getattr(request, "param", False)}}})
     with backends(list(NAMES)) as ports:
         feed = WeightFeed(params, inputs_fn=inputs).start()
         try:
@@ -146,7 +146,7 @@ def traffic(hap: HAProxy, n: int) -> Counter:
     return hits
 
 
-@pytest.mark.parametrize("stack", [False, True], ids=["agent-in-process", "agent-process"], indirect=True)
+@pytest.mark.parametrize("stack", [False, True], ids=["in-process", "serve-process"], indirect=True)
 def test_haproxy_weights_and_traffic_follow_memory(stack) -> None:
     hap, inputs, feed = stack
     wait_weights(hap, {"s0": 100, "s1": 100, "s2": 100})

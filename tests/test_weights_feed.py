@@ -63,19 +63,10 @@ def fleet() -> Fleet:
     return Fleet(a=0.1, b=0.5)
 
 
-@pytest.fixture()
-def feed(fleet: Fleet) -> Iterator[WeightFeed]:
-    f = WeightFeed(params(), inputs_fn=fleet).start()
-    try:
-        yield f
-    finally:
-        f.close()
-
-
-@pytest.fixture(params=[False, True], ids=["agent-in-process", "agent-process"])
-def agent_feed(request: pytest.FixtureRequest, fleet: Fleet) -> Iterator[WeightFeed]:
-    """A feed whose agent port runs in the feed's process, then in a process of its own."""
-    feed_cfg = {"port": 0, "agent_port": 0, "max_body_bytes": 1024, "agent_process": request.param}
+@pytest.fixture(params=[False, True], ids=["in-process", "serve-process"])
+def feed(request: pytest.FixtureRequest, fleet: Fleet) -> Iterator[WeightFeed]:
+    """A feed serving its ports itself, then through a serving process (``serve_process``)."""
+    feed_cfg = {"port": 0, "agent_port": 0, "max_body_bytes": 1024, "serve_process": request.param}
     f = WeightFeed(params(feed=feed_cfg), inputs_fn=fleet).start()
     try:
         yield f
@@ -238,7 +229,8 @@ def test_absent_envoy_or_traefik_module_gives_503(feed: WeightFeed, monkeypatch:
     monkeypatch.setitem(sys.modules, "triscope.exporters.traefik_provider", None)
     status, _, body = get(feed, "/v3/discovery:endpoints", "POST", b"{}")
     assert status == 503 and "envoy_eds" in json.loads(body)["error"] and body.count(b"\n") == 1
-    status, _, body = get(feed, "/v1/traefik")
+    # a serving process answers GET /v1/traefik from the table of the next update
+    status, _, body = wait_for(lambda: (r := get(feed, "/v1/traefik"))[0] != 200 and r)
     assert status == 503 and "traefik_provider" in json.loads(body)["error"]
 
 
@@ -298,8 +290,7 @@ def test_factory_builds_a_feed_from_config() -> None:
 # --------------------------------------------------------------------------- HAProxy agent
 
 
-def test_agent_replies_percent_drain_and_unknown(agent_feed: WeightFeed, fleet: Fleet) -> None:
-    feed = agent_feed
+def test_agent_replies_percent_drain_and_unknown(feed: WeightFeed, fleet: Fleet) -> None:
     doc = weights(feed)
     lb_b = doc["backends"][name(1)]["lb_weight"]
     assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
@@ -318,8 +309,7 @@ def test_agent_replies_percent_drain_and_unknown(agent_feed: WeightFeed, fleet: 
     assert first.startswith(b"ready ") and first.endswith(b"%\n") and int(first[6:-2]) >= 1
 
 
-def test_agent_line_framing(agent_feed: WeightFeed) -> None:
-    feed = agent_feed
+def test_agent_line_framing(feed: WeightFeed) -> None:
     # split across writes, no newline but EOF, trailing words ignored only after the newline
     with socket.create_connection(("127.0.0.1", feed.agent_port), timeout=5) as s:
         s.sendall(name(0).encode()[:5])
@@ -334,8 +324,7 @@ def test_agent_line_framing(agent_feed: WeightFeed) -> None:
     assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
 
 
-def test_agent_silent_client_times_out_without_blocking_others(agent_feed: WeightFeed) -> None:
-    feed = agent_feed
+def test_agent_silent_client_times_out_without_blocking_others(feed: WeightFeed) -> None:
     silent = socket.create_connection(("127.0.0.1", feed.agent_port), timeout=5)
     try:
         t0 = time.monotonic()
@@ -580,11 +569,11 @@ agent_port = -1
         server.shutdown()
 
 
-@pytest.mark.parametrize("agent_process", [False, True], ids=["agent-in-process", "agent-process"])
-def test_connection_cap_closes_extra_connections(fleet: Fleet, agent_process: bool) -> None:
+@pytest.mark.parametrize("serve_process", [False, True], ids=["in-process", "serve-process"])
+def test_connection_cap_closes_extra_connections(fleet: Fleet, serve_process: bool) -> None:
     p = WeightParams.from_config({"weights": {"interval_s": 0.1,
                                               "feed": {"port": 0, "agent_port": 0, "max_connections": 2,
-                                                       "agent_process": agent_process}}})
+                                                       "serve_process": serve_process}}})
     with WeightFeed(p, inputs_fn=fleet).start() as feed:
         for port in (feed.agent_port, feed.http_port):
             idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]

@@ -87,9 +87,9 @@ class FeedConfig(ComponentConfig):
     """HTTP port (0 = ephemeral, -1 = off)."""
     agent_port: int = 9471
     """HAProxy agent-check port (0 = ephemeral, -1 = off)."""
-    agent_process: bool = False
-    """Serve the agent port from a process of its own, answering from tables sent after each update
-    (exporters/agent_process.py): checks never wait on the engine; for fleets of hundreds of backends."""
+    serve_process: bool = False
+    """Serve both ports from a process of their own, answering polls from tables sent after each update
+    (exporters/feed_process.py): polls never wait on the engine; for large fleets and busy feeds."""
     max_body_bytes: int = 1 << 20  # Envoy 1.40 REST DiscoveryRequests are ~77 KB (node metadata)
     max_connections: int = 512
     max_connections_per_client: int = 0
