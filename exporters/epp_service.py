@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from triscope.analyzers.routing import WeightParams
@@ -68,6 +68,11 @@ class EppConfig(ComponentConfig):
     misfit_penalty: float = 1.0
     """Extra work, in requests, of a backend the request does not fit (a large value, say 1000: only where
     it fits while anything does)."""
+    engine_weights: bool = True
+    """Divide each backend's work by the weight engine's relative weight (false: its drains and class
+    admission only)."""
+    early_signals: bool = True
+    """Preemptions and requests waiting for KV count against a backend's fit before its KV gauge shows it."""
     max_body_bytes: int = MAX_BODY_BYTES
     max_streams: int = MAX_STREAMS
     levels_window_s: float = 10.0
@@ -102,7 +107,8 @@ class EppConfig(ComponentConfig):
     def picker_params(self) -> PickerParams:
         return PickerParams(unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s,
                             visible_after_s=self.visible_after_s, kv_reserve_ratio=self.kv_reserve_ratio,
-                            work_unit=self.work_unit, misfit_penalty=self.misfit_penalty)
+                            work_unit=self.work_unit, misfit_penalty=self.misfit_penalty,
+                            engine_weights=self.engine_weights, early_signals=self.early_signals)
 
 
 def picker_backends(cfg: EppConfig, weights: WeightParams) -> dict[str, str]:
@@ -131,12 +137,16 @@ def default_weights_url(config: Mapping[str, Any], weights: WeightParams) -> str
 class EppService:
     """The ``[epp]`` exporter: ext_proc server + per-backend scrapers + the engine's decisions."""
 
-    def __init__(self, cfg: EppConfig, backends: Mapping[str, str], weights_url: str = "") -> None:
+    def __init__(self, cfg: EppConfig, backends: Mapping[str, str], weights_url: str = "",
+                 seed: int | None = None) -> None:
+        """``seed``: the picker's tie-breaks and the shedding draws, for runs that must repeat (the test bed)."""
         self.cfg = cfg
         self.weights_url = weights_url
-        self.picker = HeadroomPicker(backends, cfg.picker_params())
+        self.picker = HeadroomPicker(backends, replace(cfg.picker_params(), seed=seed))
         self.chooser = HeadroomChooser(self.picker, NeedParams(cfg.chars_per_token, cfg.default_output_tokens),
-                                       ClassGate(cfg.levels_window_s), Fallback(cfg.fallback_status, cfg.fallback_body))
+                                       ClassGate(cfg.levels_window_s, seed=seed),
+                                       Fallback(cfg.fallback_status, cfg.fallback_body))
+        self._scraped: set[str] = set()
         self.server = ExtProcServer(self.chooser, cfg.max_body_bytes, cfg.bind, cfg.port, cfg.max_streams)
         self.scrape_errors: dict[str, str] = {}
         self.scrapes_total = 0
@@ -174,12 +184,21 @@ class EppService:
                 "scrapes_total": self.scrapes_total, "scrape_errors": dict(self.scrape_errors),
                 "weights_version": self.weights_version, "weights_error": self.weights_error}
 
+    def waiting_for(self) -> str | None:
+        """What the picker still lacks before it decides on data (None: every backend scraped once)."""
+        missing = [name for name in self.picker.backends if name not in self._scraped]
+        if not missing:
+            return None
+        errors = {name: self.scrape_errors[name] for name in missing if name in self.scrape_errors}
+        return f"epp: no scrape of {', '.join(missing)} yet" + (f" ({errors})" if errors else "")
+
     def _scrape(self, name: str, address: str) -> None:
         url = f"http://{address}{self.cfg.metrics_path}"
         try:
             text = fetch(url, timeout_s=self.cfg.scrape_timeout_s, max_bytes=MAX_METRICS_BYTES)
             self.picker.observe(name, live_signals(text.decode("utf-8", "replace"), time.monotonic(), url))
             self.scrapes_total += 1
+            self._scraped.add(name)
             self.scrape_errors.pop(name, None)
         except TriscopeError as exc:  # last values stay; they go stale by their timestamp
             if isinstance(exc, RefusedError):

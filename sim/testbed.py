@@ -25,11 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from triscope.errors import ConfigError
 from triscope.sim.calibration import PROFILES, SimProfile
 from triscope.sim.closed_loop_stats import judge, plot_judgements
 from triscope.sim.loadgen import Arrival, ClientProcess
 from triscope.sim.testbed_fleet import FLEETS, SCENARIOS, Fleet, FleetError, make_fleet
-from triscope.sim.testbed_fronts import POLICIES, FrontOptions, front
+from triscope.sim.testbed_fronts import POLICIES, FrontOptions, epp_config, front
 from triscope.sim.testbed_record import MetricsRecorder
 from triscope.sim.testbed_report import print_tables
 from triscope.sim.vllm_load import CLASSES as SIZES
@@ -82,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epp-engine-ms", type=float, default=None,
                    help="triscope-epp: its weight engine's period, each a scrape of every engine (default 500 ms)")
     p.add_argument("--epp-picker", action="append", default=[],
-                   help="triscope-epp: a PickerParams setting KEY=VALUE (repeat), e.g. engine_weights=false")
+                   help="triscope-epp: an [epp] setting KEY=VALUE (repeat), e.g. engine_weights=false")
     p.add_argument("--out-dir", default="var/testbed", help="PNGs and the JSON document go here")
     p.add_argument("--record-metrics", default="", help="append every backend's KV usage and queue, scraped "
                                                         "every 250 ms during each run, to this CSV")
@@ -102,6 +103,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.scenario == "killed" and min(args.backends, args.sim_backends or args.backends) < 2:
         raise SystemExit("--scenario killed needs at least 2 backends")
     args.params = parse_params(args.param)
+    try:  # an [epp] key that does not exist fails here, not when its policy's turn comes
+        epp_config(FrontOptions(picker=parse_params(args.epp_picker)), 4.0)
+    except ConfigError as exc:
+        raise SystemExit(f"--epp-picker: {exc}") from None
     if args.seed is None:
         args.seed = secrets.randbelow(1_000_000)
     return args

@@ -6,8 +6,8 @@
 | ``sglang-p2c`` / ``-cache-aware`` | sglang-router 0.3.2 (real) | ``/get_load`` every 30 s / prefix tree + counts |
 | ``gie-epp`` | Envoy + ext_proc, the GIE Endpoint Picker's default profile | queue, KV, prefix scrapes every 50 ms |
 | ``triscope`` | HAProxy leastconn + triscope's agent-check feed | KV, queue, latency, QPS scrapes every 100 ms |
-| ``triscope-epp`` | Envoy + ext_proc, triscope's headroom picker | own in-flight ledger, KV fit, 250 ms scrapes, the
-  weight engine's drains / class admission / weights (its feed polled every 250 ms) |
+| ``triscope-epp`` | Envoy + ext_proc, triscope's ``[epp]`` service | own in-flight ledger, KV fit, 250 ms scrapes,
+  the weight engine's drains / class admission / weights (its feed polled every 250 ms) |
 | ``triscope-epp-levels`` | the same | the same, and the engine's admission levels per class |
 
 Every data path has health checks a user would configure (HAProxy ``check``, GIE's pod readiness,
@@ -18,7 +18,6 @@ sglang-router's own) and no retries of a request that reached a backend (``retri
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,19 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from triscope.analyzers.routing.config import DEFAULT_CLASSES
-from triscope.analyzers.routing.gate import ClassGate
-from triscope.analyzers.routing.live import live_signals
-from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, PickerParams
-from triscope.exporters.epp import HeadroomChooser, NeedParams
-from triscope.http_fetch import RefusedError
+from triscope.exporters.epp_service import EppConfig, EppService
 from triscope.sim.bench_fleet import FeedWorker
 from triscope.sim.haproxy import HAProxy, Server
-from triscope.sim.peer_gie_epp import GieParams, MetricsScraper, Pod
-from triscope.sim.peer_gie_extproc import EppGateway, GieGateway
+from triscope.sim.peer_gie_epp import GieParams
+from triscope.sim.peer_gie_extproc import EnvoyGateway, GieGateway
 from triscope.sim.peer_sglang import LOAD_POLL_S, SglangRouter
 from triscope.sim.testbed_fleet import Fleet
 from triscope.sim.vllm_sidecar import VllmSidecar
-from triscope.ticker import Ticker
 
 POLICIES = ("haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware", "gie-epp", "triscope",
             "triscope-epp", "triscope-epp-levels")
@@ -68,7 +62,7 @@ class FrontOptions:
     """triscope-epp's weight engine period (its own scrapes of every engine)."""
     weights: dict[str, Any] = field(default_factory=dict)
     picker: dict[str, Any] = field(default_factory=dict)
-    """triscope-epp's PickerParams overrides (``--epp-picker KEY=VALUE``)."""
+    """triscope-epp's ``[epp]`` settings (``--epp-picker KEY=VALUE``)."""
     seed: int = 0
 
 
@@ -86,23 +80,11 @@ def triscope_overrides(opts: FrontOptions) -> dict[str, Any]:
     return {**TRISCOPE_WEIGHTS, "classes": classes, **opts.weights}
 
 
-class EngineFollower:
-    """Polls the feed's ``/v1/weights`` and hands each document to the chooser, as ``[epp]`` does."""
-
-    def __init__(self, feed: FeedWorker, chooser: HeadroomChooser, period_s: float = 0.25) -> None:
-        self.feed, self.chooser = feed, chooser
-        self._ticker = Ticker("epp-engine", period_s, self._follow)
-
-    def _follow(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.chooser.set_engine(EngineView.from_document(self.feed.weights_doc()))
-
-    def __enter__(self) -> EngineFollower:
-        self._ticker.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._ticker.stop(5.0)
+def epp_config(opts: FrontOptions, chars_per_token: float) -> EppConfig:
+    """triscope-epp's ``[epp]``: ephemeral port, the bed's scrape period and prompt size, ``opts.picker``
+    on top (ConfigError for a key ``[epp]`` does not have)."""
+    return EppConfig.from_config({"epp": {"port": 0, "scrape_interval_s": opts.epp_scrape_s,
+                                          "chars_per_token": chars_per_token, **opts.picker}})
 
 
 @contextlib.contextmanager
@@ -141,30 +123,22 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
                         seed=opts.seed) as gw:
             yield Front(gw.port, {"picker": "GIE EPP default profile (re-implemented), Envoy ext_proc"})
     elif policy in ("triscope-epp", "triscope-epp-levels"):
+        # the product's [epp] service as a user runs it (its scrapers, its poll of the feed's /v1/weights),
+        # the weight engine in a feed process of its own, real Envoy in front
         overrides = {**triscope_overrides(opts), "interval_s": opts.epp_engine_s}
         if policy == "triscope-epp-levels":
             overrides["levels"] = {"enabled": True, **overrides.get("levels", {})}
-        picker = HeadroomPicker({b.name: b.address for b in fleet.backends},
-                                PickerParams(**{"seed": opts.seed, **opts.picker}))
-        # the product's parser (analyzers/routing/live.py): preemptions and waiting-by-reason too
-        scraper = MetricsScraper([Pod(b.name, b.address) for b in fleet.backends],
-                                 GieParams(default_model=fleet.model, refresh_s=opts.epp_scrape_s),
-                                 on_text=lambda pod, page, at: picker.observe(pod.name, live_signals(page, at)),
-                                 on_error=functools.partial(_scrape_failed, picker))
-        chooser = HeadroomChooser(picker, NeedParams(chars_per_token=fleet.chars_per_token),
-                                  ClassGate(seed=opts.seed))
         feed = FeedWorker({b.name: b.url for b in fleet.backends}, overrides, 5.0).start()
+        service = EppService(epp_config(opts, fleet.chars_per_token), {b.name: b.address for b in fleet.backends},
+                             f"http://127.0.0.1:{feed.info['http_port']}/v1/weights", seed=opts.seed)
         try:
-            with EngineFollower(feed, chooser), EppGateway(chooser, scraper, workdir) as gw:
-                yield Front(gw.port, {"picker": "triscope HeadroomPicker, Envoy ext_proc",
+            service.start()
+            with EnvoyGateway(service.port, workdir, waiting_for=service.waiting_for) as gw:
+                yield Front(gw.port, {"picker": "triscope [epp] (HeadroomPicker), Envoy ext_proc",
                                       "scrape_s": opts.epp_scrape_s, "engine_interval_s": opts.epp_engine_s,
                                       "levels": policy == "triscope-epp-levels"})
         finally:
+            service.close()
             feed.stop()
     else:
         raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
-
-
-def _scrape_failed(picker: HeadroomPicker, pod: Pod, exc: Exception) -> None:
-    if isinstance(exc, RefusedError):  # as the product's [epp] does: nothing listens, out now
-        picker.refused(pod.name)

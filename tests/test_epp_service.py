@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import socket
 import time
 
 import pytest
@@ -118,6 +119,9 @@ def test_config_backends_and_the_feed_url() -> None:
     assert service.picker.params.misfit_penalty == 1.0
     strict = create(_config(misfit_penalty=1000.0), Context())  # only where it fits, short of 1,000 queued
     assert strict.picker.params.misfit_penalty == 1000.0
+    assert (service.picker.params.engine_weights, service.picker.params.early_signals) == (True, True)
+    plain = create(_config(engine_weights=False, early_signals=False), Context())
+    assert (plain.picker.params.engine_weights, plain.picker.params.early_signals) == (False, False)
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
@@ -138,8 +142,6 @@ def test_bad_config_is_one_line(key: str, value: object, message: str) -> None:
 
 
 def test_a_port_in_use_is_a_one_line_error() -> None:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
@@ -159,8 +161,8 @@ def test_a_backend_that_stops_listening_leaves_at_its_next_scrape() -> None:
         service = create(config, Context())
         service.start()
         try:
-            wait_for(lambda: all(r["healthy"] for r in service.picker.explain(time.monotonic()).values()), 5.0,
-                     "both backends scraped")
+            wait_for(lambda: service.waiting_for() is None, 5.0, "both backends scraped")
+            assert all(r["healthy"] for r in service.picker.explain(time.monotonic()).values())
             v1.close()  # the engine's process is gone: its port refuses connections
             wait_for(lambda: service.picker.explain(time.monotonic())["v1"]["refused"], 5.0, "v1's scrape refused")
             row = service.picker.explain(time.monotonic())["v1"]
@@ -171,3 +173,22 @@ def test_a_backend_that_stops_listening_leaves_at_its_next_scrape() -> None:
         finally:
             service.close()
 
+
+
+def test_waiting_for_names_the_backends_not_scraped_yet() -> None:
+    with raw_server({"/metrics": Route(body=VLLM_PAGE.encode())}) as v0:
+        with socket.socket() as probe:  # nothing listens here
+            probe.bind(("127.0.0.1", 0))
+            gone = probe.getsockname()[1]
+        config = {"weights": {"backends": {"v0": {"address": f"127.0.0.1:{v0.port}"},
+                                           "v1": {"address": f"127.0.0.1:{gone}"}}},
+                  "epp": {"port": 0, "scrape_interval_s": 0.05}}
+        service = create(config, Context())
+        assert service.waiting_for() == "epp: no scrape of v0, v1 yet"
+        service.start()
+        try:
+            missing = wait_for(lambda: (m := service.waiting_for()) and "refused" in m.lower() and m, 5.0,
+                               "v1's refused scrape")
+            assert missing.startswith("epp: no scrape of v1 yet (") and "v0" not in missing
+        finally:
+            service.close()
