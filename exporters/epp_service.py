@@ -194,9 +194,10 @@ class EppService:
 
     def _scrape(self, name: str, address: str) -> None:
         url = f"http://{address}{self.cfg.metrics_path}"
+        sent = time.monotonic()
         try:
             text = fetch(url, timeout_s=self.cfg.scrape_timeout_s, max_bytes=MAX_METRICS_BYTES)
-            self.picker.observe(name, live_signals(text.decode("utf-8", "replace"), time.monotonic(), url))
+            self.picker.observe(name, live_signals(text.decode("utf-8", "replace"), time.monotonic(), url, sent))
             self.scrapes_total += 1
             self._scraped.add(name)
             self.scrape_errors.pop(name, None)

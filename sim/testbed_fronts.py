@@ -33,6 +33,7 @@ from triscope.sim.peer_gie_extproc import EnvoyGateway, GieGateway
 from triscope.sim.peer_sglang import LOAD_POLL_S, SglangRouter
 from triscope.sim.testbed_fleet import Fleet
 from triscope.sim.vllm_sidecar import VllmSidecar
+from triscope.ticker import Ticker
 
 POLICIES = ("haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware", "gie-epp", "triscope",
             "triscope-epp", "triscope-epp-levels")
@@ -87,6 +88,33 @@ def epp_config(opts: FrontOptions, chars_per_token: float) -> EppConfig:
                                           "chars_per_token": chars_per_token, **opts.picker}})
 
 
+class ExternalWork:
+    """Samples, every 100 ms, whether the picker believes another client's requests run on each backend:
+    with no tenant on the bed (every scenario but ``pinned``) any such belief is a misreading of a scrape."""
+
+    def __init__(self, service: EppService, period_s: float = 0.1) -> None:
+        self.service = service
+        self.samples = 0
+        self.seen: dict[str, int] = dict.fromkeys(service.picker.backends, 0)
+        self._ticker = Ticker("epp-external-work", period_s, self._sample)
+
+    def _sample(self) -> None:
+        rows = self.service.picker.explain(time.monotonic())
+        self.samples += 1
+        for name, row in rows.items():
+            self.seen[name] += row["external_requests"] > 0
+
+    def shares(self) -> dict[str, float]:
+        return {name: round(n / self.samples, 4) if self.samples else 0.0 for name, n in self.seen.items()}
+
+    def __enter__(self) -> ExternalWork:
+        self._ticker.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ticker.stop(2.0)
+
+
 @contextlib.contextmanager
 def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Iterator[Front]:
     """Start ``policy`` in front of ``fleet`` (every backend alive), yield it, stop it."""
@@ -131,12 +159,14 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
         feed = FeedWorker({b.name: b.url for b in fleet.backends}, overrides, 5.0).start()
         service = EppService(epp_config(opts, fleet.chars_per_token), {b.name: b.address for b in fleet.backends},
                              f"http://127.0.0.1:{feed.info['http_port']}/v1/weights", seed=opts.seed)
+        seen = ExternalWork(service)
         try:
             service.start()
-            with EnvoyGateway(service.port, workdir, waiting_for=service.waiting_for) as gw:
-                yield Front(gw.port, {"picker": "triscope [epp] (HeadroomPicker), Envoy ext_proc",
-                                      "scrape_s": opts.epp_scrape_s, "engine_interval_s": opts.epp_engine_s,
-                                      "levels": policy == "triscope-epp-levels"})
+            with EnvoyGateway(service.port, workdir, waiting_for=service.waiting_for) as gw, seen:
+                info = {"picker": "triscope [epp] (HeadroomPicker), Envoy ext_proc", "scrape_s": opts.epp_scrape_s,
+                        "engine_interval_s": opts.epp_engine_s, "levels": policy == "triscope-epp-levels"}
+                yield Front(gw.port, info)
+            info["external_work_seen"] = seen.shares()
         finally:
             service.close()
             feed.stop()

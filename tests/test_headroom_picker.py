@@ -53,6 +53,22 @@ def test_a_request_that_ended_after_the_scrape_is_not_another_clients() -> None:
     assert picker.explain(NOW + 0.11)[other]["external_requests"] == 0
 
 
+def test_a_request_that_ended_while_the_scrape_was_in_flight_is_not_another_clients() -> None:
+    """The engine took its figures at some moment between the scrape's send and its answer: a request of
+    ours that ended in between may be in them, and must not read as a tenant's (extra work, strict fit)."""
+    picker = _picker(2)
+    _idle(picker, at=NOW)
+    done = picker.pick(RequestNeed("speech", 64), NOW + 0.01)
+    picker.finish(done, now=NOW + 0.05)  # ends while a scrape sent at NOW + 0.04 is in flight
+    signals = LiveSignals(0, 1, 0.0, 1024.0, updated=NOW + 0.20, requested=NOW + 0.04)
+    picker.observe(done.backend, signals)
+    row = picker.explain(NOW + 0.21)[done.backend]
+    assert row["external_requests"] == 0 and row["work_tokens"] == 0
+    # without the send time the scrape counts from its answer: the same page reads as another client's request
+    picker.observe(done.backend, LiveSignals(0, 1, 0.0, 1024.0, updated=NOW + 0.30, requested=NOW + 0.25))
+    assert picker.explain(NOW + 0.31)[done.backend]["external_requests"] == 1  # sent after it ended: not ours
+
+
 def test_a_backend_that_preempts_or_queues_for_kv_is_full_whatever_its_gauge() -> None:
     """Early signals: a preemption since the previous scrape, or requests waiting for KV capacity, mean the
     engine is out of KV now (the usage gauge can read 70 % between two block allocations)."""

@@ -25,8 +25,9 @@ FAMILIES = frozenset((*_RUNNING, *_WAITING, *_KV_USAGE, *_PREEMPTIONS, _VLLM_CAC
                       _WAITING_BY_REASON))
 
 
-def live_signals(text: str, now: float, source: str = "metrics") -> LiveSignals:
-    """The picker's view of one scrape; InputError (one line) when the page has none of its gauges."""
+def live_signals(text: str, now: float, source: str = "metrics", requested: float = math.nan) -> LiveSignals:
+    """The picker's view of one scrape answered at ``now`` (sent at ``requested``); InputError (one line)
+    when the page has none of its gauges."""
     series = parse_exposition(keep_families(text, FAMILIES), source)
     running, waiting, usage = _first(series, _RUNNING), _first(series, _WAITING), _first(series, _KV_USAGE)
     if not (running or waiting or usage):
@@ -37,6 +38,7 @@ def live_signals(text: str, now: float, source: str = "metrics") -> LiveSignals:
         kv_usage=sum(usage) / len(usage) if usage else math.nan,
         kv_capacity_tokens=_capacity_tokens(series),
         updated=now,
+        requested=requested,
         preemptions_total=sum(p) if (p := _first(series, _PREEMPTIONS)) else math.nan,
         waiting_for_capacity=sum(v for labels, v in series.get(_WAITING_BY_REASON, [])
                                  if labels.get("reason") == "capacity" and math.isfinite(v))

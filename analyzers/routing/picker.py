@@ -78,6 +78,9 @@ class LiveSignals:
     kv_usage: float = NAN
     kv_capacity_tokens: float = NAN
     updated: float = -math.inf
+    """When the scrape's answer arrived (monotonic)."""
+    requested: float = NAN
+    """When the scrape was sent: the engine took its figures between this and ``updated`` (NaN: at ``updated``)."""
     preemptions_total: float = NAN
     """The engine's preemptions counter (``vllm:num_preemptions_total``)."""
     waiting_for_capacity: float = NAN
@@ -193,7 +196,7 @@ class HeadroomPicker:
             b.preempting = math.isfinite(before) and signals.preemptions_total > before
             b.signals = signals
             b.refused = False
-            while b.ended and b.ended[0][1] <= signals.updated:  # ended before this scrape: not in it
+            while b.ended and b.ended[0][1] < _sent(signals):  # ended before this scrape was sent: not in it
                 b.ended.popleft()
 
     def refused(self, backend: str) -> None:
@@ -271,8 +274,11 @@ class HeadroomPicker:
         # the engine counts a request as waiting as soon as it arrives: every pick before the scrape is in
         # its running + waiting (or not yet arrived), so none of them may count again as another client's
         visible = sum(1 for at, _ in b.in_flight.values() if at <= s.updated)
-        # so is a request that ran across the scrape and has ended since: still in that scrape's count
-        visible += sum(1 for at, end in b.ended if at <= s.updated < end)
+        # so may be one that ended after the scrape was sent (the engine took its figures at some moment
+        # of the scrape's flight, which on a busy engine lasts tens of ms or more): counted as external work
+        # it would make a phantom tenant, costing the backend work and its misfit leniency
+        sent = _sent(s)
+        visible += sum(1 for at, end in b.ended if at <= s.updated and end >= sent)
         unseen_tokens = sum(t for at, t in b.in_flight.values() if at > s.updated - p.visible_after_s)
         engine_load = _sum_finite(s.running, s.waiting)
         external = max(0.0, engine_load - visible) if fresh and math.isfinite(engine_load) else 0.0
@@ -309,6 +315,11 @@ class HeadroomPicker:
         top = max((w for w in view.weights.values() if math.isfinite(w)), default=0.0)
         weight = own / top if top > 0 and math.isfinite(own) and self.params.engine_weights else 1.0
         return max(weight, 0.05), backend in view.drained, view.class_state(backend, request_class)
+
+
+def _sent(s: LiveSignals) -> float:
+    """When the scrape behind ``s`` was sent (its arrival when not recorded)."""
+    return s.requested if math.isfinite(s.requested) else s.updated
 
 
 def _sum_finite(*values: float) -> float:
