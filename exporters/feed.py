@@ -269,7 +269,7 @@ class WeightFeed:
         self.step()
         feed = self.params.feed
         try:
-            if feed.serve_process:
+            if feed.serve_process and max(self._port_cfg, self._agent_port_cfg) >= 0:
                 self._start_process()
             else:
                 if self._port_cfg >= 0:
