@@ -306,15 +306,15 @@ class WeightFeed:
         if self._loop is not None:
             self._loop.join(timeout=5.0)
             self._loop = None
+        if self._process is not None:  # first: it passes requests on to the HTTP server below
+            self._process.close()
+            self._process = None
         if self._http is not None:
             self._http.close()
             self._http = None
         if self._agent is not None:
             self._agent.close()
             self._agent = None
-        if self._process is not None:
-            self._process.close()
-            self._process = None
         if self._owns_store and self._store is not None:
             try:
                 self._store.close()
