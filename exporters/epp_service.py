@@ -146,7 +146,6 @@ class EppService:
         self.chooser = HeadroomChooser(self.picker, NeedParams(cfg.chars_per_token, cfg.default_output_tokens),
                                        ClassGate(cfg.levels_window_s, seed=seed),
                                        Fallback(cfg.fallback_status, cfg.fallback_body))
-        self._scraped: set[str] = set()
         self.server = ExtProcServer(self.chooser, cfg.max_body_bytes, cfg.bind, cfg.port, cfg.max_streams)
         self.scrape_errors: dict[str, str] = {}
         self.scrapes_total = 0
@@ -186,7 +185,8 @@ class EppService:
 
     def waiting_for(self) -> str | None:
         """What the picker still lacks before it decides on data (None: every backend scraped once)."""
-        missing = [name for name in self.picker.backends if name not in self._scraped]
+        rows = self.picker.explain(time.monotonic())
+        missing = [name for name, row in rows.items() if row["scrape_age_s"] is None]
         if not missing:
             return None
         errors = {name: self.scrape_errors[name] for name in missing if name in self.scrape_errors}
@@ -199,7 +199,6 @@ class EppService:
             text = fetch(url, timeout_s=self.cfg.scrape_timeout_s, max_bytes=MAX_METRICS_BYTES)
             self.picker.observe(name, live_signals(text.decode("utf-8", "replace"), time.monotonic(), url, sent))
             self.scrapes_total += 1
-            self._scraped.add(name)
             self.scrape_errors.pop(name, None)
         except TriscopeError as exc:  # last values stay; they go stale by their timestamp
             if isinstance(exc, RefusedError):

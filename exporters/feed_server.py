@@ -50,7 +50,8 @@ class FeedHTTPServer(LoopServer):
 
     @property
     def max_body_bytes(self) -> int:
-        return self.feed.max_body_bytes if self.feed is not None else 0
+        assert self.feed is not None
+        return self.feed.max_body_bytes
 
     @property
     def header_timeout_s(self) -> float:
@@ -82,7 +83,9 @@ def encode(status: int, ctype: str, body: bytes, close: bool) -> bytes:
     return head.encode("latin-1") + body
 
 
-class _Connection(LoopConnection):
+class FeedConnection(LoopConnection):
+    """The feed's HTTP connection protocol (:mod:`.table_servers` answers some requests from a table)."""
+
     server: FeedHTTPServer
 
     def data_received(self, data: bytes) -> None:
@@ -162,6 +165,4 @@ class _Connection(LoopConnection):
         self.transport.close()
 
 
-FeedHTTPServer.connection = _Connection
-FeedConnection = _Connection
-"""The feed's HTTP connection protocol (:mod:`.table_servers` answers some requests from a table)."""
+FeedHTTPServer.connection = FeedConnection
