@@ -116,6 +116,10 @@ class HeadroomChooser:
         pick = self.picker.pick(need, now)
         return Choice(pick.backend, pick.address, detail=pick)
 
+    def answered(self, choice: Choice, status: int) -> None:
+        if isinstance(choice.detail, Pick):
+            self.picker.answered(choice.detail.backend, status, time.monotonic())
+
     def done(self, choice: Choice) -> None:
         if isinstance(choice.detail, Pick):
             self.picker.finish(choice.detail)

@@ -50,7 +50,13 @@ class EppConfig(ComponentConfig):
     """Names in ``[weights.backends]`` to pick among (empty: every one with an ``address``)."""
     metrics_path: str = "/metrics"
     scrape_interval_s: float = 0.25
-    """Each backend's ``/metrics`` period (one vLLM-CPU scrape costs its engine ~10 ms of CPU, docs/epp.md)."""
+    """Each backend's ``/metrics`` period, the shortest (one vLLM-CPU scrape costs its engine ~10 ms of CPU,
+    docs/epp.md)."""
+    scrape_budget: float = 0.02
+    """Share of a backend's time its scrapes may take: a backend whose ``/metrics`` answers in ``d`` seconds
+    (a running mean) is scraped every ``d / scrape_budget``, between ``scrape_interval_s`` and
+    ``max_scrape_interval_s``; 0: always ``scrape_interval_s``."""
+    max_scrape_interval_s: float = 1.0
     scrape_timeout_s: float = 1.0
     weights_url: str = ""
     """The feed's ``/v1/weights``; empty: this process's ``[weights.feed]`` when ``[run] exporters`` has
@@ -87,6 +93,11 @@ class EppConfig(ComponentConfig):
                  weights_poll_s=self.weights_poll_s, weights_stale_after_s=self.weights_stale_after_s,
                  unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s)
         positive(where, chars_per_token=self.chars_per_token)
+        if not 0 <= self.scrape_budget <= 1:
+            raise ConfigError(f"{where} scrape_budget must be in [0, 1], got {self.scrape_budget}")
+        if not self.scrape_interval_s <= self.max_scrape_interval_s <= self.unready_after_s:
+            raise ConfigError(f"{where} max_scrape_interval_s must be between scrape_interval_s and unready_after_s, "
+                              f"got {self.max_scrape_interval_s}")
         non_negative(where, default_output_tokens=self.default_output_tokens, visible_after_s=self.visible_after_s,
                      misfit_penalty=self.misfit_penalty)
         if not 0 <= self.kv_reserve_ratio < 1:
@@ -134,6 +145,25 @@ def default_weights_url(config: Mapping[str, Any], weights: WeightParams) -> str
     return f"http://{host}:{feed.port}/v1/weights"
 
 
+class ScrapePace:
+    """One backend's scrape period under ``[epp] scrape_budget``: the mean time its ``/metrics`` takes to
+    answer (a failed scrape counts its whole wait), over the budget, within the bounds."""
+
+    SMOOTHING = 0.3
+
+    def __init__(self, shortest_s: float, longest_s: float, budget: float) -> None:
+        self.shortest_s, self.longest_s, self.budget = shortest_s, longest_s, budget
+        self.cost_s = 0.0
+        self.period_s = shortest_s
+
+    def after(self, took_s: float) -> float:
+        """The next period, after a scrape that took ``took_s`` seconds."""
+        self.cost_s = took_s if self.cost_s == 0 else self.cost_s + self.SMOOTHING * (took_s - self.cost_s)
+        if self.budget > 0:
+            self.period_s = min(self.longest_s, max(self.shortest_s, self.cost_s / self.budget))
+        return self.period_s
+
+
 class EppService:
     """The ``[epp]`` exporter: ext_proc server + per-backend scrapers + the engine's decisions."""
 
@@ -149,11 +179,16 @@ class EppService:
         self.server = ExtProcServer(self.chooser, cfg.max_body_bytes, cfg.bind, cfg.port, cfg.max_streams)
         self.scrape_errors: dict[str, str] = {}
         self.scrapes_total = 0
+        self.scrape_failures: dict[str, int] = dict.fromkeys(backends, 0)
+        self.paces = {name: ScrapePace(cfg.scrape_interval_s, cfg.max_scrape_interval_s, cfg.scrape_budget)
+                      for name in backends}
         self.weights_error = ""
         self.weights_version = 0
         self._weights_at = -float("inf")
-        self._tickers = [Ticker(f"epp-scrape-{name}", cfg.scrape_interval_s,
-                                functools.partial(self._scrape, name, address)) for name, address in backends.items()]
+        self._scrapers = {name: Ticker(f"epp-scrape-{name}", cfg.scrape_interval_s,
+                                       functools.partial(self._scrape, name, address))
+                          for name, address in backends.items()}
+        self._tickers = list(self._scrapers.values())
         if weights_url:
             self._tickers.append(Ticker("epp-weights", cfg.weights_poll_s, self._poll_weights))
 
@@ -181,6 +216,8 @@ class EppService:
         return {"picks": dict(self.server.counts), "in_flight": self.picker.in_flight(),
                 "refused": {f"{c}:{level}": n for (c, level), n in self.chooser.refused.items()},
                 "scrapes_total": self.scrapes_total, "scrape_errors": dict(self.scrape_errors),
+                "scrape_failures": dict(self.scrape_failures),
+                "scrape_periods_s": {name: round(pace.period_s, 4) for name, pace in self.paces.items()},
                 "weights_version": self.weights_version, "weights_error": self.weights_error}
 
     def waiting_for(self) -> str | None:
@@ -195,12 +232,19 @@ class EppService:
     def _scrape(self, name: str, address: str) -> None:
         url = f"http://{address}{self.cfg.metrics_path}"
         sent = time.monotonic()
+        pace = self.paces[name]
         try:
-            text = fetch(url, timeout_s=self.cfg.scrape_timeout_s, max_bytes=MAX_METRICS_BYTES)
-            self.picker.observe(name, live_signals(text.decode("utf-8", "replace"), time.monotonic(), url, sent))
+            try:
+                text = fetch(url, timeout_s=self.cfg.scrape_timeout_s, max_bytes=MAX_METRICS_BYTES)
+            finally:
+                answered = time.monotonic()
+                self._scrapers[name].period_s = pace.after(answered - sent)
+            signals = live_signals(text.decode("utf-8", "replace"), answered, url, sent)
+            self.picker.observe(name, replace(signals, period_s=pace.period_s))
             self.scrapes_total += 1
             self.scrape_errors.pop(name, None)
         except TriscopeError as exc:  # last values stay; they go stale by their timestamp
+            self.scrape_failures[name] += 1
             if isinstance(exc, RefusedError):
                 self.picker.refused(name)
             if self.scrape_errors.get(name) != str(exc):
@@ -232,4 +276,4 @@ def create(config: dict[str, Any], context: Context) -> EppService:
     return EppService(cfg, picker_backends(cfg, weights), cfg.weights_url or default_weights_url(config, weights))
 
 
-__all__ = ["EppConfig", "EppService", "create"]
+__all__ = ["EppConfig", "EppService", "ScrapePace", "create"]

@@ -123,6 +123,11 @@ class Chooser(Protocol):
         """``body`` is the buffered request body, None for a request without one (a GET)."""
         ...
 
+    def answered(self, choice: Choice, status: int) -> None:
+        """The response to the request routed by ``choice`` began with HTTP ``status`` (only when the gateway
+        sends response headers: ``envoy_bootstrap(response_headers=True)``)."""
+        ...
+
     def done(self, choice: Choice) -> None:
         """The request routed by ``choice`` ended: answered, failed or cancelled."""
         ...
@@ -192,6 +197,10 @@ class ExtProcServer:
                     elif req.request_body.end_of_stream:
                         routed = self._record(self.chooser.choose(body, headers))
                         yield self._answer("request_body", routed)
+                elif req.HasField("response_headers"):
+                    if routed is not None and routed.address:
+                        self.chooser.answered(routed, _status(req.response_headers))
+                    yield PB["ProcessingResponse"](response_headers=PB["HeadersResponse"]())
                 else:  # not asked for (processing_mode skips them): let Envoy go on unchanged
                     kind = next(k for k in ("response_headers", "response_body", "request_trailers",
                                             "response_trailers") if req.HasField(k))
@@ -214,6 +223,15 @@ class ExtProcServer:
         return destination_response(kind, choice.address)
 
 
+def _status(headers: Any) -> int:
+    """The ``:status`` of an ext_proc ``HttpHeaders`` message (0 when absent or not a number)."""
+    for h in headers.headers.headers:
+        if h.key == ":status":
+            value = h.raw_value.decode(errors="replace") if h.raw_value else h.value
+            return int(value) if value.isdigit() else 0
+    return 0
+
+
 UPSTREAM_IDLE_TIMEOUT_S = 4.0
 """Envoy closes an idle pooled connection to a backend after this: below uvicorn's 5 s keep-alive (vLLM's
 API server), so Envoy never reuses a connection the server is closing (a 503 "connection termination")."""
@@ -221,8 +239,11 @@ API server), so Envoy never reuses a connection the server is closing (a 503 "co
 
 def envoy_bootstrap(listen_port: int, admin_port: int, extproc_port: int, max_body_bytes: int = MAX_BODY_BYTES,
                     route_timeout_s: float = 120.0, message_timeout_s: float = 2.0,
-                    upstream_idle_timeout_s: float = UPSTREAM_IDLE_TIMEOUT_S) -> dict:
-    """Envoy config: listener -> ext_proc (headers SEND, body BUFFERED) -> router -> ORIGINAL_DST cluster."""
+                    upstream_idle_timeout_s: float = UPSTREAM_IDLE_TIMEOUT_S, response_headers: bool = True) -> dict:
+    """Envoy config: listener -> ext_proc (headers SEND, body BUFFERED) -> router -> ORIGINAL_DST cluster.
+
+    ``response_headers``: the picker also sees each response's status (one more message per request), which
+    tells it a backend answers while its ``/metrics`` is too slow to scrape; False as GIE's gateway."""
     def sock(port: int) -> dict:
         return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
@@ -232,7 +253,8 @@ def envoy_bootstrap(listen_port: int, admin_port: int, extproc_port: int, max_bo
         "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}},
         "failure_mode_allow": False,  # no picker answer, no routing (as GIE's reference gateway)
         "message_timeout": f"{message_timeout_s}s",
-        "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP",
+        "processing_mode": {"request_header_mode": "SEND",
+                            "response_header_mode": "SEND" if response_headers else "SKIP",
                             "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
                             "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
     }

@@ -48,6 +48,9 @@ class GieChooser:
                 status=500, message="inference error: Internal - no pods available in datastore"))
         return _choice(self.picker.decide(self.scraper.snapshot(), body, dict(headers)))
 
+    def answered(self, choice: Choice, status: int) -> None:
+        """GIE's gateway does not send response headers (``GieGateway``)."""
+
     def done(self, choice: Choice) -> None:
         """GIE keeps no per-request ledger."""
 
@@ -70,7 +73,7 @@ class EnvoyGateway:
 
     def __init__(self, extproc_port: int, workdir: Path, port: int = 0, envoy_binary: str | None = None,
                  concurrency: int = 1, route_timeout_s: float = 120.0,
-                 waiting_for: Callable[[], str | None] = lambda: None) -> None:
+                 waiting_for: Callable[[], str | None] = lambda: None, response_headers: bool = True) -> None:
         self.extproc_port = extproc_port
         self.workdir = Path(workdir)
         self.port = port or free_port()
@@ -79,6 +82,7 @@ class EnvoyGateway:
         self.concurrency = concurrency
         self.route_timeout_s = route_timeout_s
         self.waiting_for = waiting_for
+        self.response_headers = response_headers
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.workdir / "envoy.log"
 
@@ -94,7 +98,8 @@ class EnvoyGateway:
             self._start_picker()
             config = self.workdir / "envoy-gie.json"
             config.write_text(json.dumps(envoy_bootstrap(self.port, self.admin_port, self.extproc_port,
-                                                         MAX_BODY_BYTES, route_timeout_s=self.route_timeout_s)))
+                                                         MAX_BODY_BYTES, route_timeout_s=self.route_timeout_s,
+                                                         response_headers=self.response_headers)))
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     [self.binary, "-c", str(config), "--concurrency", str(self.concurrency), "--disable-hot-restart",
@@ -138,10 +143,12 @@ class EppGateway(EnvoyGateway):
     it) must have scraped every backend before the gateway reports ready."""
 
     def __init__(self, chooser: Chooser, scraper: MetricsScraper, workdir: Path, port: int = 0,
-                 envoy_binary: str | None = None, concurrency: int = 1, route_timeout_s: float = 120.0) -> None:
+                 envoy_binary: str | None = None, concurrency: int = 1, route_timeout_s: float = 120.0,
+                 response_headers: bool = True) -> None:
         self.scraper = scraper
         self.extproc = ExtProcServer(chooser, MAX_BODY_BYTES)
-        super().__init__(0, workdir, port, envoy_binary, concurrency, route_timeout_s, self._unscraped)
+        super().__init__(0, workdir, port, envoy_binary, concurrency, route_timeout_s, self._unscraped,
+                         response_headers)
 
     def _start_picker(self) -> None:
         self.scraper.start()
@@ -170,7 +177,7 @@ class GieGateway(EppGateway):
         self.picker = EndpointPicker(self.params, seed)
         scraper = MetricsScraper(self.pods, self.params)
         super().__init__(GieChooser(self.picker, scraper), scraper, workdir, port, envoy_binary, concurrency,
-                         route_timeout_s)
+                         route_timeout_s, response_headers=False)  # as GIE's reference gateway
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--epp-scrape-ms", type=float, default=None,
                    help="triscope-epp: /metrics scrape period (default 250 ms; the GIE picker keeps its 50 ms)")
     p.add_argument("--epp-engine-ms", type=float, default=None,
-                   help="triscope-epp: its weight engine's period, each a scrape of every engine (default 500 ms)")
+                   help="triscope-epp: its weight engine's period, each a scrape of every engine (default 1000 ms)")
     p.add_argument("--epp-picker", action="append", default=[],
                    help="triscope-epp: an [epp] setting KEY=VALUE (repeat), e.g. engine_weights=false")
     p.add_argument("--out-dir", default="var/testbed", help="PNGs and the JSON document go here")

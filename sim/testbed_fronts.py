@@ -37,9 +37,10 @@ from triscope.ticker import Ticker
 
 POLICIES = ("haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware", "gie-epp", "triscope",
             "triscope-epp", "triscope-epp-levels")
-EPP_ENGINE_INTERVAL_S = 0.5
-"""triscope-epp's weight engine period: its decisions (drains, class admission, levels) change slowly, and
-each of its scrapes costs a vLLM engine ~10 ms of CPU on top of the picker's own."""
+EPP_ENGINE_INTERVAL_S = 1.0
+"""triscope-epp's weight engine period, ``[weights] interval_s``'s default: its decisions (drains, class
+admission, levels) change slowly, and each of its scrapes costs a vLLM engine ~10 ms of CPU on top of the
+picker's own."""
 HEALTH_CHECK_MS = 1000
 """HAProxy ``check inter`` (x3 failures to mark down), like GIE's 1 s readiness probe x 3."""
 TRISCOPE_WEIGHTS: dict[str, Any] = {"interval_s": 0.1, "queue_weight": 1.0, "window_s": 5.0, "stale_after_s": 2.0,
@@ -167,6 +168,7 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
                         "engine_interval_s": opts.epp_engine_s, "levels": policy == "triscope-epp-levels"}
                 yield Front(gw.port, info)
             info["external_work_seen"] = seen.shares()
+            info["epp"] = service.stats()
         finally:
             service.close()
             feed.stop()

@@ -41,9 +41,11 @@ class PickerParams:
     """Knobs of :class:`HeadroomPicker` (defaults written once)."""
 
     unready_after_s: float = 3.0
-    """A backend whose last good scrape is older leaves the candidates (as Kubernetes readiness would)."""
+    """A backend with neither a good scrape nor an answer to one of the picker's requests for this long leaves
+    the candidates: an engine too busy to render ``/metrics`` in time but still answering is slow, not gone."""
     stale_after_s: float = 1.0
-    """Older scrapes still count for health, but their KV and queue figures are not trusted."""
+    """Older scrapes still count for health, but their KV and queue figures are not trusted (at least two
+    scrape periods: a backend scraped less often under a scrape budget keeps its figures until the next)."""
     visible_after_s: float = 0.2
     """A request picked this long before a scrape is assumed to be in that scrape's KV and counts."""
     kv_reserve_ratio: float = 0.05
@@ -85,6 +87,8 @@ class LiveSignals:
     """The engine's preemptions counter (``vllm:num_preemptions_total``)."""
     waiting_for_capacity: float = NAN
     """Requests waiting because the KV cache is full (``vllm:num_requests_waiting_by_reason{reason="capacity"}``)."""
+    period_s: float = 0.0
+    """The scraper's period when it took this scrape (its figures stay fresh for two)."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,8 @@ class _Backend:
     """(picked at, ended at) of requests that ended after the last scrape: the scrape may still count them."""
     refused: bool = False
     """Its last scrape found nothing listening: the process is gone, not slow; unready until a scrape answers."""
+    answered_at: float = -math.inf
+    """When it last answered one of the picker's requests (a response status below 500: the engine serves)."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,17 @@ class HeadroomPicker:
         ``unready_after_s`` after its last answer, until a scrape answers again."""
         with self._lock:
             self._backends[backend].refused = True
+
+    def answered(self, backend: str, status: int, now: float) -> None:
+        """``backend`` answered a request routed to it with HTTP ``status`` at ``now``: below 500 it is alive
+        (the engine itself answered; the gateway's own 503 for a failed connection proves nothing), whatever
+        its scrapes say."""
+        if status >= 500 or status < 100:
+            return
+        with self._lock:
+            b = self._backends.get(backend)
+            if b is not None:
+                b.answered_at = max(b.answered_at, now)  # a refused scrape still rules until one answers
 
     def set_weights(self, result: WeightsResult | EngineView | None) -> None:
         """The weight engine's latest result (in process, or read from the feed's ``/v1/weights``):
@@ -268,8 +285,8 @@ class HeadroomPicker:
     def _factors(self, b: _Backend, request_class: str, now: float) -> dict[str, Any]:
         p, s = self.params, b.signals
         age = now - s.updated
-        healthy = age <= p.unready_after_s and not b.refused
-        fresh = age <= p.stale_after_s
+        healthy = min(age, now - b.answered_at) <= p.unready_after_s and not b.refused
+        fresh = age <= max(p.stale_after_s, 2.0 * s.period_s)
         own_tokens = sum(t for _, t in b.in_flight.values())
         # the engine counts a request as waiting as soon as it arrives: every pick before the scrape is in
         # its running + waiting (or not yet arrived), so none of them may count again as another client's
@@ -298,6 +315,7 @@ class HeadroomPicker:
         return {
             "healthy": healthy, "refused": b.refused, "fresh": fresh,
             "scrape_age_s": age if math.isfinite(age) else None,
+            "answer_age_s": now - b.answered_at if math.isfinite(b.answered_at) else None,
             "in_flight": len(b.in_flight), "in_flight_tokens": own_tokens, "unseen_tokens": unseen_tokens,
             "external_requests": external, "free_kv_tokens": free, "reserve_tokens": reserve,
             "preempting": b.preempting and fresh, "waiting_for_capacity": s.waiting_for_capacity, "kv_short": kv_short,
