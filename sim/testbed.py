@@ -39,6 +39,9 @@ from triscope.sim.workloads import WORKLOADS, WorkloadError, bucket_seconds, bui
 QPS_PER_BACKEND = 1.0
 """Default mean offered load per backend of the CPU test bed (the step workload's first step; measured
 capacity in docs/closed_loop.md)."""
+ENGINE_NICE = 10
+"""The real engines' niceness: their engine cores busy-poll the 2 shared cores, which the client and every
+load balancer's process, on CPUs of their own in a deployment, share with them here."""
 AZURE_DEFAULTS = {"token_scale": 0.15, "max_total_tokens": 480}
 """The Azure trace's tokens (median 1,469 in / 13 out) scaled to the tiny engine's 512-token context."""
 
@@ -78,6 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kill-at", type=float, default=0.4, help="killed: when b0 dies, as a share of the run")
     p.add_argument("--timeout-factor", type=float, default=6.0, help="client timeout = max(2 s, SLA x this)")
     p.add_argument("--sglang-warmup-s", type=float, default=None, help="wait before the run (default 31 s)")
+    p.add_argument("--engine-nice", type=int, default=ENGINE_NICE,
+                   help=f"real fleet: the engines' niceness (default {ENGINE_NICE}: the client and the load balancers, "
+                        "which a deployment runs on other CPUs, go first on the shared cores; 0: all equal)")
     p.add_argument("--epp-scrape-ms", type=float, default=None,
                    help="triscope-epp: /metrics scrape period (default 250 ms; the GIE picker keeps its 50 ms)")
     p.add_argument("--epp-engine-ms", type=float, default=None,
@@ -98,6 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, value in (("--epp-scrape-ms", args.epp_scrape_ms), ("--epp-engine-ms", args.epp_engine_ms)):
         if value is not None and not 10 <= value <= 10_000:
             raise SystemExit(f"{flag} must be 10-10000")
+    if not 0 <= args.engine_nice <= 19:
+        raise SystemExit("--engine-nice must be 0-19")
     if args.backends < 1 or args.sim_backends < 0 or not 0 < args.pin_ratio < 1 or not 0 < args.kill_at < 1:
         raise SystemExit("--backends >= 1, --pin-ratio and --kill-at in (0, 1) expected")
     if args.scenario == "killed" and min(args.backends, args.sim_backends or args.backends) < 2:
@@ -192,7 +200,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.out_dir).resolve()  # HAProxy reads a relative socket path as host:port
     out_dir.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {"workload": args.workload, "scenario": args.scenario, "seed": args.seed,
-                           "params": args.params, "profile": args.profile, "sla_s": profile.sla_s, "fleets": {}}
+                           "params": args.params, "profile": args.profile,
+                           "engine_nice": args.engine_nice, "sla_s": profile.sla_s, "fleets": {}}
     say = (lambda *_: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     say(f"seed {args.seed} (rerun with --seed {args.seed})")
     for kind in args.fleets:
@@ -201,7 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fleet_doc: dict[str, Any] = {"backends": n, "arrivals": len(schedule), "bucket_s": bucket_s, "policies": {}}
         say(f"{kind}: starting {n} backends ({args.scenario}) ...")
         try:
-            with make_fleet(kind, n, args.scenario, out_dir / "work", args.profile) as fleet:
+            with make_fleet(kind, n, args.scenario, out_dir / "work", args.profile, args.engine_nice) as fleet:
                 fleet_doc["layout"] = [{"name": b.name, "kv_tokens": b.kv_tokens, "slots": b.slots}
                                        for b in fleet.backends]
                 for policy in args.policy_list:

@@ -208,6 +208,8 @@ class VllmTestFleet(Fleet):
     servers: dict[str, VllmServer] = field(default_factory=dict)
     healthy_timeout_s: float = 240.0
     model_path: Path | None = None
+    nice: int = 0
+    """The engines' niceness (:attr:`ServerOptions.nice`)."""
 
     def __post_init__(self) -> None:
         self.kind = "vllm"
@@ -215,7 +217,7 @@ class VllmTestFleet(Fleet):
         self.extra_body = {"ignore_eos": True, "temperature": 0.0}  # exactly max_tokens generated
 
     def _server(self, i: int, b: Backend) -> VllmServer:
-        opts = ServerOptions(max_num_seqs=b.slots, kv_cache_tokens=b.kv_tokens, span_address=False)
+        opts = ServerOptions(max_num_seqs=b.slots, kv_cache_tokens=b.kv_tokens, span_address=False, nice=self.nice)
         assert self.model_path is not None, "start() makes the model first"
         return VllmServer(self.install, self.model_path, self.workdir / b.name, name=b.name, port=b.port,
                           cpu=i % (os.cpu_count() or 1), options=opts)
@@ -298,10 +300,11 @@ def _post(url: str) -> None:
         resp.read()
 
 
-def make_fleet(kind: str, n: int, scenario: str, workdir: Path, profile: str = "vllm-cpu") -> Fleet:
+def make_fleet(kind: str, n: int, scenario: str, workdir: Path, profile: str = "vllm-cpu",
+               engine_nice: int = 0) -> Fleet:
     backends = backend_layout(n, scenario)
     if kind == "sim":
         return SimTestFleet(backends, workdir, profile=profile)
     if kind == "vllm":
-        return VllmTestFleet(backends, workdir)
+        return VllmTestFleet(backends, workdir, nice=engine_nice)
     raise ValueError(f"unknown fleet {kind!r} (known: {', '.join(FLEETS)})")

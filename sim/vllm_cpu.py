@@ -135,6 +135,9 @@ class ServerOptions:
     profiler_max_iterations: int = 64
     """Engine steps a profile keeps at most (it stops by itself after them: a short, quick trace)."""
     extra_args: Sequence[str] = ()
+    nice: int = 0
+    """Niceness of the server (its engine core and worker inherit it): on a test bed whose engines share
+    cores with the load balancers and the client, which in a deployment have CPUs of their own."""
 
 
 @dataclass
@@ -203,7 +206,8 @@ class VllmServer:
         """Launch (returns at once; :meth:`wait_healthy` waits)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            argv = ["nice", "-n", str(self.options.nice), *self.argv()] if self.options.nice else self.argv()
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=self.env(), cwd=self.workdir, start_new_session=True)
         self.started_at = time.monotonic()
         return self

@@ -17,7 +17,7 @@ from triscope.analyzers.routing.live import live_signals
 from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, LiveSignals, PickerParams, RequestNeed
 from triscope.component import Context
 from triscope.errors import ConfigError, InputError
-from triscope.exporters.epp_service import EppConfig, create, default_weights_url, picker_backends
+from triscope.exporters.epp_service import EppConfig, ScrapePace, create, default_weights_url, picker_backends
 
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -133,6 +133,9 @@ def test_config_backends_and_the_feed_url() -> None:
     ("weights_url", "ftp://x", "weights_url must be an http"),
     ("chars_per_token", 0, "chars_per_token must be > 0"),
     ("misfit_penalty", -1.0, "misfit_penalty must be >= 0"),
+    ("scrape_budget", 1.5, "scrape_budget must be in"),
+    ("max_scrape_interval_s", 0.1, "max_scrape_interval_s must be between"),
+    ("max_scrape_interval_s", 5.0, "max_scrape_interval_s must be between"),
     ("colour", "red", "unknown keys: colour"),
 ])
 def test_bad_config_is_one_line(key: str, value: object, message: str) -> None:
@@ -191,5 +194,37 @@ def test_waiting_for_names_the_backends_not_scraped_yet() -> None:
             missing = wait_for(lambda: (m := service.waiting_for()) and "refused" in m.lower() and "v0" not in m
                                and m, 5.0, "v0 scraped and v1's refused scrape")
             assert missing.startswith("epp: no scrape of v1 yet (")
+        finally:
+            service.close()
+
+
+def test_scrape_pace_spends_the_budget_within_its_bounds() -> None:
+    pace = ScrapePace(0.25, 1.0, 0.02)
+    assert pace.after(0.002) == 0.25  # a cheap page: the shortest period
+    for _ in range(20):
+        period = pace.after(0.010)
+    assert period == pytest.approx(0.5, rel=0.01)  # 10 ms a scrape, 2 % of the time
+    assert pace.after(1.0) == 1.0  # a timed-out scrape: the longest period at once
+    assert ScrapePace(0.25, 1.0, 0.0).after(1.0) == 0.25  # no budget: fixed period
+
+
+def test_a_slow_metrics_page_is_scraped_less_often() -> None:
+    def slow() -> Route:  # an engine whose /metrics takes 50 ms to render
+        time.sleep(0.05)
+        return Route(body=VLLM_PAGE.encode())
+
+    with raw_server({"/metrics": Route(body=VLLM_PAGE.encode())}) as fast, raw_server({"/metrics": slow}) as v1:
+        config = {"weights": {"backends": {"v0": {"address": f"127.0.0.1:{fast.port}"},
+                                           "v1": {"address": f"127.0.0.1:{v1.port}"}}},
+                  "epp": {"port": 0, "scrape_interval_s": 0.05, "scrape_budget": 0.1, "max_scrape_interval_s": 1.0}}
+        service = create(config, Context())
+        service.start()
+        try:
+            wait_for(lambda: service.scrapes_total >= 12, 10.0, "a dozen scrapes")
+            periods = service.stats()["scrape_periods_s"]
+            # v1 takes >= 50 ms a scrape: >= 0.5 s apart at a 10 % budget; v0 answers in about a millisecond
+            assert periods["v1"] >= 0.45 and periods["v0"] < periods["v1"], periods
+            row = service.picker.explain(time.monotonic())["v1"]
+            assert row["fresh"] and row["healthy"]  # fresh for two of its own periods
         finally:
             service.close()

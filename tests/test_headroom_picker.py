@@ -158,6 +158,35 @@ def test_a_refused_scrape_takes_a_backend_out_until_one_answers() -> None:
     assert picker.pick(RequestNeed("speech", 10), NOW + 1).backend == "b1"  # b0 holds the 4 above
 
 
+def test_a_backend_that_answers_stays_ready_while_its_scrapes_fail() -> None:
+    # an engine too busy to render /metrics within the scrape deadline still serves: out only when it
+    # neither answers scrapes nor requests for unready_after_s
+    picker = _picker(2, unready_after_s=3.0)
+    _idle(picker, at=NOW - 10)
+    picker.observe("b0", LiveSignals(0, 0, 0.0, 1024.0, NOW))
+    assert not picker.explain(NOW)["b1"]["healthy"]
+    picker.answered("b1", 503, NOW - 1)  # the gateway's own 503 (no connection) proves nothing
+    assert not picker.explain(NOW)["b1"]["healthy"]
+    picker.answered("b1", 200, NOW - 1)
+    row = picker.explain(NOW)["b1"]
+    assert row["healthy"] and not row["fresh"] and row["answer_age_s"] == 1.0
+    assert math.isinf(row["free_kv_tokens"]) and row["external_requests"] == 0  # its stale figures don't count
+    assert Counter(picker.pick(RequestNeed("speech", 10), NOW).backend for _ in range(4)) == {"b0": 2, "b1": 2}
+    assert not picker.explain(NOW + 2.5)["b1"]["healthy"]  # 3.5 s since its last answer
+    picker.refused("b1")  # nothing listens any more: an answer does not outvote a refused scrape
+    picker.answered("b1", 200, NOW + 3)
+    assert not picker.explain(NOW + 3)["b1"]["healthy"]
+
+
+def test_a_scrape_stays_fresh_for_two_of_its_periods() -> None:
+    picker = _picker(2, stale_after_s=1.0)
+    picker.observe("b0", LiveSignals(0, 0, 0.5, 1024.0, NOW - 1.5, period_s=1.0))  # scraped every 1 s
+    picker.observe("b1", LiveSignals(0, 0, 0.5, 1024.0, NOW - 1.5, period_s=0.25))
+    rows = picker.explain(NOW)
+    assert rows["b0"]["fresh"] and rows["b0"]["free_kv_tokens"] == 512.0
+    assert not rows["b1"]["fresh"] and not picker.explain(NOW + 0.6)["b0"]["fresh"]
+
+
 def test_when_nothing_is_eligible_it_still_routes() -> None:
     picker = _picker(2)  # never scraped: a gateway starting up
     assert picker.pick(RequestNeed("", math.nan), NOW).backend in ("b0", "b1")
