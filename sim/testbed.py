@@ -211,8 +211,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         say(f"{kind}: starting {n} backends ({args.scenario}) ...")
         try:
             with make_fleet(kind, n, args.scenario, out_dir / "work", args.profile, args.engine_nice) as fleet:
-                fleet_doc["layout"] = [{"name": b.name, "kv_tokens": b.kv_tokens, "slots": b.slots}
-                                       for b in fleet.backends]
+                nice = fleet.niceness()  # read from the running engines
+                fleet_doc["layout"] = [{"name": b.name, "kv_tokens": b.kv_tokens, "slots": b.slots,
+                                        "nice": nice.get(b.name)} for b in fleet.backends]
                 for policy in args.policy_list:
                     say(f"{kind}: {policy}, {len(schedule)} requests over {schedule[-1].t:.0f} s ...")
                     fleet_doc["policies"][policy] = run_policy(policy, fleet, schedule, bucket_s, args, profile,

@@ -123,6 +123,10 @@ class Fleet:
     def alive(self) -> list[Backend]:
         return self.backends
 
+    def niceness(self) -> dict[str, int]:
+        """Each running engine's niceness, read from its process (empty where the bed does not set it)."""
+        return {}
+
     def counters(self) -> dict[str, dict[str, float]]:
         """Per backend: vLLM's preemption and success counters (both fleets export vLLM's names)."""
         out = {}
@@ -244,6 +248,10 @@ class VllmTestFleet(Fleet):
 
     def alive(self) -> list[Backend]:
         return [b for b in self.backends if b.name in self.servers]
+
+    def niceness(self) -> dict[str, int]:
+        return {name: os.getpriority(os.PRIO_PROCESS, s.proc.pid) for name, s in self.servers.items()
+                if s.proc is not None and s.proc.poll() is None}
 
     def kill(self, name: str) -> None:
         server = self.servers.pop(name)

@@ -52,6 +52,7 @@ def test_sglang_load_report_from_vllm_metrics() -> None:
     (["--scenario", "killed", "--backends", "1"], "at least 2 backends"),
     (["--param", "steps"], "KEY=VALUE"),
     (["--epp-engine-ms", "5"], "--epp-engine-ms must be 10-10000"),
+    (["--engine-nice", "20"], "--engine-nice must be 0-19"),
     (["--epp-picker", "no_such_knob=1"], "--epp-picker: [epp] has unknown keys"),
     (["--epp-picker", "misfit_penalty=-1"], "--epp-picker: [epp] misfit_penalty"),
 ])

@@ -15,7 +15,7 @@ import pytest
 from conftest import require, require_binary
 
 from triscope.sim.peer_sglang import missing_message, venv_python
-from triscope.sim.testbed import parse_args, run
+from triscope.sim.testbed import ENGINE_NICE, parse_args, run
 from triscope.sim.vllm_cpu import VllmInstall
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -31,6 +31,8 @@ def test_policies_route_real_vllm_servers(tmp_path: Path) -> None:
                           "--out-dir", str(tmp_path), "--json"]))
     fleet = doc["fleets"]["vllm"]
     assert "error" not in fleet, fleet.get("error")
+    # the engines' processes run at the bed's niceness, read from the running processes
+    assert [b["nice"] for b in fleet["layout"]] == [ENGINE_NICE, ENGINE_NICE], fleet["layout"]
     for name, d in fleet["policies"].items():
         errors = d["errors"]
         ok = sum(c["offered"] - sum(c["errors"].values()) for c in d["classes"].values())

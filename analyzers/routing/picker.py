@@ -278,6 +278,11 @@ class HeadroomPicker:
         with self._lock:
             return {name: self._factors(b, request_class, now) for name, b in self._backends.items()}
 
+    def mean_size(self) -> float:
+        """Mean KV need of the last requests picked (the default size before any)."""
+        with self._lock:
+            return self._mean_size()
+
     def _mean_size(self) -> float:
         sizes = self._recent_sizes
         return sum(sizes) / len(sizes) if sizes else self.params.default_request_tokens
