@@ -383,6 +383,10 @@ class ClientProcess:
         """:func:`drive` with these arguments in the client process; blocks until the schedule is done."""
         return self._pool.submit(_drive_here, host, port, schedule, kwargs).result()
 
+    def pids(self) -> set[int]:
+        """The client's process ids."""
+        return set(getattr(self._pool, "_processes", None) or {})
+
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(cancel_futures=True)
 

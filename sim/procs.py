@@ -37,3 +37,33 @@ def stop_process(proc: subprocess.Popen[Any] | None, grace_s: float = 5.0) -> No
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def tree_cpu_seconds(root: int, exclude: set[int]) -> dict[int, float]:
+    """CPU seconds (user + system) so far of ``root`` and its descendants, leaving out every process of
+    ``exclude`` and its descendants (Linux ``/proc``; empty elsewhere). Used to charge the load-balancing
+    tier of the test bed with what it costs on cores it shares with the engines."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick
+    keep: dict[int, float] = {}
+    for pid, seconds in cpu.items():
+        p, inside = pid, False
+        while p > 1 and p not in exclude:
+            if p == root:
+                inside = True
+                break
+            p = parents.get(p, 0)
+        if inside:
+            keep[pid] = seconds
+    return keep

@@ -29,6 +29,7 @@ from triscope.errors import ConfigError
 from triscope.sim.calibration import PROFILES, SimProfile
 from triscope.sim.closed_loop_stats import judge, plot_judgements
 from triscope.sim.loadgen import Arrival, ClientProcess
+from triscope.sim.procs import tree_cpu_seconds
 from triscope.sim.testbed_fleet import FLEETS, SCENARIOS, Fleet, FleetError, make_fleet
 from triscope.sim.testbed_fronts import POLICIES, FrontOptions, epp_config, front
 from triscope.sim.testbed_record import MetricsRecorder
@@ -166,6 +167,9 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
             recorder = (MetricsRecorder(Path(args.record_metrics), fleet.kind, policy,
                                         {b.name: b.url for b in fleet.backends})
                         if args.record_metrics else contextlib.nullcontext())
+            exclude = fleet.engine_pids() | client.pids()
+            tier_before = tree_cpu_seconds(os.getpid(), exclude)
+            engines_before = {pid: sum(tree_cpu_seconds(pid, set()).values()) for pid in fleet.engine_pids()}
             try:
                 with recorder:
                     results, lag = client.drive(
@@ -177,6 +181,8 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
                 if timer is not None:
                     timer.cancel()
                     timer.join()
+            tier_after = tree_cpu_seconds(os.getpid(), exclude)
+            engines_after = {pid: sum(tree_cpu_seconds(pid, set()).values()) for pid in fleet.engine_pids()}
     finally:
         fleet.unpin()
     after = fleet.counters()
@@ -190,6 +196,12 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
                                  if r.status not in (200, 0, -1))
     doc["failed_answers"] = dict(failed.most_common(5))  # what the LB or backend said, for the reader
     doc["send_lag_s"] = round(lag, 3)
+    # the load-balancing tier (LB, picker, feed) on the cores it shares with the engines; a killed engine's
+    # time is lost with it
+    tier_s = sum(v - tier_before.get(pid, 0.0) for pid, v in tier_after.items())
+    engines_s = sum(v - engines_before.get(pid, 0.0) for pid, v in engines_after.items())
+    doc["cpu_s"] = {"lb_tier": round(tier_s, 2), "engines": round(engines_s, 2),
+                    "lb_tier_ms_per_request": round(1000 * tier_s / max(1, len(results)), 2)}
     doc["wall_s"] = round(time.monotonic() - t0, 1)
     doc["front"] = f.info
     return doc

@@ -127,6 +127,10 @@ class Fleet:
         """Each running engine's niceness, read from its process (empty where the bed does not set it)."""
         return {}
 
+    def engine_pids(self) -> set[int]:
+        """The running engines' top processes (their children are theirs too)."""
+        raise NotImplementedError
+
     def counters(self) -> dict[str, dict[str, float]]:
         """Per backend: vLLM's preemption and success counters (both fleets export vLLM's names)."""
         out = {}
@@ -165,6 +169,9 @@ class SimTestFleet(Fleet):
                                  "--backend", spec.to_arg()], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         read_ready(proc, f"simulated backend {b.name}")
         self.procs[b.name] = proc
+
+    def engine_pids(self) -> set[int]:
+        return {p.pid for p in self.procs.values()}
 
     def start(self) -> SimTestFleet:
         for b in self.backends:
@@ -248,6 +255,9 @@ class VllmTestFleet(Fleet):
 
     def alive(self) -> list[Backend]:
         return [b for b in self.backends if b.name in self.servers]
+
+    def engine_pids(self) -> set[int]:
+        return {s.proc.pid for s in self.servers.values() if s.proc is not None}
 
     def niceness(self) -> dict[str, int]:
         return {name: os.getpriority(os.PRIO_PROCESS, s.proc.pid) for name, s in self.servers.items()

@@ -105,6 +105,11 @@ def test_every_policy_routes_and_is_judged(tmp_path: Path, capsys: pytest.Captur
         assert sum(d["served_by"].values()) == ok, (name, d["served_by"], ok)  # the engines counted each success
         assert ok >= 0.9 * d["requests"], (name, d["errors"])  # light load: nearly all succeed
         assert len(d["served_by"]) == 2 and min(d["served_by"].values()) > 0, (name, d["served_by"])
+        # every tier routed real requests: its processes and the engines' both spent CPU, counted apart
+        assert d["cpu_s"]["lb_tier"] > 0 and d["cpu_s"]["engines"] > 0, (name, d["cpu_s"])
+    # a Python picker in the data path costs more CPU per request than HAProxy's C
+    cost = {name: d["cpu_s"]["lb_tier_ms_per_request"] for name, d in sim["policies"].items()}
+    assert cost["gie-epp"] > cost["haproxy-leastconn"] and cost["triscope-epp"] > cost["haproxy-leastconn"], cost
     assert Path(sim["png"]).stat().st_size > 10_000
     assert json.loads(Path(doc["json_path"]).read_text())["seed"] == 3
     out = capsys.readouterr().out
