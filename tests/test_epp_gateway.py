@@ -134,3 +134,12 @@ def test_a_backend_with_pinned_kv_gets_only_what_fits(bed: Bed) -> None:
 def test_a_body_that_is_not_json_is_refused_with_400(bed: Bed) -> None:
     status, raw = post(bed, b"{not json")
     assert status == 400 and b"JSON" in raw
+
+
+def test_the_response_status_reaches_the_picker(bed: Bed) -> None:
+    # Envoy sends the response headers over ext_proc: an answer keeps a backend ready while its scrapes fail
+    status, raw = post(bed, body(10, 2, " answered"))
+    assert status == 200, raw
+    backend = json.loads(raw)["backend"]
+    row = bed.picker.explain(time.monotonic())[backend]
+    assert row["answer_age_s"] is not None and row["answer_age_s"] < 5.0, row
