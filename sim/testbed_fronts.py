@@ -99,6 +99,7 @@ class ExternalWork:
         self.seen: dict[str, int] = dict.fromkeys(service.picker.backends, 0)
         self.weight_sum: dict[str, float] = dict.fromkeys(service.picker.backends, 0.0)
         self.short: dict[str, int] = dict.fromkeys(service.picker.backends, 0)
+        self.unready: dict[str, int] = dict.fromkeys(service.picker.backends, 0)
         self._ticker = Ticker("epp-external-work", period_s, self._sample)
 
     def _sample(self) -> None:
@@ -108,16 +109,19 @@ class ExternalWork:
             self.seen[name] += row["external_requests"] > 0
             self.weight_sum[name] += row["weight"]
             self.short[name] += row["free_kv_tokens"] - row["reserve_tokens"] < self.service.picker.mean_size()
+            self.unready[name] += not row["healthy"]
 
     def shares(self) -> dict[str, float]:
         return {name: round(n / self.samples, 4) if self.samples else 0.0 for name, n in self.seen.items()}
 
     def report(self) -> dict[str, dict[str, float]]:
-        """Per backend over the run's samples: the engine's mean relative weight and the share of samples in
-        which a request of the mean size did not fit its free KV (what tilts picks between alike engines)."""
+        """Per backend over the run's samples: the engine's mean relative weight, the share of samples in
+        which a request of the mean size did not fit its free KV and the share in which the picker held it
+        unready (what tilts picks between alike engines)."""
         n = max(1, self.samples)
         return {name: {"weight_mean": round(self.weight_sum[name] / n, 4),
-                       "short_share": round(self.short[name] / n, 4)} for name in self.seen}
+                       "short_share": round(self.short[name] / n, 4),
+                       "unready_share": round(self.unready[name] / n, 4)} for name in self.seen}
 
     def __enter__(self) -> ExternalWork:
         self._ticker.start()

@@ -107,6 +107,9 @@ def test_every_policy_routes_and_is_judged(tmp_path: Path, capsys: pytest.Captur
         assert len(d["served_by"]) == 2 and min(d["served_by"].values()) > 0, (name, d["served_by"])
         # every tier routed real requests: its processes and the engines' both spent CPU, counted apart
         assert d["cpu_s"]["lb_tier"] > 0 and d["cpu_s"]["engines"] > 0, (name, d["cpu_s"])
+        if name.startswith("triscope-epp"):  # the picker's view, sampled: every backend up on this light load
+            view = d["front"]["picker_view"]
+            assert set(view) == {"b0", "b1"} and all(v["unready_share"] < 0.5 for v in view.values()), view
     # a Python picker in the data path costs more CPU per request than HAProxy's C
     cost = {name: d["cpu_s"]["lb_tier_ms_per_request"] for name, d in sim["policies"].items()}
     assert cost["gie-epp"] > cost["haproxy-leastconn"] and cost["triscope-epp"] > cost["haproxy-leastconn"], cost
