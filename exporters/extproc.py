@@ -182,8 +182,7 @@ class ExtProcServer:
             async for req in requests:
                 if req.HasField("request_headers"):
                     hs = req.request_headers
-                    headers = {h.key.lower(): (h.raw_value.decode(errors="replace") if h.raw_value else h.value)
-                               for h in hs.headers.headers}
+                    headers = _header_map(hs)
                     if hs.end_of_stream:  # no body (a GET)
                         routed = self._record(self.chooser.choose(None, headers))
                         yield self._answer("request_headers", routed)
@@ -199,7 +198,8 @@ class ExtProcServer:
                         yield self._answer("request_body", routed)
                 elif req.HasField("response_headers"):
                     if routed is not None and routed.address:
-                        self.chooser.answered(routed, _status(req.response_headers))
+                        status = _header_map(req.response_headers).get(":status", "")
+                        self.chooser.answered(routed, int(status) if status.isdigit() else 0)
                     yield PB["ProcessingResponse"](response_headers=PB["HeadersResponse"]())
                 else:  # not asked for (processing_mode skips them): let Envoy go on unchanged
                     kind = next(k for k in ("response_headers", "response_body", "request_trailers",
@@ -223,13 +223,10 @@ class ExtProcServer:
         return destination_response(kind, choice.address)
 
 
-def _status(headers: Any) -> int:
-    """The ``:status`` of an ext_proc ``HttpHeaders`` message (0 when absent or not a number)."""
-    for h in headers.headers.headers:
-        if h.key == ":status":
-            value = h.raw_value.decode(errors="replace") if h.raw_value else h.value
-            return int(value) if value.isdigit() else 0
-    return 0
+def _header_map(message: Any) -> dict[str, str]:
+    """An ext_proc ``HttpHeaders`` message as lower-case name -> value (Envoy sends ``raw_value`` bytes)."""
+    return {h.key.lower(): (h.raw_value.decode(errors="replace") if h.raw_value else h.value)
+            for h in message.headers.headers}
 
 
 UPSTREAM_IDLE_TIMEOUT_S = 4.0

@@ -39,12 +39,13 @@ def stop_process(proc: subprocess.Popen[Any] | None, grace_s: float = 5.0) -> No
         proc.wait()
 
 
-def tree_cpu_seconds(root: int, exclude: set[int]) -> dict[int, float]:
-    """CPU seconds (user + system) so far of ``root`` and its descendants, leaving out every process of
-    ``exclude`` and its descendants (Linux ``/proc``; empty elsewhere). Used to charge the load-balancing
-    tier of the test bed with what it costs on cores it shares with the engines."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
+ProcessTable = dict[int, tuple[int, float]]
+"""pid -> (parent pid, CPU seconds so far, user + system)."""
+
+
+def process_table() -> ProcessTable:
+    """Every process of the host now (Linux ``/proc``; empty elsewhere)."""
+    table: ProcessTable = {}
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
         if not entry.name.isdigit():
@@ -53,17 +54,19 @@ def tree_cpu_seconds(root: int, exclude: set[int]) -> dict[int, float]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
-        pid = int(entry.name)
-        parents[pid] = int(fields[1])
-        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick
+        table[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return table
+
+
+def tree_cpu_seconds(table: ProcessTable, root: int, exclude: set[int]) -> dict[int, float]:
+    """CPU seconds of ``root`` and its descendants in ``table``, leaving out every process of ``exclude``
+    and its descendants. Used to charge the load-balancing tier of the test bed with what it costs on
+    cores it shares with the engines."""
     keep: dict[int, float] = {}
-    for pid, seconds in cpu.items():
-        p, inside = pid, False
-        while p > 1 and p not in exclude:
-            if p == root:
-                inside = True
-                break
-            p = parents.get(p, 0)
-        if inside:
+    for pid, (_, seconds) in table.items():
+        p = pid
+        while p > 1 and p not in exclude and p != root:
+            p = table.get(p, (0, 0.0))[0]
+        if p == root and root not in exclude:
             keep[pid] = seconds
     return keep

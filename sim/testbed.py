@@ -29,7 +29,7 @@ from triscope.errors import ConfigError
 from triscope.sim.calibration import PROFILES, SimProfile
 from triscope.sim.closed_loop_stats import judge, plot_judgements
 from triscope.sim.loadgen import Arrival, ClientProcess
-from triscope.sim.procs import tree_cpu_seconds
+from triscope.sim.procs import process_table, tree_cpu_seconds
 from triscope.sim.testbed_fleet import FLEETS, SCENARIOS, Fleet, FleetError, make_fleet
 from triscope.sim.testbed_fronts import POLICIES, FrontOptions, epp_config, front
 from triscope.sim.testbed_record import MetricsRecorder
@@ -167,9 +167,16 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
             recorder = (MetricsRecorder(Path(args.record_metrics), fleet.kind, policy,
                                         {b.name: b.url for b in fleet.backends})
                         if args.record_metrics else contextlib.nullcontext())
-            exclude = fleet.engine_pids() | client.pids()
-            tier_before = tree_cpu_seconds(os.getpid(), exclude)
-            engines_before = {pid: sum(tree_cpu_seconds(pid, set()).values()) for pid in fleet.engine_pids()}
+            engines = fleet.engine_pids()
+            exclude = engines | client.pids()
+
+            def cpu_now() -> tuple[dict[int, float], dict[int, float]]:
+                """(LB tier per process, engines per process tree), from one look at the process table."""
+                table = process_table()
+                return (tree_cpu_seconds(table, os.getpid(), exclude),
+                        {pid: sum(tree_cpu_seconds(table, pid, set()).values()) for pid in engines if pid in table})
+
+            tier_before, engines_before = cpu_now()
             try:
                 with recorder:
                     results, lag = client.drive(
@@ -181,8 +188,7 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
                 if timer is not None:
                     timer.cancel()
                     timer.join()
-            tier_after = tree_cpu_seconds(os.getpid(), exclude)
-            engines_after = {pid: sum(tree_cpu_seconds(pid, set()).values()) for pid in fleet.engine_pids()}
+            tier_after, engines_after = cpu_now()
     finally:
         fleet.unpin()
     after = fleet.counters()
