@@ -229,6 +229,20 @@ def _header_map(message: Any) -> dict[str, str]:
             for h in message.headers.headers}
 
 
+ACCESS_LOG_FORMAT = {
+    "start": "%START_TIME(%s.%3f)%", "code": "%RESPONSE_CODE%", "flags": "%RESPONSE_FLAGS%",
+    "details": "%RESPONSE_CODE_DETAILS%", "upstream": "%UPSTREAM_HOST%", "class": "%REQ(x-triscope-class)%",
+    "duration_ms": "%DURATION%",
+    # the picker's answer to the buffered body (plus a pooled connection's pick-up) ...
+    "pick_ms": "%COMMON_DURATION(DS_RX_END:US_TX_BEG:ms)%",
+    # ... the engine's time to its response headers ...
+    "upstream_ms": "%COMMON_DURATION(US_TX_END:US_RX_BEG:ms)%",
+    # ... and the picker's answer to those headers (response_headers=True), before the client sees them
+    "answer_ms": "%COMMON_DURATION(US_RX_BEG:DS_TX_BEG:ms)%",
+}
+"""One JSON line per request (``envoy_bootstrap(access_log_path=...)``): where the time went between the
+gateway, the picker and the engine. Envoy writes ``null`` for a point the request never reached."""
+
 UPSTREAM_IDLE_TIMEOUT_S = 4.0
 """Envoy closes an idle pooled connection to a backend after this: below uvicorn's 5 s keep-alive (vLLM's
 API server), so Envoy never reuses a connection the server is closing (a 503 "connection termination")."""
@@ -236,11 +250,13 @@ API server), so Envoy never reuses a connection the server is closing (a 503 "co
 
 def envoy_bootstrap(listen_port: int, admin_port: int, extproc_port: int, max_body_bytes: int = MAX_BODY_BYTES,
                     route_timeout_s: float = 120.0, message_timeout_s: float = 2.0,
-                    upstream_idle_timeout_s: float = UPSTREAM_IDLE_TIMEOUT_S, response_headers: bool = True) -> dict:
+                    upstream_idle_timeout_s: float = UPSTREAM_IDLE_TIMEOUT_S, response_headers: bool = True,
+                    access_log_path: str | None = None) -> dict:
     """Envoy config: listener -> ext_proc (headers SEND, body BUFFERED) -> router -> ORIGINAL_DST cluster.
 
     ``response_headers``: the picker also sees each response's status (one more message per request), which
-    tells it a backend answers while its ``/metrics`` is too slow to scrape; False as GIE's gateway."""
+    tells it a backend answers while its ``/metrics`` is too slow to scrape; False as GIE's gateway.
+    ``access_log_path``: a JSON line per request there (:data:`ACCESS_LOG_FORMAT`)."""
     def sock(port: int) -> dict:
         return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
@@ -267,6 +283,10 @@ def envoy_bootstrap(listen_port: int, admin_port: int, extproc_port: int, max_bo
              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
+    if access_log_path:
+        hcm["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": access_log_path, "log_format": {"json_format": ACCESS_LOG_FORMAT}}}]
     return {
         "admin": {"address": sock(admin_port)},
         "static_resources": {

@@ -85,6 +85,8 @@ class EnvoyGateway:
         self.response_headers = response_headers
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.workdir / "envoy.log"
+        self.access_log_path = self.workdir / "access.jsonl"
+        """One JSON line per request (``ACCESS_LOG_FORMAT``): :func:`~triscope.sim.gateway_log.summarize`."""
 
     @property
     def url(self) -> str:
@@ -96,14 +98,16 @@ class EnvoyGateway:
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
             self._start_picker()
+            self.access_log_path.unlink(missing_ok=True)  # this run's requests only
             config = self.workdir / "envoy-gie.json"
             config.write_text(json.dumps(envoy_bootstrap(self.port, self.admin_port, self.extproc_port,
                                                          MAX_BODY_BYTES, route_timeout_s=self.route_timeout_s,
-                                                         response_headers=self.response_headers)))
+                                                         response_headers=self.response_headers,
+                                                         access_log_path=str(self.access_log_path))))
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     [self.binary, "-c", str(config), "--concurrency", str(self.concurrency), "--disable-hot-restart",
-                     "--log-level", "warn"],
+                     "--log-level", "warn", "--file-flush-interval-msec", "1000"],  # the access log within 1 s
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
             self._wait_ready(time.monotonic() + timeout_s)
         except BaseException:

@@ -85,6 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-nice", type=int, default=ENGINE_NICE,
                    help=f"real fleet: the engines' niceness (default {ENGINE_NICE}: the client and the load balancers, "
                         "which a deployment runs on other CPUs, go first on the shared cores; 0: all equal)")
+    p.add_argument("--engine-cores", choices=("own", "shared"), default="own",
+                   help="real fleet: each engine's whole process tree on a core of its own (default), or only its "
+                        "worker's threads bound and its API server and engine core free to run on any core")
     p.add_argument("--epp-scrape-ms", type=float, default=None,
                    help="triscope-epp: /metrics scrape period (default 250 ms; the GIE picker keeps its 50 ms)")
     p.add_argument("--epp-engine-ms", type=float, default=None,
@@ -219,7 +222,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {"workload": args.workload, "scenario": args.scenario, "seed": args.seed,
                            "params": args.params, "profile": args.profile,
-                           "engine_nice": args.engine_nice, "sla_s": profile.sla_s, "fleets": {}}
+                           "engine_nice": args.engine_nice, "engine_cores": args.engine_cores,
+                           "sla_s": profile.sla_s, "fleets": {}}
     say = (lambda *_: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     say(f"seed {args.seed} (rerun with --seed {args.seed})")
     for kind in args.fleets:
@@ -228,10 +232,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fleet_doc: dict[str, Any] = {"backends": n, "arrivals": len(schedule), "bucket_s": bucket_s, "policies": {}}
         say(f"{kind}: starting {n} backends ({args.scenario}) ...")
         try:
-            with make_fleet(kind, n, args.scenario, out_dir / "work", args.profile, args.engine_nice) as fleet:
-                nice = fleet.niceness()  # read from the running engines
+            with make_fleet(kind, n, args.scenario, out_dir / "work", args.profile, args.engine_nice,
+                            args.engine_cores == "own") as fleet:
+                nice, cores = fleet.niceness(), fleet.cores()  # read from the running engines
                 fleet_doc["layout"] = [{"name": b.name, "kv_tokens": b.kv_tokens, "slots": b.slots,
-                                        "nice": nice.get(b.name)} for b in fleet.backends]
+                                        "nice": nice.get(b.name), "cores": cores.get(b.name)}
+                                       for b in fleet.backends]
                 for policy in args.policy_list:
                     say(f"{kind}: {policy}, {len(schedule)} requests over {schedule[-1].t:.0f} s ...")
                     fleet_doc["policies"][policy] = run_policy(policy, fleet, schedule, bucket_s, args, profile,

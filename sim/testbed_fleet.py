@@ -127,6 +127,10 @@ class Fleet:
         """Each running engine's niceness, read from its process (empty where the bed does not set it)."""
         return {}
 
+    def cores(self) -> dict[str, list[int]]:
+        """The cores each running engine's top process may run on (empty where the bed does not set them)."""
+        return {}
+
     def engine_pids(self) -> set[int]:
         """The running engines' top processes (their children are theirs too)."""
         raise NotImplementedError
@@ -221,6 +225,8 @@ class VllmTestFleet(Fleet):
     model_path: Path | None = None
     nice: int = 0
     """The engines' niceness (:attr:`ServerOptions.nice`)."""
+    own_cores: bool = False
+    """Each engine's whole process tree on its own core (:attr:`ServerOptions.own_core`)."""
 
     def __post_init__(self) -> None:
         self.kind = "vllm"
@@ -228,7 +234,8 @@ class VllmTestFleet(Fleet):
         self.extra_body = {"ignore_eos": True, "temperature": 0.0}  # exactly max_tokens generated
 
     def _server(self, i: int, b: Backend) -> VllmServer:
-        opts = ServerOptions(max_num_seqs=b.slots, kv_cache_tokens=b.kv_tokens, span_address=False, nice=self.nice)
+        opts = ServerOptions(max_num_seqs=b.slots, kv_cache_tokens=b.kv_tokens, span_address=False, nice=self.nice,
+                             own_core=self.own_cores)
         assert self.model_path is not None, "start() makes the model first"
         return VllmServer(self.install, self.model_path, self.workdir / b.name, name=b.name, port=b.port,
                           cpu=i % (os.cpu_count() or 1), options=opts)
@@ -261,6 +268,10 @@ class VllmTestFleet(Fleet):
 
     def niceness(self) -> dict[str, int]:
         return {name: os.getpriority(os.PRIO_PROCESS, s.proc.pid) for name, s in self.servers.items()
+                if s.proc is not None and s.proc.poll() is None}
+
+    def cores(self) -> dict[str, list[int]]:
+        return {name: sorted(os.sched_getaffinity(s.proc.pid)) for name, s in self.servers.items()
                 if s.proc is not None and s.proc.poll() is None}
 
     def kill(self, name: str) -> None:
@@ -319,10 +330,10 @@ def _post(url: str) -> None:
 
 
 def make_fleet(kind: str, n: int, scenario: str, workdir: Path, profile: str = "vllm-cpu",
-               engine_nice: int = 0) -> Fleet:
+               engine_nice: int = 0, own_cores: bool = False) -> Fleet:
     backends = backend_layout(n, scenario)
     if kind == "sim":
         return SimTestFleet(backends, workdir, profile=profile)
     if kind == "vllm":
-        return VllmTestFleet(backends, workdir, nice=engine_nice)
+        return VllmTestFleet(backends, workdir, nice=engine_nice, own_cores=own_cores)
     raise ValueError(f"unknown fleet {kind!r} (known: {', '.join(FLEETS)})")

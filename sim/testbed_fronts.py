@@ -27,6 +27,7 @@ from typing import Any
 from triscope.analyzers.routing.config import DEFAULT_CLASSES
 from triscope.exporters.epp_service import EppConfig, EppService
 from triscope.sim.bench_fleet import FeedWorker
+from triscope.sim.gateway_log import read_access_log, summarize
 from triscope.sim.haproxy import HAProxy, Server
 from triscope.sim.peer_gie_epp import GieParams
 from triscope.sim.peer_gie_extproc import EnvoyGateway, GieGateway
@@ -131,22 +132,34 @@ class ExternalWork:
         self._ticker.stop(2.0)
 
 
+def routed_by_haproxy(hap: HAProxy) -> dict[str, int]:
+    """Requests HAProxy sent each server (``stot``), read before it stops."""
+    with contextlib.suppress(OSError, ValueError):
+        return {row["svname"]: int(row["stot"]) for row in hap.stats()}
+    return {}
+
+
 @contextlib.contextmanager
 def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Iterator[Front]:
     """Start ``policy`` in front of ``fleet`` (every backend alive), yield it, stop it."""
     workdir.mkdir(parents=True, exist_ok=True)
     servers = [Server(b.name, b.port) for b in fleet.backends]
+    names = {b.address: b.name for b in fleet.backends}
     if policy in ("haproxy-rr", "haproxy-leastconn"):
         balance = "roundrobin" if policy == "haproxy-rr" else "leastconn"
         with HAProxy(workdir, servers, balance=balance, health_check_ms=HEALTH_CHECK_MS, retries=0) as hap:
-            yield Front(hap.port, {"balance": balance})
+            info: dict[str, Any] = {"balance": balance}
+            yield Front(hap.port, info)
+            info["routed"] = routed_by_haproxy(hap)
     elif policy == "triscope":
         feed = FeedWorker({b.name: b.url for b in fleet.backends}, triscope_overrides(opts), 5.0).start()
         try:
             with HAProxy(workdir, servers, balance="leastconn", agent_port=feed.agent_port,
                          agent_inter_ms=opts.agent_inter_ms, health_check_ms=HEALTH_CHECK_MS, retries=0) as hap:
                 time.sleep(max(0.5, 3 * opts.agent_inter_ms / 1000))  # the agent's first answers are in
-                yield Front(hap.port, {"feed": feed.info.get("feed", "")})
+                info = {"feed": feed.info.get("feed", "")}
+                yield Front(hap.port, info)
+                info["routed"] = routed_by_haproxy(hap)
         finally:
             feed.stop()
     elif policy in ("sglang-p2c", "sglang-cache-aware"):
@@ -165,7 +178,9 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
     elif policy == "gie-epp":
         with GieGateway([b.address for b in fleet.backends], workdir, GieParams(default_model=fleet.model),
                         seed=opts.seed) as gw:
-            yield Front(gw.port, {"picker": "GIE EPP default profile (re-implemented), Envoy ext_proc"})
+            info = {"picker": "GIE EPP default profile (re-implemented), Envoy ext_proc"}
+            yield Front(gw.port, info)
+        info["gateway"] = summarize(read_access_log(gw.access_log_path), names)
     elif policy in ("triscope-epp", "triscope-epp-levels"):
         # the product's [epp] service as a user runs it (its scrapers, its poll of the feed's /v1/weights),
         # the weight engine in a feed process of its own, real Envoy in front
@@ -178,10 +193,11 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
         seen = ExternalWork(service)
         try:
             service.start()
-            with EnvoyGateway(service.port, workdir, waiting_for=service.waiting_for) as gw, seen:
+            with EnvoyGateway(service.port, workdir, waiting_for=service.waiting_for) as envoy, seen:
                 info = {"picker": "triscope [epp] (HeadroomPicker), Envoy ext_proc", "scrape_s": opts.epp_scrape_s,
                         "engine_interval_s": opts.epp_engine_s, "levels": policy == "triscope-epp-levels"}
-                yield Front(gw.port, info)
+                yield Front(envoy.port, info)
+            info["gateway"] = summarize(read_access_log(envoy.access_log_path), names)
             info["external_work_seen"] = seen.shares()
             info["picker_view"] = seen.report()
             info["epp"] = service.stats()

@@ -138,6 +138,10 @@ class ServerOptions:
     nice: int = 0
     """Niceness of the server (its engine core and worker inherit it): on a test bed whose engines share
     cores with the load balancers and the client, which in a deployment have CPUs of their own."""
+    own_core: bool = False
+    """Bind the whole server (API server, engine core, worker: ``taskset``) to :attr:`VllmServer.cpu`, not only
+    the worker's OpenMP threads: an engine's busy polling and request handling then take nothing from another
+    engine's core, as engines on separate GPUs take nothing from each other."""
 
 
 @dataclass
@@ -206,7 +210,11 @@ class VllmServer:
         """Launch (returns at once; :meth:`wait_healthy` waits)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
-            argv = ["nice", "-n", str(self.options.nice), *self.argv()] if self.options.nice else self.argv()
+            argv = self.argv()
+            if self.options.own_core and self.cpu is not None:
+                argv = ["taskset", "-c", str(self.cpu), *argv]
+            if self.options.nice:
+                argv = ["nice", "-n", str(self.options.nice), *argv]
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=self.env(), cwd=self.workdir, start_new_session=True)
         self.started_at = time.monotonic()

@@ -22,6 +22,7 @@ from triscope.exporters.extproc import UPSTREAM_IDLE_TIMEOUT_S, envoy_path
 from triscope.sim.backend import BackendSpec
 from triscope.sim.bench_fleet import SimFleet
 from triscope.sim.engine import GIB
+from triscope.sim.gateway_log import read_access_log, summarize
 from triscope.sim.peer_gie_epp import GieParams, MetricsScraper, Pod
 from triscope.sim.peer_gie_extproc import EppGateway
 
@@ -143,3 +144,24 @@ def test_the_response_status_reaches_the_picker(bed: Bed) -> None:
     backend = json.loads(raw)["backend"]
     row = bed.picker.explain(time.monotonic())[backend]
     assert row["answer_age_s"] is not None and row["answer_age_s"] < 5.0, row
+
+
+def test_the_access_log_says_where_each_request_went_and_where_its_time_went(bed: Bed) -> None:
+    names = {f"127.0.0.1:{s.port}": s.name for s in bed.fleet.specs}
+    before = len(read_access_log(bed.gateway.access_log_path))
+    sent = []
+    for i in range(6):
+        status, raw = post(bed, body(10, 40, f" logged {i}"))
+        assert status == 200, raw
+        sent.append(json.loads(raw)["backend"])
+    # Envoy flushes its access log every second (EnvoyGateway's --file-flush-interval-msec)
+    wait_for(lambda: len(read_access_log(bed.gateway.access_log_path)) >= before + 6, 10, "the access log lines")
+    lines = read_access_log(bed.gateway.access_log_path)[before:before + 6]
+    assert [names[r["upstream"]] for r in lines] == sent
+    got = summarize(lines, names)
+    assert got["outcomes"] == {"200": 6} and got["routed"] == dict(sorted(Counter(sent).items()))
+    stages = got["stages_ms"]
+    # each stage measured: the picker's answer in ms, the engine's 40 decode steps of 2 ms each longer
+    assert stages["pick_ms"]["max"] is not None and stages["pick_ms"]["max"] < 1000, stages
+    assert stages["upstream_ms"]["p50"] >= 40 * 2 * 0.5 > stages["pick_ms"]["p50"], stages
+    assert stages["duration_ms"]["p50"] >= stages["upstream_ms"]["p50"], stages

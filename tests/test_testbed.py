@@ -110,6 +110,19 @@ def test_every_policy_routes_and_is_judged(tmp_path: Path, capsys: pytest.Captur
         if name.startswith("triscope-epp"):  # the picker's view, sampled: every backend up on this light load
             view = d["front"]["picker_view"]
             assert set(view) == {"b0", "b1"} and all(v["unready_share"] < 0.5 for v in view.values()), view
+        # the load balancer's own count of where requests went agrees with the engines' (HAProxy's stats,
+        # Envoy's access log; a request may reach an engine after its client gave up, never the reverse)
+        front = d["front"]
+        routed = front.get("routed") or front.get("gateway", {}).get("routed")
+        if name.startswith(("haproxy", "triscope", "gie")):
+            assert routed is not None and set(routed) == {"b0", "b1"}, (name, front)
+            assert all(routed[b] >= d["served_by"][b] for b in routed), (name, routed, d["served_by"])
+            assert sum(routed.values()) <= d["requests"], (name, routed)
+        if "gateway" in front:  # where the time went: the picker answers in ms, the engines take longer
+            stages = front["gateway"]["stages_ms"]
+            assert front["gateway"]["requests"] == d["requests"], (name, front["gateway"])
+            assert stages["pick_ms"]["p50"] is not None and stages["pick_ms"]["p50"] < 100, (name, stages)
+            assert stages["upstream_ms"]["p50"] > stages["pick_ms"]["p50"], (name, stages)
     # a Python picker in the data path costs more CPU per request than HAProxy's C
     cost = {name: d["cpu_s"]["lb_tier_ms_per_request"] for name, d in sim["policies"].items()}
     assert cost["gie-epp"] > cost["haproxy-leastconn"] and cost["triscope-epp"] > cost["haproxy-leastconn"], cost
