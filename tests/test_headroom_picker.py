@@ -126,6 +126,13 @@ def test_a_misfit_penalty_makes_the_fit_a_cost_not_a_filter() -> None:
         strict.observe("b0", b0)
         strict.observe("b1", LiveSignals(0, 4, 0.2, 1024.0, NOW))
         assert {strict.pick(RequestNeed("video", 100), NOW).backend for _ in range(3)} == {"b1"}
+        # a finite short_penalty makes that a cost too: the short backend's work (its 2 requests, or its 1
+        # waiting) plus 2.5 against b1's line of 4 other requests, growing by one per pick
+        lenient = _picker(2, misfit_penalty=1.0, short_penalty=2.5)
+        lenient.observe("b0", b0)
+        lenient.observe("b1", LiveSignals(0, 4, 0.2, 1024.0, NOW))
+        picks = [lenient.pick(RequestNeed("video", 100), NOW + 0.01).backend for _ in range(2)]
+        assert picks == (["b1", "b0"] if b0.running + b0.waiting == 2 else ["b0", "b1"]), picks
 
 
 def test_requests_from_other_clients_count_as_work() -> None:

@@ -67,7 +67,11 @@ class PickerParams:
     decodes, so a much shorter line wins over it (on the real test bed a strict fit queued the large
     backend, docs/epp.md); ``inf``: never send to such a backend while another fits. A backend short of
     KV by an early signal, or running requests this picker did not send (whose KV may not free soon: a
-    pinned tenant), never takes a request that fits elsewhere."""
+    pinned tenant), takes ``short_penalty`` instead."""
+    short_penalty: float = math.inf
+    """Work added, in requests, to a backend the request does not fit that is also short of KV by an early
+    signal or running requests this picker did not send (their KV may not free soon); ``inf``: it takes
+    nothing that fits elsewhere."""
     seed: int | None = None
 
 
@@ -242,16 +246,17 @@ class HeadroomPicker:
             if not candidates:  # every backend unready or drained: the least bad one, never a refusal by default
                 candidates = [n for n, f in rows.items() if f["healthy"]] or list(rows)
             fitting = {n for n in candidates if rows[n]["free_kv_tokens"] - rows[n]["reserve_tokens"] >= tokens}
-            penalty = self.params.misfit_penalty * (self._mean_size() if self.params.work_unit == "tokens" else 1.0)
+            unit = self._mean_size() if self.params.work_unit == "tokens" else 1.0
+            penalty, short_penalty = self.params.misfit_penalty * unit, self.params.short_penalty * unit
             scores = {}
             for n in candidates:
                 row = rows[n]
                 if n in fitting or not fitting:  # when nothing fits, work alone decides
                     scores[n] = row["work_per_weight"]
                 else:  # the KV of requests this picker did not send (a tenant, another gateway) may never
-                    # free in time, nor may KV already short by an early signal: out while anything fits
+                    # free in time, nor may KV already short by an early signal
                     strict = row["kv_short"] or row["external_requests"] > 0
-                    extra = math.inf if strict else penalty
+                    extra = short_penalty if strict else penalty
                     scores[n] = (row["work_tokens"] + extra) / row["weight"]
             best = min(scores.values())
             chosen = self._rng.choice([n for n, v in scores.items() if v <= best * (1 + 1e-9)])
