@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -75,12 +74,12 @@ class EppConfig(ComponentConfig):
     misfit_penalty: float = 1.0
     """Extra work, in requests, of a backend the request does not fit (a large value, say 1000: only where
     it fits while anything does)."""
-    short_penalty: float = math.inf
+    short_penalty: float = 1.0
     """Extra work, in requests, of a backend the request does not fit that is short of KV by an early signal
     or runs requests another client sent (``inf``: none while the request fits elsewhere)."""
-    engine_weights: bool = True
+    engine_weights: bool = False
     """Divide each backend's work by the weight engine's relative weight (false: its drains and class
-    admission only)."""
+    admission only; the weights reflect the load the picker's ledger already counts)."""
     early_signals: bool = True
     """Preemptions and requests waiting for KV count against a backend's fit before its KV gauge shows it."""
     max_body_bytes: int = MAX_BODY_BYTES

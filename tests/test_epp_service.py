@@ -81,13 +81,21 @@ def test_engine_view_from_the_feed_document_drives_the_picker() -> None:
            "class_admission": {"offline_video": {"backends": {"a": "drain", "b": "ready", "c": "drain"}}}}
     view = EngineView.from_document(doc)
     assert view.version == 7 and view.drained == {"c"} and view.class_state("a", "offline_video") == "drain"
-    picker = HeadroomPicker({n: f"127.0.0.1:{9000 + i}" for i, n in enumerate("abc")}, PickerParams(seed=3))
+    picker = HeadroomPicker({n: f"127.0.0.1:{9000 + i}" for i, n in enumerate("abc")},
+                            PickerParams(seed=3, engine_weights=True))
     for n in "abc":
         picker.observe(n, LiveSignals(0, 0, 0.0, 10_000.0, 100.0))
     picker.set_weights(view)
     assert {picker.pick(RequestNeed("offline_video", 10), 100.0).backend for _ in range(5)} == {"b"}
     rows = picker.explain(100.0, "realtime_speech")
     assert rows["b"]["weight"] == 0.5 and not rows["c"]["eligible"] and rows["a"]["eligible"]
+    # by default the weights stay out of the work (the ledger counts that load already); drains hold still
+    plain = HeadroomPicker({n: f"127.0.0.1:{9000 + i}" for i, n in enumerate("abc")}, PickerParams(seed=3))
+    for n in "abc":
+        plain.observe(n, LiveSignals(0, 0, 0.0, 10_000.0, 100.0))
+    plain.set_weights(view)
+    rows = plain.explain(100.0, "realtime_speech")
+    assert rows["b"]["weight"] == 1.0 and not rows["c"]["eligible"] and rows["a"]["eligible"]
     picker.set_weights(None)
     assert picker.explain(100.0, "offline_video")["c"]["eligible"]
     for bad in ({}, {"backends": []}, {"backends": {"a": 3}}):
@@ -119,9 +127,11 @@ def test_config_backends_and_the_feed_url() -> None:
     assert service.picker.params.misfit_penalty == 1.0
     strict = create(_config(misfit_penalty=1000.0), Context())  # only where it fits, short of 1,000 queued
     assert strict.picker.params.misfit_penalty == 1000.0
-    assert (service.picker.params.engine_weights, service.picker.params.early_signals) == (True, True)
-    plain = create(_config(engine_weights=False, early_signals=False), Context())
-    assert (plain.picker.params.engine_weights, plain.picker.params.early_signals) == (False, False)
+    assert (service.picker.params.engine_weights, service.picker.params.early_signals) == (False, True)
+    assert service.picker.params.short_penalty == 1.0
+    other = create(_config(engine_weights=True, early_signals=False, short_penalty=1e9), Context())
+    assert (other.picker.params.engine_weights, other.picker.params.early_signals) == (True, False)
+    assert other.picker.params.short_penalty == 1e9
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [

@@ -71,8 +71,9 @@ def test_a_request_that_ended_while_the_scrape_was_in_flight_is_not_another_clie
 
 def test_a_backend_that_preempts_or_queues_for_kv_is_full_whatever_its_gauge() -> None:
     """Early signals: a preemption since the previous scrape, or requests waiting for KV capacity, mean the
-    engine is out of KV now (the usage gauge can read 70 % between two block allocations)."""
-    picker = _picker(2)
+    engine is out of KV now (the usage gauge can read 70 % between two block allocations). With an infinite
+    short_penalty such a backend takes nothing that fits elsewhere."""
+    picker = _picker(2, short_penalty=math.inf)
     for name in picker.backends:
         picker.observe(name, LiveSignals(0, 2, 0.5, 10_000.0, NOW, preemptions_total=3.0, waiting_for_capacity=0.0))
     picker.observe("b0", LiveSignals(0, 2, 0.7, 10_000.0, NOW + 0.25, preemptions_total=4.0, waiting_for_capacity=0.0))
@@ -102,7 +103,7 @@ def test_work_can_be_counted_in_tokens_instead_of_requests() -> None:
 
 
 def test_a_strict_fit_sends_a_request_only_where_it_fits() -> None:
-    picker = _picker(2, misfit_penalty=math.inf)
+    picker = _picker(2, misfit_penalty=math.inf, short_penalty=math.inf)
     picker.observe("b0", LiveSignals(0, 1, 0.9, 1024.0, NOW))  # 102 tokens free, lightly loaded
     picker.observe("b1", LiveSignals(0, 4, 0.2, 1024.0, NOW))  # room, busier
     pick = picker.pick(RequestNeed("video", 400), NOW)
@@ -119,10 +120,11 @@ def test_a_misfit_penalty_makes_the_fit_a_cost_not_a_filter() -> None:
     picks = [picker.pick(RequestNeed("video", 400), NOW).backend for _ in range(6)]
     # b0's work (1, then 2, plus the penalty) stays under b1's 4 for two picks; then the lines even out
     assert picks[:2] == ["b0", "b0"] and "b1" in picks[2:]
-    # KV held by requests the picker did not send (a tenant) may not free soon: nothing goes there that fits
-    # elsewhere, however short its line; nor to a backend short of KV by an early signal
+    # KV held by requests the picker did not send (a tenant) may not free soon: with an infinite short_penalty
+    # nothing goes there that fits elsewhere, however short its line; nor to a backend short of KV by an
+    # early signal
     for b0 in (LiveSignals(0, 2, 0.9, 1024.0, NOW), LiveSignals(1, 0, 0.9, 1024.0, NOW, waiting_for_capacity=1.0)):
-        strict = _picker(2, misfit_penalty=1.0)
+        strict = _picker(2, misfit_penalty=1.0, short_penalty=math.inf)
         strict.observe("b0", b0)
         strict.observe("b1", LiveSignals(0, 4, 0.2, 1024.0, NOW))
         assert {strict.pick(RequestNeed("video", 100), NOW).backend for _ in range(3)} == {"b1"}

@@ -56,9 +56,11 @@ class PickerParams:
     """What outstanding work counts: ``requests`` (in flight, as leastconn; the better of the two on the
     vLLM-CPU test bed, docs/epp.md) or ``tokens`` (their KV need, which overweights long requests near
     their end)."""
-    engine_weights: bool = True
-    """Divide each backend's work by the weight engine's relative weight (False: drains and class admission
-    only, every weight 1)."""
+    engine_weights: bool = False
+    """Divide each backend's work by the weight engine's relative weight. Off by default: those weights
+    come from the same load the ledger counts (queue, latency, KV), so dividing by them counts it twice,
+    a second later, and held the picker on the wrong engine under a pinned tenant (docs/epp.md); the
+    engine's drains and class admission apply either way."""
     early_signals: bool = True
     """A preemption since the previous scrape, or requests waiting for KV capacity, make a backend full."""
     misfit_penalty: float = 1.0
@@ -68,10 +70,11 @@ class PickerParams:
     backend, docs/epp.md); ``inf``: never send to such a backend while another fits. A backend short of
     KV by an early signal, or running requests this picker did not send (whose KV may not free soon: a
     pinned tenant), takes ``short_penalty`` instead."""
-    short_penalty: float = math.inf
+    short_penalty: float = 1.0
     """Work added, in requests, to a backend the request does not fit that is also short of KV by an early
     signal or running requests this picker did not send (their KV may not free soon); ``inf``: it takes
-    nothing that fits elsewhere."""
+    nothing that fits elsewhere, however long the line there (which queued the other engine under a
+    pinned tenant on the real test bed, docs/epp.md)."""
     seed: int | None = None
 
 
