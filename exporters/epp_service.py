@@ -76,7 +76,9 @@ class EppConfig(ComponentConfig):
     it fits while anything does)."""
     short_penalty: float = 1.0
     """Extra work, in requests, of a backend the request does not fit that is short of KV by an early signal
-    or runs requests another client sent (``inf``: none while the request fits elsewhere)."""
+    or runs requests another client sent (a large value, say 1000: none while the request fits elsewhere)."""
+    external_weight: float = 1.0
+    """Work counted per request running or waiting in an engine that this picker did not send."""
     engine_weights: bool = False
     """Divide each backend's work by the weight engine's relative weight (false: its drains and class
     admission only; the weights reflect the load the picker's ledger already counts)."""
@@ -102,7 +104,8 @@ class EppConfig(ComponentConfig):
             raise ConfigError(f"{where} max_scrape_interval_s must be between scrape_interval_s and unready_after_s, "
                               f"got {self.max_scrape_interval_s}")
         non_negative(where, default_output_tokens=self.default_output_tokens, visible_after_s=self.visible_after_s,
-                     misfit_penalty=self.misfit_penalty, short_penalty=self.short_penalty)
+                     misfit_penalty=self.misfit_penalty, short_penalty=self.short_penalty,
+                     external_weight=self.external_weight)
         if not 0 <= self.kv_reserve_ratio < 1:
             raise ConfigError(f"{where} kv_reserve_ratio must be in [0, 1), got {self.kv_reserve_ratio}")
         if self.work_unit not in ("requests", "tokens"):
@@ -122,7 +125,7 @@ class EppConfig(ComponentConfig):
         return PickerParams(unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s,
                             visible_after_s=self.visible_after_s, kv_reserve_ratio=self.kv_reserve_ratio,
                             work_unit=self.work_unit, misfit_penalty=self.misfit_penalty,
-                            short_penalty=self.short_penalty,
+                            short_penalty=self.short_penalty, external_weight=self.external_weight,
                             engine_weights=self.engine_weights, early_signals=self.early_signals)
 
 

@@ -75,6 +75,9 @@ class PickerParams:
     signal or running requests this picker did not send (their KV may not free soon); ``inf``: it takes
     nothing that fits elsewhere, however long the line there (which queued the other engine under a
     pinned tenant on the real test bed, docs/epp.md)."""
+    external_weight: float = 1.0
+    """Work counted per request the engine runs or queues that this picker did not send (0: such requests
+    only slow the backend's own requests down, which the ledger sees as they last longer)."""
     seed: int | None = None
 
 
@@ -324,7 +327,8 @@ class HeadroomPicker:
             free, reserve = math.inf, 0.0
         weight, drained, class_state = self._engine_view(b.name, request_class)
         by_tokens = p.work_unit == "tokens"
-        work = own_tokens + external * self._mean_size() if by_tokens else len(b.in_flight) + external
+        counted = external * p.external_weight
+        work = own_tokens + counted * self._mean_size() if by_tokens else len(b.in_flight) + counted
         return {
             "healthy": healthy, "refused": b.refused, "fresh": fresh,
             "scrape_age_s": age if math.isfinite(age) else None,
