@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"testbed_merge: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for kind, fleet in merged["fleets"].items():
         png = out.with_name(f"{out.stem}-{kind}.png") if len(merged["fleets"]) > 1 else out.with_suffix(".png")
         plot_judgements(fleet["policies"], str(png), args.title or

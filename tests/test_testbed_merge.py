@@ -18,7 +18,7 @@ def _doc(name: str) -> dict:
 
 
 def test_runs_of_the_same_arrivals_are_put_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "merged.json"
+    out = tmp_path / "new" / "merged.json"  # its folder is made
     assert main([str(DATA / "pinned-leastconn.json"), f"{DATA / 'pinned-triscope-epp.json'}=new defaults",
                  "--out", str(out)]) == 0
     merged = json.loads(out.read_text())
@@ -29,7 +29,7 @@ def test_runs_of_the_same_arrivals_are_put_side_by_side(tmp_path: Path, capsys: 
         "policies"]["haproxy-leastconn"]["goodput_qps"]
     assert all(p["engine_cores"] == "own" for p in policies.values())
     assert (merged["seed"], merged["scenario"]) == (618203, "pinned")
-    assert (tmp_path / "merged.png").stat().st_size > 10_000
+    assert (tmp_path / "new" / "merged.png").stat().st_size > 10_000
     table = capsys.readouterr().out
     assert "triscope-epp (new defaults)" in table and "peak QPS held" in table
 
