@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from triscope.sim.loadgen import percentile
+
 STAGES = ("pick_ms", "upstream_ms", "answer_ms", "duration_ms")
 SLOW_PICK_MS = 100.0
 """A picker answer slower than this is counted (a pick itself takes well under a millisecond)."""
@@ -38,10 +40,9 @@ def read_access_log(path: Path) -> list[dict[str, Any]]:
 
 
 def _number(value: Any) -> float:
+    """A field as a number; NaN where Envoy wrote ``null`` or ``-`` (a point the request never reached)."""
     if isinstance(value, bool):
         return math.nan
-    if isinstance(value, int | float):
-        return float(value)
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -51,12 +52,8 @@ def _number(value: Any) -> float:
 def _quantiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p99": None, "max": None}
-    s = sorted(values)
-
-    def rank(q: float) -> float:  # nearest rank
-        return s[max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))]
-
-    return {"p50": round(rank(0.5), 1), "p99": round(rank(0.99), 1), "max": round(s[-1], 1)}
+    return {"p50": round(percentile(values, 50), 1), "p99": round(percentile(values, 99), 1),
+            "max": round(max(values), 1)}
 
 
 def summarize(records: Iterable[Mapping[str, Any]], names: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -68,7 +65,7 @@ def summarize(records: Iterable[Mapping[str, Any]], names: Mapping[str, str] | N
     routed: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     stages: dict[str, list[float]] = {k: [] for k in STAGES}
-    slow_picks = 0
+    slow: list[tuple[float, Mapping[str, Any]]] = []
     for r in records:
         upstream = r.get("upstream")
         if isinstance(upstream, str) and upstream not in ("", "-"):
@@ -82,14 +79,14 @@ def summarize(records: Iterable[Mapping[str, Any]], names: Mapping[str, str] | N
             v = _number(r.get(key))
             if math.isfinite(v):
                 stages[key].append(v)
-        slow_picks += _number(r.get("pick_ms")) > SLOW_PICK_MS
-    starts = [t for t in (_number(r.get("start")) for r in records) if math.isfinite(t)]
-    t0 = min(starts, default=0.0)
-    by_pick = sorted((r for r in records if math.isfinite(_number(r.get("pick_ms")))),
-                     key=lambda r: -_number(r.get("pick_ms")))
-    slowest = [{"t_s": round(_number(r.get("start")) - t0, 3), "pick_ms": _number(r.get("pick_ms")),
+        pick = _number(r.get("pick_ms"))
+        if pick > SLOW_PICK_MS:
+            slow.append((pick, r))
+    t0 = min((t for t in (_number(r.get("start")) for r in records) if math.isfinite(t)), default=0.0)
+    slow.sort(key=lambda item: -item[0])
+    slowest = [{"t_s": round(_number(r.get("start")) - t0, 3), "pick_ms": pick,
                 "upstream": names.get(str(r.get("upstream")), r.get("upstream")), "code": r.get("code")}
-               for r in by_pick[:5] if _number(r.get("pick_ms")) > SLOW_PICK_MS]
+               for pick, r in slow[:5]]
     return {"requests": sum(outcomes.values()), "routed": dict(sorted(routed.items())),
-            "outcomes": dict(sorted(outcomes.items())), "slow_picks": slow_picks, "slowest_picks": slowest,
+            "outcomes": dict(sorted(outcomes.items())), "slow_picks": len(slow), "slowest_picks": slowest,
             "stages_ms": {k: _quantiles(v) for k, v in stages.items()}}
