@@ -29,6 +29,7 @@ from triscope.errors import ConfigError, InputError, TriscopeError
 from triscope.exporters.epp import Fallback, HeadroomChooser, NeedParams
 from triscope.exporters.extproc import MAX_BODY_BYTES, MAX_STREAMS, ExtProcServer
 from triscope.exporters.feed_http import one_line
+from triscope.exporters.haproxy_pick import PickTableServer
 from triscope.http_fetch import RefusedError, fetch
 from triscope.ticker import Ticker
 
@@ -88,12 +89,17 @@ class EppConfig(ComponentConfig):
     max_streams: int = MAX_STREAMS
     levels_window_s: float = 10.0
     """Arrivals per class over this window set a limited class's rate (``[weights.levels]``)."""
+    table_port: int = -1
+    """``GET /v1/pick-table`` for triscope's picker inside HAProxy (exporters/haproxy_pick.lua) on ``bind``:
+    -1 off, 0 ephemeral."""
     fallback_status: int = 503
     fallback_body: str = Fallback.body
     """What a request refused by an admission level gets (an OpenAI-style error by default)."""
 
     def validate(self, where: str) -> None:
         port(where, "port", self.port)
+        if self.table_port != -1:
+            port(where, "table_port", self.table_port)
         interval(where, scrape_interval_s=self.scrape_interval_s, scrape_timeout_s=self.scrape_timeout_s,
                  weights_poll_s=self.weights_poll_s, weights_stale_after_s=self.weights_stale_after_s,
                  unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s)
@@ -184,6 +190,7 @@ class EppService:
                                        ClassGate(cfg.levels_window_s, seed=seed),
                                        Fallback(cfg.fallback_status, cfg.fallback_body))
         self.server = ExtProcServer(self.chooser, cfg.max_body_bytes, cfg.bind, cfg.port, cfg.max_streams)
+        self.table_server: PickTableServer | None = None
         self.scrape_errors: dict[str, str] = {}
         self.scrapes_total = 0
         self.scrape_failures: dict[str, int] = dict.fromkeys(backends, 0)
@@ -203,11 +210,23 @@ class EppService:
     def port(self) -> int:
         return self.server.port
 
+    @property
+    def table_port(self) -> int:
+        """The pick table's port (-1: not served)."""
+        return self.table_server.port if self.table_server is not None else -1
+
     def start(self) -> None:
         try:
             self.server.start()
         except (RuntimeError, OSError) as exc:  # grpc: "Failed to bind to address"
             raise ConfigError(f"[epp] cannot listen on {self.cfg.bind}:{self.cfg.port}: {one_line(exc)}") from None
+        if self.cfg.table_port >= 0:
+            try:
+                self.table_server = PickTableServer(self.picker, self.cfg.bind, self.cfg.table_port).start()
+            except OSError as exc:
+                self.server.stop()
+                raise ConfigError(f"[epp] cannot serve the pick table on {self.cfg.bind}:{self.cfg.table_port}: "
+                                  f"{one_line(exc)}") from None
         for ticker in self._tickers:
             ticker.start()
         log.info("epp: ext_proc on %s:%d, %d backends, weights from %s", self.cfg.bind, self.port,
@@ -216,6 +235,8 @@ class EppService:
     def close(self) -> None:
         for ticker in self._tickers:
             ticker.stop(self.cfg.scrape_timeout_s + 1.0)
+        if self.table_server is not None:
+            self.table_server.close()
         self.server.stop()
 
     def stats(self) -> dict[str, Any]:
@@ -225,7 +246,8 @@ class EppService:
                 "scrapes_total": self.scrapes_total, "scrape_errors": dict(self.scrape_errors),
                 "scrape_failures": dict(self.scrape_failures),
                 "scrape_periods_s": {name: round(pace.period_s, 4) for name, pace in self.paces.items()},
-                "weights_version": self.weights_version, "weights_error": self.weights_error}
+                "weights_version": self.weights_version, "weights_error": self.weights_error,
+                **({"tables_served": self.table_server.served_total} if self.table_server is not None else {})}
 
     def waiting_for(self) -> str | None:
         """What the picker still lacks before it decides on data (None: every backend scraped once)."""

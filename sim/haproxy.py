@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import shutil
 import socket
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from triscope.exporters.haproxy_gate import LUA_PATH as GATE_LUA
 from triscope.exporters.haproxy_gate import gate_rules
+from triscope.exporters.haproxy_pick import pick_globals, pick_rules
 from triscope.sim.procs import socket_dir, stop_process
 
 
@@ -37,6 +41,15 @@ def wait_port(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1",
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s}s") from None
             time.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class PickSetup:
+    """triscope's picker inside HAProxy: where its table is served, the action's settings, the poll period."""
+
+    table_url: str
+    settings: str
+    poll_ms: int = 50
 
 
 @dataclass
@@ -82,8 +95,10 @@ class HAProxy:
                  pool_maxconn: dict[str, dict[str, int]] | None = None,
                  pool_timeout_queue_ms: dict[str, int] | None = None,
                  class_gate: dict[str, dict[str, float]] | None = None, health_check_ms: int = 0,
-                 retries: int | None = None) -> None:
+                 retries: int | None = None, pick: PickSetup | None = None) -> None:
         self.workdir = Path(workdir)
+        self.pick = pick
+        """Set: triscope's per-request picker (``exporters/haproxy_pick.lua``) chooses in the ``gpus`` pool."""
         self.health_check_ms = health_check_ms
         """> 0: ``option httpchk GET /health`` and ``check inter N fall 3 rise 2`` on every server."""
         self.retries = retries
@@ -103,6 +118,7 @@ class HAProxy:
         if unknown:
             raise ValueError(f"pool limits for classes without a pool: {', '.join(sorted(unknown))}")
         self.port = port or free_port()
+        self.pick_stats_port = free_port() if pick is not None else 0
         self.binary = binary or shutil.which("haproxy") or "haproxy"
         # HAProxy binds "<path>.<pid>.tmp" first, then renames it: room for the suffix too
         self.socket_path = socket_dir(self.workdir.resolve(), len("/haproxy.sock.4194304.tmp")) / "haproxy.sock"
@@ -118,6 +134,8 @@ class HAProxy:
         ]
         if self.class_gate:
             lines.append(f"    lua-load {GATE_LUA}")
+        if self.pick is not None:
+            lines += ["    " + line for line in pick_globals(self.pick.table_url, self.pick.poll_ms)]
         lines += [
             "defaults",
             "    mode http",
@@ -132,6 +150,9 @@ class HAProxy:
         ]
         lines += [f"    use_backend pool_{c} if {{ path_end /{c} }}" for c in self.class_pools]
         lines.append("    default_backend gpus")
+        if self.pick is not None:  # the picker's counters (polls of its table, picks, fallbacks)
+            lines += ["frontend triscope_pick_stats", f"    bind 127.0.0.1:{self.pick_stats_port}",
+                      "    http-request use-service lua.triscope_pick_stats"]
         lines += self._pool("gpus", "")
         for c in self.class_pools:
             lines += self._pool(f"pool_{c}", c)
@@ -145,6 +166,9 @@ class HAProxy:
         caps = self.pool_maxconn.get(request_class, {})
         for suffix, prio in self.queue_priority.items():  # lower class leaves HAProxy's queue first
             lines.append(f"    http-request set-priority-class int({prio}) if {{ path_end /{suffix} }}")
+        if self.pick is not None and pool == "gpus":
+            lines += ["    " + line for line in pick_rules(self.pools, [s.name for s in self.servers],
+                                                            self.pick.settings)]
         gate = self.class_gate.get(request_class)
         if gate is not None:
             lines += ["    " + line for line in gate_rules(self.pools, gate, [s.name for s in self.servers])]
@@ -188,6 +212,12 @@ class HAProxy:
         while not self.socket_path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         return self
+
+    def pick_stats(self) -> dict[str, Any]:
+        """The Lua picker's counters: table polls (and failed ones), picks, picks left to the balance."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.pick_stats_port}/", timeout=2.0) as answer:
+            stats: dict[str, Any] = json.loads(answer.read())
+        return stats
 
     def admin(self, command: str) -> str:
         """One command on the stats socket; returns its text answer."""

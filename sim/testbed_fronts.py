@@ -9,6 +9,8 @@
 | ``triscope-epp`` | Envoy + ext_proc, triscope's ``[epp]`` service | own in-flight ledger, KV fit, 250 ms scrapes,
   the weight engine's drains / class admission / weights (its feed polled every 250 ms) |
 | ``triscope-epp-levels`` | the same | the same, and the engine's admission levels per class |
+| ``triscope-haproxy`` | HAProxy + triscope's Lua picker (``exporters/haproxy_pick.lua``) | ``[epp]``'s scrapes
+  and engine view through its pick table (polled every 50 ms), HAProxy's own in-flight counts |
 
 Every data path has health checks a user would configure (HAProxy ``check``, GIE's pod readiness,
 sglang-router's own) and no retries of a request that reached a backend (``retries 0``,
@@ -20,15 +22,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from triscope.analyzers.routing.config import DEFAULT_CLASSES
 from triscope.exporters.epp_service import EppConfig, EppService
+from triscope.exporters.haproxy_pick import TABLE_PATH, pick_settings
 from triscope.sim.bench_fleet import FeedWorker
 from triscope.sim.gateway_log import read_access_log, summarize
-from triscope.sim.haproxy import HAProxy, Server
+from triscope.sim.haproxy import HAProxy, PickSetup, Server
 from triscope.sim.peer_gie_epp import GieParams
 from triscope.sim.peer_gie_extproc import EnvoyGateway, GieGateway
 from triscope.sim.peer_sglang import LOAD_POLL_S, SglangRouter
@@ -37,7 +40,7 @@ from triscope.sim.vllm_sidecar import VllmSidecar
 from triscope.ticker import Ticker
 
 POLICIES = ("haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware", "gie-epp", "triscope",
-            "triscope-epp", "triscope-epp-levels")
+            "triscope-epp", "triscope-epp-levels", "triscope-haproxy")
 EPP_ENGINE_INTERVAL_S = 1.0
 """triscope-epp's weight engine period, ``[weights] interval_s``'s default: its decisions (drains, class
 admission, levels) change slowly, and each of its scrapes costs a vLLM engine ~10 ms of CPU on top of the
@@ -204,5 +207,39 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
         finally:
             service.close()
             feed.stop()
+    elif policy == "triscope-haproxy":
+        # the same [epp] service (scrapes, the feed's engine decisions) serving its pick table to the Lua
+        # picker in HAProxy; its ext_proc port stays unused
+        cfg = replace(epp_config(opts, fleet.chars_per_token), table_port=0)
+        feed = FeedWorker({b.name: b.url for b in fleet.backends}, {**triscope_overrides(opts),
+                                                                     "interval_s": opts.epp_engine_s}, 5.0).start()
+        service = EppService(cfg, {b.name: b.address for b in fleet.backends},
+                             f"http://127.0.0.1:{feed.info['http_port']}/v1/weights", seed=opts.seed)
+        try:
+            service.start()
+            wait_until_scraped(service)
+            pick = PickSetup(f"http://127.0.0.1:{service.table_port}{TABLE_PATH}",
+                             pick_settings(service.picker.params, cfg.chars_per_token, cfg.default_output_tokens))
+            with HAProxy(workdir, servers, balance="leastconn", health_check_ms=HEALTH_CHECK_MS, retries=0,
+                         pick=pick) as hap:
+                time.sleep(0.3)  # the Lua task's first polls of the table are in
+                info = {"picker": "triscope [epp] pick table, HAProxy Lua (haproxy_pick.lua)",
+                        "scrape_s": opts.epp_scrape_s, "engine_interval_s": opts.epp_engine_s}
+                yield Front(hap.port, info)
+                info["routed"] = routed_by_haproxy(hap)
+                info["lua"] = hap.pick_stats()
+            info["epp"] = service.stats()
+        finally:
+            service.close()
+            feed.stop()
     else:
         raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+
+
+def wait_until_scraped(service: EppService, timeout_s: float = 10.0) -> None:
+    """Block until the picker has scraped every backend once (RuntimeError with what it lacks after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while (missing := service.waiting_for()) is not None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(missing)
+        time.sleep(0.05)

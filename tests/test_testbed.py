@@ -98,7 +98,7 @@ def test_every_policy_routes_and_is_judged(tmp_path: Path, capsys: pytest.Captur
                           "--out-dir", str(tmp_path)]))
     sim = doc["fleets"]["sim"]
     assert set(sim["policies"]) == {"haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware",
-                                    "gie-epp", "triscope", "triscope-epp", "triscope-epp-levels"}
+                                    "gie-epp", "triscope", "triscope-epp", "triscope-epp-levels", "triscope-haproxy"}
     for name, d in sim["policies"].items():
         assert d["requests"] == sim["arrivals"], name  # every offered request has an outcome
         ok = sum(c["offered"] - sum(c["errors"].values()) for c in d["classes"].values())
@@ -118,6 +118,11 @@ def test_every_policy_routes_and_is_judged(tmp_path: Path, capsys: pytest.Captur
             assert routed is not None and set(routed) == {"b0", "b1"}, (name, front)
             assert all(routed[b] >= d["served_by"][b] for b in routed), (name, routed, d["served_by"])
             assert sum(routed.values()) <= d["requests"], (name, routed)
+        if name == "triscope-haproxy":  # the Lua action chose every request, on a table polled all along
+            lua = front["lua"]
+            assert lua["picks"] == d["requests"] and lua["fallback"] == 0, lua
+            assert lua["polls"] > 10 * lua["failed_polls"] and lua["table_age_s"] < 1.0, lua
+            assert front["epp"]["tables_served"] >= lua["polls"], front["epp"]
         if "gateway" in front:  # where the time went: the picker answers in ms, the engines take longer
             stages = front["gateway"]["stages_ms"]
             assert front["gateway"]["requests"] == d["requests"], (name, front["gateway"])
@@ -137,7 +142,8 @@ def test_a_killed_backend_is_routed_around(tmp_path: Path) -> None:
     doc = run(parse_args(["--fleet", "sim", "--backends", "2", "--scenario", "killed", "--kill-at", "0.3",
                           "--workload", "flash-crowd", "--param", "duration_s=20", "--param", "factor=1",
                           "--param", "bucket_s=5", "--qps-per-backend", "1.5", "--seed", "4",
-                          "--policies", "haproxy-rr,gie-epp,triscope,triscope-epp", "--out-dir", str(tmp_path),
+                          "--policies", "haproxy-rr,gie-epp,triscope,triscope-epp,triscope-haproxy",
+                          "--out-dir", str(tmp_path),
                           "--json"]))
     for name, d in doc["fleets"]["sim"]["policies"].items():
         buckets = d["buckets"]

@@ -239,6 +239,11 @@ class HeadroomPicker:
         with self._lock:
             self._engine = view
 
+    @property
+    def engine(self) -> EngineView | None:
+        """The weight engine's last result (None: neutral)."""
+        return self._engine
+
     def in_flight(self) -> dict[str, int]:
         with self._lock:
             return {name: len(b.in_flight) for name, b in self._backends.items()}
@@ -333,6 +338,9 @@ class HeadroomPicker:
             "healthy": healthy, "refused": b.refused, "fresh": fresh,
             "scrape_age_s": age if math.isfinite(age) else None,
             "answer_age_s": now - b.answered_at if math.isfinite(b.answered_at) else None,
+            "scrape_sent_age_s": now - sent if math.isfinite(sent) else None,
+            "fresh_for_s": max(p.stale_after_s, 2.0 * s.period_s),
+            "engine_requests": engine_load if fresh and math.isfinite(engine_load) else None,
             "in_flight": len(b.in_flight), "in_flight_tokens": own_tokens, "unseen_tokens": unseen_tokens,
             "external_requests": external, "free_kv_tokens": free, "reserve_tokens": reserve,
             "preempting": b.preempting and fresh, "waiting_for_capacity": s.waiting_for_capacity, "kv_short": kv_short,

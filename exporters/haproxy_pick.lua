@@ -1,0 +1,304 @@
+-- triscope's per-request headroom picker inside HAProxy (2.6+, built with Lua): the decisions of
+-- triscope's Endpoint Picker (exporters/epp.py, docs/epp.md) on HAProxy's own data path.
+--
+-- HAProxy's count of requests in flight on each server (every pool summed) is the picker's ledger:
+-- exact, and no request herds onto the server that looked emptiest at the last scrape. triscope's
+-- [epp] service scrapes every engine and serves what each scrape said at GET /v1/pick-table (the
+-- requests the engine runs or queues, its free KV, early signs of a KV shortage, health, and the
+-- weight engine's drains); a task here polls it. Per request the action estimates the KV the request
+-- will hold (body bytes / chars per token + its max_tokens) and picks, among the servers HAProxy has
+-- up, the one with the least work: HAProxy's requests in flight there, plus the requests the engine
+-- runs that this HAProxy did not send (a pinned tenant, another LB), plus a penalty where the request
+-- does not fit the free KV left after what was sent since the scrape. Ties go to a random one. A
+-- server without a fresh row counts its requests in flight only (with no table: leastconn's choice);
+-- with no server up the variable stays unset and the backend's own balance answers.
+--
+--   global
+--       setenv TRISCOPE_PICK_TABLE_URL http://127.0.0.1:9003/v1/pick-table
+--       lua-load /path/to/haproxy_pick.lua
+--   backend gpus
+--       balance leastconn
+--       option http-buffer-request
+--       http-request lua.triscope_pick gpus cpt=4,out=256,ew=1,mp=1,sp=1,vis=0.2,stale=3,size=256
+--       http-response lua.triscope_pick_end
+--       use-server b0 if { var(txn.triscope_server) -m str b0 }
+--       ...
+--
+-- First argument: every pool holding the same servers (their requests in flight add up); second:
+-- the picker's settings ([epp]). `triscope weights haproxy-pick` prints these lines from the config.
+-- TRISCOPE_PICK_TABLE_POLL_MS sets the poll period (default 50). One HAProxy thread sees every pick;
+-- with several, requests picked at the same instant may each count the same room once.
+
+local URL = os.getenv("TRISCOPE_PICK_TABLE_URL")
+local POLL_MS = tonumber(os.getenv("TRISCOPE_PICK_TABLE_POLL_MS") or "") or 50
+local KEEP_S = 10 -- pick and end times kept per server: a scrape older than this is stale anyway
+local SERVER_VAR = "txn.triscope_server"
+
+local rows = {} -- backend name -> what its last scrape said (times on this clock)
+local rows_at = -1 -- when the table arrived
+local picks = {} -- server name -> log of (time, KV tokens) of the requests picked
+local ends = {} -- server name -> log of (time, 1) of the responses that came back
+local sizes = { n = 0, sum = 0, i = 0, v = {} } -- the last 256 requests' KV need
+local parsed = {}
+local stats = { polls = 0, failed_polls = 0, picks = 0, fallback = 0 }
+
+local function now_s()
+  local t = core.now()
+  return t.sec + t.usec / 1e6
+end
+
+local function log_for(logs, name)
+  local l = logs[name]
+  if l == nil then
+    l = { t = {}, v = {}, head = 1, tail = 0 }
+    logs[name] = l
+  end
+  return l
+end
+
+local function push(l, t, v)
+  l.tail = l.tail + 1
+  l.t[l.tail], l.v[l.tail] = t, v
+  local horizon = t - KEEP_S
+  while l.head <= l.tail and l.t[l.head] < horizon do
+    l.t[l.head], l.v[l.head] = nil, nil
+    l.head = l.head + 1
+  end
+end
+
+-- How many entries were logged after `since`, and their values' sum.
+local function after(l, since)
+  local n, sum = 0, 0
+  if l == nil then
+    return n, sum
+  end
+  local i = l.tail
+  while i >= l.head and l.t[i] > since do
+    n, sum = n + 1, sum + l.v[i]
+    i = i - 1
+  end
+  return n, sum
+end
+
+-- One table: a header line "triscope-pick-table 1", then per backend
+-- NAME HEALTHY DRAINED FRESH_LEFT_S ENGINE_REQUESTS FREE_KV RESERVE KV_SHORT SCRAPE_AGE_S SENT_AGE_S DRAINED_CLASSES
+-- (ages relative to when the table was written: no clock is shared; -1 for an unknown figure).
+local function parse_table(body, arrived)
+  local out, header = {}, false
+  for line in string.gmatch(body, "[^\n]+") do
+    if not header then
+      if string.match(line, "^triscope%-pick%-table 1") == nil then
+        return nil
+      end
+      header = true
+    else
+      local f = {}
+      for word in string.gmatch(line, "%S+") do
+        f[#f + 1] = word
+      end
+      if #f >= 11 then
+        local drains = {}
+        if f[11] ~= "-" then
+          for c in string.gmatch(f[11], "[^,]+") do
+            drains[c] = true
+          end
+        end
+        out[f[1]] = {
+          healthy = f[2] == "1", drained = f[3] == "1", fresh_until = arrived + (tonumber(f[4]) or -1),
+          load = tonumber(f[5]) or -1, free = tonumber(f[6]) or -1, reserve = tonumber(f[7]) or 0,
+          short = f[8] == "1", updated = arrived - (tonumber(f[9]) or 0), sent = arrived - (tonumber(f[10]) or 0),
+          class_drains = drains,
+        }
+      end
+    end
+  end
+  if not header then
+    return nil
+  end
+  return out
+end
+
+if URL ~= nil and URL ~= "" then
+  core.register_task(function()
+    local client = core.httpclient()
+    while true do
+      local ok, answer = pcall(client.get, client, { url = URL, timeout = 1000 })
+      local table_now = ok and answer ~= nil and answer.status == 200 and answer.body ~= nil
+        and parse_table(answer.body, now_s()) or nil
+      if table_now ~= nil then
+        rows, rows_at = table_now, now_s()
+        stats.polls = stats.polls + 1
+      else
+        stats.failed_polls = stats.failed_polls + 1
+      end
+      core.msleep(POLL_MS)
+    end
+  end)
+end
+
+local function settings(pools_arg, params_arg)
+  local key = pools_arg .. "|" .. params_arg
+  local cfg = parsed[key]
+  if cfg == nil then
+    cfg = { pools = {}, cpt = 4, out = 256, ew = 1, mp = 1, sp = 1, vis = 0.2, stale = 3, size = 256 }
+    for pool in string.gmatch(pools_arg, "[^,]+") do
+      table.insert(cfg.pools, pool)
+    end
+    for name, value in string.gmatch(params_arg, "([%a_]+)=([%d%.]+)") do
+      cfg[name] = tonumber(value)
+    end
+    parsed[key] = cfg
+  end
+  return cfg
+end
+
+local function in_flight(cfg, name)
+  local busy = 0
+  for _, pool in ipairs(cfg.pools) do
+    local proxy = core.backends[pool]
+    local srv = proxy and proxy.servers[name]
+    if srv ~= nil then
+      busy = busy + (tonumber(srv:get_stats().scur) or 0)
+    end
+  end
+  return busy
+end
+
+local function mean_size(cfg)
+  if sizes.n == 0 then
+    return cfg.size
+  end
+  return sizes.sum / sizes.n
+end
+
+local function remember_size(tokens)
+  sizes.i = sizes.i % 256 + 1
+  local old = sizes.v[sizes.i]
+  if old ~= nil then
+    sizes.sum, sizes.n = sizes.sum - old, sizes.n - 1
+  end
+  sizes.v[sizes.i] = tokens
+  sizes.sum, sizes.n = sizes.sum + tokens, sizes.n + 1
+end
+
+-- KV tokens the request will hold: prompt (body bytes / chars per token) + max_tokens (or the default).
+local function request_tokens(txn, cfg)
+  local body = txn.f:req_body() or ""
+  local size = math.max(#body, tonumber(txn.f:req_hdr("content-length") or "") or 0)
+  if size <= 0 then
+    return mean_size(cfg)
+  end
+  local out = tonumber(string.match(body, '"max_tokens"%s*:%s*(%d+)')
+    or string.match(body, '"max_completion_tokens"%s*:%s*(%d+)') or "")
+  if out == nil or out <= 0 then
+    out = cfg.out
+  end
+  return size / cfg.cpt + out
+end
+
+-- One server's standing for this request, from HAProxy's count and its backend's row.
+local function standing(cfg, name, row, now, tokens, request_class)
+  local busy = in_flight(cfg, name)
+  local s = { name = name, work = busy, fits = true, strict = false, eligible = true, healthy = true }
+  if row == nil then
+    return s
+  end
+  s.healthy = row.healthy
+  s.eligible = row.healthy and not row.drained and not row.class_drains[request_class]
+  if now > row.fresh_until then
+    return s
+  end
+  -- HAProxy's own requests the scrape saw: in flight now, less those picked after its answer, plus
+  -- those answered after it was sent; the rest of the engine's requests came from elsewhere
+  local picked_since = after(picks[name], row.updated)
+  local ended_since = after(ends[name], row.sent)
+  local external = 0
+  if row.load >= 0 then
+    external = math.max(0, row.load - (busy - picked_since + ended_since))
+  end
+  s.work = busy + external * cfg.ew
+  s.strict = row.short or external > 0
+  if row.free >= 0 then
+    local _, unseen = after(picks[name], row.updated - cfg.vis)
+    local free = row.short and 0 or row.free - unseen
+    s.fits = free - row.reserve >= tokens
+  end
+  return s
+end
+
+core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, params_arg)
+  local cfg = settings(pools_arg, params_arg)
+  local own = core.backends[txn.f:be_name()]
+  if own == nil then
+    return
+  end
+  local now = now_s()
+  local tokens = request_tokens(txn, cfg)
+  local request_class = txn.f:req_hdr("x-triscope-class") or ""
+  local table_ok = rows_at >= 0 and now - rows_at <= cfg.stale
+  local up = {}
+  for name, srv in pairs(own.servers) do
+    local st = srv:get_stats()
+    local status = st.status or ""
+    if (tonumber(st.weight) or 0) > 0 and (string.sub(status, 1, 2) == "UP" or status == "no check") then
+      up[#up + 1] = standing(cfg, name, table_ok and rows[name] or nil, now, tokens, request_class)
+    end
+  end
+  local candidates = {}
+  for _, s in ipairs(up) do
+    if s.eligible then
+      candidates[#candidates + 1] = s
+    end
+  end
+  if #candidates == 0 then -- every one drained or unready: the least bad, as the Endpoint Picker does
+    for _, s in ipairs(up) do
+      if s.healthy then
+        candidates[#candidates + 1] = s
+      end
+    end
+  end
+  if #candidates == 0 then
+    stats.fallback = stats.fallback + 1
+    return
+  end
+  local any_fits = false
+  for _, s in ipairs(candidates) do
+    any_fits = any_fits or s.fits
+  end
+  local best, ties = nil, {}
+  for _, s in ipairs(candidates) do
+    local score = s.work
+    if any_fits and not s.fits then
+      score = score + (s.strict and cfg.sp or cfg.mp)
+    end
+    if best == nil or score < best - 1e-9 then
+      best, ties = score, { s.name }
+    elseif score <= best + 1e-9 then
+      ties[#ties + 1] = s.name
+    end
+  end
+  local chosen = ties[math.random(#ties)]
+  push(log_for(picks, chosen), now, tokens)
+  remember_size(tokens)
+  stats.picks = stats.picks + 1
+  txn:set_var(SERVER_VAR, chosen)
+end, 2)
+
+core.register_action("triscope_pick_end", { "http-res" }, function(txn)
+  local name = txn:get_var(SERVER_VAR)
+  if name ~= nil then
+    push(log_for(ends, name), now_s(), 1)
+  end
+end, 0)
+
+-- GET on a `http-request use-service lua.triscope_pick_stats` frontend: the picker's counters.
+core.register_service("triscope_pick_stats", "http", function(applet)
+  local body = string.format('{"polls": %d, "failed_polls": %d, "picks": %d, "fallback": %d, "table_age_s": %s}\n',
+    stats.polls, stats.failed_polls, stats.picks, stats.fallback,
+    rows_at >= 0 and string.format("%.3f", now_s() - rows_at) or "null")
+  applet:set_status(200)
+  applet:add_header("content-type", "application/json")
+  applet:add_header("content-length", tostring(#body))
+  applet:start_response()
+  applet:send(body)
+end)

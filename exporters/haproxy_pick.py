@@ -1,0 +1,148 @@
+"""triscope's per-request picker inside HAProxy (``haproxy_pick.lua``): its table, server and config lines.
+
+The Envoy ext_proc path (:mod:`.epp`) costs a gateway and a Python process per request; the Lua
+action makes the same choice inside HAProxy, with HAProxy's own count of requests in flight as the
+ledger. What only triscope knows, each engine's last scrape, reaches it as a small text table that
+``[epp]`` serves at ``GET /v1/pick-table`` (``table_port``) and the action's task polls; see the Lua
+file's header and docs/epp.md ("Inside HAProxy").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from triscope.analyzers.routing.model import DRAIN
+from triscope.analyzers.routing.picker import HeadroomPicker, PickerParams
+from triscope.errors import ConfigError
+from triscope.exporters.feed_http import JSON_TYPE, json_error
+from triscope.exporters.feed_server import FeedHTTPServer, encode
+
+LUA_PATH = Path(__file__).resolve().parent / "haproxy_pick.lua"
+"""The Lua actions to ``lua-load`` in HAProxy's ``global`` section."""
+TABLE_PATH = "/v1/pick-table"
+TABLE_HEADER = "triscope-pick-table 1"
+URL_ENV = "TRISCOPE_PICK_TABLE_URL"
+POLL_ENV = "TRISCOPE_PICK_TABLE_POLL_MS"
+SERVER_VAR = "txn.triscope_server"
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")  # HAProxy's allowed characters for proxy and server names
+_CLASS = re.compile(r"^[A-Za-z0-9_.:-]+$")  # a class in the table's comma list
+
+
+def pick_table(picker: HeadroomPicker, now: float | None = None) -> bytes:
+    """What each backend's last scrape said, one line per backend (the Lua file's format): ages are
+    relative to ``now`` (monotonic) so that no clock need be shared, -1 stands for an unknown figure."""
+    now = time.monotonic() if now is None else now
+    rows = picker.explain(now)
+    view = picker.engine
+    class_drains: dict[str, list[str]] = {name: [] for name in rows}
+    if view is not None:
+        for request_class, states in sorted(view.class_admission.items()):
+            if not _CLASS.match(request_class):
+                continue  # not a header value the Lua action could match; the Python picker still applies it
+            for name, state in states.items():
+                if state == DRAIN and name in class_drains:
+                    class_drains[name].append(request_class)
+    lines = [TABLE_HEADER]
+    for name, row in rows.items():
+        if not _NAME.match(name):
+            continue
+        fresh_left = row["fresh_for_s"] - row["scrape_age_s"] if row["scrape_age_s"] is not None else -1.0
+        load = row["engine_requests"]
+        free = row["free_kv_tokens"]
+        if math.isfinite(free):
+            free = free if row["kv_short"] else free + row["unseen_tokens"]  # the Lua action counts its own
+        drained = row["drained"] or not row["weight"] > 0
+        lines.append(" ".join([
+            name, _flag(row["healthy"]), _flag(drained), _num(fresh_left), _num(load),
+            _num(free if math.isfinite(free) else -1.0), _num(row["reserve_tokens"]), _flag(row["kv_short"]),
+            _num(row["scrape_age_s"]), _num(row["scrape_sent_age_s"]), ",".join(class_drains[name]) or "-"]))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _flag(value: object) -> str:
+    return "1" if value else "0"
+
+
+def _num(value: float | None) -> str:
+    return "-1" if value is None or not math.isfinite(value) else f"{max(value, -1.0):.4f}".rstrip("0").rstrip(".")
+
+
+def pick_settings(params: PickerParams, chars_per_token: float, default_output_tokens: float) -> str:
+    """The action's second argument: the picker's settings of ``[epp]`` (work counted in requests)."""
+    if params.work_unit != "requests":
+        raise ConfigError("haproxy pick: work_unit must be 'requests' (HAProxy counts requests in flight)")
+    for key, value in (("misfit_penalty", params.misfit_penalty), ("short_penalty", params.short_penalty)):
+        if not math.isfinite(value):
+            raise ConfigError(f"haproxy pick: {key} must be finite (a large value, say 1000, for 'never')")
+    values = {"cpt": chars_per_token, "out": default_output_tokens, "ew": params.external_weight,
+              "mp": params.misfit_penalty, "sp": params.short_penalty, "vis": params.visible_after_s,
+              "stale": params.unready_after_s, "size": params.default_request_tokens}
+    return ",".join(f"{key}={value:g}" for key, value in values.items())
+
+
+def pick_globals(table_url: str, poll_ms: int = 50) -> list[str]:
+    """The ``global`` section's lines: where the table is, how often to poll it, the Lua file."""
+    if not table_url.startswith("http://"):
+        raise ConfigError(f"haproxy pick: the table URL must be http:// (HAProxy's Lua client), got {table_url!r}")
+    if not 10 <= poll_ms <= 10_000:
+        raise ConfigError(f"haproxy pick: poll period must be 10-10000 ms, got {poll_ms}")
+    return [f"setenv {URL_ENV} {table_url}", f"setenv {POLL_ENV} {poll_ms}", f"lua-load {LUA_PATH}"]
+
+
+def pick_rules(pools: Iterable[str], server_names: Iterable[str], settings: str) -> list[str]:
+    """The lines for one HAProxy backend: buffer the body, run the picker, note each answer, and send the
+    request to the server it chose (none chosen: the backend's own balance). ``pools``: every backend
+    holding the same servers, whose requests in flight add up."""
+    pools = sorted(set(pools))
+    names = list(server_names)
+    for name in [*pools, *names]:
+        if not _NAME.match(name):
+            raise ConfigError(f"haproxy pick: {name!r} is not a valid HAProxy name (letters, digits, - _ . :)")
+    if not pools or not names:
+        raise ConfigError("haproxy pick: no pools or no servers")
+    return (["option http-buffer-request", f"http-request lua.triscope_pick {','.join(pools)} {settings}",
+             "http-response lua.triscope_pick_end"]
+            + [f"use-server {name} if {{ var({SERVER_VAR}) -m str {name} }}" for name in names])
+
+
+def pick_snippet(table_url: str, backend: str, server_names: Iterable[str], settings: str, poll_ms: int = 50) -> str:
+    """HAProxy config text: the ``global`` lines and those of ``backend`` (before its server lines)."""
+    lines = ["global", *("    " + line for line in pick_globals(table_url, poll_ms)),
+             f"backend {backend}", "    balance leastconn",
+             *("    " + line for line in pick_rules([backend], server_names, settings))]
+    return "\n".join(lines) + "\n"
+
+
+class PickTableServer(FeedHTTPServer):
+    """``GET /v1/pick-table`` (and ``/healthz``) on ``bind:port``: the table of :func:`pick_table`, written
+    afresh for each request (HAProxy polls it every 50 ms or so; a few backends' lines)."""
+
+    thread_name = "triscope-pick-table"
+
+    def __init__(self, picker: HeadroomPicker, bind: str, port: int, max_connections: int = 64) -> None:
+        self.picker = picker
+        self.served_total = 0
+        super().__init__(None, bind, port, max_connections)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return 0
+
+    def response(self, method: str, path: str, body: bytes, close: bool) -> bytes:
+        path = path.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            answer = encode(405, JSON_TYPE, json_error(f"{method} not allowed: GET {TABLE_PATH}"), close)
+        elif path == TABLE_PATH:
+            self.served_total += 1
+            answer = encode(200, "text/plain; charset=utf-8", pick_table(self.picker), close)
+        elif path == "/healthz":
+            answer = encode(200, "text/plain; charset=utf-8", b"ok\n", close)
+        else:
+            answer = encode(404, JSON_TYPE, json_error(f"no route {path}: GET {TABLE_PATH}"), close)
+        if method == "HEAD":
+            return answer[: answer.index(b"\r\n\r\n") + 4]
+        return answer

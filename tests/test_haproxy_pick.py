@@ -1,0 +1,234 @@
+"""triscope's per-request picker inside a real HAProxy (``exporters/haproxy_pick.lua``): its table served
+by ``[epp]``, polled by the Lua task, and the choices it makes against simulated vLLM backends."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import pytest
+from conftest import free_port, require_binary
+from lb_helpers import wait_for
+
+from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, LiveSignals, PickerParams, RequestNeed
+from triscope.errors import ConfigError
+from triscope.exporters.epp_service import EppConfig, EppService
+from triscope.exporters.haproxy_pick import (
+    TABLE_HEADER,
+    TABLE_PATH,
+    pick_globals,
+    pick_rules,
+    pick_settings,
+    pick_snippet,
+    pick_table,
+)
+from triscope.sim.backend import BackendSpec
+from triscope.sim.bench_fleet import SimFleet
+from triscope.sim.engine import GIB
+from triscope.sim.haproxy import HAProxy, PickSetup, Server
+
+NOW = 1000.0
+
+
+def table_rows(text: bytes) -> dict[str, list[str]]:
+    lines = text.decode().splitlines()
+    assert lines[0] == TABLE_HEADER
+    return {fields[0]: fields[1:] for fields in (line.split() for line in lines[1:])}
+
+
+def test_the_table_says_what_each_scrape_said() -> None:
+    picker = HeadroomPicker({"a": "h:1", "b": "h:2", "c": "h:3"}, PickerParams())
+    picker.observe("a", LiveSignals(waiting=1, running=2, kv_usage=0.25, kv_capacity_tokens=1000,
+                                    updated=NOW - 0.1, requested=NOW - 0.15, preemptions_total=0))
+    picker.observe("b", LiveSignals(waiting=0, running=1, kv_usage=0.5, kv_capacity_tokens=2000,
+                                    updated=NOW - 0.2, waiting_for_capacity=1))
+    picker.set_weights(EngineView({"a": 1.0, "b": 1.0, "c": 1.0}, frozenset({"c"}),
+                                  {"speech": {"a": "drain", "b": "ready"}, "bad class!": {"b": "drain"}}))
+    rows = table_rows(pick_table(picker, NOW))
+    # healthy, drained, fresh left, engine requests, free KV, reserve, short, scrape age, sent age, class drains
+    assert rows["a"] == ["1", "0", "0.9", "3", "750", "50", "0", "0.1", "0.15", "speech"]
+    assert rows["b"] == ["1", "0", "0.8", "1", "0", "100", "1", "0.2", "0.2", "-"]  # short: nothing free
+    assert rows["c"] == ["0", "1", "-1", "-1", "-1", "0", "0", "-1", "-1", "-"]  # never scraped; drained
+
+
+def test_requests_the_python_picker_sent_do_not_shrink_the_published_free_kv() -> None:
+    picker = HeadroomPicker({"a": "h:1"}, PickerParams())
+    picker.observe("a", LiveSignals(running=0, waiting=0, kv_usage=0.0, kv_capacity_tokens=1000, updated=NOW))
+    picker.pick(RequestNeed("", 300.0), NOW + 0.01)  # the Lua action counts its own picks since the scrape
+    assert table_rows(pick_table(picker, NOW + 0.02))["a"][4] == "1000"
+
+
+def test_settings_and_lines_refuse_what_the_lua_action_cannot_do() -> None:
+    assert pick_settings(PickerParams(), 4.0, 256.0) == "cpt=4,out=256,ew=1,mp=1,sp=1,vis=0.2,stale=3,size=256"
+    with pytest.raises(ConfigError, match="work_unit"):
+        pick_settings(PickerParams(work_unit="tokens"), 4.0, 256.0)
+    with pytest.raises(ConfigError, match="short_penalty must be finite"):
+        pick_settings(PickerParams(short_penalty=math.inf), 4.0, 256.0)
+    with pytest.raises(ConfigError, match="not a valid HAProxy name"):
+        pick_rules(["gpus"], ["b 0"], "cpt=4")
+    with pytest.raises(ConfigError, match="http://"):
+        pick_globals("https://x/v1/pick-table")
+    with pytest.raises(ConfigError, match="poll period"):
+        pick_globals("http://x/v1/pick-table", 1)
+    text = pick_snippet("http://127.0.0.1:9003/v1/pick-table", "gpus", ["b0", "b1"], "cpt=4")
+    assert "lua.triscope_pick gpus cpt=4" in text and "use-server b1 if { var(txn.triscope_server) -m str b1 }" in text
+    with pytest.raises(ConfigError, match="table_port"):
+        EppConfig.from_config({"epp": {"table_port": 70000}})
+
+
+@dataclass
+class Bed:
+    hap: HAProxy
+    service: EppService
+    fleet: SimFleet
+    specs: list[BackendSpec]
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    require_binary("haproxy")
+    specs = [BackendSpec(f"b{i}", free_port(), kv_gib=4.0) for i in range(3)]
+    fleet = SimFleet(specs, batch_slowdown=0.8).start()
+    cfg = EppConfig.from_config({"epp": {"port": 0, "table_port": 0, "scrape_interval_s": 0.05,
+                                         "scrape_budget": 0.0}})
+    service = EppService(cfg, {s.name: f"127.0.0.1:{s.port}" for s in specs}, seed=3)
+    try:
+        service.start()
+        wait_for(lambda: service.waiting_for() is None, 10, "every backend scraped once")
+        pick = PickSetup(f"http://127.0.0.1:{service.table_port}{TABLE_PATH}",
+                         pick_settings(service.picker.params, cfg.chars_per_token, cfg.default_output_tokens), 20)
+        with HAProxy(tmp_path_factory.mktemp("pick"), [Server(s.name, s.port) for s in specs], balance="leastconn",
+                     retries=0, pick=pick) as hap:
+            wait_for(lambda: hap.pick_stats()["polls"] > 0, 10, "the Lua task's first poll of the table")
+            yield Bed(hap, service, fleet, specs)
+    finally:
+        service.close()
+        fleet.stop()
+
+
+def post(port: int, payload: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", payload, {"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def body(prompt_tokens: int, max_tokens: int, tag: str = "") -> bytes:
+    return json.dumps({"prompt": "w" * (4 * prompt_tokens) + tag, "prompt_tokens": prompt_tokens,
+                       "max_tokens": max_tokens}).encode()
+
+
+def served_by(raw: bytes) -> str:
+    return str(json.loads(raw)["backend"])
+
+
+def settle(bed: Bed) -> None:
+    """No request left on any backend, and a table written after that."""
+    bed.fleet.wait_idle(30)
+    bed.fleet.reset()
+    time.sleep(0.3)  # scrapes (50 ms) and polls (20 ms) after the reset
+
+
+def test_the_table_is_served_and_polled(bed: Bed) -> None:
+    port = bed.service.table_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{TABLE_PATH}", timeout=5) as answer:
+        rows = table_rows(answer.read())
+    assert set(rows) == {"b0", "b1", "b2"} and all(r[0] == "1" for r in rows.values())
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}{TABLE_PATH}", b""), timeout=5)
+    assert refused.value.code == 405
+    stats = bed.hap.pick_stats()
+    assert stats["failed_polls"] == 0 and stats["table_age_s"] < 1.0
+
+
+def test_concurrent_requests_spread_by_haproxys_own_count(bed: Bed) -> None:
+    settle(bed)
+    before = bed.hap.pick_stats()["picks"]
+    with ThreadPoolExecutor(9) as pool:  # each takes seconds: all nine overlap, picked between two scrapes
+        results = list(pool.map(lambda i: post(bed.hap.port, body(100, 1500, f" {i}")), range(9)))
+    assert all(status == 200 for status, _ in results)
+    assert Counter(served_by(raw) for _, raw in results) == {"b0": 3, "b1": 3, "b2": 3}
+    assert bed.hap.pick_stats()["picks"] - before == 9  # the Lua action chose every one
+
+
+def test_requests_another_client_runs_count_as_work(bed: Bed) -> None:
+    settle(bed)
+    tenant = bed.specs[0]
+    with ThreadPoolExecutor(7) as pool:  # three long requests straight to b0, not through HAProxy
+        pinned = [pool.submit(post, tenant.port, body(100, 2500, f" t{i}")) for i in range(3)]
+        wait_for(lambda: bed.service.picker.explain(time.monotonic())["b0"]["engine_requests"] == 3, 10,
+                 "the tenant's requests in b0's scrape")
+        time.sleep(0.1)  # a poll of the table after that scrape
+        ours = list(pool.map(lambda i: post(bed.hap.port, body(100, 600, f" {i}")), range(4)))
+        assert all(f.result()[0] == 200 for f in pinned)
+    # leastconn would count b0 empty (HAProxy sent it nothing); the picker counts the tenant's three
+    assert Counter(served_by(raw) for _, raw in ours) == {"b1": 2, "b2": 2}
+
+
+def test_a_request_goes_where_it_fits(bed: Bed) -> None:
+    settle(bed)
+    bed.fleet.set_pressure("b1", int(3.9 * GIB))  # another process holds most of b1's KV
+    try:
+        wait_for(lambda: bed.service.picker.explain(time.monotonic())["b1"]["free_kv_tokens"] < 1000, 10,
+                 "b1's KV short")
+        rows = bed.service.picker.explain(time.monotonic())
+        assert rows["b0"]["free_kv_tokens"] - rows["b0"]["reserve_tokens"] > 2000  # fits b0 and b2, not b1
+        time.sleep(0.1)
+        served = [served_by(post(bed.hap.port, body(2000, 2, f" {i}"))[1]) for i in range(8)]
+    finally:
+        bed.fleet.set_pressure("b1", 0)
+    assert "b1" not in served and set(served) == {"b0", "b2"}  # one at a time: work ties, the fit decides
+
+
+def test_drains_of_the_weight_engine_hold(bed: Bed) -> None:
+    settle(bed)
+    picker = bed.service.picker
+    picker.set_weights(EngineView({"b0": 1.0, "b1": 1.0, "b2": 1.0}, frozenset({"b2"}),
+                                  {"speech": {"b0": "drain"}}))
+    try:
+        time.sleep(0.3)
+        plain = [served_by(post(bed.hap.port, body(20, 2, f" {i}"))[1]) for i in range(6)]
+        speech = [served_by(post(bed.hap.port, body(20, 2, f" s{i}"), {"x-triscope-class": "speech"})[1])
+                  for i in range(4)]
+    finally:
+        picker.set_weights(None)
+    assert "b2" not in plain and set(plain) == {"b0", "b1"}
+    assert speech == ["b1"] * 4
+
+
+def test_without_its_table_it_picks_by_haproxys_count(tmp_path_factory: pytest.TempPathFactory, bed: Bed) -> None:
+    settle(bed)
+    nowhere = PickSetup(f"http://127.0.0.1:{free_port()}{TABLE_PATH}", "cpt=4", 20)
+    with HAProxy(tmp_path_factory.mktemp("nopick"), [Server(s.name, s.port) for s in bed.specs],
+                 balance="leastconn", retries=0, pick=nowhere) as hap:
+        wait_for(lambda: hap.pick_stats()["failed_polls"] > 0, 10, "a failed poll")
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda i: post(hap.port, body(100, 1500, f" {i}")), range(6)))
+        stats = hap.pick_stats()
+    assert all(status == 200 for status, _ in results)
+    assert Counter(served_by(raw) for _, raw in results) == {"b0": 2, "b1": 2, "b2": 2}
+    assert stats["polls"] == 0 and stats["picks"] == 6 and stats["table_age_s"] is None
+
+
+def test_a_config_with_the_table_port_serves_it(bed: Bed) -> None:
+    cfg = replace(bed.service.cfg, port=0, table_port=0)
+    other = EppService(cfg, {"b0": f"127.0.0.1:{bed.specs[0].port}"})
+    other.start()
+    try:
+        assert other.table_port > 0
+        wait_for(lambda: other.waiting_for() is None, 10, "b0 scraped")
+        with urllib.request.urlopen(f"http://127.0.0.1:{other.table_port}{TABLE_PATH}", timeout=5) as answer:
+            assert set(table_rows(answer.read())) == {"b0"}
+        assert other.stats()["tables_served"] == 1
+    finally:
+        other.close()
