@@ -64,13 +64,22 @@ def measure(policy: str, fleet: SimTestFleet, workdir: Path, requests: int, conn
         lb = [p for p in me.children(recursive=True) if p.pid not in before]
         time.sleep(1.0)  # idle scrapes and health checks settle
         lb0, own0, t0 = _cpu(lb), _cpu([me]), time.monotonic()
+        each0 = {p.pid: _cpu([p]) for p in lb}
         out = subprocess.run([sys.executable, "-c", CLIENT, str(fr.port), str(requests), str(conns)],
                              capture_output=True, text=True, check=True, timeout=600)
         lb1, own1, t1 = _cpu(lb), _cpu([me]), time.monotonic()
+        by_name: dict[str, float] = {}
+        for p in lb:  # which LB process the CPU went to (HAProxy, Envoy, a feed worker)
+            try:
+                name = "feed worker" if "feed_worker" in " ".join(p.cmdline()) else p.name()
+            except psutil.Error:
+                continue
+            by_name[name] = by_name.get(name, 0.0) + _cpu([p]) - each0.get(p.pid, 0.0)
     client = json.loads(out.stdout)
     n = max(1, client["ok"])
     return {"requests_ok": client["ok"], "sent": client["sent"], "wall_s": round(t1 - t0, 2),
             "lb_processes_cpu_ms_per_request": round(1000 * (lb1 - lb0) / n, 3),
+            "lb_process_cpu_ms_per_request": {k: round(1000 * v / n, 3) for k, v in sorted(by_name.items())},
             "in_process_picker_cpu_ms_per_request": round(1000 * (own1 - own0) / n, 3),
             "total_cpu_ms_per_request": round(1000 * ((lb1 - lb0) + (own1 - own0)) / n, 3),
             "data_path_cpu_share_of_one_core": round(((lb1 - lb0) + (own1 - own0)) / (t1 - t0), 3)}
@@ -139,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['lb_processes_cpu_ms_per_request']:6.2f} ms  in-process picker "
                       f"{r['in_process_picker_cpu_ms_per_request']:6.2f} ms  total "
                       f"{r['total_cpu_ms_per_request']:6.2f} ms CPU/request  "
-                      f"({r['data_path_cpu_share_of_one_core']:.2f} of a core)", flush=True)
+                      f"({r['data_path_cpu_share_of_one_core']:.2f} of a core; "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in r["lb_process_cpu_ms_per_request"].items()) + ")",
+                      flush=True)
     if args.vllm_scrape_cost:
         cost = vllm_scrape_cost([4.0, 10.0, 20.0], 15.0)
         results["vllm_scrape_cost"] = cost

@@ -40,7 +40,12 @@ local picks = {} -- server name -> log of (time, KV tokens) of the requests pick
 local ends = {} -- server name -> log of (time, 1) of the responses that came back
 local sizes = { n = 0, sum = 0, i = 0, v = {} } -- the last 256 requests' KV need
 local parsed = {}
-local stats = { polls = 0, failed_polls = 0, picks = 0, fallback = 0 }
+-- picks: chosen by the action; fallback: left to the balance (no server up); excluded: a server up
+-- in HAProxy was left out (drained, unhealthy, closed to the class); no_table: no table fresh enough;
+-- no_fit: the request fitted nowhere (work alone decided); diverted: the chosen server had more of
+-- HAProxy's requests in flight than the least loaded candidate (where leastconn would not have sent it)
+local stats = { polls = 0, failed_polls = 0, picks = 0, fallback = 0, excluded = 0, no_table = 0, no_fit = 0,
+  diverted = 0 }
 
 local function now_s()
   local t = core.now()
@@ -82,8 +87,10 @@ end
 
 -- One table: a header line "triscope-pick-table 1", then per backend
 -- NAME HEALTHY DRAINED FRESH_LEFT_S ENGINE_REQUESTS FREE_KV RESERVE KV_SHORT SCRAPE_AGE_S SENT_AGE_S DRAINED_CLASSES
--- (ages relative to when the table was written: no clock is shared; -1 for an unknown figure).
-local function parse_table(body, arrived)
+-- (ages relative to when the table was written: no clock is shared; -1 for an unknown figure). The
+-- table was written between the poll's start and its answer: each time is placed where an error
+-- counts fewer external requests (the scrape's answer as late, its sending as early as possible).
+local function parse_table(body, asked, arrived)
   local out, header = {}, false
   for line in string.gmatch(body, "[^\n]+") do
     if not header then
@@ -106,7 +113,7 @@ local function parse_table(body, arrived)
         out[f[1]] = {
           healthy = f[2] == "1", drained = f[3] == "1", fresh_until = arrived + (tonumber(f[4]) or -1),
           load = tonumber(f[5]) or -1, free = tonumber(f[6]) or -1, reserve = tonumber(f[7]) or 0,
-          short = f[8] == "1", updated = arrived - (tonumber(f[9]) or 0), sent = arrived - (tonumber(f[10]) or 0),
+          short = f[8] == "1", updated = arrived - (tonumber(f[9]) or 0), sent = asked - (tonumber(f[10]) or 0),
           class_drains = drains,
         }
       end
@@ -122,9 +129,10 @@ if URL ~= nil and URL ~= "" then
   core.register_task(function()
     local client = core.httpclient()
     while true do
+      local asked = now_s()
       local ok, answer = pcall(client.get, client, { url = URL, timeout = 1000 })
       local table_now = ok and answer ~= nil and answer.status == 200 and answer.body ~= nil
-        and parse_table(answer.body, now_s()) or nil
+        and parse_table(answer.body, asked, now_s()) or nil
       if table_now ~= nil then
         rows, rows_at = table_now, now_s()
         stats.polls = stats.polls + 1
@@ -152,10 +160,12 @@ local function settings(pools_arg, params_arg)
   return cfg
 end
 
-local function in_flight(cfg, name)
-  local busy = 0
+-- Requests in flight on a server over every pool (`own_busy`: its count in the request's own pool,
+-- whose stats are already read: a server's stats table is the action's largest cost).
+local function in_flight(cfg, own_pool, name, own_busy)
+  local busy = own_busy
   for _, pool in ipairs(cfg.pools) do
-    local proxy = core.backends[pool]
+    local proxy = pool ~= own_pool and core.backends[pool] or nil
     local srv = proxy and proxy.servers[name]
     if srv ~= nil then
       busy = busy + (tonumber(srv:get_stats().scur) or 0)
@@ -197,9 +207,8 @@ local function request_tokens(txn, cfg)
 end
 
 -- One server's standing for this request, from HAProxy's count and its backend's row.
-local function standing(cfg, name, row, now, tokens, request_class)
-  local busy = in_flight(cfg, name)
-  local s = { name = name, work = busy, fits = true, strict = false, eligible = true, healthy = true }
+local function standing(busy, name, row, now, tokens, request_class, cfg)
+  local s = { name = name, busy = busy, work = busy, fits = true, strict = false, eligible = true, healthy = true }
   if row == nil then
     return s
   end
@@ -228,20 +237,25 @@ end
 
 core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, params_arg)
   local cfg = settings(pools_arg, params_arg)
-  local own = core.backends[txn.f:be_name()]
+  local own_pool = txn.f:be_name()
+  local own = core.backends[own_pool]
   if own == nil then
     return
   end
   local now = now_s()
   local tokens = request_tokens(txn, cfg)
-  local request_class = txn.f:req_hdr("x-triscope-class") or ""
+  local request_class = txn.f:req_hdr("x-triscope-class")
+  if request_class == nil then -- as the Endpoint Picker: the header, else the body's request_class
+    request_class = string.match(txn.f:req_body() or "", '"request_class"%s*:%s*"([^"]*)"') or ""
+  end
   local table_ok = rows_at >= 0 and now - rows_at <= cfg.stale
   local up = {}
   for name, srv in pairs(own.servers) do
     local st = srv:get_stats()
     local status = st.status or ""
     if (tonumber(st.weight) or 0) > 0 and (string.sub(status, 1, 2) == "UP" or status == "no check") then
-      up[#up + 1] = standing(cfg, name, table_ok and rows[name] or nil, now, tokens, request_class)
+      local busy = in_flight(cfg, own_pool, name, tonumber(st.scur) or 0)
+      up[#up + 1] = standing(busy, name, table_ok and rows[name] or nil, now, tokens, request_class, cfg)
     end
   end
   local candidates = {}
@@ -261,9 +275,10 @@ core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, p
     stats.fallback = stats.fallback + 1
     return
   end
-  local any_fits = false
+  local any_fits, least_busy = false, nil
   for _, s in ipairs(candidates) do
     any_fits = any_fits or s.fits
+    least_busy = math.min(least_busy or s.busy, s.busy)
   end
   local best, ties = nil, {}
   for _, s in ipairs(candidates) do
@@ -272,12 +287,25 @@ core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, p
       score = score + (s.strict and cfg.sp or cfg.mp)
     end
     if best == nil or score < best - 1e-9 then
-      best, ties = score, { s.name }
+      best, ties = score, { s }
     elseif score <= best + 1e-9 then
-      ties[#ties + 1] = s.name
+      ties[#ties + 1] = s
     end
   end
-  local chosen = ties[math.random(#ties)]
+  local pick = ties[math.random(#ties)]
+  local chosen = pick.name
+  if #candidates < #up then
+    stats.excluded = stats.excluded + 1
+  end
+  if not table_ok then
+    stats.no_table = stats.no_table + 1
+  end
+  if not any_fits then
+    stats.no_fit = stats.no_fit + 1
+  end
+  if pick.busy > least_busy then
+    stats.diverted = stats.diverted + 1
+  end
   push(log_for(picks, chosen), now, tokens)
   remember_size(tokens)
   stats.picks = stats.picks + 1
@@ -293,9 +321,12 @@ end, 0)
 
 -- GET on a `http-request use-service lua.triscope_pick_stats` frontend: the picker's counters.
 core.register_service("triscope_pick_stats", "http", function(applet)
-  local body = string.format('{"polls": %d, "failed_polls": %d, "picks": %d, "fallback": %d, "table_age_s": %s}\n',
-    stats.polls, stats.failed_polls, stats.picks, stats.fallback,
-    rows_at >= 0 and string.format("%.3f", now_s() - rows_at) or "null")
+  local parts = {}
+  for _, key in ipairs({ "polls", "failed_polls", "picks", "fallback", "excluded", "no_table", "no_fit", "diverted" }) do
+    parts[#parts + 1] = string.format('"%s": %d', key, stats[key])
+  end
+  local age = rows_at >= 0 and string.format("%.3f", now_s() - rows_at) or "null"
+  local body = "{" .. table.concat(parts, ", ") .. ', "table_age_s": ' .. age .. "}\n"
   applet:set_status(200)
   applet:add_header("content-type", "application/json")
   applet:add_header("content-length", tostring(#body))

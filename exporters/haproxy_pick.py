@@ -81,7 +81,12 @@ def pick_settings(params: PickerParams, chars_per_token: float, default_output_t
     values = {"cpt": chars_per_token, "out": default_output_tokens, "ew": params.external_weight,
               "mp": params.misfit_penalty, "sp": params.short_penalty, "vis": params.visible_after_s,
               "stale": params.unready_after_s, "size": params.default_request_tokens}
-    return ",".join(f"{key}={value:g}" for key, value in values.items())
+    return ",".join(f"{key}={_plain(value)}" for key, value in values.items())
+
+
+def _plain(value: float) -> str:
+    """A number as the Lua action parses it (digits and a point: no exponent)."""
+    return f"{value:.6f}".rstrip("0").rstrip(".")
 
 
 def pick_globals(table_url: str, poll_ms: int = 50) -> list[str]:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import subprocess
 import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 from conftest import free_port, require_binary
@@ -67,6 +69,7 @@ def test_requests_the_python_picker_sent_do_not_shrink_the_published_free_kv() -
 
 def test_settings_and_lines_refuse_what_the_lua_action_cannot_do() -> None:
     assert pick_settings(PickerParams(), 4.0, 256.0) == "cpt=4,out=256,ew=1,mp=1,sp=1,vis=0.2,stale=3,size=256"
+    assert "sp=1000000," in pick_settings(PickerParams(short_penalty=1e6), 4.0, 256.0)  # no exponent for Lua
     with pytest.raises(ConfigError, match="work_unit"):
         pick_settings(PickerParams(work_unit="tokens"), 4.0, 256.0)
     with pytest.raises(ConfigError, match="short_penalty must be finite"):
@@ -163,6 +166,7 @@ def test_concurrent_requests_spread_by_haproxys_own_count(bed: Bed) -> None:
 
 def test_requests_another_client_runs_count_as_work(bed: Bed) -> None:
     settle(bed)
+    before = bed.hap.pick_stats()
     tenant = bed.specs[0]
     with ThreadPoolExecutor(7) as pool:  # three long requests straight to b0, not through HAProxy
         pinned = [pool.submit(post, tenant.port, body(100, 2500, f" t{i}")) for i in range(3)]
@@ -173,6 +177,8 @@ def test_requests_another_client_runs_count_as_work(bed: Bed) -> None:
         assert all(f.result()[0] == 200 for f in pinned)
     # leastconn would count b0 empty (HAProxy sent it nothing); the picker counts the tenant's three
     assert Counter(served_by(raw) for _, raw in ours) == {"b1": 2, "b2": 2}
+    after = bed.hap.pick_stats()  # the last two went where HAProxy had more in flight than on b0
+    assert after["diverted"] - before["diverted"] == 2 and after["picks"] - before["picks"] == 4
 
 
 def test_a_request_goes_where_it_fits(bed: Bed) -> None:
@@ -192,6 +198,7 @@ def test_a_request_goes_where_it_fits(bed: Bed) -> None:
 
 def test_drains_of_the_weight_engine_hold(bed: Bed) -> None:
     settle(bed)
+    excluded = bed.hap.pick_stats()["excluded"]
     picker = bed.service.picker
     picker.set_weights(EngineView({"b0": 1.0, "b1": 1.0, "b2": 1.0}, frozenset({"b2"}),
                                   {"speech": {"b0": "drain"}}))
@@ -200,10 +207,14 @@ def test_drains_of_the_weight_engine_hold(bed: Bed) -> None:
         plain = [served_by(post(bed.hap.port, body(20, 2, f" {i}"))[1]) for i in range(6)]
         speech = [served_by(post(bed.hap.port, body(20, 2, f" s{i}"), {"x-triscope-class": "speech"})[1])
                   for i in range(4)]
+        in_body = json.dumps({"prompt": "w" * 80, "prompt_tokens": 20, "max_tokens": 2,
+                              "request_class": "speech"}).encode()
+        speech += [served_by(post(bed.hap.port, in_body)[1]) for _ in range(4)]
     finally:
         picker.set_weights(None)
     assert "b2" not in plain and set(plain) == {"b0", "b1"}
-    assert speech == ["b1"] * 4
+    assert speech == ["b1"] * 8  # the class from the header, or from the body's request_class
+    assert bed.hap.pick_stats()["excluded"] - excluded == 14
 
 
 def test_without_its_table_it_picks_by_haproxys_count(tmp_path_factory: pytest.TempPathFactory, bed: Bed) -> None:
@@ -217,7 +228,7 @@ def test_without_its_table_it_picks_by_haproxys_count(tmp_path_factory: pytest.T
         stats = hap.pick_stats()
     assert all(status == 200 for status, _ in results)
     assert Counter(served_by(raw) for _, raw in results) == {"b0": 2, "b1": 2, "b2": 2}
-    assert stats["polls"] == 0 and stats["picks"] == 6 and stats["table_age_s"] is None
+    assert stats["polls"] == 0 and stats["picks"] == stats["no_table"] == 6 and stats["table_age_s"] is None
 
 
 def test_a_config_with_the_table_port_serves_it(bed: Bed) -> None:
@@ -232,3 +243,38 @@ def test_a_config_with_the_table_port_serves_it(bed: Bed) -> None:
         assert other.stats()["tables_served"] == 1
     finally:
         other.close()
+
+
+def test_cli_prints_lines_haproxy_accepts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``triscope weights haproxy-pick``: the table URL from ``[epp]``, the servers named as the backends;
+    the lines, placed in a whole config, pass ``haproxy -c``."""
+    haproxy = require_binary("haproxy")
+    from triscope.cli import main
+
+    cfg = tmp_path / "triscope.toml"
+    cfg.write_text('[epp]\ntable_port = 9003\nshort_penalty = 3\n'
+                   '[weights.backends."gpu-a:8000"]\naddress = "127.0.0.1:9001"\n'
+                   '[weights.backends."gpu-b:8000"]\naddress = "127.0.0.1:9002"\n')
+    assert main(["weights", "haproxy-pick", "-c", str(cfg), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["table_url"] == "http://127.0.0.1:9003/v1/pick-table" and "sp=3" in doc["settings"]
+    assert doc["servers"] == ["gpu-a:8000", "gpu-b:8000"] and Path(doc["lua_path"]).is_file()
+    lines = doc["config"].splitlines()
+    frontend = ["    nbthread 1", "defaults", "    mode http", "    timeout connect 1s", "    timeout client 5s",
+                "    timeout server 5s", "frontend fe", "    bind 127.0.0.1:18080", "    default_backend gpus"]
+    full = (lines[:4] + frontend + lines[4:]
+            + ["    server gpu-a:8000 127.0.0.1:9001", "    server gpu-b:8000 127.0.0.1:9002"])
+    (tmp_path / "h.cfg").write_text("\n".join(full) + "\n")
+    check = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "h.cfg")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    bare = tmp_path / "bare.toml"
+    bare.write_text('[weights.backends.b0]\naddress = "127.0.0.1:9001"\n')
+    assert main(["weights", "haproxy-pick", "-c", str(bare)]) == 2
+    assert "[epp] table_port is not set" in capsys.readouterr().err
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[epp]\nwork_unit = "tokens"\n[weights.backends.b0]\naddress = "127.0.0.1:9001"\n')
+    assert main(["weights", "haproxy-pick", "-c", str(tokens), "--table-url", "http://127.0.0.1:1/x"]) == 2
+    assert "work_unit must be 'requests'" in capsys.readouterr().err
+    assert main(["weights", "haproxy-pick", "--lua-path"]) == 0
+    assert capsys.readouterr().out.strip().endswith("haproxy_pick.lua")

@@ -51,6 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gate.add_argument("--lua-path", action="store_true", help="print only the Lua file's path")
     add_common(gate)
     gate.set_defaults(func=run_haproxy_gate)
+    pick = sub.add_parser("haproxy-pick", help="print the HAProxy lines of triscope's per-request picker "
+                                               "inside HAProxy (its table from [epp] table_port)")
+    pick.add_argument("--backend", default="gpus", help="the HAProxy backend whose servers it picks (default gpus)")
+    pick.add_argument("--table-url", help="where HAProxy polls the pick table (default: [epp] bind and table_port)")
+    pick.add_argument("--poll-ms", type=int, default=50, help="table poll period (default 50 ms)")
+    pick.add_argument("--lua-path", action="store_true", help="print only the Lua file's path")
+    add_common(pick)
+    pick.set_defaults(func=run_haproxy_pick)
     parser.set_defaults(func=lambda _args: (parser.print_help(), 2)[1])
 
 
@@ -278,3 +286,32 @@ def run_haproxy_gate(args: argparse.Namespace) -> int:
         sys.stdout.write(snippet)
     return 0
 
+
+
+def run_haproxy_pick(args: argparse.Namespace) -> int:
+    """``triscope weights haproxy-pick``: the config lines of exporters/haproxy_pick.lua."""
+    from triscope.commands._common import print_json
+    from triscope.errors import InputError
+    from triscope.exporters.epp_service import EppConfig, picker_backends
+    from triscope.exporters.haproxy_pick import LUA_PATH, TABLE_PATH, pick_settings, pick_snippet
+
+    if args.lua_path:
+        print(LUA_PATH)
+        return 0
+    config, params = _params(args)
+    cfg = EppConfig.from_config(config)
+    url = args.table_url
+    if not url:
+        if cfg.table_port <= 0:
+            raise InputError("[epp] table_port is not set to a fixed port: set it, or pass --table-url")
+        host = "127.0.0.1" if cfg.bind in ("", "0.0.0.0") else cfg.bind
+        url = f"http://{host}:{cfg.table_port}{TABLE_PATH}"
+    servers = list(picker_backends(cfg, params))
+    settings = pick_settings(cfg.picker_params(), cfg.chars_per_token, cfg.default_output_tokens)
+    snippet = pick_snippet(url, args.backend, servers, settings, args.poll_ms)
+    if args.json:
+        print_json({"lua_path": str(LUA_PATH), "table_url": url, "backend": args.backend, "servers": servers,
+                    "settings": settings, "config": snippet})
+    else:
+        sys.stdout.write(snippet)
+    return 0
