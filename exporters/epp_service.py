@@ -83,6 +83,9 @@ class EppConfig(ComponentConfig):
     engine_weights: bool = False
     """Divide each backend's work by the weight engine's relative weight (false: its drains and class
     admission only; the weights reflect the load the picker's ledger already counts)."""
+    engine_kv_drains: bool = False
+    """Honour the weight engine's drains for KV cache usage alone (the fit test weighs KV per request; drains
+    for health, memory or sleep always hold)."""
     early_signals: bool = True
     """Preemptions and requests waiting for KV count against a backend's fit before its KV gauge shows it."""
     max_body_bytes: int = MAX_BODY_BYTES
@@ -132,7 +135,8 @@ class EppConfig(ComponentConfig):
                             visible_after_s=self.visible_after_s, kv_reserve_ratio=self.kv_reserve_ratio,
                             work_unit=self.work_unit, misfit_penalty=self.misfit_penalty,
                             short_penalty=self.short_penalty, external_weight=self.external_weight,
-                            engine_weights=self.engine_weights, early_signals=self.early_signals)
+                            engine_weights=self.engine_weights, engine_kv_drains=self.engine_kv_drains,
+                            early_signals=self.early_signals)
 
 
 def picker_backends(cfg: EppConfig, weights: WeightParams) -> dict[str, str]:

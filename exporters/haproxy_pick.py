@@ -39,13 +39,12 @@ def pick_table(picker: HeadroomPicker, now: float | None = None) -> bytes:
     rows = picker.explain(now)
     view = picker.engine
     class_drains: dict[str, list[str]] = {name: [] for name in rows}
-    if view is not None:
-        for request_class, states in sorted(view.class_admission.items()):
-            if not _CLASS.match(request_class):
-                continue  # not a header value the Lua action could match; the Python picker still applies it
-            for name, state in states.items():
-                if state == DRAIN and name in class_drains:
-                    class_drains[name].append(request_class)
+    for request_class in sorted(view.class_admission if view is not None else ()):
+        if not _CLASS.match(request_class):
+            continue  # not a header value the Lua action could match; the Python picker still applies it
+        for name, row in picker.explain(now, request_class).items():
+            if row["class_state"] == DRAIN:
+                class_drains[name].append(request_class)
     lines = [TABLE_HEADER]
     for name, row in rows.items():
         if not _NAME.match(name):

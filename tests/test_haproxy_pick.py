@@ -58,6 +58,10 @@ def test_the_table_says_what_each_scrape_said() -> None:
     assert rows["a"] == ["1", "0", "0.9", "3", "750", "50", "0", "0.1", "0.15", "speech"]
     assert rows["b"] == ["1", "0", "0.8", "1", "0", "100", "1", "0.2", "0.2", "-"]  # short: nothing free
     assert rows["c"] == ["0", "1", "-1", "-1", "-1", "0", "0", "-1", "-1", "-"]  # never scraped; drained
+    # a drain for KV usage alone is the fit test's to weigh (PickerParams.engine_kv_drains)
+    picker.set_weights(EngineView({"a": 1.0}, frozenset({"a"}), {"speech": {"a": "drain"}},
+                                  kv_drained=frozenset({"a"})))
+    assert table_rows(pick_table(picker, NOW))["a"][1::8] == ["0", "-"]
 
 
 def test_requests_the_python_picker_sent_do_not_shrink_the_published_free_kv() -> None:

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from triscope.analyzers.routing.model import BackendInputs, BackendWeight, ScaleDecision, WeightsResult
-from triscope.analyzers.routing.picker import HeadroomPicker, LiveSignals, PickerParams, RequestNeed
+from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, LiveSignals, PickerParams, RequestNeed
 from triscope.exporters.epp import HeadroomChooser, NeedParams, request_need
 
 NOW = 1000.0
@@ -155,6 +156,25 @@ def test_unready_and_drained_backends_leave_the_candidates() -> None:
     assert explained["b0"]["drained"] and not explained["b2"]["healthy"] and explained["b1"]["in_flight"] == 5
 
 
+def test_a_drain_for_kv_usage_alone_is_left_to_the_fit_test() -> None:
+    """The weight engine drains a backend at high KV usage for at least an engine period; the picker's fit
+    test weighs each request against fresher figures, so by default only other drains hold."""
+    result = _result({"b0": "drain", "b1": "ready", "b2": "drain"}, {"b0": ("kv_cache",), "b2": ("health",)})
+    result = replace(result, class_admission={"speech": {"b0": "drain", "b1": "ready", "b2": "drain"}})
+    for view in (result, EngineView.from_document(result.to_dict())):
+        assert view is result or view.kv_drained == frozenset({"b0"})
+        picker = _picker(3)
+        _idle(picker)
+        picker.set_weights(view)
+        assert {picker.pick(RequestNeed("speech", 10), NOW).backend for _ in range(6)} == {"b0", "b1"}
+        rows = picker.explain(NOW, "speech")
+        assert not rows["b0"]["drained"] and rows["b0"]["class_state"] is None and rows["b2"]["drained"]
+        strict = _picker(3, engine_kv_drains=True)
+        _idle(strict)
+        strict.set_weights(view)
+        assert {strict.pick(RequestNeed("speech", 10), NOW).backend for _ in range(4)} == {"b1"}
+
+
 def test_a_refused_scrape_takes_a_backend_out_until_one_answers() -> None:
     picker = _picker(2)
     _idle(picker)
@@ -209,8 +229,10 @@ def test_stale_kv_is_not_trusted_for_fit() -> None:
     assert not row["fresh"] and row["healthy"] and math.isinf(row["free_kv_tokens"])
 
 
-def _result(states: dict[str, str]) -> WeightsResult:
-    backends = {n: BackendWeight(n, 1.0, 1.0, 100, s, (), {}, BackendInputs(n), 0.0) for n, s in states.items()}
+def _result(states: dict[str, str], reasons: dict[str, tuple[str, ...]] | None = None) -> WeightsResult:
+    why = reasons or {}
+    backends = {n: BackendWeight(n, 1.0, 1.0, 100, s, why.get(n, ()), {}, BackendInputs(n), 0.0)
+                for n, s in states.items()}
     return WeightsResult(backends, 1, NOW, False, (), False, {}, ScaleDecision("hold", math.nan, ""))
 
 

@@ -34,6 +34,8 @@ from typing import Any
 from triscope.analyzers.routing.model import DRAIN, ClassLevel, WeightsResult
 
 NAN = float("nan")
+KV_ONLY = ("kv_cache",)
+"""The weight engine's drain reasons of a drain for KV cache usage alone (``admission.drain_reasons``)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,10 @@ class PickerParams:
     come from the same load the ledger counts (queue, latency, KV), so dividing by them counts it twice,
     a second later, and held the picker on the wrong engine under a pinned tenant (docs/epp.md); the
     engine's drains and class admission apply either way."""
+    engine_kv_drains: bool = False
+    """Honour a drain the weight engine set for KV cache usage alone. Off by default: the fit test weighs each
+    request against fresher KV figures, and a drain held for an engine period sent a whole burst to the other
+    engine on the real test bed (docs/epp.md); drains for health, memory or sleep always hold."""
     early_signals: bool = True
     """A preemption since the previous scrape, or requests waiting for KV capacity, make a backend full."""
     misfit_penalty: float = 1.0
@@ -112,12 +118,15 @@ class EngineView:
     version: int = 0
     class_levels: Mapping[str, ClassLevel] = field(default_factory=dict)
     """Per class: the admission level the gateway enforces (:class:`~.gate.ClassGate`)."""
+    kv_drained: frozenset[str] = frozenset()
+    """The drained backends whose only reason is KV cache usage (their class admission is ``drain`` for it too)."""
 
     @classmethod
     def of(cls, result: WeightsResult) -> EngineView:
-        return cls({n: v.weight for n, v in result.backends.items()},
-                   frozenset(n for n, v in result.backends.items() if v.state == DRAIN),
-                   result.class_admission, result.version, result.class_levels)
+        drained = {n: v.reasons for n, v in result.backends.items() if v.state == DRAIN}
+        return cls({n: v.weight for n, v in result.backends.items()}, frozenset(drained),
+                   result.class_admission, result.version, result.class_levels,
+                   frozenset(n for n, why in drained.items() if tuple(why) == KV_ONLY))
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> EngineView:
@@ -125,7 +134,7 @@ class EngineView:
         backends = doc.get("backends")
         if not isinstance(backends, Mapping):
             raise ValueError("not a /v1/weights document: no backends table")
-        weights, drained = {}, set()
+        weights, drained, kv_drained = {}, set(), set()
         for name, b in backends.items():
             if not isinstance(b, Mapping):
                 raise ValueError(f"not a /v1/weights document: backend {name!r} is not a table")
@@ -133,6 +142,8 @@ class EngineView:
             weights[str(name)] = float(w) if isinstance(w, int | float) and not isinstance(w, bool) else NAN
             if b.get("state") == DRAIN:
                 drained.add(str(name))
+                if isinstance(b.get("reasons"), list) and tuple(b["reasons"]) == KV_ONLY:
+                    kv_drained.add(str(name))
         admission = {}
         for cls_name, entry in (doc.get("class_admission") or {}).items():
             states = entry.get("backends") if isinstance(entry, Mapping) else None
@@ -141,7 +152,8 @@ class EngineView:
         levels = {str(c): ClassLevel.from_dict(v) for c, v in (doc.get("class_levels") or {}).items()
                   if isinstance(v, Mapping)}
         version = doc.get("version")
-        return cls(weights, frozenset(drained), admission, version if isinstance(version, int) else 0, levels)
+        return cls(weights, frozenset(drained), admission, version if isinstance(version, int) else 0, levels,
+                   frozenset(kv_drained))
 
     def class_state(self, backend: str, request_class: str) -> str | None:
         return self.class_admission.get(request_class, {}).get(backend)
@@ -357,6 +369,8 @@ class HeadroomPicker:
         own = view.weights[backend]
         top = max((w for w in view.weights.values() if math.isfinite(w)), default=0.0)
         weight = own / top if top > 0 and math.isfinite(own) and self.params.engine_weights else 1.0
+        if backend in view.kv_drained and not self.params.engine_kv_drains:  # the fit test covers KV per request
+            return max(weight, 0.05), False, None
         return max(weight, 0.05), backend in view.drained, view.class_state(backend, request_class)
 
 
