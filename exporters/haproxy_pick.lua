@@ -160,15 +160,14 @@ local function settings(pools_arg, params_arg)
   return cfg
 end
 
--- Requests in flight on a server over every pool (`own_busy`: its count in the request's own pool,
--- whose stats are already read: a server's stats table is the action's largest cost).
-local function in_flight(cfg, own_pool, name, own_busy)
-  local busy = own_busy
+-- Requests in flight on a server over every pool holding it (sample fetches: a server's whole stats
+-- table per request cost more than the rest of the action).
+local function in_flight(txn, cfg, own_pool, name)
+  local busy = tonumber(txn.f:srv_conn(own_pool .. "/" .. name)) or 0
   for _, pool in ipairs(cfg.pools) do
     local proxy = pool ~= own_pool and core.backends[pool] or nil
-    local srv = proxy and proxy.servers[name]
-    if srv ~= nil then
-      busy = busy + (tonumber(srv:get_stats().scur) or 0)
+    if proxy ~= nil and proxy.servers[name] ~= nil then
+      busy = busy + (tonumber(txn.f:srv_conn(pool .. "/" .. name)) or 0)
     end
   end
   return busy
@@ -192,8 +191,7 @@ local function remember_size(tokens)
 end
 
 -- KV tokens the request will hold: prompt (body bytes / chars per token) + max_tokens (or the default).
-local function request_tokens(txn, cfg)
-  local body = txn.f:req_body() or ""
+local function request_tokens(txn, body, cfg)
   local size = math.max(#body, tonumber(txn.f:req_hdr("content-length") or "") or 0)
   if size <= 0 then
     return mean_size(cfg)
@@ -243,18 +241,17 @@ core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, p
     return
   end
   local now = now_s()
-  local tokens = request_tokens(txn, cfg)
+  local body = txn.f:req_body() or ""
+  local tokens = request_tokens(txn, body, cfg)
   local request_class = txn.f:req_hdr("x-triscope-class")
   if request_class == nil then -- as the Endpoint Picker: the header, else the body's request_class
-    request_class = string.match(txn.f:req_body() or "", '"request_class"%s*:%s*"([^"]*)"') or ""
+    request_class = string.match(body, '"request_class"%s*:%s*"([^"]*)"') or ""
   end
   local table_ok = rows_at >= 0 and now - rows_at <= cfg.stale
   local up = {}
   for name, srv in pairs(own.servers) do
-    local st = srv:get_stats()
-    local status = st.status or ""
-    if (tonumber(st.weight) or 0) > 0 and (string.sub(status, 1, 2) == "UP" or status == "no check") then
-      local busy = in_flight(cfg, own_pool, name, tonumber(st.scur) or 0)
+    if (tonumber(srv:get_weight()) or 0) > 0 and txn.f:srv_is_up(own_pool .. "/" .. name) then
+      local busy = in_flight(txn, cfg, own_pool, name)
       up[#up + 1] = standing(busy, name, table_ok and rows[name] or nil, now, tokens, request_class, cfg)
     end
   end
