@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import http.client
+import json
 import subprocess
 import threading
 import time
@@ -149,6 +150,24 @@ def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return resp.status, resp.read()
     finally:
         conn.close()
+
+
+def post_completion(port: int, payload: bytes, headers: dict[str, str] | None = None,
+                    timeout: float = 30.0) -> tuple[int, bytes]:
+    """``POST /v1/completions`` with a JSON body on 127.0.0.1:``port``: (status, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", payload, {"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def completion_body(prompt_tokens: int, max_tokens: int, tag: str = "") -> bytes:
+    """A completion for the simulated engines: a prompt of about ``prompt_tokens`` (4 characters each)."""
+    return json.dumps({"prompt": "w" * (4 * prompt_tokens) + tag, "prompt_tokens": prompt_tokens,
+                       "max_tokens": max_tokens}).encode()
 
 
 def split(port: int, n: int) -> collections.Counter:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port, require
-from lb_helpers import wait_for
+from lb_helpers import completion_body as body
+from lb_helpers import post_completion, wait_for
 
 from triscope.analyzers.routing.live import live_signals
 from triscope.analyzers.routing.picker import HeadroomPicker, PickerParams
@@ -56,18 +57,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
 
 
 def post(bed: Bed, payload: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", bed.gateway.port, timeout=30)
-    try:
-        conn.request("POST", "/v1/completions", payload, {"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-def body(prompt_tokens: int, max_tokens: int, tag: str = "") -> bytes:
-    return json.dumps({"prompt": "w" * (4 * prompt_tokens) + tag, "prompt_tokens": prompt_tokens,
-                       "max_tokens": max_tokens}).encode()
+    return post_completion(bed.gateway.port, payload, headers)
 
 
 def wait_ledger_empty(picker: HeadroomPicker, timeout_s: float = 5.0) -> dict[str, int]:

@@ -3,7 +3,6 @@ by ``[epp]``, polled by the Lua task, and the choices it makes against simulated
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import subprocess
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port, require_binary
+from lb_helpers import completion_body as body
+from lb_helpers import post_completion as post
 from lb_helpers import wait_for
 
 from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, LiveSignals, PickerParams, RequestNeed
@@ -118,21 +119,6 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     finally:
         service.close()
         fleet.stop()
-
-
-def post(port: int, payload: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("POST", "/v1/completions", payload, {"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-def body(prompt_tokens: int, max_tokens: int, tag: str = "") -> bytes:
-    return json.dumps({"prompt": "w" * (4 * prompt_tokens) + tag, "prompt_tokens": prompt_tokens,
-                       "max_tokens": max_tokens}).encode()
 
 
 def served_by(raw: bytes) -> str:

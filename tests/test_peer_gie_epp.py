@@ -3,7 +3,6 @@ real data path (simulated vLLM backends, a real Envoy, the picker over ext_proc)
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 from collections import Counter
@@ -12,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import free_port, require
+from lb_helpers import post_completion
 
 from triscope.errors import InputError
 from triscope.sim.backend import BackendSpec
@@ -185,13 +185,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GieGatew
 
 
 def post(gw: GieGateway, payload: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
-    try:
-        conn.request("POST", "/v1/completions", payload, {"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
+    return post_completion(gw.port, payload, headers, timeout=10)
 
 
 def settle(fleet: SimFleet, pressure: dict[str, float]) -> None:
