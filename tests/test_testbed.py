@@ -121,7 +121,8 @@ def test_every_policy_routes_and_is_judged(tmp_path: Path, capsys: pytest.Captur
         if name == "triscope-haproxy":  # the Lua action chose every request, on a table polled all along
             lua = front["lua"]
             assert lua["picks"] == d["requests"] and lua["fallback"] == 0, lua
-            assert lua["polls"] > 10 * lua["failed_polls"] and lua["table_age_s"] < 1.0, lua
+            # a table younger than the age past which the action ignores it ([epp] unready_after_s)
+            assert lua["polls"] > 10 * lua["failed_polls"] and lua["table_age_s"] < 3.0, lua
             assert front["epp"]["tables_served"] >= lua["polls"], front["epp"]
         if "gateway" in front:  # where the time went: the picker answers in ms, the engines take longer
             stages = front["gateway"]["stages_ms"]
