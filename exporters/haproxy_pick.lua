@@ -86,7 +86,7 @@ local function after(l, since)
 end
 
 -- One table: a header line "triscope-pick-table 1", then per backend
--- NAME HEALTHY DRAINED FRESH_LEFT_S ENGINE_REQUESTS FREE_KV RESERVE KV_SHORT SCRAPE_AGE_S SENT_AGE_S DRAINED_CLASSES
+-- NAME HEALTHY DRAINED FRESH_LEFT_S ENGINE_REQUESTS FREE_KV RESERVE KV_SHORT SCRAPE_AGE_S SENT_AGE_S DRAINED_CLASSES REFUSED
 -- (ages relative to when the table was written: no clock is shared; -1 for an unknown figure). The
 -- table was written between the poll's start and its answer: each time is placed where an error
 -- counts fewer external requests (the scrape's answer as late, its sending as early as possible).
@@ -114,7 +114,7 @@ local function parse_table(body, asked, arrived)
           healthy = f[2] == "1", drained = f[3] == "1", fresh_until = arrived + (tonumber(f[4]) or -1),
           load = tonumber(f[5]) or -1, free = tonumber(f[6]) or -1, reserve = tonumber(f[7]) or 0,
           short = f[8] == "1", updated = arrived - (tonumber(f[9]) or 0), sent = asked - (tonumber(f[10]) or 0),
-          class_drains = drains,
+          class_drains = drains, refused = f[12] == "1",
         }
       end
     end
@@ -210,8 +210,11 @@ local function standing(busy, name, row, now, tokens, request_class, cfg)
   if row == nil then
     return s
   end
-  s.healthy = row.healthy
-  s.eligible = row.healthy and not row.drained and not row.class_drains[request_class]
+  -- an engine too busy to render /metrics in time but still answering is slow, not gone (as the
+  -- Endpoint Picker's answers keep it ready); one whose port refused a scrape is gone
+  local answered = ends[name] ~= nil and ends[name].tail >= ends[name].head and ends[name].t[ends[name].tail]
+  s.healthy = row.healthy or (not row.refused and answered and now - answered <= cfg.stale) or false
+  s.eligible = s.healthy and not row.drained and not row.class_drains[request_class]
   if now > row.fresh_until then
     return s
   end
@@ -311,7 +314,7 @@ end, 2)
 
 core.register_action("triscope_pick_end", { "http-res" }, function(txn)
   local name = txn:get_var(SERVER_VAR)
-  if name ~= nil then
+  if name ~= nil and (tonumber(txn.sf:status()) or 500) < 500 then -- the engine answered: it serves
     push(log_for(ends, name), now_s(), 1)
   end
 end, 0)

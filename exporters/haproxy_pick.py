@@ -58,7 +58,8 @@ def pick_table(picker: HeadroomPicker, now: float | None = None) -> bytes:
         lines.append(" ".join([
             name, _flag(row["healthy"]), _flag(drained), _num(fresh_left), _num(load),
             _num(free if math.isfinite(free) else -1.0), _num(row["reserve_tokens"]), _flag(row["kv_short"]),
-            _num(row["scrape_age_s"]), _num(row["scrape_sent_age_s"]), ",".join(class_drains[name]) or "-"]))
+            _num(row["scrape_age_s"]), _num(row["scrape_sent_age_s"]), ",".join(class_drains[name]) or "-",
+            _flag(row["refused"])]))
     return ("\n".join(lines) + "\n").encode()
 
 

@@ -56,9 +56,11 @@ def test_the_table_says_what_each_scrape_said() -> None:
                                   {"speech": {"a": "drain", "b": "ready"}, "bad class!": {"b": "drain"}}))
     rows = table_rows(pick_table(picker, NOW))
     # healthy, drained, fresh left, engine requests, free KV, reserve, short, scrape age, sent age, class drains
-    assert rows["a"] == ["1", "0", "0.9", "3", "750", "50", "0", "0.1", "0.15", "speech"]
-    assert rows["b"] == ["1", "0", "0.8", "1", "0", "100", "1", "0.2", "0.2", "-"]  # short: nothing free
-    assert rows["c"] == ["0", "1", "-1", "-1", "-1", "0", "0", "-1", "-1", "-"]  # never scraped; drained
+    assert rows["a"] == ["1", "0", "0.9", "3", "750", "50", "0", "0.1", "0.15", "speech", "0"]
+    assert rows["b"] == ["1", "0", "0.8", "1", "0", "100", "1", "0.2", "0.2", "-", "0"]  # short: nothing free
+    assert rows["c"] == ["0", "1", "-1", "-1", "-1", "0", "0", "-1", "-1", "-", "0"]  # never scraped; drained
+    picker.refused("c")  # its port refused a scrape: gone, whatever answers came before
+    assert table_rows(pick_table(picker, NOW))["c"][10] == "1"
     # a drain for KV usage alone is the fit test's to weigh (PickerParams.engine_kv_drains)
     picker.set_weights(EngineView({"a": 1.0}, frozenset({"a"}), {"speech": {"a": "drain"}},
                                   kv_drained=frozenset({"a"})))
@@ -268,3 +270,52 @@ def test_cli_prints_lines_haproxy_accepts(tmp_path: Path, capsys: pytest.Capture
     assert "work_unit must be 'requests'" in capsys.readouterr().err
     assert main(["weights", "haproxy-pick", "--lua-path"]) == 0
     assert capsys.readouterr().out.strip().endswith("haproxy_pick.lua")
+
+
+def test_an_engine_that_answers_stays_ready_while_its_scrapes_fail(tmp_path: Path, bed: Bed) -> None:
+    """The table says b0 unhealthy (its scrapes time out) but HAProxy saw it answer: it stays a candidate,
+    as the Endpoint Picker's answers keep it ready; once its port refused a scrape it is out. The table is
+    written by hand here (served by a plain HTTP server) to hold b0's scrapes failing."""
+    import http.server
+    import threading
+
+    settle(bed)
+    line = "{name} {healthy} 0 -1 -1 -1 0 0 5 5 - {refused}\n"
+    state = {"b0": (1, 0)}
+
+    class Table(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            rows = "".join(line.format(name=n, healthy=state.get(n, (1, 0))[0], refused=state.get(n, (1, 0))[1])
+                           for n in ("b0", "b1", "b2"))
+            payload = (TABLE_HEADER + "\n" + rows).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Table)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        setup = PickSetup(f"http://127.0.0.1:{server.server_address[1]}{TABLE_PATH}", "cpt=4,stale=3", 20)
+        with HAProxy(tmp_path, [Server(s.name, s.port) for s in bed.specs], balance="leastconn", retries=0,
+                     pick=setup) as hap:
+            wait_for(lambda: hap.pick_stats()["polls"] > 0, 10, "the first poll")
+            def six(tag: str) -> Counter[str]:  # overlapping requests: HAProxy's counts spread them
+                with ThreadPoolExecutor(6) as pool:
+                    return Counter(served_by(raw) for _, raw in pool.map(
+                        lambda i: post(hap.port, body(20, 300, f" {tag}{i}")), range(6)))
+
+            first = six("a")  # b0 answers
+            state["b0"] = (0, 0)  # its scrapes fail from now on; it answered a moment ago
+            time.sleep(0.2)
+            still = six("b")
+            state["b0"] = (0, 1)  # its port refused a scrape: gone
+            time.sleep(0.2)
+            gone = six("c")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert first == still == {"b0": 2, "b1": 2, "b2": 2} and gone == {"b1": 3, "b2": 3}
