@@ -22,6 +22,18 @@ SERVER_VAR = "txn.triscope_server"
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")  # HAProxy's allowed characters for proxy and server names
 
 
+def is_haproxy_name(name: str) -> bool:
+    """Whether ``name`` is valid as an HAProxy proxy or server name (and so as a token of an action's argument)."""
+    return bool(_NAME.match(name))
+
+
+def check_haproxy_names(names: Iterable[str], component: str) -> None:
+    """ConfigError naming the first of ``names`` HAProxy would refuse."""
+    for name in names:
+        if not is_haproxy_name(name):
+            raise ConfigError(f"{component}: {name!r} is not a valid HAProxy name (letters, digits, - _ . :)")
+
+
 def gate_limits(params: WeightParams, servers: Mapping[str, str] | None = None) -> dict[str, dict[str, float]]:
     """{class: {HAProxy server: limit}} for every class with an ``admit_batch_ratio``, over the
     backends with a ``max_num_seqs``; ``servers`` maps a triscope backend name to its HAProxy
@@ -49,9 +61,7 @@ def gate_rules(pools: Iterable[str], limits: Mapping[str, float], server_names: 
     servers, whose requests in flight add up."""
     pools = sorted(set(pools))
     names = list(server_names)
-    for name in [*pools, *names, *limits]:
-        if not _NAME.match(name):
-            raise ConfigError(f"haproxy gate: {name!r} is not a valid HAProxy name (letters, digits, - _ . :)")
+    check_haproxy_names([*pools, *names, *limits], "haproxy gate")
     if not pools:
         raise ConfigError("haproxy gate: no pools")
     spec = ",".join(f"{name}={limit:g}" for name, limit in sorted(limits.items()))

@@ -10,16 +10,15 @@ file's header and docs/epp.md ("Inside HAProxy").
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from triscope.analyzers.routing.model import DRAIN
 from triscope.analyzers.routing.picker import HeadroomPicker, PickerParams
 from triscope.errors import ConfigError
 from triscope.exporters.feed_http import JSON_TYPE, json_error
 from triscope.exporters.feed_server import FeedHTTPServer, encode
+from triscope.exporters.haproxy_gate import check_haproxy_names, is_haproxy_name
 
 LUA_PATH = Path(__file__).resolve().parent / "haproxy_pick.lua"
 """The Lua actions to ``lua-load`` in HAProxy's ``global`` section."""
@@ -28,8 +27,6 @@ TABLE_HEADER = "triscope-pick-table 1"
 URL_ENV = "TRISCOPE_PICK_TABLE_URL"
 POLL_ENV = "TRISCOPE_PICK_TABLE_POLL_MS"
 SERVER_VAR = "txn.triscope_server"
-_NAME = re.compile(r"^[A-Za-z0-9_.:-]+$")  # HAProxy's allowed characters for proxy and server names
-_CLASS = re.compile(r"^[A-Za-z0-9_.:-]+$")  # a class in the table's comma list
 
 
 def pick_table(picker: HeadroomPicker, now: float | None = None) -> bytes:
@@ -37,17 +34,12 @@ def pick_table(picker: HeadroomPicker, now: float | None = None) -> bytes:
     relative to ``now`` (monotonic) so that no clock need be shared, -1 stands for an unknown figure."""
     now = time.monotonic() if now is None else now
     rows = picker.explain(now)
-    view = picker.engine
-    class_drains: dict[str, list[str]] = {name: [] for name in rows}
-    for request_class in sorted(view.class_admission if view is not None else ()):
-        if not _CLASS.match(request_class):
-            continue  # not a header value the Lua action could match; the Python picker still applies it
-        for name, row in picker.explain(now, request_class).items():
-            if row["class_state"] == DRAIN:
-                class_drains[name].append(request_class)
+    # a class outside HAProxy's name characters is no token the Lua action could match; the Python picker
+    # still applies its drains
+    class_drains = {name: [c for c in classes if is_haproxy_name(c)] for name, classes in picker.class_drains().items()}
     lines = [TABLE_HEADER]
     for name, row in rows.items():
-        if not _NAME.match(name):
+        if not is_haproxy_name(name):
             continue
         fresh_left = row["fresh_for_s"] - row["scrape_age_s"] if row["scrape_age_s"] is not None else -1.0
         load = row["engine_requests"]
@@ -104,9 +96,7 @@ def pick_rules(pools: Iterable[str], server_names: Iterable[str], settings: str)
     holding the same servers, whose requests in flight add up."""
     pools = sorted(set(pools))
     names = list(server_names)
-    for name in [*pools, *names]:
-        if not _NAME.match(name):
-            raise ConfigError(f"haproxy pick: {name!r} is not a valid HAProxy name (letters, digits, - _ . :)")
+    check_haproxy_names([*pools, *names], "haproxy pick")
     if not pools or not names:
         raise ConfigError("haproxy pick: no pools or no servers")
     return (["option http-buffer-request", f"http-request lua.triscope_pick {','.join(pools)} {settings}",

@@ -185,17 +185,8 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
             yield Front(gw.port, info)
         info["gateway"] = summarize(read_access_log(gw.access_log_path), names)
     elif policy in ("triscope-epp", "triscope-epp-levels"):
-        # the product's [epp] service as a user runs it (its scrapers, its poll of the feed's /v1/weights),
-        # the weight engine in a feed process of its own, real Envoy in front
-        overrides = {**triscope_overrides(opts), "interval_s": opts.epp_engine_s}
-        if policy == "triscope-epp-levels":
-            overrides["levels"] = {"enabled": True, **overrides.get("levels", {})}
-        feed = FeedWorker({b.name: b.url for b in fleet.backends}, overrides, 5.0).start()
-        service = EppService(epp_config(opts, fleet.chars_per_token), {b.name: b.address for b in fleet.backends},
-                             f"http://127.0.0.1:{feed.info['http_port']}/v1/weights", seed=opts.seed)
-        seen = ExternalWork(service)
-        try:
-            service.start()
+        with epp_service(opts, fleet, levels=policy == "triscope-epp-levels") as service:
+            seen = ExternalWork(service)
             with EnvoyGateway(service.port, workdir, waiting_for=service.waiting_for) as envoy, seen:
                 info = {"picker": "triscope [epp] (HeadroomPicker), Envoy ext_proc", "scrape_s": opts.epp_scrape_s,
                         "engine_interval_s": opts.epp_engine_s, "levels": policy == "triscope-epp-levels"}
@@ -204,20 +195,11 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
             info["external_work_seen"] = seen.shares()
             info["picker_view"] = seen.report()
             info["epp"] = service.stats()
-        finally:
-            service.close()
-            feed.stop()
     elif policy == "triscope-haproxy":
-        # the same [epp] service (scrapes, the feed's engine decisions) serving its pick table to the Lua
-        # picker in HAProxy; its ext_proc port stays unused
-        cfg = replace(epp_config(opts, fleet.chars_per_token), table_port=0)
-        feed = FeedWorker({b.name: b.url for b in fleet.backends}, {**triscope_overrides(opts),
-                                                                     "interval_s": opts.epp_engine_s}, 5.0).start()
-        service = EppService(cfg, {b.name: b.address for b in fleet.backends},
-                             f"http://127.0.0.1:{feed.info['http_port']}/v1/weights", seed=opts.seed)
-        try:
-            service.start()
+        # the same service serving its pick table to the Lua picker in HAProxy; its ext_proc port stays unused
+        with epp_service(opts, fleet, table=True) as service:
             wait_until_scraped(service)
+            cfg = service.cfg
             pick = PickSetup(f"http://127.0.0.1:{service.table_port}{TABLE_PATH}",
                              pick_settings(service.picker.params, cfg.chars_per_token, cfg.default_output_tokens))
             with HAProxy(workdir, servers, balance="leastconn", health_check_ms=HEALTH_CHECK_MS, retries=0,
@@ -229,11 +211,31 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
                 info["routed"] = routed_by_haproxy(hap)
                 info["lua"] = hap.pick_stats()
             info["epp"] = service.stats()
-        finally:
-            service.close()
-            feed.stop()
     else:
         raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+
+
+@contextlib.contextmanager
+def epp_service(opts: FrontOptions, fleet: Fleet, levels: bool = False, table: bool = False) -> Iterator[EppService]:
+    """The product's ``[epp]`` service as a user runs it, started: its scrapers and its poll of the weight
+    engine's ``/v1/weights``, the engine in a feed process of its own; ``levels``: the engine's admission
+    levels on; ``table``: the pick table served on an ephemeral port."""
+    overrides = {**triscope_overrides(opts), "interval_s": opts.epp_engine_s}
+    if levels:
+        overrides["levels"] = {"enabled": True, **overrides.get("levels", {})}
+    cfg = epp_config(opts, fleet.chars_per_token)
+    cfg = replace(cfg, table_port=0) if table else cfg
+    feed = FeedWorker({b.name: b.url for b in fleet.backends}, overrides, 5.0).start()
+    try:
+        service = EppService(cfg, {b.name: b.address for b in fleet.backends},
+                             f"http://127.0.0.1:{feed.info['http_port']}/v1/weights", seed=opts.seed)
+        try:
+            service.start()
+            yield service
+        finally:
+            service.close()
+    finally:
+        feed.stop()
 
 
 def wait_until_scraped(service: EppService, timeout_s: float = 10.0) -> None:

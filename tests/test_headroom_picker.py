@@ -169,10 +169,13 @@ def test_a_drain_for_kv_usage_alone_is_left_to_the_fit_test() -> None:
         assert {picker.pick(RequestNeed("speech", 10), NOW).backend for _ in range(6)} == {"b0", "b1"}
         rows = picker.explain(NOW, "speech")
         assert not rows["b0"]["drained"] and rows["b0"]["class_state"] is None and rows["b2"]["drained"]
+        assert picker.class_drains() == {"b0": [], "b1": [], "b2": ["speech"]}
         strict = _picker(3, engine_kv_drains=True)
         _idle(strict)
         strict.set_weights(view)
         assert {strict.pick(RequestNeed("speech", 10), NOW).backend for _ in range(4)} == {"b1"}
+        assert strict.class_drains() == {"b0": ["speech"], "b1": [], "b2": ["speech"]}
+    assert _picker(2).class_drains() == {"b0": [], "b1": []}  # no engine result: nothing drained
 
 
 def test_a_refused_scrape_takes_a_backend_out_until_one_answers() -> None:

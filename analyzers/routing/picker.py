@@ -306,6 +306,13 @@ class HeadroomPicker:
         with self._lock:
             return {name: self._factors(b, request_class, now) for name, b in self._backends.items()}
 
+    def class_drains(self) -> dict[str, list[str]]:
+        """Per backend, the classes whose picks the weight engine's class admission keeps off it (sorted)."""
+        with self._lock:
+            view = self._engine
+            classes = sorted(view.class_admission) if view is not None else []
+            return {name: [c for c in classes if self._engine_view(name, c)[2] == DRAIN] for name in self._backends}
+
     def mean_size(self) -> float:
         """Mean KV need of the last requests picked (the default size before any)."""
         with self._lock:
