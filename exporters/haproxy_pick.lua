@@ -13,13 +13,21 @@
 -- server without a fresh row counts its requests in flight only (with no table: leastconn's choice);
 -- with no server up the variable stays unset and the backend's own balance answers.
 --
+-- The table also carries the weight engine's admission level per class ([weights.levels]); as the
+-- Endpoint Picker's gate (analyzers/routing/gate.py), the action refuses a share of a class at
+-- `degrade`, holds it to a token bucket at `limit` (admit ratio x its arrival rate over the last
+-- `win` seconds, one second of burst) and refuses all of it at `break`, by setting
+-- txn.triscope_refused to the level; the rule after it answers with the fallback. With no fresh
+-- table every class is admitted.
+--
 --   global
 --       setenv TRISCOPE_PICK_TABLE_URL http://127.0.0.1:9003/v1/pick-table
 --       lua-load /path/to/haproxy_pick.lua
 --   backend gpus
 --       balance leastconn
 --       option http-buffer-request
---       http-request lua.triscope_pick gpus cpt=4,out=256,ew=1,mp=1,sp=1,vis=0.2,stale=3,size=256
+--       http-request lua.triscope_pick gpus cpt=4,out=256,ew=1,mp=1,sp=1,vis=0.2,stale=3,size=256,win=10
+--       http-request return status 503 content-type application/json string '{...}' if { var(txn.triscope_refused) -m found }
 --       http-response lua.triscope_pick_end
 --       use-server b0 if { var(txn.triscope_server) -m str b0 }
 --       ...
@@ -33,19 +41,27 @@ local URL = os.getenv("TRISCOPE_PICK_TABLE_URL")
 local POLL_MS = tonumber(os.getenv("TRISCOPE_PICK_TABLE_POLL_MS") or "") or 50
 local KEEP_S = 10 -- pick and end times kept per server: a scrape older than this is stale anyway
 local SERVER_VAR = "txn.triscope_server"
+local REFUSED_VAR = "txn.triscope_refused"
+local BURST_S = 1 -- a limited class's bucket holds this many seconds of its rate (as the gate's)
 
 local rows = {} -- backend name -> what its last scrape said (times on this clock)
 local rows_at = -1 -- when the table arrived
 local picks = {} -- server name -> log of (time, KV tokens) of the requests picked
 local ends = {} -- server name -> log of (time, 1) of the responses that came back
 local sizes = { n = 0, sum = 0, i = 0, v = {} } -- the last 256 requests' KV need
+local levels = {} -- class -> { level, shed, admit } from the table
+local arrivals = {} -- class -> log of arrival times (only classes the table names: bounded)
+local buckets = {} -- class -> token bucket while the class is at `limit`
 local parsed = {}
 -- picks: chosen by the action; fallback: left to the balance (no server up); excluded: a server up
 -- in HAProxy was left out (drained, unhealthy, closed to the class); no_table: no table fresh enough;
 -- no_fit: the request fitted nowhere (work alone decided); diverted: the chosen server had more of
 -- HAProxy's requests in flight than the least loaded candidate (where leastconn would not have sent it)
+-- refused_*: requests an admission level refused (answered by the fallback rule)
 local stats = { polls = 0, failed_polls = 0, picks = 0, fallback = 0, excluded = 0, no_table = 0, no_fit = 0,
-  diverted = 0 }
+  diverted = 0, refused_degrade = 0, refused_limit = 0, refused_break = 0 }
+local STAT_KEYS = { "polls", "failed_polls", "picks", "fallback", "excluded", "no_table", "no_fit", "diverted",
+  "refused_degrade", "refused_limit", "refused_break" }
 
 local function now_s()
   local t = core.now()
@@ -61,14 +77,17 @@ local function log_for(logs, name)
   return l
 end
 
-local function push(l, t, v)
-  l.tail = l.tail + 1
-  l.t[l.tail], l.v[l.tail] = t, v
-  local horizon = t - KEEP_S
+local function trim(l, horizon)
   while l.head <= l.tail and l.t[l.head] < horizon do
     l.t[l.head], l.v[l.head] = nil, nil
     l.head = l.head + 1
   end
+end
+
+local function push(l, t, v, keep)
+  l.tail = l.tail + 1
+  l.t[l.tail], l.v[l.tail] = t, v
+  trim(l, t - (keep or KEEP_S))
 end
 
 -- How many entries were logged after `since`, and their values' sum.
@@ -87,11 +106,12 @@ end
 
 -- One table: a header line "triscope-pick-table 1", then per backend
 -- NAME HEALTHY DRAINED FRESH_LEFT_S ENGINE_REQUESTS FREE_KV RESERVE KV_SHORT SCRAPE_AGE_S SENT_AGE_S DRAINED_CLASSES REFUSED
--- (ages relative to when the table was written: no clock is shared; -1 for an unknown figure). The
--- table was written between the poll's start and its answer: each time is placed where an error
--- counts fewer external requests (the scrape's answer as late, its sending as early as possible).
+-- (ages relative to when the table was written: no clock is shared; -1 for an unknown figure), and
+-- per class "@class NAME LEVEL SHED_RATIO ADMIT_RATIO". The table was written between the poll's
+-- start and its answer: each time is placed where an error counts fewer external requests (the
+-- scrape's answer as late, its sending as early as possible).
 local function parse_table(body, asked, arrived)
-  local out, header = {}, false
+  local out, classes, header = {}, {}, false
   for line in string.gmatch(body, "[^\n]+") do
     if not header then
       if string.match(line, "^triscope%-pick%-table 1") == nil then
@@ -103,7 +123,9 @@ local function parse_table(body, asked, arrived)
       for word in string.gmatch(line, "%S+") do
         f[#f + 1] = word
       end
-      if #f >= 11 then
+      if f[1] == "@class" and #f >= 5 then
+        classes[f[2]] = { level = f[3], shed = tonumber(f[4]) or 0, admit = tonumber(f[5]) or 1 }
+      elseif #f >= 11 then
         local drains = {}
         if f[11] ~= "-" then
           for c in string.gmatch(f[11], "[^,]+") do
@@ -122,7 +144,7 @@ local function parse_table(body, asked, arrived)
   if not header then
     return nil
   end
-  return out
+  return out, classes
 end
 
 if URL ~= nil and URL ~= "" then
@@ -131,10 +153,17 @@ if URL ~= nil and URL ~= "" then
     while true do
       local asked = now_s()
       local ok, answer = pcall(client.get, client, { url = URL, timeout = 1000 })
-      local table_now = ok and answer ~= nil and answer.status == 200 and answer.body ~= nil
-        and parse_table(answer.body, asked, now_s()) or nil
+      local table_now, classes = nil, nil
+      if ok and answer ~= nil and answer.status == 200 and answer.body ~= nil then
+        table_now, classes = parse_table(answer.body, asked, now_s())
+      end
       if table_now ~= nil then
-        rows, rows_at = table_now, now_s()
+        rows, rows_at, levels = table_now, now_s(), classes
+        for name, _ in pairs(buckets) do -- a class leaving `limit` starts afresh next time (as the gate)
+          if levels[name] == nil or levels[name].level ~= "limit" then
+            buckets[name] = nil
+          end
+        end
         stats.polls = stats.polls + 1
       else
         stats.failed_polls = stats.failed_polls + 1
@@ -148,7 +177,7 @@ local function settings(pools_arg, params_arg)
   local key = pools_arg .. "|" .. params_arg
   local cfg = parsed[key]
   if cfg == nil then
-    cfg = { pools = {}, cpt = 4, out = 256, ew = 1, mp = 1, sp = 1, vis = 0.2, stale = 3, size = 256 }
+    cfg = { pools = {}, cpt = 4, out = 256, ew = 1, mp = 1, sp = 1, vis = 0.2, stale = 3, size = 256, win = 10 }
     for pool in string.gmatch(pools_arg, "[^,]+") do
       table.insert(cfg.pools, pool)
     end
@@ -236,6 +265,44 @@ local function standing(busy, name, row, now, tokens, request_class, cfg)
   return s
 end
 
+-- The level that refuses this request of `request_class`, or nil (analyzers/routing/gate.py's rules).
+local function refusal(request_class, now, cfg, table_ok)
+  local level = levels[request_class]
+  if level == nil then
+    return nil
+  end
+  local log = log_for(arrivals, request_class)
+  trim(log, now - cfg.win)
+  local seen = log.tail - log.head + 1
+  push(log, now, 1, cfg.win)
+  if not table_ok then
+    return nil
+  end
+  if level.level == "break" then
+    return "break"
+  end
+  if (level.level == "degrade" or level.level == "limit") and level.shed > 0 and math.random() < level.shed then
+    return "degrade"
+  end
+  if level.level ~= "limit" then
+    return nil
+  end
+  local rate = level.admit * (seen + 1) / cfg.win
+  local capacity = math.max(1, rate * BURST_S)
+  local bucket = buckets[request_class]
+  if bucket == nil then -- the limit starts with a full bucket
+    bucket = { tokens = capacity, at = now }
+    buckets[request_class] = bucket
+  end
+  bucket.tokens = math.min(capacity, bucket.tokens + (now - bucket.at) * rate)
+  bucket.at = now
+  if bucket.tokens >= 1 then
+    bucket.tokens = bucket.tokens - 1
+    return nil
+  end
+  return "limit"
+end
+
 core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, params_arg)
   local cfg = settings(pools_arg, params_arg)
   local own_pool = txn.f:be_name()
@@ -251,6 +318,12 @@ core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, p
     request_class = string.match(body, '"request_class"%s*:%s*"([^"]*)"') or ""
   end
   local table_ok = rows_at >= 0 and now - rows_at <= cfg.stale
+  local refused = refusal(request_class, now, cfg, table_ok)
+  if refused ~= nil then
+    stats["refused_" .. refused] = stats["refused_" .. refused] + 1
+    txn:set_var(REFUSED_VAR, refused)
+    return
+  end
   local up = {}
   for name, srv in pairs(own.servers) do
     if (tonumber(srv:get_weight()) or 0) > 0 and txn.f:srv_is_up(own_pool .. "/" .. name) then
@@ -322,7 +395,7 @@ end, 0)
 -- GET on a `http-request use-service lua.triscope_pick_stats` frontend: the picker's counters.
 core.register_service("triscope_pick_stats", "http", function(applet)
   local parts = {}
-  for _, key in ipairs({ "polls", "failed_polls", "picks", "fallback", "excluded", "no_table", "no_fit", "diverted" }) do
+  for _, key in ipairs(STAT_KEYS) do
     parts[#parts + 1] = string.format('"%s": %d', key, stats[key])
   end
   local age = rows_at >= 0 and string.format("%.3f", now_s() - rows_at) or "null"

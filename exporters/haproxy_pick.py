@@ -16,6 +16,7 @@ from pathlib import Path
 
 from triscope.analyzers.routing.picker import HeadroomPicker, PickerParams
 from triscope.errors import ConfigError
+from triscope.exporters.epp import Fallback
 from triscope.exporters.feed_http import JSON_TYPE, json_error
 from triscope.exporters.feed_server import FeedHTTPServer, encode
 from triscope.exporters.haproxy_gate import check_haproxy_names, is_haproxy_name
@@ -27,11 +28,15 @@ TABLE_HEADER = "triscope-pick-table 1"
 URL_ENV = "TRISCOPE_PICK_TABLE_URL"
 POLL_ENV = "TRISCOPE_PICK_TABLE_POLL_MS"
 SERVER_VAR = "txn.triscope_server"
+REFUSED_VAR = "txn.triscope_refused"
+"""Set by the action to the admission level that refused the request (``degrade``, ``limit``, ``break``)."""
+CLASS_LINE = "@class"
 
 
 def pick_table(picker: HeadroomPicker, now: float | None = None) -> bytes:
     """What each backend's last scrape said, one line per backend (the Lua file's format): ages are
-    relative to ``now`` (monotonic) so that no clock need be shared, -1 stands for an unknown figure."""
+    relative to ``now`` (monotonic) so that no clock need be shared, -1 stands for an unknown figure. Then one
+    line per class with the weight engine's admission level (``@class NAME LEVEL SHED_RATIO ADMIT_RATIO``)."""
     now = time.monotonic() if now is None else now
     rows = picker.explain(now)
     # a class outside HAProxy's name characters is no token the Lua action could match; the Python picker
@@ -52,6 +57,11 @@ def pick_table(picker: HeadroomPicker, now: float | None = None) -> bytes:
             _num(free if math.isfinite(free) else -1.0), _num(row["reserve_tokens"]), _flag(row["kv_short"]),
             _num(row["scrape_age_s"]), _num(row["scrape_sent_age_s"]), ",".join(class_drains[name]) or "-",
             _flag(row["refused"])]))
+    view = picker.engine
+    for request_class, level in sorted(view.class_levels.items() if view is not None else ()):
+        if is_haproxy_name(request_class):
+            lines.append(f"{CLASS_LINE} {request_class} {level.level} {_plain(level.shed_ratio)} "
+                         f"{_plain(level.admit_ratio)}")
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -63,8 +73,10 @@ def _num(value: float | None) -> str:
     return "-1" if value is None or not math.isfinite(value) else f"{max(value, -1.0):.4f}".rstrip("0").rstrip(".")
 
 
-def pick_settings(params: PickerParams, chars_per_token: float, default_output_tokens: float) -> str:
-    """The action's second argument: the picker's settings of ``[epp]`` (work counted in requests)."""
+def pick_settings(params: PickerParams, chars_per_token: float, default_output_tokens: float,
+                  levels_window_s: float = 10.0) -> str:
+    """The action's second argument: the picker's settings of ``[epp]`` (work counted in requests) and the
+    window over which a limited class's arrival rate is counted."""
     if params.work_unit != "requests":
         raise ConfigError("haproxy pick: work_unit must be 'requests' (HAProxy counts requests in flight)")
     for key, value in (("misfit_penalty", params.misfit_penalty), ("short_penalty", params.short_penalty)):
@@ -72,7 +84,7 @@ def pick_settings(params: PickerParams, chars_per_token: float, default_output_t
             raise ConfigError(f"haproxy pick: {key} must be finite (a large value, say 1000, for 'never')")
     values = {"cpt": chars_per_token, "out": default_output_tokens, "ew": params.external_weight,
               "mp": params.misfit_penalty, "sp": params.short_penalty, "vis": params.visible_after_s,
-              "stale": params.unready_after_s, "size": params.default_request_tokens}
+              "stale": params.unready_after_s, "size": params.default_request_tokens, "win": levels_window_s}
     return ",".join(f"{key}={_plain(value)}" for key, value in values.items())
 
 
@@ -90,25 +102,34 @@ def pick_globals(table_url: str, poll_ms: int = 50) -> list[str]:
     return [f"setenv {URL_ENV} {table_url}", f"setenv {POLL_ENV} {poll_ms}", f"lua-load {LUA_PATH}"]
 
 
-def pick_rules(pools: Iterable[str], server_names: Iterable[str], settings: str) -> list[str]:
-    """The lines for one HAProxy backend: buffer the body, run the picker, note each answer, and send the
-    request to the server it chose (none chosen: the backend's own balance). ``pools``: every backend
-    holding the same servers, whose requests in flight add up."""
+def pick_rules(pools: Iterable[str], server_names: Iterable[str], settings: str,
+               fallback: Fallback | None = None) -> list[str]:
+    """The lines for one HAProxy backend: buffer the body, run the picker, answer ``fallback`` to a request
+    its class's admission level refused, note each answer, and send the request to the server it chose
+    (none chosen: the backend's own balance). ``pools``: every backend holding the same servers, whose
+    requests in flight add up."""
     pools = sorted(set(pools))
     names = list(server_names)
     check_haproxy_names([*pools, *names], "haproxy pick")
     if not pools or not names:
         raise ConfigError("haproxy pick: no pools or no servers")
+    fallback = fallback or Fallback()
+    if any(c in fallback.body for c in "'\r\n") or not 400 <= fallback.status <= 599:
+        raise ConfigError("haproxy pick: the fallback answer needs a 4xx/5xx status and a one-line body "
+                          "without single quotes (HAProxy's quoting)")
     return (["option http-buffer-request", f"http-request lua.triscope_pick {','.join(pools)} {settings}",
+             f"http-request return status {fallback.status} content-type application/json "
+             f"string '{fallback.body}' if {{ var({REFUSED_VAR}) -m found }}",
              "http-response lua.triscope_pick_end"]
             + [f"use-server {name} if {{ var({SERVER_VAR}) -m str {name} }}" for name in names])
 
 
-def pick_snippet(table_url: str, backend: str, server_names: Iterable[str], settings: str, poll_ms: int = 50) -> str:
+def pick_snippet(table_url: str, backend: str, server_names: Iterable[str], settings: str, poll_ms: int = 50,
+                 fallback: Fallback | None = None) -> str:
     """HAProxy config text: the ``global`` lines and those of ``backend`` (before its server lines)."""
     lines = ["global", *("    " + line for line in pick_globals(table_url, poll_ms)),
              f"backend {backend}", "    balance leastconn",
-             *("    " + line for line in pick_rules([backend], server_names, settings))]
+             *("    " + line for line in pick_rules([backend], server_names, settings, fallback))]
     return "\n".join(lines) + "\n"
 
 

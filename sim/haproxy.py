@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from triscope.exporters.epp import Fallback
 from triscope.exporters.haproxy_gate import LUA_PATH as GATE_LUA
 from triscope.exporters.haproxy_gate import gate_rules
 from triscope.exporters.haproxy_pick import pick_globals, pick_rules
@@ -50,6 +51,8 @@ class PickSetup:
     table_url: str
     settings: str
     poll_ms: int = 50
+    fallback: Fallback | None = None
+    """The answer to a request an admission level refused (None: the ``[epp]`` default)."""
 
 
 @dataclass
@@ -168,7 +171,7 @@ class HAProxy:
             lines.append(f"    http-request set-priority-class int({prio}) if {{ path_end /{suffix} }}")
         if self.pick is not None and pool == "gpus":
             lines += ["    " + line for line in pick_rules(self.pools, [s.name for s in self.servers],
-                                                            self.pick.settings)]
+                                                            self.pick.settings, self.pick.fallback)]
         gate = self.class_gate.get(request_class)
         if gate is not None:
             lines += ["    " + line for line in gate_rules(self.pools, gate, [s.name for s in self.servers])]

@@ -11,6 +11,7 @@
 | ``triscope-epp-levels`` | the same | the same, and the engine's admission levels per class |
 | ``triscope-haproxy`` | HAProxy + triscope's Lua picker (``exporters/haproxy_pick.lua``) | ``[epp]``'s scrapes
   and engine view through its pick table (polled every 50 ms), HAProxy's own in-flight counts |
+| ``triscope-haproxy-levels`` | the same | the same, and the engine's admission levels per class |
 
 Every data path has health checks a user would configure (HAProxy ``check``, GIE's pod readiness,
 sglang-router's own) and no retries of a request that reached a backend (``retries 0``,
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from triscope.analyzers.routing.config import DEFAULT_CLASSES
+from triscope.exporters.epp import Fallback
 from triscope.exporters.epp_service import EppConfig, EppService
 from triscope.exporters.haproxy_pick import TABLE_PATH, pick_settings
 from triscope.sim.bench_fleet import FeedWorker
@@ -40,7 +42,7 @@ from triscope.sim.vllm_sidecar import VllmSidecar
 from triscope.ticker import Ticker
 
 POLICIES = ("haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware", "gie-epp", "triscope",
-            "triscope-epp", "triscope-epp-levels", "triscope-haproxy")
+            "triscope-epp", "triscope-epp-levels", "triscope-haproxy", "triscope-haproxy-levels")
 EPP_ENGINE_INTERVAL_S = 1.0
 """triscope-epp's weight engine period, ``[weights] interval_s``'s default: its decisions (drains, class
 admission, levels) change slowly, and each of its scrapes costs a vLLM engine ~10 ms of CPU on top of the
@@ -195,18 +197,21 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
             info["external_work_seen"] = seen.shares()
             info["picker_view"] = seen.report()
             info["epp"] = service.stats()
-    elif policy == "triscope-haproxy":
+    elif policy in ("triscope-haproxy", "triscope-haproxy-levels"):
         # the same service serving its pick table to the Lua picker in HAProxy; its ext_proc port stays unused
-        with epp_service(opts, fleet, table=True) as service:
+        levels = policy == "triscope-haproxy-levels"
+        with epp_service(opts, fleet, levels=levels, table=True) as service:
             wait_until_scraped(service)
             cfg = service.cfg
             pick = PickSetup(f"http://127.0.0.1:{service.table_port}{TABLE_PATH}",
-                             pick_settings(service.picker.params, cfg.chars_per_token, cfg.default_output_tokens))
+                             pick_settings(service.picker.params, cfg.chars_per_token, cfg.default_output_tokens,
+                                           cfg.levels_window_s),
+                             fallback=Fallback(cfg.fallback_status, cfg.fallback_body))
             with HAProxy(workdir, servers, balance="leastconn", health_check_ms=HEALTH_CHECK_MS, retries=0,
                          pick=pick) as hap:
                 time.sleep(0.3)  # the Lua task's first polls of the table are in
                 info = {"picker": "triscope [epp] pick table, HAProxy Lua (haproxy_pick.lua)",
-                        "scrape_s": opts.epp_scrape_s, "engine_interval_s": opts.epp_engine_s}
+                        "scrape_s": opts.epp_scrape_s, "engine_interval_s": opts.epp_engine_s, "levels": levels}
                 yield Front(hap.port, info)
                 info["routed"] = routed_by_haproxy(hap)
                 info["lua"] = hap.pick_stats()

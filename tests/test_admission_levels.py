@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from triscope.analyzers.routing import BackendInputs, WeightParams, compute_weights
-from triscope.analyzers.routing.gate import ClassGate
+from triscope.analyzers.routing.gate import MAX_TRACKED_CLASSES, ClassGate
 from triscope.analyzers.routing.model import BREAK, DEGRADE, LIMIT, NORMAL, ClassLevel
 from triscope.analyzers.routing.picker import EngineView
 from triscope.errors import ConfigError
@@ -102,6 +102,18 @@ def test_gate_sheds_a_share_limits_to_a_share_of_the_rate_and_breaks() -> None:
     assert gate.admit(IMAGE, 41) == BREAK and gate.admit(SPEECH, 41) is None and gate.admit("", 41) is None
     gate.set_levels({})
     assert gate.admit(IMAGE, 42) is None
+
+
+def test_gate_counts_a_bounded_number_of_classes() -> None:
+    """The class is the client's to name: invented names must not grow the gate without bound."""
+    gate = ClassGate(window_s=10.0, burst_s=1.0)
+    gate.set_levels({VIDEO: ClassLevel(NORMAL)})
+    for i in range(3 * MAX_TRACKED_CLASSES):
+        assert gate.admit(f"made-up-{i}", 1.0) is None
+    assert gate.admit(VIDEO, 1.0) is None  # a class with a level is always counted
+    assert len(gate._arrivals) <= MAX_TRACKED_CLASSES + 1 and VIDEO in gate._arrivals
+    assert gate.admit("late", 20.0) is None  # the idle names left the window: room again
+    assert "late" in gate._arrivals and len(gate._arrivals) <= 3
 
 
 def test_engine_view_carries_levels_from_the_feed_document() -> None:

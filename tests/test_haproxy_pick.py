@@ -20,8 +20,10 @@ from lb_helpers import completion_body as body
 from lb_helpers import post_completion as post
 from lb_helpers import wait_for
 
+from triscope.analyzers.routing.model import BREAK, DEGRADE, LIMIT, NORMAL, ClassLevel
 from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, LiveSignals, PickerParams, RequestNeed
 from triscope.errors import ConfigError
+from triscope.exporters.epp import Fallback
 from triscope.exporters.epp_service import EppConfig, EppService
 from triscope.exporters.haproxy_pick import (
     TABLE_HEADER,
@@ -43,7 +45,11 @@ NOW = 1000.0
 def table_rows(text: bytes) -> dict[str, list[str]]:
     lines = text.decode().splitlines()
     assert lines[0] == TABLE_HEADER
-    return {fields[0]: fields[1:] for fields in (line.split() for line in lines[1:])}
+    return {fields[0]: fields[1:] for fields in (line.split() for line in lines[1:]) if fields[0] != "@class"}
+
+
+def table_levels(text: bytes) -> dict[str, list[str]]:
+    return {f[1]: f[2:] for f in (line.split() for line in text.decode().splitlines()[1:]) if f[0] == "@class"}
 
 
 def test_the_table_says_what_each_scrape_said() -> None:
@@ -65,6 +71,18 @@ def test_the_table_says_what_each_scrape_said() -> None:
     picker.set_weights(EngineView({"a": 1.0}, frozenset({"a"}), {"speech": {"a": "drain"}},
                                   kv_drained=frozenset({"a"})))
     assert table_rows(pick_table(picker, NOW))["a"][1::8] == ["0", "-"]
+    assert table_levels(pick_table(picker, NOW)) == {}  # no levels from the engine: no class lines
+
+
+def test_the_table_carries_each_class_s_admission_level() -> None:
+    picker = HeadroomPicker({"a": "h:1"}, PickerParams())
+    picker.set_weights(EngineView({"a": 1.0}, class_levels={
+        "speech": ClassLevel(NORMAL), "video": ClassLevel(LIMIT, shed_ratio=0.25, admit_ratio=0.5),
+        "image-text": ClassLevel(BREAK), "bad class!": ClassLevel(BREAK)}))
+    text = pick_table(picker, NOW)
+    assert table_levels(text) == {"speech": ["normal", "0", "1"], "video": ["limit", "0.25", "0.5"],
+                                  "image-text": ["break", "0", "1"]}  # a name the action cannot match is left out
+    assert set(table_rows(text)) == {"a"}
 
 
 def test_requests_the_python_picker_sent_do_not_shrink_the_published_free_kv() -> None:
@@ -75,7 +93,7 @@ def test_requests_the_python_picker_sent_do_not_shrink_the_published_free_kv() -
 
 
 def test_settings_and_lines_refuse_what_the_lua_action_cannot_do() -> None:
-    assert pick_settings(PickerParams(), 4.0, 256.0) == "cpt=4,out=256,ew=1,mp=1,sp=1,vis=0.2,stale=3,size=256"
+    assert pick_settings(PickerParams(), 4.0, 256.0) == "cpt=4,out=256,ew=1,mp=1,sp=1,vis=0.2,stale=3,size=256,win=10"
     assert "sp=1000000," in pick_settings(PickerParams(short_penalty=1e6), 4.0, 256.0)  # no exponent for Lua
     with pytest.raises(ConfigError, match="work_unit"):
         pick_settings(PickerParams(work_unit="tokens"), 4.0, 256.0)
@@ -83,6 +101,8 @@ def test_settings_and_lines_refuse_what_the_lua_action_cannot_do() -> None:
         pick_settings(PickerParams(short_penalty=math.inf), 4.0, 256.0)
     with pytest.raises(ConfigError, match="not a valid HAProxy name"):
         pick_rules(["gpus"], ["b 0"], "cpt=4")
+    with pytest.raises(ConfigError, match="single quotes"):
+        pick_rules(["gpus"], ["b0"], "cpt=4", Fallback(503, "it's full"))
     with pytest.raises(ConfigError, match="http://"):
         pick_globals("https://x/v1/pick-table")
     with pytest.raises(ConfigError, match="poll period"):
@@ -207,6 +227,45 @@ def test_drains_of_the_weight_engine_hold(bed: Bed) -> None:
     assert "b2" not in plain and set(plain) == {"b0", "b1"}
     assert speech == ["b1"] * 8  # the class from the header, or from the body's request_class
     assert bed.hap.pick_stats()["excluded"] - excluded == 14
+
+
+def test_admission_levels_refuse_inside_haproxy(bed: Bed) -> None:
+    """The engine's levels, through the table: ``break`` refuses a class outright, ``degrade`` a share of
+    it, ``limit`` holds it to a token bucket; the refused get the fallback answer and reach no backend."""
+    settle(bed)
+    before = bed.hap.pick_stats()
+    sent_before = sum(int(row["stot"]) for row in bed.hap.stats() if row["svname"] in ("b0", "b1", "b2"))
+    picker = bed.service.picker
+    picker.set_weights(EngineView({"b0": 1.0, "b1": 1.0, "b2": 1.0}, class_levels={
+        "speech": ClassLevel(NORMAL), "video": ClassLevel(BREAK), "image-text": ClassLevel(DEGRADE, shed_ratio=0.5),
+        "bulk": ClassLevel(LIMIT, admit_ratio=0.5)}))
+
+    def send(request_class: str, n: int) -> list[tuple[int, bytes]]:
+        return [post(bed.hap.port, body(20, 1, f" {i}"), {"x-triscope-class": request_class}) for i in range(n)]
+
+    try:
+        time.sleep(0.3)  # polls of the table with the levels
+        video, speech, image = send("video", 5), send("speech", 5), send("image-text", 80)
+        started = time.monotonic()
+        bulk = send("bulk", 20)
+        bulk_s = time.monotonic() - started
+    finally:
+        picker.set_weights(None)
+    assert all(status == 503 and raw.decode() == Fallback.body for status, raw in video)
+    assert all(status == 200 for status, _ in speech)
+    shed = sum(status == 503 for status, _ in image)
+    assert 20 <= shed <= 60 and {status for status, _ in image} == {200, 503}, shed  # 0.5 of 80: 4.5 sd either way
+    # the bucket starts full (1 request) and fills at 0.5 x the class's arrival rate over 10 s (< 1 req/s here)
+    admitted = sum(status == 200 for status, _ in bulk)
+    assert bulk[0][0] == 200 and admitted <= 2 + bulk_s * 1.0, (admitted, bulk_s)
+    after = bed.hap.pick_stats()
+    assert after["refused_break"] - before["refused_break"] == 5
+    assert after["refused_degrade"] - before["refused_degrade"] == shed
+    assert after["refused_limit"] - before["refused_limit"] == 20 - admitted
+    sent = sum(int(row["stot"]) for row in bed.hap.stats() if row["svname"] in ("b0", "b1", "b2")) - sent_before
+    assert sent == 5 + (80 - shed) + admitted  # no refused request reached an engine
+    time.sleep(0.3)  # levels gone with the engine's result: every class admitted again
+    assert all(status == 200 for status, _ in send("video", 3))
 
 
 def test_without_its_table_it_picks_by_haproxys_count(tmp_path_factory: pytest.TempPathFactory, bed: Bed) -> None:

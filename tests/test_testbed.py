@@ -98,7 +98,8 @@ def test_every_policy_routes_and_is_judged(tmp_path: Path, capsys: pytest.Captur
                           "--out-dir", str(tmp_path)]))
     sim = doc["fleets"]["sim"]
     assert set(sim["policies"]) == {"haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware",
-                                    "gie-epp", "triscope", "triscope-epp", "triscope-epp-levels", "triscope-haproxy"}
+                                    "gie-epp", "triscope", "triscope-epp", "triscope-epp-levels", "triscope-haproxy",
+                                    "triscope-haproxy-levels"}
     for name, d in sim["policies"].items():
         assert d["requests"] == sim["arrivals"], name  # every offered request has an outcome
         ok = sum(c["offered"] - sum(c["errors"].values()) for c in d["classes"].values())
@@ -118,9 +119,9 @@ def test_every_policy_routes_and_is_judged(tmp_path: Path, capsys: pytest.Captur
             assert routed is not None and set(routed) == {"b0", "b1"}, (name, front)
             assert all(routed[b] >= d["served_by"][b] for b in routed), (name, routed, d["served_by"])
             assert sum(routed.values()) <= d["requests"], (name, routed)
-        if name == "triscope-haproxy":  # the Lua action chose every request, on a table polled all along
-            lua = front["lua"]
-            assert lua["picks"] == d["requests"] and lua["fallback"] == 0, lua
+        if name.startswith("triscope-haproxy"):  # the Lua action chose every request, on a table polled all along
+            lua = front["lua"]  # (light load: no admission level refuses any)
+            assert lua["picks"] == d["requests"] and lua["fallback"] == 0 and lua["refused_degrade"] == 0, lua
             # a table younger than the age past which the action ignores it ([epp] unready_after_s)
             assert lua["polls"] > 10 * lua["failed_polls"] and lua["table_age_s"] < 3.0, lua
             assert front["epp"]["tables_served"] >= lua["polls"], front["epp"]

@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 from triscope.analyzers.routing.model import BREAK, DEGRADE, LIMIT, ClassLevel
 
+MAX_TRACKED_CLASSES = 256
+"""Classes whose arrivals are counted at once: the class comes from a client's header or body, so a client
+inventing names must not grow the gate without bound (the engine's classes are a configured few)."""
+
 
 @dataclass
 class _Bucket:
@@ -63,13 +67,25 @@ class ClassGate:
     def admit(self, request_class: str, now: float) -> str | None:
         """None when the request may go on; else the level that refuses it (``degrade``, ``limit``, ``break``)."""
         with self._lock:
-            arrivals = self._arrivals.setdefault(request_class, deque(maxlen=100_000))
+            arrivals = self._arrivals.get(request_class)
+            if arrivals is None:
+                arrivals = deque(maxlen=100_000)
+                if len(self._arrivals) >= MAX_TRACKED_CLASSES:
+                    self._forget_idle(now)
+                if len(self._arrivals) < MAX_TRACKED_CLASSES or request_class in self._levels:
+                    self._arrivals[request_class] = arrivals
             while arrivals and arrivals[0] < now - self.window_s:
                 arrivals.popleft()
             level = self._levels.get(request_class)
             refusal = self._refusal(request_class, level, arrivals, now) if level is not None else None
             arrivals.append(now)
             return refusal
+
+    def _forget_idle(self, now: float) -> None:
+        """Drop the classes without an arrival in the window and without a level."""
+        for cname in [c for c, q in self._arrivals.items()
+                      if c not in self._levels and (not q or q[-1] < now - self.window_s)]:
+            del self._arrivals[cname]
 
     def _refusal(self, cname: str, level: ClassLevel, arrivals: deque[float], now: float) -> str | None:
         if level.level == BREAK:
