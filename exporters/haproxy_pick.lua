@@ -34,8 +34,9 @@
 --
 -- First argument: every pool holding the same servers (their requests in flight add up); second:
 -- the picker's settings ([epp]). `triscope weights haproxy-pick` prints these lines from the config.
--- TRISCOPE_PICK_TABLE_POLL_MS sets the poll period (default 50). One HAProxy thread sees every pick;
--- with several, requests picked at the same instant may each count the same room once.
+-- TRISCOPE_PICK_TABLE_POLL_MS sets the poll period (default 50). Load it with lua-load (one shared
+-- state, one thread at a time): with several threads, only a pick made between another's and HAProxy
+-- counting that one's connection may count the same room twice.
 
 local URL = os.getenv("TRISCOPE_PICK_TABLE_URL")
 local POLL_MS = tonumber(os.getenv("TRISCOPE_PICK_TABLE_POLL_MS") or "") or 50
@@ -392,16 +393,52 @@ core.register_action("triscope_pick_end", { "http-res" }, function(txn)
   end
 end, 0)
 
--- GET on a `http-request use-service lua.triscope_pick_stats` frontend: the picker's counters.
-core.register_service("triscope_pick_stats", "http", function(applet)
-  local parts = {}
-  for _, key in ipairs(STAT_KEYS) do
-    parts[#parts + 1] = string.format('"%s": %d', key, stats[key])
+-- Prometheus names of the counters (docs/epp.md); refused_* become one family with a level label.
+local PROM = {
+  { "polls", "triscope_haproxy_pick_table_polls_total", "Polls of the pick table that brought a table." },
+  { "failed_polls", "triscope_haproxy_pick_table_poll_failures_total", "Polls of the pick table that failed." },
+  { "picks", "triscope_haproxy_picks_total", "Requests whose server the action chose." },
+  { "fallback", "triscope_haproxy_pick_fallbacks_total", "Requests left to the backend's balance (no server up)." },
+  { "excluded", "triscope_haproxy_pick_excluded_total", "Picks that left out a server HAProxy had up." },
+  { "no_table", "triscope_haproxy_pick_no_table_total", "Picks made without a fresh table." },
+  { "no_fit", "triscope_haproxy_pick_no_fit_total", "Picks of a request that fitted no server's free KV." },
+  { "diverted", "triscope_haproxy_pick_diverted_total", "Picks of a server busier in HAProxy than another candidate." },
+}
+
+local function prometheus_text()
+  local out = {}
+  for _, m in ipairs(PROM) do
+    out[#out + 1] = string.format("# HELP %s %s\n# TYPE %s counter\n%s %d\n", m[2], m[3], m[2], m[2], stats[m[1]])
   end
-  local age = rows_at >= 0 and string.format("%.3f", now_s() - rows_at) or "null"
-  local body = "{" .. table.concat(parts, ", ") .. ', "table_age_s": ' .. age .. "}\n"
+  out[#out + 1] = "# HELP triscope_haproxy_pick_refused_total Requests refused by their class's admission level.\n"
+    .. "# TYPE triscope_haproxy_pick_refused_total counter\n"
+  for _, level in ipairs({ "degrade", "limit", "break" }) do
+    out[#out + 1] = string.format('triscope_haproxy_pick_refused_total{level="%s"} %d\n', level, stats["refused_" .. level])
+  end
+  if rows_at >= 0 then
+    out[#out + 1] = string.format("# HELP triscope_haproxy_pick_table_age_seconds Age of the last table polled.\n"
+      .. "# TYPE triscope_haproxy_pick_table_age_seconds gauge\ntriscope_haproxy_pick_table_age_seconds %.3f\n",
+      now_s() - rows_at)
+  end
+  return table.concat(out)
+end
+
+-- GET on a `http-request use-service lua.triscope_pick_stats` frontend: the picker's counters, as JSON,
+-- or in Prometheus' text format on /metrics.
+core.register_service("triscope_pick_stats", "http", function(applet)
+  local body, content_type
+  if applet.path == "/metrics" then
+    body, content_type = prometheus_text(), "text/plain; version=0.0.4"
+  else
+    local parts = {}
+    for _, key in ipairs(STAT_KEYS) do
+      parts[#parts + 1] = string.format('"%s": %d', key, stats[key])
+    end
+    local age = rows_at >= 0 and string.format("%.3f", now_s() - rows_at) or "null"
+    body, content_type = "{" .. table.concat(parts, ", ") .. ', "table_age_s": ' .. age .. "}\n", "application/json"
+  end
   applet:set_status(200)
-  applet:add_header("content-type", "application/json")
+  applet:add_header("content-type", content_type)
   applet:add_header("content-length", tostring(#body))
   applet:start_response()
   applet:send(body)

@@ -98,13 +98,15 @@ class HAProxy:
                  pool_maxconn: dict[str, dict[str, int]] | None = None,
                  pool_timeout_queue_ms: dict[str, int] | None = None,
                  class_gate: dict[str, dict[str, float]] | None = None, health_check_ms: int = 0,
-                 retries: int | None = None, pick: PickSetup | None = None) -> None:
+                 retries: int | None = None, pick: PickSetup | None = None, nbthread: int = 1) -> None:
         self.workdir = Path(workdir)
         self.pick = pick
         """Set: triscope's per-request picker (``exporters/haproxy_pick.lua``) chooses in the ``gpus`` pool."""
         self.health_check_ms = health_check_ms
         """> 0: ``option httpchk GET /health`` and ``check inter N fall 3 rise 2`` on every server."""
         self.retries = retries
+        self.nbthread = nbthread
+        """HAProxy's threads (1: every pick of the Lua picker sees the previous one's connection counted)."""
         """HAProxy's ``retries`` (None: its default of 3 connection retries)."""
         self.servers = servers
         self.balance = balance
@@ -133,7 +135,7 @@ class HAProxy:
             "global",
             "    maxconn 4000",
             f"    stats socket {self.socket_path} mode 600 level admin",
-            "    nbthread 1",
+            f"    nbthread {self.nbthread}",
         ]
         if self.class_gate:
             lines.append(f"    lua-load {GATE_LUA}")
