@@ -128,6 +128,41 @@ GROUP BY backend, state, reasons, stale ORDER BY last_seen DESC LIMIT 100""", ta
                         "input age {{backend}}", ref="B")],
             "seconds since the last weight update and since each backend's newest input (stale after 15 s)",
             unit="s", thresholds=[(None, "green"), (DEFAULTS.stale_after_s, "red")], w=12),
+        row("Per-request picker (Prometheus: the daemon's /metrics, HAProxy's Lua picker)"),
+        timeseries("Picks per backend", [
+            prom_target('sum by (backend) (rate(triscope_epp_picks_total{backend=~"${backend:regex}"}'
+                        '[$__rate_interval]))', "{{backend}} (Envoy picker)"),
+            prom_target("sum(rate(triscope_haproxy_picks_total[$__rate_interval]))", "HAProxy Lua picker", ref="B")],
+            "requests per second each picker sent ([epp] per backend; the Lua action's total)", unit="reqps", w=8),
+        timeseries("Refused by admission level", [
+            prom_target("sum by (request_class, level) (rate(triscope_epp_refused_total[$__rate_interval]))",
+                        "{{request_class}} {{level}}"),
+            prom_target("sum by (level) (rate(triscope_haproxy_pick_refused_total[$__rate_interval]))",
+                        "HAProxy {{level}}", ref="B")],
+            "requests per second a class's level refused (degrade, limit, break): each one got the fallback",
+            unit="reqps", w=8),
+        timeseries("Picker ledger and scrapes", [
+            prom_target('triscope_epp_in_flight_requests{backend=~"${backend:regex}"}', "{{backend}} in flight"),
+            prom_target('rate(triscope_epp_scrape_failures_total{backend=~"${backend:regex}"}[$__rate_interval])',
+                        "{{backend}} failed scrapes/s", ref="B"),
+            prom_target('triscope_epp_scrape_period_seconds{backend=~"${backend:regex}"}',
+                        "{{backend}} scrape period s", ref="C")],
+            "the picker's requests in flight per backend, its failed /metrics scrapes and each scrape period "
+            "(longer while an engine is slow to answer: the scrape budget)", unit="short", w=8),
+        timeseries("HAProxy Lua picker: where it differed from leastconn", [
+            prom_target("sum(rate(triscope_haproxy_pick_diverted_total[$__rate_interval]))", "diverted"),
+            prom_target("sum(rate(triscope_haproxy_pick_excluded_total[$__rate_interval]))", "excluded", ref="B"),
+            prom_target("sum(rate(triscope_haproxy_pick_no_fit_total[$__rate_interval]))", "fitted nowhere", ref="C"),
+            prom_target("sum(rate(triscope_haproxy_pick_no_table_total[$__rate_interval]))", "no table", ref="D")],
+            "picks per second sent where HAProxy had more in flight (diverted), leaving out a server HAProxy had up "
+            "(drained, unready, closed to the class), of a request that fitted no free KV, or without a fresh table",
+            unit="reqps", w=12),
+        timeseries("HAProxy Lua picker: pick table age", [
+            prom_target("max(triscope_haproxy_pick_table_age_seconds)", "table age"),
+            prom_target("sum(rate(triscope_haproxy_pick_table_poll_failures_total[$__rate_interval]))",
+                        "failed polls/s", ref="B")],
+            "age of the last table the action polled from [epp] (past unready_after_s, 3 s, it picks as leastconn)",
+            unit="s", thresholds=[(None, "green"), (3.0, "red")], w=12),
         row("Inputs history (ClickHouse)"),
         timeseries("Memory penalty per GPU", [sql_target(f"""
 SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(gpu) AS gpu,

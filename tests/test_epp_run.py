@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from conftest import free_port, require
+from prometheus_client.parser import text_string_to_metric_families
 from run_helpers import RunningDaemon, clean_env, running_daemon
 
 from triscope.exporters.extproc import envoy_bootstrap, envoy_path
@@ -38,6 +39,7 @@ class Bed:
     daemon: RunningDaemon
     envoy_port: int
     feed_url: str
+    metrics_url: str
 
 
 def _config(work: Path, specs: list[BackendSpec], ports: dict[str, int]) -> Path:
@@ -50,7 +52,7 @@ path = "{work / 'store'}"
 
 [run]
 collectors = ["serving_metrics"]
-exporters = ["weights_feed", "epp"]
+exporters = ["weights_feed", "epp", "prometheus"]
 status_interval_s = 0
 
 [writer]
@@ -76,6 +78,10 @@ hold_s = 0.5
 port = {ports['feed']}
 agent_port = -1
 
+[prometheus]
+port = {ports['prom']}
+stalls = false
+
 [epp]
 port = {ports['epp']}
 scrape_interval_s = 0.05
@@ -91,7 +97,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     assert envoy is not None
     work = tmp_path_factory.mktemp("epp-run")
     specs = [BackendSpec(name, free_port()) for name in NAMES]
-    ports = {"feed": free_port(), "epp": free_port(), "envoy": free_port(), "admin": free_port()}
+    ports = {"feed": free_port(), "epp": free_port(), "envoy": free_port(), "admin": free_port(), "prom": free_port()}
     fleet = SimFleet(specs, batch_slowdown=0.8).start()
     proxy: subprocess.Popen[bytes] | None = None
     try:
@@ -104,7 +110,8 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
                                           "--log-level", "warn"], stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT)
             wait_port(ports["envoy"], 30, proc=proxy)
-            bed = Bed(fleet, daemon, ports["envoy"], f"http://127.0.0.1:{ports['feed']}/v1/weights")
+            bed = Bed(fleet, daemon, ports["envoy"], f"http://127.0.0.1:{ports['feed']}/v1/weights",
+                      f"http://127.0.0.1:{ports['prom']}/metrics")
             _wait(lambda: all(_weights(bed)["backends"].get(n, {}).get("state") == "ready" for n in NAMES),
                   30, "the feed's first ready weights", daemon)
             yield bed
@@ -198,6 +205,18 @@ def test_a_class_no_backend_takes_gets_the_fallback_answer(bed: Bed) -> None:
         with urllib.request.urlopen(bed.feed_url.replace("/v1/weights", "/metrics"), timeout=5) as resp:
             metrics = resp.read().decode()
         assert 'triscope_class_admission_level{request_class="offline_video"} 3' in metrics
+        # the picker's own counters on the daemon's /metrics: the refusal, its picks, its scrapes
+        with urllib.request.urlopen(bed.metrics_url, timeout=10) as resp:
+            families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+        refused = {(s.labels["request_class"], s.labels["level"]): s.value
+                   for s in families["triscope_epp_refused"].samples}
+        assert refused.get(("offline_video", "break"), 0) >= 1, refused
+        picks = {s.labels["backend"]: s.value for s in families["triscope_epp_picks"].samples}
+        assert set(picks) <= set(NAMES) and sum(picks.values()) >= 1, picks
+        periods = {s.labels["backend"]: s.value for s in families["triscope_epp_scrape_period_seconds"].samples}
+        assert set(periods) == set(NAMES) and all(0.05 <= p <= 1.0 for p in periods.values()), periods  # the budget
+        assert families["triscope_epp_scrapes"].samples[0].value > 0
+        assert families["triscope_epp_weights_version"].samples[0].value > 0
         assert 'triscope_class_admission_level{request_class="realtime_speech"} 0' in metrics
     finally:
         bed.fleet.reset()

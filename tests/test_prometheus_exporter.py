@@ -142,7 +142,13 @@ def test_promtool_finds_nothing_to_lint(store: Any, tmp_path: Path) -> None:
     def stats() -> dict[str, Any]:
         return {"writer": writer.snapshot(), "collectors": {"blockio": {"rows": 1, "errors": 0,
                                                                          "tables": {"io_latency": 1}}},
-                "not_started": {"nvml": "NVML not available"}}
+                "not_started": {"nvml": "NVML not available"},
+                "exporters": {"epp": {  # the per-request picker's counters, as EppService.stats() has them
+                    "picks": {"b0": 7, "b1": 5, "status:503": 2, "status:400": 1}, "in_flight": {"b0": 1, "b1": 0},
+                    "refused": {"offline_video:break": 2, "interactive_image_text:degrade": 1},
+                    "scrapes_total": 40, "scrape_errors": {}, "scrape_failures": {"b0": 0, "b1": 3},
+                    "scrape_periods_s": {"b0": 0.25, "b1": 0.5}, "weights_version": 12, "weights_error": "",
+                    "tables_served": 9}}}
 
     exp = create({"prometheus": {"port": 0, "cache_s": 0}}, Context(open_store=lambda: store, stats=stats))
     exp.start()
@@ -154,6 +160,12 @@ def test_promtool_finds_nothing_to_lint(store: Any, tmp_path: Path) -> None:
     s = _samples(text)
     assert _get(s, "triscope_writer_rows_written_total") == 1
     assert _get(s, "triscope_collector_up", collector="nvml") == 0
+    assert _get(s, "triscope_epp_picks_total", backend="b0") == 7
+    assert _get(s, "triscope_epp_answered_total", status="503") == 2
+    assert _get(s, "triscope_epp_refused_total", request_class="offline_video", level="break") == 2
+    assert _get(s, "triscope_epp_scrape_failures_total", backend="b1") == 3
+    assert _get(s, "triscope_epp_scrape_period_seconds", backend="b1") == 0.5
+    assert _get(s, "triscope_epp_pick_tables_served_total") == 9
     families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
     helps = {line.split()[2] for line in text.splitlines() if line.startswith("# HELP")}
     assert families == helps and len(families) >= 25

@@ -78,6 +78,7 @@ class Daemon:
         self.writer: Writer | None = None
         self.loops: list[CollectorLoop] = []
         self.exporters: list[Exporter] = []
+        self.exporter_names: list[str] = []
         self.started: list[str] = []
         self.failed: dict[str, str] = {}
 
@@ -122,16 +123,20 @@ class Daemon:
         if not self.loops:
             self.writer.close(timeout_s=1.0)
             raise ConfigError("no collector could start: " + "; ".join(f"{k}: {v}" for k, v in self.failed.items()))
-        for exporter in exporters:
+        for (spec, _), exporter in zip(self.exporter_factories, exporters, strict=True):
             exporter.start()
             self.exporters.append(exporter)
+            self.exporter_names.append(spec)
         log.info("triscope run: collectors %s; spool %s", ", ".join(self.started), self.writer.spool.dir)
 
     def stats(self) -> dict[str, Any]:
-        """Live counters: ``writer`` (:meth:`Writer.snapshot`), per-collector rows/errors, not started."""
+        """Live counters: ``writer`` (:meth:`Writer.snapshot`), per-collector rows/errors, not started, and
+        those of every exporter with a ``stats()`` (the per-request picker's), by its ``[run] exporters`` name."""
         return {"writer": self.writer.snapshot() if self.writer is not None else {},
                 "collectors": {loop.collector.name: loop.counters() for loop in self.loops},
-                "not_started": dict(self.failed)}
+                "not_started": dict(self.failed),
+                "exporters": {name: stats() for name, exporter in zip(self.exporter_names, self.exporters, strict=True)
+                              if callable(stats := getattr(exporter, "stats", None))}}
 
     def wait(self) -> None:
         """Block until :meth:`request_stop` (a signal), logging writer status periodically."""

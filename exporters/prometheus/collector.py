@@ -1,6 +1,7 @@
 """The prometheus_client collector of the ``/metrics`` exporter: pipeline counters and derived families.
 
-Pipeline health comes from the daemon's live counters (``context.stats``, read on every scrape);
+Pipeline health comes from the daemon's live counters (``context.stats``, read on every scrape; the
+per-request picker's among them: :mod:`.picker`);
 derived families come from :mod:`.queries`, cached for ``cache_s`` and computed on one worker
 thread (chDB wants one connection per thread): a scrape waits at most ``query_timeout_s`` for a
 refresh and otherwise serves the previous values. Names follow the Prometheus naming guide:
@@ -21,6 +22,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from triscope.exporters.prometheus.config import PrometheusConfig
+from triscope.exporters.prometheus.picker import picker_families
 from triscope.exporters.prometheus.queries import QUERIES, STALLS, Derived
 
 log = logging.getLogger(__name__)
@@ -218,6 +220,7 @@ class TriscopeCollector:
         snap = self.observe()
         d = self.derived()
         yield from self._pipeline(snap, d.ok)
+        yield from picker_families((snap.get("exporters") or {}).get("epp") or {})
         for family, kind, text, labels, keys in _DERIVED_FAMILIES:
             m: GaugeMetricFamily | CounterMetricFamily = (
                 GaugeMetricFamily(family, text, labels=list(labels)) if kind == "gauge"
