@@ -31,6 +31,7 @@ SERVER_VAR = "txn.triscope_server"
 REFUSED_VAR = "txn.triscope_refused"
 """Set by the action to the admission level that refused the request (``degrade``, ``limit``, ``break``)."""
 CLASS_LINE = "@class"
+STATS_FRONTEND = "frontend triscope_pick_stats"
 
 
 def pick_table(picker: HeadroomPicker, now: float | None = None) -> bytes:
@@ -125,11 +126,17 @@ def pick_rules(pools: Iterable[str], server_names: Iterable[str], settings: str,
 
 
 def pick_snippet(table_url: str, backend: str, server_names: Iterable[str], settings: str, poll_ms: int = 50,
-                 fallback: Fallback | None = None) -> str:
-    """HAProxy config text: the ``global`` lines and those of ``backend`` (before its server lines)."""
+                 fallback: Fallback | None = None, stats_port: int = 0) -> str:
+    """HAProxy config text: the ``global`` lines, those of ``backend`` (before its server lines) and, with a
+    ``stats_port``, a frontend on 127.0.0.1 answering the action's counters (JSON; Prometheus on /metrics)."""
     lines = ["global", *("    " + line for line in pick_globals(table_url, poll_ms)),
              f"backend {backend}", "    balance leastconn",
              *("    " + line for line in pick_rules([backend], server_names, settings, fallback))]
+    if stats_port:
+        if not 0 < stats_port < 65536:
+            raise ConfigError(f"haproxy pick: stats port must be 1-65535, got {stats_port}")
+        lines += [STATS_FRONTEND, f"    bind 127.0.0.1:{stats_port}",
+                  "    http-request use-service lua.triscope_pick_stats"]
     return "\n".join(lines) + "\n"
 
 

@@ -296,6 +296,11 @@ def test_admission_levels_refuse_inside_haproxy(bed: Bed) -> None:
     assert refused["break"] >= after["refused_break"] and refused["limit"] >= after["refused_limit"]
     assert families["triscope_haproxy_picks"].samples[0].value >= after["picks"]
     assert 0 <= families["triscope_haproxy_pick_table_age_seconds"].samples[0].value < 3
+    promtool = require_binary("promtool")
+    with urllib.request.urlopen(f"http://127.0.0.1:{bed.hap.pick_stats_port}/metrics", timeout=5) as answer:
+        lint = subprocess.run([promtool, "check", "metrics"], input=answer.read().decode(), capture_output=True,
+                              text=True, timeout=30)
+    assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), lint.stdout + lint.stderr
     time.sleep(0.3)  # levels gone with the engine's result: every class admitted again
     assert all(status == 200 for status, _ in send("video", 3))
 
@@ -338,15 +343,19 @@ def test_cli_prints_lines_haproxy_accepts(tmp_path: Path, capsys: pytest.Capture
     cfg.write_text('[epp]\ntable_port = 9003\nshort_penalty = 3\n'
                    '[weights.backends."gpu-a:8000"]\naddress = "127.0.0.1:9001"\n'
                    '[weights.backends."gpu-b:8000"]\naddress = "127.0.0.1:9002"\n')
-    assert main(["weights", "haproxy-pick", "-c", str(cfg), "--json"]) == 0
+    assert main(["weights", "haproxy-pick", "-c", str(cfg), "--json", "--stats-port", "18405"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["table_url"] == "http://127.0.0.1:9003/v1/pick-table" and "sp=3" in doc["settings"]
     assert doc["servers"] == ["gpu-a:8000", "gpu-b:8000"] and Path(doc["lua_path"]).is_file()
+    assert "    bind 127.0.0.1:18405" in doc["config"]  # the counters' frontend, on loopback
     lines = doc["config"].splitlines()
+    stats_at = lines.index("frontend triscope_pick_stats")
+    lines = lines[:stats_at]  # placed after the servers below
     frontend = ["    nbthread 1", "defaults", "    mode http", "    timeout connect 1s", "    timeout client 5s",
                 "    timeout server 5s", "frontend fe", "    bind 127.0.0.1:18080", "    default_backend gpus"]
     full = (lines[:4] + frontend + lines[4:]
-            + ["    server gpu-a:8000 127.0.0.1:9001", "    server gpu-b:8000 127.0.0.1:9002"])
+            + ["    server gpu-a:8000 127.0.0.1:9001", "    server gpu-b:8000 127.0.0.1:9002"]
+            + doc["config"].splitlines()[stats_at:])
     (tmp_path / "h.cfg").write_text("\n".join(full) + "\n")
     check = subprocess.run([haproxy, "-c", "-f", str(tmp_path / "h.cfg")], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr

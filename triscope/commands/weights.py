@@ -56,6 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pick.add_argument("--backend", default="gpus", help="the HAProxy backend whose servers it picks (default gpus)")
     pick.add_argument("--table-url", help="where HAProxy polls the pick table (default: [epp] bind and table_port)")
     pick.add_argument("--poll-ms", type=int, default=50, help="table poll period (default 50 ms)")
+    pick.add_argument("--stats-port", type=int, default=0,
+                      help="also a frontend on 127.0.0.1:PORT answering the picker's counters (/metrics: Prometheus)")
     pick.add_argument("--lua-path", action="store_true", help="print only the Lua file's path")
     add_common(pick)
     pick.set_defaults(func=run_haproxy_pick)
@@ -311,7 +313,7 @@ def run_haproxy_pick(args: argparse.Namespace) -> int:
     settings = pick_settings(cfg.picker_params(), cfg.chars_per_token, cfg.default_output_tokens,
                              cfg.levels_window_s)
     snippet = pick_snippet(url, args.backend, servers, settings, args.poll_ms,
-                           Fallback(cfg.fallback_status, cfg.fallback_body))
+                           Fallback(cfg.fallback_status, cfg.fallback_body), args.stats_port)
     if args.json:
         print_json({"lua_path": str(LUA_PATH), "table_url": url, "backend": args.backend, "servers": servers,
                     "settings": settings, "config": snippet})
