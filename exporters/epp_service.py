@@ -29,7 +29,7 @@ from triscope.errors import ConfigError, InputError, TriscopeError
 from triscope.exporters.epp import Fallback, HeadroomChooser, NeedParams
 from triscope.exporters.extproc import MAX_BODY_BYTES, MAX_STREAMS, ExtProcServer
 from triscope.exporters.feed_http import one_line
-from triscope.exporters.haproxy_pick import PickTableServer
+from triscope.exporters.haproxy_pick import PickTableServer, pick_settings
 from triscope.http_fetch import RefusedError, fetch
 from triscope.ticker import Ticker
 
@@ -130,6 +130,16 @@ class EppConfig(ComponentConfig):
         if self.max_body_bytes < 1 or self.max_streams < 1:
             raise ConfigError(f"{where} max_body_bytes and max_streams must be >= 1")
 
+    @property
+    def fallback(self) -> Fallback:
+        """The answer to a request its class's admission level refused."""
+        return Fallback(self.fallback_status, self.fallback_body)
+
+    def haproxy_pick_settings(self) -> str:
+        """The picker's settings as the Lua action inside HAProxy takes them (:func:`.haproxy_pick.pick_settings`)."""
+        return pick_settings(self.picker_params(), self.chars_per_token, self.default_output_tokens,
+                             self.levels_window_s)
+
     def picker_params(self) -> PickerParams:
         return PickerParams(unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s,
                             visible_after_s=self.visible_after_s, kv_reserve_ratio=self.kv_reserve_ratio,
@@ -191,8 +201,7 @@ class EppService:
         self.weights_url = weights_url
         self.picker = HeadroomPicker(backends, replace(cfg.picker_params(), seed=seed))
         self.chooser = HeadroomChooser(self.picker, NeedParams(cfg.chars_per_token, cfg.default_output_tokens),
-                                       ClassGate(cfg.levels_window_s, seed=seed),
-                                       Fallback(cfg.fallback_status, cfg.fallback_body))
+                                       ClassGate(cfg.levels_window_s, seed=seed), cfg.fallback)
         self.server = ExtProcServer(self.chooser, cfg.max_body_bytes, cfg.bind, cfg.port, cfg.max_streams)
         self.table_server: PickTableServer | None = None
         self.scrape_errors: dict[str, str] = {}

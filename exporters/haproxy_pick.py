@@ -31,7 +31,6 @@ SERVER_VAR = "txn.triscope_server"
 REFUSED_VAR = "txn.triscope_refused"
 """Set by the action to the admission level that refused the request (``degrade``, ``limit``, ``break``)."""
 CLASS_LINE = "@class"
-STATS_FRONTEND = "frontend triscope_pick_stats"
 
 
 def pick_table(picker: HeadroomPicker, now: float | None = None) -> bytes:
@@ -133,11 +132,16 @@ def pick_snippet(table_url: str, backend: str, server_names: Iterable[str], sett
              f"backend {backend}", "    balance leastconn",
              *("    " + line for line in pick_rules([backend], server_names, settings, fallback))]
     if stats_port:
-        if not 0 < stats_port < 65536:
-            raise ConfigError(f"haproxy pick: stats port must be 1-65535, got {stats_port}")
-        lines += [STATS_FRONTEND, f"    bind 127.0.0.1:{stats_port}",
-                  "    http-request use-service lua.triscope_pick_stats"]
+        lines += pick_stats_frontend(stats_port)
     return "\n".join(lines) + "\n"
+
+
+def pick_stats_frontend(port: int) -> list[str]:
+    """A frontend on 127.0.0.1:``port`` answering the action's counters (JSON; Prometheus on /metrics)."""
+    if not 0 < port < 65536:
+        raise ConfigError(f"haproxy pick: stats port must be 1-65535, got {port}")
+    return ["frontend triscope_pick_stats", f"    bind 127.0.0.1:{port}",
+            "    http-request use-service lua.triscope_pick_stats"]
 
 
 class PickTableServer(FeedHTTPServer):

@@ -17,7 +17,7 @@ from typing import Any
 from triscope.exporters.epp import Fallback
 from triscope.exporters.haproxy_gate import LUA_PATH as GATE_LUA
 from triscope.exporters.haproxy_gate import gate_rules
-from triscope.exporters.haproxy_pick import pick_globals, pick_rules
+from triscope.exporters.haproxy_pick import pick_globals, pick_rules, pick_stats_frontend
 from triscope.sim.procs import socket_dir, stop_process
 
 
@@ -105,9 +105,9 @@ class HAProxy:
         self.health_check_ms = health_check_ms
         """> 0: ``option httpchk GET /health`` and ``check inter N fall 3 rise 2`` on every server."""
         self.retries = retries
+        """HAProxy's ``retries`` (None: its default of 3 connection retries)."""
         self.nbthread = nbthread
         """HAProxy's threads (1: every pick of the Lua picker sees the previous one's connection counted)."""
-        """HAProxy's ``retries`` (None: its default of 3 connection retries)."""
         self.servers = servers
         self.balance = balance
         self.agent_port = agent_port
@@ -156,8 +156,7 @@ class HAProxy:
         lines += [f"    use_backend pool_{c} if {{ path_end /{c} }}" for c in self.class_pools]
         lines.append("    default_backend gpus")
         if self.pick is not None:  # the picker's counters (polls of its table, picks, fallbacks)
-            lines += ["frontend triscope_pick_stats", f"    bind 127.0.0.1:{self.pick_stats_port}",
-                      "    http-request use-service lua.triscope_pick_stats"]
+            lines += pick_stats_frontend(self.pick_stats_port)
         lines += self._pool("gpus", "")
         for c in self.class_pools:
             lines += self._pool(f"pool_{c}", c)

@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from triscope.analyzers.routing.config import DEFAULT_CLASSES
-from triscope.exporters.epp import Fallback
 from triscope.exporters.epp_service import EppConfig, EppService
-from triscope.exporters.haproxy_pick import TABLE_PATH, pick_settings
+from triscope.exporters.haproxy_pick import TABLE_PATH
 from triscope.sim.bench_fleet import FeedWorker
 from triscope.sim.gateway_log import read_access_log, summarize
 from triscope.sim.haproxy import HAProxy, PickSetup, Server
@@ -202,11 +201,8 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
         levels = policy == "triscope-haproxy-levels"
         with epp_service(opts, fleet, levels=levels, table=True) as service:
             wait_until_scraped(service)
-            cfg = service.cfg
             pick = PickSetup(f"http://127.0.0.1:{service.table_port}{TABLE_PATH}",
-                             pick_settings(service.picker.params, cfg.chars_per_token, cfg.default_output_tokens,
-                                           cfg.levels_window_s),
-                             fallback=Fallback(cfg.fallback_status, cfg.fallback_body))
+                             service.cfg.haproxy_pick_settings(), fallback=service.cfg.fallback)
             with HAProxy(workdir, servers, balance="leastconn", health_check_ms=HEALTH_CHECK_MS, retries=0,
                          pick=pick) as hap:
                 time.sleep(0.3)  # the Lua task's first polls of the table are in

@@ -134,7 +134,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         service.start()
         wait_for(lambda: service.waiting_for() is None, 10, "every backend scraped once")
         pick = PickSetup(f"http://127.0.0.1:{service.table_port}{TABLE_PATH}",
-                         pick_settings(service.picker.params, cfg.chars_per_token, cfg.default_output_tokens), 20)
+                         cfg.haproxy_pick_settings(), 20)
         with HAProxy(tmp_path_factory.mktemp("pick"), [Server(s.name, s.port) for s in specs], balance="leastconn",
                      retries=0, pick=pick) as hap:
             wait_for(lambda: hap.pick_stats()["polls"] > 0, 10, "the Lua task's first poll of the table")
@@ -184,7 +184,7 @@ def test_several_haproxy_threads_still_spread_a_burst(tmp_path_factory: pytest.T
     one or two."""
     settle(bed)
     pick = PickSetup(f"http://127.0.0.1:{bed.service.table_port}{TABLE_PATH}",
-                     pick_settings(bed.service.picker.params, 4.0, 256.0), 20)
+                     bed.service.cfg.haproxy_pick_settings(), 20)
     with HAProxy(tmp_path_factory.mktemp("threads"), [Server(s.name, s.port) for s in bed.specs],
                  balance="leastconn", retries=0, pick=pick, nbthread=4) as hap:
         wait_for(lambda: hap.pick_stats()["polls"] > 0, 10, "the first poll")

@@ -78,7 +78,6 @@ class Daemon:
         self.writer: Writer | None = None
         self.loops: list[CollectorLoop] = []
         self.exporters: list[Exporter] = []
-        self.exporter_names: list[str] = []
         self.started: list[str] = []
         self.failed: dict[str, str] = {}
 
@@ -123,10 +122,9 @@ class Daemon:
         if not self.loops:
             self.writer.close(timeout_s=1.0)
             raise ConfigError("no collector could start: " + "; ".join(f"{k}: {v}" for k, v in self.failed.items()))
-        for (spec, _), exporter in zip(self.exporter_factories, exporters, strict=True):
+        for exporter in exporters:
             exporter.start()
             self.exporters.append(exporter)
-            self.exporter_names.append(spec)
         log.info("triscope run: collectors %s; spool %s", ", ".join(self.started), self.writer.spool.dir)
 
     def stats(self) -> dict[str, Any]:
@@ -135,7 +133,9 @@ class Daemon:
         return {"writer": self.writer.snapshot() if self.writer is not None else {},
                 "collectors": {loop.collector.name: loop.counters() for loop in self.loops},
                 "not_started": dict(self.failed),
-                "exporters": {name: stats() for name, exporter in zip(self.exporter_names, self.exporters, strict=True)
+                # started exporters are a prefix of the configured ones, in their order
+                "exporters": {spec: stats()
+                              for (spec, _), exporter in zip(self.exporter_factories, self.exporters, strict=False)
                               if callable(stats := getattr(exporter, "stats", None))}}
 
     def wait(self) -> None:

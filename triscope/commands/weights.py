@@ -294,9 +294,8 @@ def run_haproxy_pick(args: argparse.Namespace) -> int:
     """``triscope weights haproxy-pick``: the config lines of exporters/haproxy_pick.lua."""
     from triscope.commands._common import print_json
     from triscope.errors import InputError
-    from triscope.exporters.epp import Fallback
     from triscope.exporters.epp_service import EppConfig, picker_backends
-    from triscope.exporters.haproxy_pick import LUA_PATH, TABLE_PATH, pick_settings, pick_snippet
+    from triscope.exporters.haproxy_pick import LUA_PATH, TABLE_PATH, pick_snippet
 
     if args.lua_path:
         print(LUA_PATH)
@@ -310,10 +309,8 @@ def run_haproxy_pick(args: argparse.Namespace) -> int:
         host = "127.0.0.1" if cfg.bind in ("", "0.0.0.0") else cfg.bind
         url = f"http://{host}:{cfg.table_port}{TABLE_PATH}"
     servers = list(picker_backends(cfg, params))
-    settings = pick_settings(cfg.picker_params(), cfg.chars_per_token, cfg.default_output_tokens,
-                             cfg.levels_window_s)
-    snippet = pick_snippet(url, args.backend, servers, settings, args.poll_ms,
-                           Fallback(cfg.fallback_status, cfg.fallback_body), args.stats_port)
+    settings = cfg.haproxy_pick_settings()
+    snippet = pick_snippet(url, args.backend, servers, settings, args.poll_ms, cfg.fallback, args.stats_port)
     if args.json:
         print_json({"lua_path": str(LUA_PATH), "table_url": url, "backend": args.backend, "servers": servers,
                     "settings": settings, "config": snippet})
