@@ -212,7 +212,8 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
     tier_s = sum(v - tier_before.get(pid, 0.0) for pid, v in tier_after.items())
     engines_s = sum(v - engines_before.get(pid, 0.0) for pid, v in engines_after.items())
     doc["cpu_s"] = {"lb_tier": round(tier_s, 2), "engines": round(engines_s, 2),
-                    "lb_tier_ms_per_request": round(1000 * tier_s / max(1, len(results)), 2)}
+                    "lb_tier_ms_per_request": round(1000 * tier_s / max(1, len(results)), 2),
+                    "lb_tier_processes": len(tier_after)}
     doc["wall_s"] = round(time.monotonic() - t0, 1)
     doc["front"] = f.info
     return doc
