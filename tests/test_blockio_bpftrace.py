@@ -71,6 +71,7 @@ from conftest import require, require_binary
 from disk_helpers import DiskstatsSampler, cpus_apart_from_disk_irq, synced_write
 
 from triscope.collectors.blockio import (
+    BUFFERS,
     RESTART_AT_MAP_KEYS,
     BpftraceCollector,
     bpf_recursion_misses,
@@ -432,40 +433,47 @@ def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
 
 
 def test_bpftrace_output_running_windows_late_is_detected(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """bpftrace's user space stopped for 4 windows mid-IO (SIGSTOP; a starved process on a busy
+    """bpftrace's user space stopped for 8 windows mid-IO (SIGSTOP; a starved process on a busy
     host): the prints and clears queued meanwhile then run on map sets the kernel counts into
-    again. The assembler flags the windows printed while counting and logs them, and the
-    disturbance stays inside the stop and the two windows after it: every window before or after
-    holds exactly the reads diskstats saw in it. (A raced window's counts are not claimed: one
-    suite run saw one hold 31,564 reads where diskstats saw at most 28,506, the cause not found;
-    an earlier version of this test asserted that no window ever counts more.)"""
+    again. The assembler flags the windows that may miss requests (printed while counting, or
+    their set cleared after they began) and logs them; every window it does not flag holds
+    exactly the reads diskstats saw in it, however late bpftrace ran. (A flagged window's counts
+    are not claimed. An earlier version trusted every window from two after the resume on: one
+    suite run under load average 7.3 saw one 1.2 s after it hold 1,756 reads where diskstats saw
+    at least 1,948: bpftrace still ran late there, and its print and clear straddled the window's
+    start, which no print shows; the read time of each mark now bounds its clears. A stop of 4
+    windows went unflagged once in 16 runs, rightly: bpftrace misses about one interval tick in
+    ten here, a missed tick clears nothing, and only the stop's first tick was late enough.)"""
     data, device = _filled_file(tmp_path)
     interval_s = 0.25
     with _live_collector(tmp_path, device, {"interval_s": interval_s, "host": "bt"}) as (collector, sampler):
         collector.collect()
-        fio = _start_randread(data, "late", 3)
+        fio = _start_randread(data, "late", 5)
         time.sleep(1.0)
-        assert collector.asm.raced == 0
         with caplog.at_level(logging.WARNING):
             stopped_at = time.monotonic_ns()
             os.kill(collector._proc.pid, signal.SIGSTOP)
-            time.sleep(4 * interval_s)
+            time.sleep(8 * interval_s)
             os.kill(collector._proc.pid, signal.SIGCONT)
             resumed_at = time.monotonic_ns()
             assert fio.wait(timeout=60) == 0, fio.stderr.read() if fio.stderr else ""
             time.sleep(3 * interval_s)
             rows = collector.collect()["io_latency"]
-    assert collector.asm.raced >= 1
-    assert [r for r in caplog.records if "while it was still counting" in r.getMessage()]
+    window_ns = collector.asm.window_ns
+    flagged = set(collector.asm.raced_windows)
+    assert collector.asm.raced == len(flagged)
+    assert flagged & set(range(stopped_at // window_ns, resumed_at // window_ns + BUFFERS)), (
+        "the stop went unflagged", sorted(flagged), stopped_at // window_ns, resumed_at // window_ns)
+    assert [r for r in caplog.records if "may miss requests" in r.getMessage()]
     reads = [r for r in _device_reads(rows, device) if r["ios"] > 1000]
     assert len(reads) >= 6, reads
     calm = 0
     for r in reads:
         t0, t1 = _kernel_span(r, collector)
-        if t1 > stopped_at and t0 < resumed_at + 2 * collector.asm.window_ns:
-            continue  # printed late, possibly while counting
+        if t0 // window_ns in flagged:
+            continue
         (reads_lo, reads_hi), _, _ = sampler.bracket(t0, t1)
         assert _reads_floor(reads_lo, collector) <= r["ios"] <= reads_hi, (
-            r["ios"], reads_lo, reads_hi, (t0 - stopped_at) / 1e9, (t0 - resumed_at) / 1e9)
+            r["ios"], reads_lo, reads_hi, (t0 - stopped_at) / 1e9, (t0 - resumed_at) / 1e9, sorted(flagged))
         calm += 1
-    assert calm >= 3, (calm, reads)
+    assert calm >= 3, (calm, reads, sorted(flagged))

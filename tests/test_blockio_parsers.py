@@ -344,6 +344,38 @@ def test_kernel_clock_windows_from_window_keys(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_mark_read_late_flags_the_windows_its_clears_may_have_hit(fmt: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The interval of window ``cur`` clears the sets that windows ``cur + AHEAD + 1 ..
+    cur + BUFFERS - 1`` count into next, and ran before its mark was read: a window among those
+    that began before the read may have lost what it counted before the clear, though no print
+    showed it counting. Marks read on time flag nothing; a saved file (no read time) neither."""
+    w_ns = 500_000_000
+    def window(w: int) -> list[tuple]:
+        return [("hist", f"usecs_{w % BUFFERS}", [w, 254, 0, "R"], [(128, 256, 5)])]
+    events: list[tuple[tuple, int | None]] = [(("mark", "triscope-window-live", 2 * w_ns), None)]
+    for w in range(2, 16):
+        events += [(ev, None) for ev in window(w)]
+        read_at = (w + 1) * w_ns + 20_000_000  # read 20 ms after its tick: on time
+        if w + 1 == 5:
+            read_at = (5 + AHEAD + 2) * w_ns + 1  # the tick in window 5 read in window 9
+        events.append((("mark", "triscope-window-end", (w + 1) * w_ns + 10_000_000), read_at))
+    events.append((("mark", "triscope-window-final", 16 * w_ns), None))
+    late = WindowAssembler("h", fmt, 0.5)
+    saved = WindowAssembler("h", fmt, 0.5)
+    with caplog.at_level(logging.WARNING):
+        for ev, read_at in events:
+            for line in _render(fmt, [ev]):
+                late.feed(line + "\n", read_ns=read_at)
+                saved.feed(line + "\n")
+    assert late.errors == saved.errors == 0
+    assert len(late.drain()["ts"]) == len(saved.drain()["ts"]) == 14
+    # cleared by the tick in window 5: sets of windows 5 + 3 .. 5 + 5; begun before the read: 8, 9
+    assert list(late.raced_windows) == [8, 9]
+    assert late.raced == 2 and saved.raced == 0
+    assert [r for r in caplog.records if "window 8 may miss requests" in r.getMessage()]
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
 def test_the_stop_mark_ends_the_last_window(fmt: str) -> None:
     """bpftrace runs END well after it stopped counting: the stop probe's mark, not END's, ends
     the last window, and a window of a later process starts when that one went live."""

@@ -7,7 +7,7 @@ import logging
 import math
 import re
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -24,6 +24,7 @@ from triscope.collectors.blockio.parse import (
 )
 from triscope.collectors.blockio.program import (
     AHEAD,
+    BUFFERS,
     MARKS,
     WINDOW_FINAL_MARK,
     WINDOW_LIVE_MARK,
@@ -77,9 +78,11 @@ class WindowAssembler:
 
     The maps carry the kernel-clock window index as the first key part; a window becomes rows
     at the first ``triscope-window-end <nsecs>`` mark past its end; one printed before its own
-    interval ended was read while still counting and is counted in ``raced``. Maps without the
-    index (older programs, and a bare mark) make one window ending at the mark. A bad line is
-    logged (one line) and counted in ``errors``; the rest of the window is kept."""
+    interval ended was read while still counting, and one whose map set a mark read late may
+    have cleared after it began: both are counted in ``raced`` (``feed``'s ``read_ns`` gives the
+    read time). Maps without the index (older programs, and a bare mark) make one window ending
+    at the mark. A bad line is logged (one line) and counted in ``errors``; the rest of the
+    window is kept."""
 
     def __init__(self, host: str, fmt: str, interval_s: float) -> None:
         self.host, self.fmt, self.interval_s = host, fmt, interval_s
@@ -94,8 +97,13 @@ class WindowAssembler:
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()  # bpftrace nsecs -> wall clock
         self._stopped_at: int | None = None  # kernel ns of the stop mark: the last window ends there
         self.raced = 0
-        """Windows printed while still being counted (bpftrace's user space ran more than
-        :data:`AHEAD` windows late): their clear may have dropped requests."""
+        """Windows made into rows that may miss requests: bpftrace's user space ran more than
+        :data:`AHEAD` windows late, and printed the window while it was counting or cleared its
+        map set after it began (the clear drops what was counted since the print)."""
+        self.raced_windows: deque[int] = deque(maxlen=1024)
+        """The latest such windows' indexes (``start // window_ns`` on the kernel clock)."""
+        self._late: list[tuple[int, int]] = []  # (window of a mark's interval, window it was read in)
+        self._read_ns: int | None = None
         self.live_seen = False
         """Whether the live mark of the running program has been read."""
         self.key_counts: dict[int, int] = {}
@@ -115,8 +123,10 @@ class WindowAssembler:
         c = self.key_counts
         return max(0, c.get(0, 0) - c.get(1, 0), c.get(2, 0) - c.get(3, 0))
 
-    def feed(self, line: str, now_ns: int | None = None) -> None:
-        """Consume one output line."""
+    def feed(self, line: str, now_ns: int | None = None, read_ns: int | None = None) -> None:
+        """Consume one output line; ``read_ns``: when it was read (CLOCK_MONOTONIC), which bounds
+        when bpftrace ran the clears before it (None: not known, e.g. a saved file)."""
+        self._read_ns = read_ns
         try:
             if self.fmt == "json":
                 self._feed_json(line, now_ns)
@@ -222,6 +232,8 @@ class WindowAssembler:
         cur = None if mono is None or final else mono // self.window_ns
         if cur is not None:
             self._check_not_live(cur)
+            if self._read_ns is not None and self._read_ns // self.window_ns > cur + AHEAD:
+                self._late.append((cur, self._read_ns // self.window_ns))
         for w in sorted(k for k in self._wins if k is not None and (cur is None or k < cur)):
             start = w * self.window_ns + self.clock_offset_ns
             stop = start + self.window_ns
@@ -231,7 +243,10 @@ class WindowAssembler:
                 stop = max(min(stop, self._stopped_at + self.clock_offset_ns), start + 1)
             if self._live_from is not None and self._live_from > start:
                 start = min(self._live_from, stop - 1)  # the first window: only since counting started
-            self._emit(self._wins.pop(w), start, (stop - start) / 1e9)
+            win = self._wins.pop(w)
+            if win.raced or self._cleared_late(w):
+                self._count_raced(w)
+            self._emit(win, start, (stop - start) / 1e9)
         legacy = self._wins.pop(None, None)
         if legacy is not None:  # maps without a window key: one window ending at this mark
             if mono is None:
@@ -267,9 +282,23 @@ class WindowAssembler:
         """At the mark of an interval that fired in window ``cur``: the maps printed before it
         should only hold earlier windows; one at or after ``cur`` was read while counting."""
         for w, win in self._wins.items():
-            if w is None or w < cur or win.raced:
-                continue
-            win.raced = True
-            self.raced += 1
-            log.warning("blockio: bpftrace printed window %d while it was still counting (its output "
-                        "ran more than %d windows late); that window may miss requests", w, AHEAD)
+            if w is not None and w >= cur:
+                win.raced = True
+
+    def _cleared_late(self, w: int) -> bool:
+        """Whether an interval's clears may have hit window ``w`` while it counted: the interval
+        (window ``cur``) cleared the sets windows ``cur + AHEAD + 1 .. cur + BUFFERS - 1`` count
+        into next (and every BUFFERS windows after), and ran before its mark was read. A print
+        just before the window began and a clear just after it (bpftrace preempted or blocked on
+        a full pipe between them) lose counts that no print shows."""
+        hit = any(cur < w <= read_in and (w - cur) % BUFFERS > AHEAD for cur, read_in in self._late)
+        self._late = [(cur, read_in) for cur, read_in in self._late if read_in > w]  # windows close in order
+        return hit
+
+    def _count_raced(self, w: int) -> None:
+        self.raced += 1
+        self.raced_windows.append(w)
+        if self.raced in (1, 10) or self.raced % 100 == 0:
+            log.warning("blockio: window %d may miss requests: bpftrace's output ran more than %d windows "
+                        "late, so it printed or cleared the window while it was counting (%d such windows "
+                        "so far)", w, AHEAD, self.raced)

@@ -130,8 +130,9 @@ class BpftraceCollector:
     def _read(self) -> None:
         assert self._proc and self._proc.stdout
         for line in self._proc.stdout:
+            read_ns = time.monotonic_ns()  # after bpftrace wrote it: bounds when its clears ran
             with self._lock:
-                self.asm.feed(line)
+                self.asm.feed(line, read_ns=read_ns)
 
     def _read_err(self) -> None:
         assert self._proc and self._proc.stderr

@@ -10,7 +10,8 @@ MAP_KEYS_MAX = 4096
 """Keys per bpftrace map (``BPFTRACE_MAP_KEYS_MAX``, set for the program): a full request-start
 map takes no new requests, which then go uncounted."""
 WINDOW_MARK = "triscope-window-end"
-"""printf of the interval probe: ``triscope-window-end <nsecs>`` (kernel CLOCK_MONOTONIC)."""
+"""printf of the interval probe: ``triscope-window-end <nsecs>`` (kernel CLOCK_MONOTONIC), the
+instant the probe chose which map sets to print and clear."""
 WINDOW_START_MARK = "triscope-window-start"
 """printf of BEGIN (bpftrace may still be attaching probes: the window start only without the control probe)."""
 WINDOW_FINAL_MARK = "triscope-window-final"
@@ -83,10 +84,11 @@ tracepoint:block:block_rq_requeue
 
 interval:ms:__INTERVAL_MS__
 {
-  $cur = (nsecs / __WINDOW_NS__) % __BUFFERS__;
+  $now = nsecs;
+  $cur = ($now / __WINDOW_NS__) % __BUFFERS__;
 __FLUSHES__
   print(@keys);
-  printf("triscope-window-end %llu\n", nsecs);
+  printf("triscope-window-end %llu\n", $now);
 }
 
 tracepoint:syscalls:sys_enter_getpgid  // ctl
