@@ -221,7 +221,7 @@ class WindowAssembler:
         elif name == WINDOW_FINAL_MARK and mono is not None:
             stopped = mono if self._stopped_at is None else min(mono, self._stopped_at)
             self._close(now_ns, stopped, final=True)
-            self._stopped_at, self.live_seen = None, False
+            self._stopped_at, self.live_seen, self._late = None, False, []
         else:
             raise InputError(f"unexpected printf {text[:60]!r}")
 
@@ -234,6 +234,8 @@ class WindowAssembler:
             self._check_not_live(cur)
             if self._read_ns is not None and self._read_ns // self.window_ns > cur + AHEAD:
                 self._late.append((cur, self._read_ns // self.window_ns))
+            # windows this old are printed by now (three ticks each, then their set's next turn)
+            self._late = [(c, read_in) for c, read_in in self._late if read_in >= cur - 2 * BUFFERS]
         for w in sorted(k for k in self._wins if k is not None and (cur is None or k < cur)):
             start = w * self.window_ns + self.clock_offset_ns
             stop = start + self.window_ns
