@@ -173,8 +173,11 @@ def board() -> Board:
             prom_target("sum by (collector) (increase(triscope_collector_errors_total[$__rate_interval]))",
                         "collector {{collector}}"),
             prom_target("increase(triscope_exporter_store_query_errors_total[$__rate_interval])",
-                        "exporter store queries", ref="B")],
-            "failed collect() calls and failed /metrics store queries", unit="short", w=8),
+                        "exporter store queries", ref="B"),
+            prom_target("sum by (collector, kind) (increase(triscope_collector_gaps_total[$__rate_interval]))",
+                        "{{collector}} gaps: {{kind}}", ref="C")],
+            "failed collect() calls, failed /metrics store queries, and the gaps collectors know of in their rows "
+            "(blockio: probe runs the kernel skipped, windows that may miss requests)", unit="short", w=8),
     ]
     return Board(UID, "triscope / fleet overview",
                  "QPS, GPU memory and P99 latency per backend; drill down by host, GPU, model version, modality, "

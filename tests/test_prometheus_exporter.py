@@ -140,8 +140,9 @@ def test_promtool_finds_nothing_to_lint(store: Any, tmp_path: Path) -> None:
     assert writer.flush(timeout_s=10)
 
     def stats() -> dict[str, Any]:
-        return {"writer": writer.snapshot(), "collectors": {"blockio": {"rows": 1, "errors": 0,
-                                                                         "tables": {"io_latency": 1}}},
+        return {"writer": writer.snapshot(), "collectors": {"blockio": {
+                    "rows": 1, "errors": 0, "tables": {"io_latency": 1},
+                    "gaps": {"missed_probe_runs": 3, "late_windows": 1}}},
                 "not_started": {"nvml": "NVML not available"},
                 "exporters": {"epp": {  # the per-request picker's counters, as EppService.stats() has them
                     "picks": {"b0": 7, "b1": 5, "status:503": 2, "status:400": 1}, "in_flight": {"b0": 1, "b1": 0},
@@ -160,6 +161,8 @@ def test_promtool_finds_nothing_to_lint(store: Any, tmp_path: Path) -> None:
     s = _samples(text)
     assert _get(s, "triscope_writer_rows_written_total") == 1
     assert _get(s, "triscope_collector_up", collector="nvml") == 0
+    assert _get(s, "triscope_collector_gaps_total", collector="blockio", kind="late_windows") == 1
+    assert _get(s, "triscope_collector_gaps_total", collector="blockio", kind="missed_probe_runs") == 3
     assert _get(s, "triscope_epp_picks_total", backend="b0") == 7
     assert _get(s, "triscope_epp_answered_total", status="503") == 2
     assert _get(s, "triscope_epp_refused_total", request_class="offline_video", level="break") == 2
@@ -357,3 +360,42 @@ def test_one_owner_per_metric_name(exporter: PrometheusExporter, store: Any) -> 
     kv_in = {s.labels["backend"]: s.value for s in fed["triscope_weights_input_kv_cache_usage_ratio"].samples}
     assert kv == kv_in == {"b1": pytest.approx(0.72)}  # the same number, one name each
     assert "triscope_backend_requests_per_second" in run and "triscope_weights_input_requests_per_second" in fed
+
+
+def test_a_collectors_own_gaps_reach_metrics(store: Any, tmp_path: Path) -> None:
+    """A collector's ``gaps()`` (blockio's skipped probe runs and late windows) travel through its loop's
+    counters to ``triscope_collector_gaps_total``; a collector without one shows none."""
+    import threading
+
+    from triscope.collector_loop import CollectorLoop
+    from triscope.writer import Writer
+
+    class Source:  # the smallest collectors, one counting gaps (blockio's need root and bpftrace)
+        interval_s = 1.0
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def start(self) -> None: ...
+        def collect(self) -> dict[str, Any]:
+            return {}
+        def close(self) -> None: ...
+
+    class GappySource(Source):
+        def gaps(self) -> dict[str, int]:
+            return {"late_windows": 2}
+
+    writer = Writer(store, str(tmp_path / "spool"))
+    loops = [CollectorLoop(GappySource("gappy"), writer, threading.Event()),
+             CollectorLoop(Source("whole"), writer, threading.Event())]
+    stats = lambda: {"writer": writer.snapshot(), "collectors": {lp.collector.name: lp.counters() for lp in loops},  # noqa: E731
+                     "not_started": {}}
+    exp = create({"prometheus": {"port": 0, "cache_s": 0}}, Context(open_store=lambda: store, stats=stats))
+    exp.start()
+    try:
+        s = _samples(_scrape(exp.url))
+    finally:
+        exp.close()
+        writer.close()
+    assert _get(s, "triscope_collector_gaps_total", collector="gappy", kind="late_windows") == 2
+    assert not [k for k in s if k[0] == "triscope_collector_gaps_total" and ("collector", "whole") in k[1]]

@@ -151,10 +151,12 @@ class CollectorLoop(threading.Thread):
         return self.rows_dropped + self.pending_rows
 
     def counters(self) -> dict[str, Any]:
-        """rows, errors, last error, rows waiting for the writer, rows dropped, rows per table."""
+        """rows, errors, last error, rows waiting for the writer, rows dropped, rows per table, and the
+        collector's own count of the gaps it knows of in its rows (``gaps()``, where it has one)."""
+        gaps = getattr(self.collector, "gaps", None)
         return {"rows": self.rows, "errors": self.errors, "last_error": self.last_error,
                 "pending_rows": self.pending_rows, "rows_dropped": self.rows_dropped,
-                "tables": dict(self.counter.by_table)}
+                "tables": dict(self.counter.by_table), "gaps": dict(gaps()) if callable(gaps) else {}}
 
 
 __all__: Sequence[str] = ["CollectorLoop", "RowCounter"]

@@ -41,7 +41,8 @@ class Collector(Protocol):
     Long-running sources (bpftrace, an OTLP receiver) buffer between calls or submit through
     ``context.submit`` themselves. A source whose ``close()`` yields last rows (bpftrace's END
     probe prints the window still open) sets ``ROWS_AFTER_CLOSE = True``: the daemon then calls
-    ``collect()`` once more after ``close()``.
+    ``collect()`` once more after ``close()``. A source that knows where its rows fall short may
+    have ``gaps() -> dict[str, int]``: running counts by kind (the daemon's ``/metrics`` shows them).
     """
 
     name: str

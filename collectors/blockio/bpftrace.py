@@ -150,6 +150,11 @@ class BpftraceCollector:
             rows = self.asm.drain()
         return {IO_LATENCY.name: rows} if rows["ts"] else {}
 
+    def gaps(self) -> dict[str, int]:
+        """Where the rows fall short: probe runs the kernel skipped (requests not counted) and
+        windows that may miss requests (bpftrace's output ran late, ``WindowAssembler.raced``)."""
+        return {"missed_probe_runs": self.missed_probe_runs, "late_windows": self.asm.raced}
+
     @property
     def missed_probe_runs(self) -> int:
         """Probe runs the kernel skipped so far (BPF recursion), every bpftrace process of this

@@ -146,14 +146,18 @@ class TriscopeCollector:
                                          labels=["collector"])
             running = GaugeMetricFamily("triscope_collector_up", "1 for a running collector, 0 for one that "
                                         "failed to start.", labels=["collector"])
+            gaps = CounterMetricFamily("triscope_collector_gaps", "Gaps a collector knows of in its rows, by kind "
+                                       "(blockio: missed_probe_runs, late_windows).", labels=["collector", "kind"])
             for name, c in sorted(collectors.items()):
                 for table, n in sorted((c.get("tables") or {}).items()):
                     rows.add_metric([name, table], float(n))
                 errors.add_metric([name], float(c.get("errors", 0)))
                 running.add_metric([name], 1.0)
+                for kind, n in sorted((c.get("gaps") or {}).items()):
+                    gaps.add_metric([name, kind], float(n))
             for name in sorted(not_started):
                 running.add_metric([name], 0.0)
-            yield from (rows, errors, running)
+            yield from (rows, errors, running, gaps)
 
     # -- derived values
     def _open(self) -> Any:
