@@ -293,9 +293,7 @@ class WindowAssembler:
         into next (and every BUFFERS windows after), and ran before its mark was read. A print
         just before the window began and a clear just after it (bpftrace preempted or blocked on
         a full pipe between them) lose counts that no print shows."""
-        hit = any(cur < w <= read_in and (w - cur) % BUFFERS > AHEAD for cur, read_in in self._late)
-        self._late = [(cur, read_in) for cur, read_in in self._late if read_in > w]  # windows close in order
-        return hit
+        return any(cur < w <= read_in and (w - cur) % BUFFERS > AHEAD for cur, read_in in self._late)
 
     def _count_raced(self, w: int) -> None:
         self.raced += 1
