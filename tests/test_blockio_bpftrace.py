@@ -440,10 +440,11 @@ def test_bpftrace_output_running_windows_late_is_detected(tmp_path: Path, caplog
     exactly the reads diskstats saw in it, however late bpftrace ran. (A flagged window's counts
     are not claimed. An earlier version trusted every window from two after the resume on: one
     suite run under load average 7.3 saw one 1.2 s after it hold 1,756 reads where diskstats saw
-    at least 1,948: bpftrace still ran late there, and its print and clear straddled the window's
-    start, which no print shows; the read time of each mark now bounds its clears. A stop of 4
-    windows went unflagged once in 16 runs, rightly: bpftrace misses about one interval tick in
-    ten here, a missed tick clears nothing, and only the stop's first tick was late enough.)"""
+    at least 1,948, most likely because bpftrace still ran late there and its print and clear straddled
+    the window's start, which no print shows (not reproduced here); the read time of each mark now
+    bounds its clears. A stop of 4 windows went unflagged once in 16 runs, rightly: bpftrace misses
+    about one interval tick in ten here, a missed tick clears nothing, and only the stop's first
+    tick was late enough.)"""
     data, device = _filled_file(tmp_path)
     interval_s = 0.25
     with _live_collector(tmp_path, device, {"interval_s": interval_s, "host": "bt"}) as (collector, sampler):
