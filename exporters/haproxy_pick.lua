@@ -42,6 +42,9 @@ local URL = os.getenv("TRISCOPE_PICK_TABLE_URL")
 local POLL_MS = tonumber(os.getenv("TRISCOPE_PICK_TABLE_POLL_MS") or "") or 50
 local KEEP_S = 10 -- pick and end times kept per server: a scrape older than this is stale anyway
 local SERVER_VAR = "txn.triscope_server"
+local FACTORS_VAR = "txn.triscope_pick_factors"
+local CLASS_VAR = "txn.triscope_class"
+local NEED_VAR = "txn.triscope_need"
 local REFUSED_VAR = "txn.triscope_refused"
 local BURST_S = 1 -- a limited class's bucket holds this many seconds of its rate (as the gate's)
 
@@ -236,7 +239,8 @@ end
 
 -- One server's standing for this request, from HAProxy's count and its backend's row.
 local function standing(busy, name, row, now, tokens, request_class, cfg)
-  local s = { name = name, busy = busy, work = busy, fits = true, strict = false, eligible = true, healthy = true }
+  local s = { name = name, busy = busy, work = busy, external = 0, fits = true, strict = false, eligible = true,
+    healthy = true, fresh = false }
   if row == nil then
     return s
   end
@@ -256,7 +260,7 @@ local function standing(busy, name, row, now, tokens, request_class, cfg)
   if row.load >= 0 then
     external = math.max(0, row.load - (busy - picked_since + ended_since))
   end
-  s.work = busy + external * cfg.ew
+  s.work, s.external, s.fresh = busy + external * cfg.ew, external, true
   s.strict = row.short or external > 0
   if row.free >= 0 then
     local _, unseen = after(picks[name], row.updated - cfg.vis)
@@ -264,6 +268,23 @@ local function standing(busy, name, row, now, tokens, request_class, cfg)
     s.fits = free - row.reserve >= tokens
   end
   return s
+end
+
+-- Every server's standing for the log, one word: NAME:BUSY+EXTERNAL:FIT:SCORE per server up, joined by
+-- "|"; FIT is fit, misfit (+mp), short (+sp: an early sign of a KV shortage or requests from elsewhere),
+-- nofit (fitted nowhere: work alone decided) or stale (no fresh row: HAProxy's count alone); a server
+-- that was no candidate shows "out" for its score.
+local function factors(up, any_fits)
+  local parts = {}
+  for _, s in ipairs(up) do
+    local fit = "stale"
+    if s.fresh then
+      fit = s.fits and "fit" or (not any_fits and "nofit") or (s.strict and "short") or "misfit"
+    end
+    local score = s.score ~= nil and string.format("%g", s.score) or "out"
+    parts[#parts + 1] = string.format("%s:%g+%g:%s:%s", s.name, s.busy, s.external, fit, score)
+  end
+  return table.concat(parts, "|")
 end
 
 -- The level that refuses this request of `request_class`, or nil (analyzers/routing/gate.py's rules).
@@ -360,6 +381,7 @@ core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, p
     if any_fits and not s.fits then
       score = score + (s.strict and cfg.sp or cfg.mp)
     end
+    s.score = score
     if best == nil or score < best - 1e-9 then
       best, ties = score, { s }
     elseif score <= best + 1e-9 then
@@ -384,6 +406,9 @@ core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, p
   remember_size(tokens)
   stats.picks = stats.picks + 1
   txn:set_var(SERVER_VAR, chosen)
+  txn:set_var(FACTORS_VAR, factors(up, any_fits))
+  txn:set_var(CLASS_VAR, (string.gsub(request_class, "[^%w_%.%-]", "_"))) -- one word in the log
+  txn:set_var(NEED_VAR, math.floor(tokens + 0.5))
 end, 2)
 
 core.register_action("triscope_pick_end", { "http-res" }, function(txn)

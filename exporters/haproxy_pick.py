@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from triscope.analyzers.routing.picker import HeadroomPicker, PickerParams
@@ -30,7 +31,17 @@ POLL_ENV = "TRISCOPE_PICK_TABLE_POLL_MS"
 SERVER_VAR = "txn.triscope_server"
 REFUSED_VAR = "txn.triscope_refused"
 """Set by the action to the admission level that refused the request (``degrade``, ``limit``, ``break``)."""
+FACTORS_VAR = "txn.triscope_pick_factors"
+"""Set by the action to every server's standing, one word: ``NAME:BUSY+EXTERNAL:FIT:SCORE`` joined by ``|``."""
+CLASS_VAR = "txn.triscope_class"
+NEED_VAR = "txn.triscope_need"
+"""The request's estimated KV need in tokens, as the action weighed it."""
 CLASS_LINE = "@class"
+PICK_LOG_TAG = "triscope-pick"
+PICK_LOG_FORMAT = (f"{PICK_LOG_TAG} %Ts.%ms %s %ST %Tw %Tc %Tr %Ta "
+                   f"%[var({CLASS_VAR})] %[var({NEED_VAR})] %[var({FACTORS_VAR})]")
+"""A ``log-format`` with each pick's factors: accept time, server, status, HAProxy's timers (ms: queue,
+connect, to response headers, whole request) and the class, KV need and factors the action set."""
 
 
 def pick_table(picker: HeadroomPicker, now: float | None = None) -> bytes:
@@ -134,6 +145,62 @@ def pick_snippet(table_url: str, backend: str, server_names: Iterable[str], sett
     if stats_port:
         lines += pick_stats_frontend(stats_port)
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Standing:
+    """One server's standing in a logged pick (:data:`FACTORS_VAR`)."""
+
+    busy: float
+    external: float
+    fit: str
+    """fit, misfit, short, nofit or stale (the Lua file's ``factors``)."""
+    score: float | None
+    """None: the server was up but no candidate (drained, unhealthy, closed to the class)."""
+
+
+@dataclass(frozen=True)
+class PickLogRecord:
+    """One request's line of :data:`PICK_LOG_FORMAT`."""
+
+    accepted_s: float
+    server: str
+    status: int
+    queue_ms: int
+    connect_ms: int
+    response_ms: int
+    active_ms: int
+    request_class: str
+    need_tokens: int
+    standings: dict[str, Standing]
+
+
+def _int(word: str) -> int:
+    return int(word) if word.lstrip("-").isdigit() else -1
+
+
+def parse_pick_log_line(line: str) -> PickLogRecord | None:
+    """A :data:`PICK_LOG_FORMAT` line, or None for any other line (HAProxy's own messages share the log)."""
+    words = line.split()
+    if len(words) < 11 or words[0] != PICK_LOG_TAG:
+        return None
+    try:
+        accepted = float(words[1])
+    except ValueError:
+        return None
+    standings = {}
+    for part in words[10].split("|") if words[10] != "-" else []:
+        fields = part.split(":")
+        if len(fields) != 4 or "+" not in fields[1]:
+            return None
+        busy, _, external = fields[1].partition("+")
+        try:
+            standings[fields[0]] = Standing(float(busy), float(external), fields[2],
+                                            None if fields[3] == "out" else float(fields[3]))
+        except ValueError:
+            return None
+    return PickLogRecord(accepted, words[2], _int(words[3]), _int(words[4]), _int(words[5]), _int(words[6]),
+                         _int(words[7]), "" if words[8] == "-" else words[8], _int(words[9]), standings)
 
 
 def pick_stats_frontend(port: int) -> list[str]:

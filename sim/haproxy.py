@@ -17,7 +17,14 @@ from typing import Any
 from triscope.exporters.epp import Fallback
 from triscope.exporters.haproxy_gate import LUA_PATH as GATE_LUA
 from triscope.exporters.haproxy_gate import gate_rules
-from triscope.exporters.haproxy_pick import pick_globals, pick_rules, pick_stats_frontend
+from triscope.exporters.haproxy_pick import (
+    PICK_LOG_FORMAT,
+    PickLogRecord,
+    parse_pick_log_line,
+    pick_globals,
+    pick_rules,
+    pick_stats_frontend,
+)
 from triscope.sim.procs import socket_dir, stop_process
 
 
@@ -136,6 +143,7 @@ class HAProxy:
             "    maxconn 4000",
             f"    stats socket {self.socket_path} mode 600 level admin",
             f"    nbthread {self.nbthread}",
+            "    log stdout format raw local0",
         ]
         if self.class_gate:
             lines.append(f"    lua-load {GATE_LUA}")
@@ -152,6 +160,8 @@ class HAProxy:
             *(["    option httpchk GET /health"] if self.health_check_ms > 0 else []),
             "frontend fe",
             f"    bind 127.0.0.1:{self.port}",
+            "    log global",  # one line per request (and the picker's factors), read by request_log()
+            f"    log-format \"{PICK_LOG_FORMAT}\"",
         ]
         lines += [f"    use_backend pool_{c} if {{ path_end /{c} }}" for c in self.class_pools]
         lines.append("    default_backend gpus")
@@ -216,6 +226,15 @@ class HAProxy:
         while not self.socket_path.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         return self
+
+    def request_log(self) -> list[PickLogRecord]:
+        """One record per request HAProxy finished, in the order logged (with the picker's factors when
+        ``pick`` is set; without it those fields are empty)."""
+        try:
+            lines = (self.workdir / "haproxy.log").read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return []
+        return [r for r in map(parse_pick_log_line, lines) if r is not None]
 
     def pick_stats(self) -> dict[str, Any]:
         """The Lua picker's counters: table polls (and failed ones), picks, picks left to the balance."""

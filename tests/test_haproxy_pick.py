@@ -210,6 +210,8 @@ def test_requests_another_client_runs_count_as_work(bed: Bed) -> None:
         assert all(f.result()[0] == 200 for f in pinned)
     # leastconn would count b0 empty (HAProxy sent it nothing); the picker counts the tenant's three
     assert Counter(served_by(raw) for _, raw in ours) == {"b1": 2, "b2": 2}
+    logged = bed.hap.request_log()[-4:]  # and logged them as b0's work
+    assert all(r.standings["b0"].busy == 0 and r.standings["b0"].external == 3 for r in logged), logged
     after = bed.hap.pick_stats()  # the last two went where HAProxy had more in flight than on b0
     assert after["diverted"] - before["diverted"] == 2 and after["picks"] - before["picks"] == 4
 
@@ -223,11 +225,23 @@ def test_a_request_goes_where_it_fits(bed: Bed) -> None:
         rows = bed.service.picker.explain(time.monotonic())
         assert rows["b0"]["free_kv_tokens"] - rows["b0"]["reserve_tokens"] > 2000  # fits b0 and b2, not b1
         time.sleep(0.1)
-        served = [served_by(post(bed.hap.port, body(2000, 2, f" {i}"))[1]) for i in range(16)]
+        served = [served_by(post(bed.hap.port, body(2000, 2, f" {i}"), {"x-triscope-class": "chat a/b"})[1])
+                  for i in range(16)]
     finally:
         bed.fleet.set_pressure("b1", 0)
     # one at a time: work ties, the fit decides; ties at random (16 all to one side: 2 in 65,536)
     assert "b1" not in served and set(served) == {"b0", "b2"}
+    # HAProxy's log says why, request by request: b1 did not fit and cost one request of work more
+    logged = wait_for(lambda: bed.hap.request_log()[-16:] if len(bed.hap.request_log()) >= 16 else None, 5,
+                      "the 16 requests logged")
+    assert [r.server for r in logged] == served
+    for record in logged:
+        assert record.status == 200 and record.request_class == "chat_a_b" and 2000 < record.need_tokens < 2020
+        assert record.active_ms >= record.response_ms >= 0 and record.queue_ms == 0
+        assert set(record.standings) == {"b0", "b1", "b2"}
+        misfit, chosen = record.standings["b1"], record.standings[record.server]
+        assert misfit.fit == "misfit" and chosen.fit == "fit" and (misfit.busy, chosen.busy) == (0, 0)
+        assert misfit.score == chosen.score + 1
 
 
 def test_drains_of_the_weight_engine_hold(bed: Bed) -> None:
