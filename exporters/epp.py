@@ -39,13 +39,13 @@ class NeedParams:
 
 
 def request_need(doc: Mapping[str, Any], headers: Mapping[str, str], params: NeedParams) -> RequestNeed:
-    """The class and KV tokens (prompt + expected output) of one OpenAI-style request body."""
+    """The class, KV tokens (prompt + expected output) and prompt tokens of one OpenAI-style request body."""
     prompt = _prompt_tokens(doc.get("prompt"), params) + _chat_tokens(doc.get("messages"), params)
     out = doc.get("max_tokens", doc.get("max_completion_tokens"))
     output = float(out) if isinstance(out, int | float) and not isinstance(out, bool) and out > 0 else (
         params.default_output_tokens)
     cls = headers.get(CLASS_HEADER) or doc.get("request_class") or ""
-    return RequestNeed(str(cls)[:64], prompt + output if prompt > 0 else math.nan)
+    return RequestNeed(str(cls)[:64], prompt + output if prompt > 0 else math.nan, prompt if prompt > 0 else math.nan)
 
 
 def _prompt_tokens(prompt: Any, params: NeedParams) -> float:

@@ -36,7 +36,19 @@
 -- the picker's settings ([epp]). `triscope weights haproxy-pick` prints these lines from the config.
 -- TRISCOPE_PICK_TABLE_POLL_MS sets the poll period (default 50). Load it with lua-load (one shared
 -- state, one thread at a time): with several threads, only a pick made between another's and HAProxy
--- counting that one's connection may count the same room twice.
+-- counting that one's connection may count the same room twice. It requires the haproxy_pick_*.lua
+-- modules from its own folder (time logs, class admission, counters).
+--
+-- Each pick leaves its factors in txn.triscope_pick_factors (NAME:BUSY+EXTERNAL:FIT:SCORE per server),
+-- with txn.triscope_class and txn.triscope_need (KV tokens), for a log-format (exporters/haproxy_pick.py).
+
+do -- the modules beside this file (haproxy_pick_*.lua), wherever it was installed
+  local dir = string.match(debug.getinfo(1, "S").source, "^@(.*)/[^/]*$") or "."
+  package.path = dir .. "/?.lua;" .. package.path
+end
+local ring = require("haproxy_pick_ring")
+local admission = require("haproxy_pick_admission")
+local counters = require("haproxy_pick_stats")
 
 local URL = os.getenv("TRISCOPE_PICK_TABLE_URL")
 local POLL_MS = tonumber(os.getenv("TRISCOPE_PICK_TABLE_POLL_MS") or "") or 50
@@ -45,71 +57,27 @@ local SERVER_VAR = "txn.triscope_server"
 local FACTORS_VAR = "txn.triscope_pick_factors"
 local CLASS_VAR = "txn.triscope_class"
 local NEED_VAR = "txn.triscope_need"
+local PROMPT_VAR = "txn.triscope_prompt" -- its prompt's tokens: the KV its end frees, at the least
+local PICKED_VAR = "txn.triscope_picked_ms" -- when it was picked (HAProxy's variables hold integers)
 local REFUSED_VAR = "txn.triscope_refused"
-local BURST_S = 1 -- a limited class's bucket holds this many seconds of its rate (as the gate's)
 
 local rows = {} -- backend name -> what its last scrape said (times on this clock)
 local rows_at = -1 -- when the table arrived
 local picks = {} -- server name -> log of (time, KV tokens) of the requests picked
-local ends = {} -- server name -> log of (time, 1) of the responses that came back
+local ends = {} -- server name -> log of (time, { picked, need, prompt }) of the responses that came back
 local sizes = { n = 0, sum = 0, i = 0, v = {} } -- the last 256 requests' KV need
-local levels = {} -- class -> { level, shed, admit } from the table
-local arrivals = {} -- class -> log of arrival times (only classes the table names: bounded)
-local buckets = {} -- class -> token bucket while the class is at `limit`
 local parsed = {}
--- picks: chosen by the action; fallback: left to the balance (no server up); excluded: a server up
--- in HAProxy was left out (drained, unhealthy, closed to the class); no_table: no table fresh enough;
--- no_fit: the request fitted nowhere (work alone decided); diverted: the chosen server had more of
--- HAProxy's requests in flight than the least loaded candidate (where leastconn would not have sent it)
--- refused_*: requests an admission level refused (answered by the fallback rule)
-local stats = { polls = 0, failed_polls = 0, picks = 0, fallback = 0, excluded = 0, no_table = 0, no_fit = 0,
-  diverted = 0, refused_degrade = 0, refused_limit = 0, refused_break = 0 }
-local STAT_KEYS = { "polls", "failed_polls", "picks", "fallback", "excluded", "no_table", "no_fit", "diverted",
-  "refused_degrade", "refused_limit", "refused_break" }
+local stats = counters.counts -- haproxy_pick_stats.lua says what each counts
 
 local function now_s()
   local t = core.now()
   return t.sec + t.usec / 1e6
 end
 
-local function log_for(logs, name)
-  local l = logs[name]
-  if l == nil then
-    l = { t = {}, v = {}, head = 1, tail = 0 }
-    logs[name] = l
-  end
-  return l
-end
-
-local function trim(l, horizon)
-  while l.head <= l.tail and l.t[l.head] < horizon do
-    l.t[l.head], l.v[l.head] = nil, nil
-    l.head = l.head + 1
-  end
-end
-
-local function push(l, t, v, keep)
-  l.tail = l.tail + 1
-  l.t[l.tail], l.v[l.tail] = t, v
-  trim(l, t - (keep or KEEP_S))
-end
-
--- How many entries were logged after `since`, and their values' sum.
-local function after(l, since)
-  local n, sum = 0, 0
-  if l == nil then
-    return n, sum
-  end
-  local i = l.tail
-  while i >= l.head and l.t[i] > since do
-    n, sum = n + 1, sum + l.v[i]
-    i = i - 1
-  end
-  return n, sum
-end
 
 -- One table: a header line "triscope-pick-table 1", then per backend
 -- NAME HEALTHY DRAINED FRESH_LEFT_S ENGINE_REQUESTS FREE_KV RESERVE KV_SHORT SCRAPE_AGE_S SENT_AGE_S DRAINED_CLASSES REFUSED
+-- WAITING (the last column may be absent: a table of an older triscope)
 -- (ages relative to when the table was written: no clock is shared; -1 for an unknown figure), and
 -- per class "@class NAME LEVEL SHED_RATIO ADMIT_RATIO". The table was written between the poll's
 -- start and its answer: each time is placed where an error counts fewer external requests (the
@@ -140,7 +108,7 @@ local function parse_table(body, asked, arrived)
           healthy = f[2] == "1", drained = f[3] == "1", fresh_until = arrived + (tonumber(f[4]) or -1),
           load = tonumber(f[5]) or -1, free = tonumber(f[6]) or -1, reserve = tonumber(f[7]) or 0,
           short = f[8] == "1", updated = arrived - (tonumber(f[9]) or 0), sent = asked - (tonumber(f[10]) or 0),
-          class_drains = drains, refused = f[12] == "1",
+          class_drains = drains, refused = f[12] == "1", waiting = tonumber(f[13] or "") or -1,
         }
       end
     end
@@ -162,12 +130,8 @@ if URL ~= nil and URL ~= "" then
         table_now, classes = parse_table(answer.body, asked, now_s())
       end
       if table_now ~= nil then
-        rows, rows_at, levels = table_now, now_s(), classes
-        for name, _ in pairs(buckets) do -- a class leaving `limit` starts afresh next time (as the gate)
-          if levels[name] == nil or levels[name].level ~= "limit" then
-            buckets[name] = nil
-          end
-        end
+        rows, rows_at = table_now, now_s()
+        admission.set_levels(classes)
         stats.polls = stats.polls + 1
       else
         stats.failed_polls = stats.failed_polls + 1
@@ -223,18 +187,19 @@ local function remember_size(tokens)
   sizes.sum, sizes.n = sizes.sum + tokens, sizes.n + 1
 end
 
--- KV tokens the request will hold: prompt (body bytes / chars per token) + max_tokens (or the default).
+-- KV tokens the request will hold: prompt (body bytes / chars per token) + max_tokens (or the default);
+-- and the prompt's alone.
 local function request_tokens(txn, body, cfg)
   local size = math.max(#body, tonumber(txn.f:req_hdr("content-length") or "") or 0)
   if size <= 0 then
-    return mean_size(cfg)
+    return mean_size(cfg), 0
   end
   local out = tonumber(string.match(body, '"max_tokens"%s*:%s*(%d+)')
     or string.match(body, '"max_completion_tokens"%s*:%s*(%d+)') or "")
   if out == nil or out <= 0 then
     out = cfg.out
   end
-  return size / cfg.cpt + out
+  return size / cfg.cpt + out, size / cfg.cpt
 end
 
 -- One server's standing for this request, from HAProxy's count and its backend's row.
@@ -246,7 +211,7 @@ local function standing(busy, name, row, now, tokens, request_class, cfg)
   end
   -- an engine too busy to render /metrics in time but still answering is slow, not gone (as the
   -- Endpoint Picker's answers keep it ready); one whose port refused a scrape is gone
-  local answered = ends[name] ~= nil and ends[name].tail >= ends[name].head and ends[name].t[ends[name].tail]
+  local answered = ring.last(ends[name])
   s.healthy = row.healthy or (not row.refused and answered and now - answered <= cfg.stale) or false
   s.eligible = s.healthy and not row.drained and not row.class_drains[request_class]
   if now > row.fresh_until then
@@ -254,8 +219,10 @@ local function standing(busy, name, row, now, tokens, request_class, cfg)
   end
   -- HAProxy's own requests the scrape saw: in flight now, less those picked after its answer, plus
   -- those answered after it was sent; the rest of the engine's requests came from elsewhere
-  local picked_since = after(picks[name], row.updated)
-  local ended_since = after(ends[name], row.sent)
+  local picked_since = ring.after(picks[name], row.updated)
+  local ended_since = ring.after(ends[name], row.sent, function()
+    return 0
+  end)
   local external = 0
   if row.load >= 0 then
     external = math.max(0, row.load - (busy - picked_since + ended_since))
@@ -263,8 +230,18 @@ local function standing(busy, name, row, now, tokens, request_class, cfg)
   s.work, s.external, s.fresh = busy + external * cfg.ew, external, true
   s.strict = row.short or external > 0
   if row.free >= 0 then
-    local _, unseen = after(picks[name], row.updated - cfg.vis)
-    local free = row.short and 0 or row.free - unseen
+    -- what was sent since the scrape (or just before it: not yet in its KV figure) holds KV the scrape
+    -- did not see; what came back since it answered holds none now
+    local _, unseen = ring.after(picks[name], row.updated - cfg.vis)
+    local _, freed = ring.after(ends[name], row.updated, function(e)
+      if e.picked > row.updated - cfg.vis then -- counted out as unseen above: gone, so back in
+        return e.need
+      end
+      -- the scrape saw it hold its prompt at least, unless requests were waiting: they take freed KV
+      -- first (and a request that waited held none at the scrape)
+      return row.waiting == 0 and e.prompt or 0
+    end)
+    local free = row.short and 0 or row.free + freed - unseen
     s.fits = free - row.reserve >= tokens
   end
   return s
@@ -287,43 +264,6 @@ local function factors(up, any_fits)
   return table.concat(parts, "|")
 end
 
--- The level that refuses this request of `request_class`, or nil (analyzers/routing/gate.py's rules).
-local function refusal(request_class, now, cfg, table_ok)
-  local level = levels[request_class]
-  if level == nil then
-    return nil
-  end
-  local log = log_for(arrivals, request_class)
-  trim(log, now - cfg.win)
-  local seen = log.tail - log.head + 1
-  push(log, now, 1, cfg.win)
-  if not table_ok then
-    return nil
-  end
-  if level.level == "break" then
-    return "break"
-  end
-  if (level.level == "degrade" or level.level == "limit") and level.shed > 0 and math.random() < level.shed then
-    return "degrade"
-  end
-  if level.level ~= "limit" then
-    return nil
-  end
-  local rate = level.admit * (seen + 1) / cfg.win
-  local capacity = math.max(1, rate * BURST_S)
-  local bucket = buckets[request_class]
-  if bucket == nil then -- the limit starts with a full bucket
-    bucket = { tokens = capacity, at = now }
-    buckets[request_class] = bucket
-  end
-  bucket.tokens = math.min(capacity, bucket.tokens + (now - bucket.at) * rate)
-  bucket.at = now
-  if bucket.tokens >= 1 then
-    bucket.tokens = bucket.tokens - 1
-    return nil
-  end
-  return "limit"
-end
 
 core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, params_arg)
   local cfg = settings(pools_arg, params_arg)
@@ -334,13 +274,13 @@ core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, p
   end
   local now = now_s()
   local body = txn.f:req_body() or ""
-  local tokens = request_tokens(txn, body, cfg)
+  local tokens, prompt_tokens = request_tokens(txn, body, cfg)
   local request_class = txn.f:req_hdr("x-triscope-class")
   if request_class == nil then -- as the Endpoint Picker: the header, else the body's request_class
     request_class = string.match(body, '"request_class"%s*:%s*"([^"]*)"') or ""
   end
   local table_ok = rows_at >= 0 and now - rows_at <= cfg.stale
-  local refused = refusal(request_class, now, cfg, table_ok)
+  local refused = admission.refusal(request_class, now, cfg.win, table_ok)
   if refused ~= nil then
     stats["refused_" .. refused] = stats["refused_" .. refused] + 1
     txn:set_var(REFUSED_VAR, refused)
@@ -402,69 +342,26 @@ core.register_action("triscope_pick", { "http-req" }, function(txn, pools_arg, p
   if pick.busy > least_busy then
     stats.diverted = stats.diverted + 1
   end
-  push(log_for(picks, chosen), now, tokens)
+  ring.push(ring.log_for(picks, chosen), now, tokens, KEEP_S)
   remember_size(tokens)
   stats.picks = stats.picks + 1
   txn:set_var(SERVER_VAR, chosen)
   txn:set_var(FACTORS_VAR, factors(up, any_fits))
   txn:set_var(CLASS_VAR, (string.gsub(request_class, "[^%w_%.%-]", "_"))) -- one word in the log
   txn:set_var(NEED_VAR, math.floor(tokens + 0.5))
+  txn:set_var(PROMPT_VAR, math.floor(prompt_tokens))
+  txn:set_var(PICKED_VAR, math.floor(now * 1000))
 end, 2)
 
 core.register_action("triscope_pick_end", { "http-res" }, function(txn)
   local name = txn:get_var(SERVER_VAR)
   if name ~= nil and (tonumber(txn.sf:status()) or 500) < 500 then -- the engine answered: it serves
-    push(log_for(ends, name), now_s(), 1)
+    local ended = { picked = (tonumber(txn:get_var(PICKED_VAR)) or 0) / 1000,
+      need = tonumber(txn:get_var(NEED_VAR)) or 0, prompt = tonumber(txn:get_var(PROMPT_VAR)) or 0 }
+    ring.push(ring.log_for(ends, name), now_s(), ended, KEEP_S)
   end
 end, 0)
 
--- Prometheus names of the counters (docs/epp.md); refused_* become one family with a level label.
-local PROM = {
-  { "polls", "triscope_haproxy_pick_table_polls_total", "Polls of the pick table that brought a table." },
-  { "failed_polls", "triscope_haproxy_pick_table_poll_failures_total", "Polls of the pick table that failed." },
-  { "picks", "triscope_haproxy_picks_total", "Requests whose server the action chose." },
-  { "fallback", "triscope_haproxy_pick_fallbacks_total", "Requests left to the backend's balance (no server up)." },
-  { "excluded", "triscope_haproxy_pick_excluded_total", "Picks that left out a server HAProxy had up." },
-  { "no_table", "triscope_haproxy_pick_no_table_total", "Picks made without a fresh table." },
-  { "no_fit", "triscope_haproxy_pick_no_fit_total", "Picks of a request that fitted no server's free KV." },
-  { "diverted", "triscope_haproxy_pick_diverted_total", "Picks of a server busier in HAProxy than another candidate." },
-}
-
-local function prometheus_text()
-  local out = {}
-  for _, m in ipairs(PROM) do
-    out[#out + 1] = string.format("# HELP %s %s\n# TYPE %s counter\n%s %d\n", m[2], m[3], m[2], m[2], stats[m[1]])
-  end
-  out[#out + 1] = "# HELP triscope_haproxy_pick_refused_total Requests refused by their class's admission level.\n"
-    .. "# TYPE triscope_haproxy_pick_refused_total counter\n"
-  for _, level in ipairs({ "degrade", "limit", "break" }) do
-    out[#out + 1] = string.format('triscope_haproxy_pick_refused_total{level="%s"} %d\n', level, stats["refused_" .. level])
-  end
-  if rows_at >= 0 then
-    out[#out + 1] = string.format("# HELP triscope_haproxy_pick_table_age_seconds Age of the last table polled.\n"
-      .. "# TYPE triscope_haproxy_pick_table_age_seconds gauge\ntriscope_haproxy_pick_table_age_seconds %.3f\n",
-      now_s() - rows_at)
-  end
-  return table.concat(out)
-end
-
--- GET on a `http-request use-service lua.triscope_pick_stats` frontend: the picker's counters, as JSON,
--- or in Prometheus' text format on /metrics.
-core.register_service("triscope_pick_stats", "http", function(applet)
-  local body, content_type
-  if applet.path == "/metrics" then
-    body, content_type = prometheus_text(), "text/plain; version=0.0.4"
-  else
-    local parts = {}
-    for _, key in ipairs(STAT_KEYS) do
-      parts[#parts + 1] = string.format('"%s": %d', key, stats[key])
-    end
-    local age = rows_at >= 0 and string.format("%.3f", now_s() - rows_at) or "null"
-    body, content_type = "{" .. table.concat(parts, ", ") .. ', "table_age_s": ' .. age .. "}\n", "application/json"
-  end
-  applet:set_status(200)
-  applet:add_header("content-type", content_type)
-  applet:add_header("content-length", tostring(#body))
-  applet:start_response()
-  applet:send(body)
+counters.register(function()
+  return rows_at >= 0 and now_s() - rows_at or nil
 end)

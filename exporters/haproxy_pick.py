@@ -67,7 +67,7 @@ def pick_table(picker: HeadroomPicker, now: float | None = None) -> bytes:
             name, _flag(row["healthy"]), _flag(drained), _num(fresh_left), _num(load),
             _num(free if math.isfinite(free) else -1.0), _num(row["reserve_tokens"]), _flag(row["kv_short"]),
             _num(row["scrape_age_s"]), _num(row["scrape_sent_age_s"]), ",".join(class_drains[name]) or "-",
-            _flag(row["refused"])]))
+            _flag(row["refused"]), _num(row["engine_waiting"])]))
     view = picker.engine
     for request_class, level in sorted(view.class_levels.items() if view is not None else ()):
         if is_haproxy_name(request_class):

@@ -161,6 +161,7 @@ class HAProxy:
             "frontend fe",
             f"    bind 127.0.0.1:{self.port}",
             "    log global",  # one line per request (and the picker's factors), read by request_log()
+            "    option dontlognull",  # not the connections that sent nothing (wait_port's)
             f"    log-format \"{PICK_LOG_FORMAT}\"",
         ]
         lines += [f"    use_backend pool_{c} if {{ path_end /{c} }}" for c in self.class_pools]

@@ -3,14 +3,17 @@ by ``[epp]``, polled by the Lua task, and the choices it makes against simulated
 
 from __future__ import annotations
 
+import http.server
 import json
 import math
 import subprocess
+import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,6 +32,8 @@ from triscope.exporters.epp_service import EppConfig, EppService
 from triscope.exporters.haproxy_pick import (
     TABLE_HEADER,
     TABLE_PATH,
+    PickLogRecord,
+    parse_pick_log_line,
     pick_globals,
     pick_rules,
     pick_settings,
@@ -62,10 +67,11 @@ def test_the_table_says_what_each_scrape_said() -> None:
     picker.set_weights(EngineView({"a": 1.0, "b": 1.0, "c": 1.0}, frozenset({"c"}),
                                   {"speech": {"a": "drain", "b": "ready"}, "bad class!": {"b": "drain"}}))
     rows = table_rows(pick_table(picker, NOW))
-    # healthy, drained, fresh left, engine requests, free KV, reserve, short, scrape age, sent age, class drains
-    assert rows["a"] == ["1", "0", "0.9", "3", "750", "50", "0", "0.1", "0.15", "speech", "0"]
-    assert rows["b"] == ["1", "0", "0.8", "1", "0", "100", "1", "0.2", "0.2", "-", "0"]  # short: nothing free
-    assert rows["c"] == ["0", "1", "-1", "-1", "-1", "0", "0", "-1", "-1", "-", "0"]  # never scraped; drained
+    # healthy, drained, fresh left, engine requests, free KV, reserve, short, scrape age, sent age, class drains,
+    # refused, waiting
+    assert rows["a"] == ["1", "0", "0.9", "3", "750", "50", "0", "0.1", "0.15", "speech", "0", "1"]
+    assert rows["b"] == ["1", "0", "0.8", "1", "0", "100", "1", "0.2", "0.2", "-", "0", "0"]  # short: nothing free
+    assert rows["c"] == ["0", "1", "-1", "-1", "-1", "0", "0", "-1", "-1", "-", "0", "-1"]  # never scraped; drained
     picker.refused("c")  # its port refused a scrape: gone, whatever answers came before
     assert table_rows(pick_table(picker, NOW))["c"][10] == "1"
     # a drain for KV usage alone is the fit test's to weigh (PickerParams.engine_kv_drains)
@@ -114,6 +120,24 @@ def test_settings_and_lines_refuse_what_the_lua_action_cannot_do() -> None:
         EppConfig.from_config({"epp": {"table_port": 70000}})
 
 
+def test_pick_log_lines_read_back() -> None:
+    line = ("triscope-pick 1765040000.123 b0 200 0 1 48 51 chat 2010 "
+            "b0:2+0:fit:2|b1:1+1:misfit:3|b2:0+0:stale:out")
+    record = parse_pick_log_line(line)
+    assert record is not None and record.accepted_s == pytest.approx(1765040000.123)
+    assert (record.server, record.status, record.queue_ms, record.connect_ms) == ("b0", 200, 0, 1)
+    assert (record.response_ms, record.active_ms, record.request_class, record.need_tokens) == (48, 51, "chat", 2010)
+    assert record.standings["b1"].external == 1 and record.standings["b1"].score == 3
+    assert record.standings["b2"].score is None and record.standings["b2"].fit == "stale"
+    # a request no pick chose (another balance, a refusal): empty variables and HAProxy's -1 timers
+    bare = parse_pick_log_line("triscope-pick 1765040000.500 b1 503 -1 -1 -1 3 - - -")
+    assert bare is not None and bare.standings == {} and bare.request_class == "" and bare.response_ms == -1
+    for other in ("[NOTICE] haproxy started", "triscope-pick x b0 200 0 0 1 1 - - -",
+                  "triscope-pick 1.0 b0 200 0 0 1 1 - - b0:2:fit:2",
+                  "triscope-pick 1.0 b0 200 0 0 1 1 - - b0:a+0:fit:2"):
+        assert parse_pick_log_line(other) is None, other
+
+
 @dataclass
 class Bed:
     hap: HAProxy
@@ -146,6 +170,12 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
 
 def served_by(raw: bytes) -> str:
     return str(json.loads(raw)["backend"])
+
+
+def logged_since(hap: HAProxy, start: int, n: int) -> list[PickLogRecord]:
+    """The ``n`` request-log records after the first ``start`` (HAProxy writes a line after its answer)."""
+    return wait_for(lambda: hap.request_log()[start:start + n] if len(hap.request_log()) >= start + n else None,
+                    5, f"{n} requests logged")
 
 
 def settle(bed: Bed) -> None:
@@ -200,6 +230,7 @@ def test_several_haproxy_threads_still_spread_a_burst(tmp_path_factory: pytest.T
 def test_requests_another_client_runs_count_as_work(bed: Bed) -> None:
     settle(bed)
     before = bed.hap.pick_stats()
+    logged_before = len(bed.hap.request_log())
     tenant = bed.specs[0]
     with ThreadPoolExecutor(7) as pool:  # three long requests straight to b0, not through HAProxy
         pinned = [pool.submit(post, tenant.port, body(100, 2500, f" t{i}")) for i in range(3)]
@@ -210,7 +241,7 @@ def test_requests_another_client_runs_count_as_work(bed: Bed) -> None:
         assert all(f.result()[0] == 200 for f in pinned)
     # leastconn would count b0 empty (HAProxy sent it nothing); the picker counts the tenant's three
     assert Counter(served_by(raw) for _, raw in ours) == {"b1": 2, "b2": 2}
-    logged = bed.hap.request_log()[-4:]  # and logged them as b0's work
+    logged = logged_since(bed.hap, logged_before, 4)  # and logged them as b0's work
     assert all(r.standings["b0"].busy == 0 and r.standings["b0"].external == 3 for r in logged), logged
     after = bed.hap.pick_stats()  # the last two went where HAProxy had more in flight than on b0
     assert after["diverted"] - before["diverted"] == 2 and after["picks"] - before["picks"] == 4
@@ -225,6 +256,7 @@ def test_a_request_goes_where_it_fits(bed: Bed) -> None:
         rows = bed.service.picker.explain(time.monotonic())
         assert rows["b0"]["free_kv_tokens"] - rows["b0"]["reserve_tokens"] > 2000  # fits b0 and b2, not b1
         time.sleep(0.1)
+        logged_before = len(bed.hap.request_log())
         served = [served_by(post(bed.hap.port, body(2000, 2, f" {i}"), {"x-triscope-class": "chat a/b"})[1])
                   for i in range(16)]
     finally:
@@ -232,8 +264,7 @@ def test_a_request_goes_where_it_fits(bed: Bed) -> None:
     # one at a time: work ties, the fit decides; ties at random (16 all to one side: 2 in 65,536)
     assert "b1" not in served and set(served) == {"b0", "b2"}
     # HAProxy's log says why, request by request: b1 did not fit and cost one request of work more
-    logged = wait_for(lambda: bed.hap.request_log()[-16:] if len(bed.hap.request_log()) >= 16 else None, 5,
-                      "the 16 requests logged")
+    logged = logged_since(bed.hap, logged_before, 16)
     assert [r.server for r in logged] == served
     for record in logged:
         assert record.status == 200 and record.request_class == "chat_a_b" and 2000 < record.need_tokens < 2020
@@ -386,22 +417,13 @@ def test_cli_prints_lines_haproxy_accepts(tmp_path: Path, capsys: pytest.Capture
     assert capsys.readouterr().out.strip().endswith("haproxy_pick.lua")
 
 
-def test_an_engine_that_answers_stays_ready_while_its_scrapes_fail(tmp_path: Path, bed: Bed) -> None:
-    """The table says b0 unhealthy (its scrapes time out) but HAProxy saw it answer: it stays a candidate,
-    as the Endpoint Picker's answers keep it ready; once its port refused a scrape it is out. The table is
-    written by hand here (served by a plain HTTP server) to hold b0's scrapes failing."""
-    import http.server
-    import threading
-
-    settle(bed)
-    line = "{name} {healthy} 0 -1 -1 -1 0 0 5 5 - {refused}\n"
-    state = {"b0": (1, 0)}
+@contextmanager
+def hand_written_table(rows: Callable[[], str]) -> Iterator[str]:
+    """A plain HTTP server answering ``TABLE_HEADER`` and ``rows()`` on every poll; yields its URL."""
 
     class Table(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            rows = "".join(line.format(name=n, healthy=state.get(n, (1, 0))[0], refused=state.get(n, (1, 0))[1])
-                           for n in ("b0", "b1", "b2"))
-            payload = (TABLE_HEADER + "\n" + rows).encode()
+            payload = (TABLE_HEADER + "\n" + rows()).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
@@ -413,7 +435,26 @@ def test_an_engine_that_answers_stays_ready_while_its_scrapes_fail(tmp_path: Pat
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Table)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        setup = PickSetup(f"http://127.0.0.1:{server.server_address[1]}{TABLE_PATH}", "cpt=4,stale=3", 20)
+        yield f"http://127.0.0.1:{server.server_address[1]}{TABLE_PATH}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_engine_that_answers_stays_ready_while_its_scrapes_fail(tmp_path: Path, bed: Bed) -> None:
+    """The table says b0 unhealthy (its scrapes time out) but HAProxy saw it answer: it stays a candidate,
+    as the Endpoint Picker's answers keep it ready; once its port refused a scrape it is out. The table is
+    written by hand here (served by a plain HTTP server) to hold b0's scrapes failing."""
+    settle(bed)
+    line = "{name} {healthy} 0 -1 -1 -1 0 0 5 5 - {refused}\n"
+    state = {"b0": (1, 0)}
+
+    def rows() -> str:
+        return "".join(line.format(name=n, healthy=state.get(n, (1, 0))[0], refused=state.get(n, (1, 0))[1])
+                       for n in ("b0", "b1", "b2"))
+
+    with hand_written_table(rows) as url:
+        setup = PickSetup(url, "cpt=4,stale=3", 20)
         with HAProxy(tmp_path, [Server(s.name, s.port) for s in bed.specs], balance="leastconn", retries=0,
                      pick=setup) as hap:
             wait_for(lambda: hap.pick_stats()["polls"] > 0, 10, "the first poll")
@@ -429,7 +470,39 @@ def test_an_engine_that_answers_stays_ready_while_its_scrapes_fail(tmp_path: Pat
             state["b0"] = (0, 1)  # its port refused a scrape: gone
             time.sleep(0.2)
             gone = six("c")
-    finally:
-        server.shutdown()
-        server.server_close()
     assert first == still == {"b0": 2, "b1": 2, "b2": 2} and gone == {"b1": 3, "b2": 3}
+
+
+def test_the_kv_of_an_answered_request_counts_free_before_the_next_scrape(tmp_path: Path, bed: Bed) -> None:
+    """A table whose scrapes (0.5 s old at every poll) left both engines 2,000 tokens free. A long request
+    fits either; once it is answered, the KV of its prompt, which those scrapes saw, is free again, so a
+    request of 2,067 tokens fits only where it ran. The table's last column says no request was waiting;
+    with one waiting the freed KV is the waiting one's, and the request fits nowhere."""
+    settle(bed)
+    waiting = {"n": 0}
+
+    def rows() -> str:  # NAME HEALTHY DRAINED FRESH_LEFT LOAD FREE RESERVE SHORT AGE SENT_AGE CLASSES REFUSED WAITING
+        return "".join(f"{n} 1 0 10 -1 2000 0 0 0.5 0.5 - 0 {waiting['n']}\n" for n in ("b0", "b1"))
+
+    long_body, big_body = body(200, 1500, " long"), body(2050, 2, " big")
+    assert 1500 + len(long_body) / 4 < 2000 < 2 + len(big_body) / 4 < 2000 + len(long_body) / 4
+    servers = [Server(s.name, s.port) for s in bed.specs[:2]]
+    with hand_written_table(rows) as url, HAProxy(tmp_path, servers, balance="leastconn", retries=0,
+                                                  pick=PickSetup(url, "cpt=4,vis=0.2,stale=3", 20)) as hap:
+        wait_for(lambda: hap.pick_stats()["polls"] > 0, 10, "the first poll")
+        for i, expect_credit in enumerate((True, True, False)):
+            waiting["n"] = 0 if expect_credit else 1
+            time.sleep(0.1)  # a poll of that table
+            started = time.monotonic()
+            status, raw = post(hap.port, long_body)
+            took = time.monotonic() - started
+            assert status == 200 and took > 0.8, took  # picked well before the scrapes the next pick sees
+            assert post(hap.port, big_body)[0] == 200
+            ran, big = logged_since(hap, 2 * i, 2)
+            assert ran.server == served_by(raw) and ran.standings[ran.server].fit == "fit"
+            other = "b1" if ran.server == "b0" else "b0"
+            if expect_credit:
+                assert big.server == ran.server, big
+                assert big.standings[ran.server].fit == "fit" and big.standings[other].fit == "misfit", big
+            else:
+                assert {s.fit for s in big.standings.values()} == {"nofit"}, big

@@ -232,6 +232,37 @@ def test_stale_kv_is_not_trusted_for_fit() -> None:
     assert not row["fresh"] and row["healthy"] and math.isinf(row["free_kv_tokens"])
 
 
+def test_the_kv_of_a_request_the_scrape_saw_end_is_free_again() -> None:
+    """A scrape that saw a backend nearly full, read before its requests ended: until the next scrape the
+    backend would look full. Their prompts' KV (a floor under what they held) counts free again; not while
+    requests were waiting at the scrape (they take the freed KV first)."""
+    picker = _picker(2, visible_after_s=0.2)
+    _idle(picker, at=NOW)
+    big = [picker.pick(RequestNeed("video", 400, 300), NOW + 0.01) for _ in range(2)]
+    assert {p.backend for p in big} == {"b0", "b1"}
+    late = picker.pick(RequestNeed("speech", 64, 48), NOW + 0.45)  # just before the scrape: not yet in it
+    name = late.backend  # each held one video: the seeded tie chose
+    other = "b1" if name == "b0" else "b0"
+    video = next(p for p in big if p.backend == name)
+
+    def scrape(waiting: float) -> None:
+        picker.observe(name, LiveSignals(waiting, 2, 0.9, 1024.0, NOW + 0.5, requested=NOW + 0.49))
+
+    scrape(0)
+    before = picker.explain(NOW + 0.6)[name]
+    assert before["free_kv_tokens"] == pytest.approx(1024 * 0.1 - 64) and before["freed_tokens"] == 0
+    picker.finish(video, now=NOW + 0.7)
+    picker.finish(late, now=NOW + 0.7)  # it was not in the figure: neither subtracted nor credited now
+    after = picker.explain(NOW + 0.8)[name]
+    assert after["freed_tokens"] == 300 and after["free_kv_tokens"] == pytest.approx(1024 * 0.1 + 300)
+    assert picker.explain(NOW + 0.8)[other]["freed_tokens"] == 0  # its video still runs
+    scrape(1)  # the same page with a request waiting: the freed KV is its
+    waited = picker.explain(NOW + 0.9)[name]
+    assert waited["freed_tokens"] == 0 and waited["free_kv_tokens"] == pytest.approx(1024 * 0.1)
+    picker.observe(name, LiveSignals(0, 0, 0.0, 1024.0, NOW + 1.0, requested=NOW + 0.99))
+    assert picker.explain(NOW + 1.1)[name]["freed_tokens"] == 0  # ended before the next scrape was sent
+
+
 def _result(states: dict[str, str], reasons: dict[str, tuple[str, ...]] | None = None) -> WeightsResult:
     why = reasons or {}
     backends = {n: BackendWeight(n, 1.0, 1.0, 100, s, why.get(n, ()), {}, BackendInputs(n), 0.0)
@@ -249,6 +280,8 @@ def _result(states: dict[str, str], reasons: dict[str, tuple[str, ...]] | None =
 def test_request_need_from_openai_bodies(doc: dict, headers: dict, cls: str, tokens: float) -> None:
     need = request_need(doc, headers, NeedParams())
     assert need.request_class == cls and need.kv_tokens == pytest.approx(tokens)
+    output = doc.get("max_tokens", doc.get("max_completion_tokens", 256))
+    assert need.prompt_tokens == pytest.approx(tokens - output)
 
 
 def test_chooser_refuses_a_body_that_is_not_json_and_closes_the_ledger() -> None:

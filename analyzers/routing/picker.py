@@ -165,6 +165,8 @@ class RequestNeed:
 
     request_class: str = ""
     kv_tokens: float = NAN
+    prompt_tokens: float = NAN
+    """Its prompt alone: what it holds once prefilled, a floor under what a scrape can have seen it hold."""
 
 
 @dataclass
@@ -172,12 +174,13 @@ class _Backend:
     name: str
     address: str
     signals: LiveSignals = field(default_factory=LiveSignals)
-    in_flight: dict[int, tuple[float, float]] = field(default_factory=dict)
-    """ticket -> (picked at, tokens)."""
+    in_flight: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    """ticket -> (picked at, tokens, prompt tokens or 0)."""
     preempting: bool = False
     """The engine preempted between its last two scrapes: it is out of KV now, whatever the usage gauge says."""
-    ended: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=4096))
-    """(picked at, ended at) of requests that ended after the last scrape: the scrape may still count them."""
+    ended: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=4096))
+    """(picked at, ended at, prompt tokens) of requests that ended after the last scrape was sent: the scrape
+    may still count them, and the KV of those it saw is free again (at least their prompts')."""
     refused: bool = False
     """Its last scrape found nothing listening: the process is gone, not slow; unready until a scrape answers."""
     answered_at: float = -math.inf
@@ -285,7 +288,8 @@ class HeadroomPicker:
             chosen = self._rng.choice([n for n, v in scores.items() if v <= best * (1 + 1e-9)])
             self._next_ticket += 1
             backend = self._backends[chosen]
-            backend.in_flight[self._next_ticket] = (now, tokens)
+            prompt = need.prompt_tokens if math.isfinite(need.prompt_tokens) and need.prompt_tokens > 0 else 0.0
+            backend.in_flight[self._next_ticket] = (now, tokens, min(prompt, tokens))
             self._recent_sizes.append(tokens)
             return Pick(chosen, backend.address, self._next_ticket,
                         factors={"request_tokens": tokens, "fits": bool(fitting), "backends": rows})
@@ -299,7 +303,7 @@ class HeadroomPicker:
             b = self._backends.get(pick.backend)
             entry = b.in_flight.pop(pick.ticket, None) if b is not None else None
             if b is not None and entry is not None:
-                b.ended.append((entry[0], ended_at))
+                b.ended.append((entry[0], ended_at, entry[2]))
 
     def explain(self, now: float, request_class: str = "") -> dict[str, dict[str, Any]]:
         """Every factor the next pick of ``request_class`` would weigh, per backend."""
@@ -327,23 +331,30 @@ class HeadroomPicker:
         age = now - s.updated
         healthy = min(age, now - b.answered_at) <= p.unready_after_s and not b.refused
         fresh = age <= max(p.stale_after_s, 2.0 * s.period_s)
-        own_tokens = sum(t for _, t in b.in_flight.values())
+        own_tokens = sum(t for _, t, _ in b.in_flight.values())
         # the engine counts a request as waiting as soon as it arrives: every pick before the scrape is in
         # its running + waiting (or not yet arrived), so none of them may count again as another client's
-        visible = sum(1 for at, _ in b.in_flight.values() if at <= s.updated)
+        visible = sum(1 for at, _, _ in b.in_flight.values() if at <= s.updated)
         # so may be one that ended after the scrape was sent (the engine took its figures at some moment
         # of the scrape's flight, which on a busy engine lasts tens of ms or more): counted as external work
         # it would make a phantom tenant, costing the backend work and its misfit leniency
         sent = _sent(s)
-        visible += sum(1 for at, end in b.ended if at <= s.updated and end >= sent)
-        unseen_tokens = sum(t for at, t in b.in_flight.values() if at > s.updated - p.visible_after_s)
+        visible += sum(1 for at, end, _ in b.ended if at <= s.updated and end >= sent)
+        unseen_tokens = sum(t for at, t, _ in b.in_flight.values() if at > s.updated - p.visible_after_s)
+        # the KV of a request the scrape saw and that ended since is free again (its prompt's, a floor: its
+        # output so far is unknown): without it a backend that drained since a busy scrape reads full
+        # (only with no request waiting at the scrape: the waiting take freed KV first, and hold no KV of
+        # their own until they run, so what they free at their end was never in the figure)
+        freed_tokens = (sum(t for at, end, t in b.ended if at <= s.updated - p.visible_after_s and end > s.updated)
+                        if s.waiting == 0 else 0.0)
         engine_load = _sum_finite(s.running, s.waiting)
         external = max(0.0, engine_load - visible) if fresh and math.isfinite(engine_load) else 0.0
         capacity = s.kv_capacity_tokens
         # early signs that the KV is already short, before the usage gauge reads full
         kv_short = p.early_signals and fresh and (b.preempting or s.waiting_for_capacity > 0)
         if fresh and math.isfinite(capacity) and capacity > 0 and math.isfinite(s.kv_usage):
-            free = 0.0 if kv_short else capacity * (1.0 - min(1.0, max(0.0, s.kv_usage))) - unseen_tokens
+            scraped_free = capacity * (1.0 - min(1.0, max(0.0, s.kv_usage)))
+            free = 0.0 if kv_short else min(capacity, scraped_free + freed_tokens) - unseen_tokens
             reserve = capacity * p.kv_reserve_ratio
         elif kv_short:
             free, reserve = 0.0, 1.0
@@ -360,8 +371,10 @@ class HeadroomPicker:
             "scrape_sent_age_s": now - sent if math.isfinite(sent) else None,
             "fresh_for_s": max(p.stale_after_s, 2.0 * s.period_s),
             "engine_requests": engine_load if fresh and math.isfinite(engine_load) else None,
+            "engine_waiting": s.waiting if fresh and math.isfinite(s.waiting) else None,
             "in_flight": len(b.in_flight), "in_flight_tokens": own_tokens, "unseen_tokens": unseen_tokens,
-            "external_requests": external, "free_kv_tokens": free, "reserve_tokens": reserve,
+            "freed_tokens": freed_tokens, "external_requests": external, "free_kv_tokens": free,
+            "reserve_tokens": reserve,
             "preempting": b.preempting and fresh, "waiting_for_capacity": s.waiting_for_capacity, "kv_short": kv_short,
             "weight": weight, "drained": drained, "class_state": class_state,
             "work_tokens": work, "work_per_weight": work / weight if weight > 0 else math.inf,
