@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/datapath_cpu.py --requests 1500 --policies haproxy-leastconn,gie-epp,triscope-epp
 
+``--idle-s 20`` also measures each policy's CPU with no request (what watching the engines costs:
+scrapes, the weight engine, the pick table's polls), per process.
+
 Two simulated vLLM-CPU backends (cheap: they sleep for their compute), one policy at a time in front
 of them (``sim/testbed_fronts.py``, the same processes as ``bench/testbed.py``), a client in its own
 process sending small completions from 8 connections. CPU is read from /proc (psutil) before and
@@ -57,12 +60,36 @@ def _cpu(procs: list[psutil.Process]) -> float:
     return total
 
 
-def measure(policy: str, fleet: SimTestFleet, workdir: Path, requests: int, conns: int) -> dict[str, float]:
+def _name(p: psutil.Process) -> str:
+    return "feed worker" if "feed_worker" in " ".join(p.cmdline()) else p.name()
+
+
+def idle_shares(lb: list[psutil.Process], seconds: float) -> dict[str, float]:
+    """Share of one core each LB process (and this one, hosting the in-process pickers) takes with no request:
+    the price of watching the engines (scrapes, the weight engine, the pick table's polls)."""
+    me = psutil.Process()
+    each0, own0, t0 = {p.pid: _cpu([p]) for p in lb}, _cpu([me]), time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - t0
+    shares: dict[str, float] = {}
+    for p in lb:
+        try:
+            name = _name(p)
+        except psutil.Error:
+            continue
+        shares[name] = shares.get(name, 0.0) + (_cpu([p]) - each0[p.pid]) / elapsed
+    shares["in-process pickers"] = (_cpu([me]) - own0) / elapsed
+    return {k: round(v, 4) for k, v in sorted(shares.items())}
+
+
+def measure(policy: str, fleet: SimTestFleet, workdir: Path, requests: int, conns: int,
+            idle_s: float = 0.0) -> dict[str, Any]:
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     with front(policy, fleet, workdir / policy, FrontOptions(sglang_warmup_s=0.0, seed=1)) as fr:
         lb = [p for p in me.children(recursive=True) if p.pid not in before]
         time.sleep(1.0)  # idle scrapes and health checks settle
+        idle = idle_shares(lb, idle_s) if idle_s > 0 else {}
         lb0, own0, t0 = _cpu(lb), _cpu([me]), time.monotonic()
         each0 = {p.pid: _cpu([p]) for p in lb}
         out = subprocess.run([sys.executable, "-c", CLIENT, str(fr.port), str(requests), str(conns)],
@@ -71,7 +98,7 @@ def measure(policy: str, fleet: SimTestFleet, workdir: Path, requests: int, conn
         by_name: dict[str, float] = {}
         for p in lb:  # which LB process the CPU went to (HAProxy, Envoy, a feed worker)
             try:
-                name = "feed worker" if "feed_worker" in " ".join(p.cmdline()) else p.name()
+                name = _name(p)
             except psutil.Error:
                 continue
             by_name[name] = by_name.get(name, 0.0) + _cpu([p]) - each0.get(p.pid, 0.0)
@@ -82,7 +109,9 @@ def measure(policy: str, fleet: SimTestFleet, workdir: Path, requests: int, conn
             "lb_process_cpu_ms_per_request": {k: round(1000 * v / n, 3) for k, v in sorted(by_name.items())},
             "in_process_picker_cpu_ms_per_request": round(1000 * (own1 - own0) / n, 3),
             "total_cpu_ms_per_request": round(1000 * ((lb1 - lb0) + (own1 - own0)) / n, 3),
-            "data_path_cpu_share_of_one_core": round(((lb1 - lb0) + (own1 - own0)) / (t1 - t0), 3)}
+            "data_path_cpu_share_of_one_core": round(((lb1 - lb0) + (own1 - own0)) / (t1 - t0), 3),
+            **({"idle_share_of_one_core": idle, "idle_total_share_of_one_core": round(sum(idle.values()), 4)}
+               if idle else {})}
 
 
 def vllm_scrape_cost(rates_hz: list[float], seconds: float) -> dict[str, dict[str, float]]:
@@ -130,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default="haproxy-leastconn,triscope,gie-epp,triscope-epp")
     parser.add_argument("--vllm-scrape-cost", action="store_true",
                         help="also measure a real vLLM-CPU server's CPU while its /metrics is scraped at 4, 10, 20 Hz")
+    parser.add_argument("--idle-s", type=float, default=0.0,
+                        help="also measure each policy's CPU with no request for this many seconds (its watching)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
@@ -141,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tsdp-") as tmp, \
             SimTestFleet(backend_layout(2, "none"), Path(tmp)) as fleet:
         for policy in policies:
-            results[policy] = measure(policy, fleet, Path(tmp), args.requests, args.connections)
+            results[policy] = measure(policy, fleet, Path(tmp), args.requests, args.connections, args.idle_s)
             if not args.json:
                 r = results[policy]
                 print(f"{policy:<20} {r['requests_ok']:>5}/{r['sent']} ok  LB processes "
@@ -151,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"({r['data_path_cpu_share_of_one_core']:.2f} of a core; "
                       + ", ".join(f"{k} {v:.2f}" for k, v in r["lb_process_cpu_ms_per_request"].items()) + ")",
                       flush=True)
+                if "idle_share_of_one_core" in r:
+                    print(f"{'':<20} idle: {100 * r['idle_total_share_of_one_core']:.2f} % of a core ("
+                          + ", ".join(f"{k} {100 * v:.2f} %" for k, v in r["idle_share_of_one_core"].items()) + ")",
+                          flush=True)
     if args.vllm_scrape_cost:
         cost = vllm_scrape_cost([4.0, 10.0, 20.0], 15.0)
         results["vllm_scrape_cost"] = cost

@@ -341,10 +341,8 @@ class HeadroomPicker:
         sent = _sent(s)
         visible += sum(1 for at, end, _ in b.ended if at <= s.updated and end >= sent)
         unseen_tokens = sum(t for at, t, _ in b.in_flight.values() if at > s.updated - p.visible_after_s)
-        # the KV of a request the scrape saw and that ended since is free again (its prompt's, a floor: its
-        # output so far is unknown): without it a backend that drained since a busy scrape reads full
-        # (only with no request waiting at the scrape: the waiting take freed KV first, and hold no KV of
-        # their own until they run, so what they free at their end was never in the figure)
+        # the KV a request the scrape saw held is free once it ended (its prompt's, a floor), else a backend
+        # drained since a busy scrape reads full; not while requests waited: they take freed KV first
         freed_tokens = (sum(t for at, end, t in b.ended if at <= s.updated - p.visible_after_s and end > s.updated)
                         if s.waiting == 0 else 0.0)
         engine_load = _sum_finite(s.running, s.waiting)
