@@ -10,11 +10,9 @@ last scrape. Per request it estimates the KV the request will hold (prompt + exp
 2. picks the least outstanding work per unit of weight; work is the ledger's requests (or their
    tokens) plus the requests the backend runs or queues that did not come through this picker
    (another LB, a pinned tenant), and the fit: whether the backend's free KV (capacity x (1 - usage)
-   at the last scrape, minus what the ledger sent there since) holds the request;
-3. a backend the request does not fit counts ``misfit_penalty`` more work (one request): the KV of
-   the picker's own requests frees as they end; a backend short of KV by an early signal, or running
-   requests the picker did not send, takes nothing that fits elsewhere. When none fits, work alone
-   decides.
+   at the last scrape, minus what the ledger sent there since, plus the prompts it saw that ended) holds it;
+3. a backend the request does not fit counts ``misfit_penalty`` more work (``short_penalty`` if it is
+   short of KV by an early signal or runs others' requests). When none fits, work alone decides.
 
 Pure logic: scrapes come in through :meth:`HeadroomPicker.observe`, engine results through
 :meth:`HeadroomPicker.set_weights`; times are ``time.monotonic()`` seconds. docs/epp.md.
@@ -166,7 +164,7 @@ class RequestNeed:
     request_class: str = ""
     kv_tokens: float = NAN
     prompt_tokens: float = NAN
-    """Its prompt alone: what it holds once prefilled, a floor under what a scrape can have seen it hold."""
+    """Its prompt alone: held once prefilled, a floor under what a scrape saw it hold."""
 
 
 @dataclass
@@ -179,8 +177,7 @@ class _Backend:
     preempting: bool = False
     """The engine preempted between its last two scrapes: it is out of KV now, whatever the usage gauge says."""
     ended: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=4096))
-    """(picked at, ended at, prompt tokens) of requests that ended after the last scrape was sent: the scrape
-    may still count them, and the KV of those it saw is free again (at least their prompts')."""
+    """(picked at, ended at, prompt tokens) of requests ended after the last scrape was sent: it may count them."""
     refused: bool = False
     """Its last scrape found nothing listening: the process is gone, not slow; unready until a scrape answers."""
     answered_at: float = -math.inf
