@@ -20,11 +20,11 @@ from triscope.exporters.haproxy_gate import gate_rules
 from triscope.exporters.haproxy_pick import (
     PICK_LOG_FORMAT,
     PickLogRecord,
-    parse_pick_log_line,
     pick_globals,
     pick_rules,
     pick_stats_frontend,
 )
+from triscope.sim.haproxy_log import read_request_log
 from triscope.sim.procs import socket_dir, stop_process
 
 
@@ -231,11 +231,7 @@ class HAProxy:
     def request_log(self) -> list[PickLogRecord]:
         """One record per request HAProxy finished, in the order logged (with the picker's factors when
         ``pick`` is set; without it those fields are empty)."""
-        try:
-            lines = (self.workdir / "haproxy.log").read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return []
-        return [r for r in map(parse_pick_log_line, lines) if r is not None]
+        return read_request_log(self.workdir / "haproxy.log")
 
     def pick_stats(self) -> dict[str, Any]:
         """The Lua picker's counters: table polls (and failed ones), picks, picks left to the balance."""

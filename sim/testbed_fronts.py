@@ -33,6 +33,8 @@ from triscope.exporters.haproxy_pick import TABLE_PATH
 from triscope.sim.bench_fleet import FeedWorker
 from triscope.sim.gateway_log import read_access_log, summarize
 from triscope.sim.haproxy import HAProxy, PickSetup, Server
+from triscope.sim.haproxy_log import brief
+from triscope.sim.haproxy_log import summarize as summarize_requests
 from triscope.sim.peer_gie_epp import GieParams
 from triscope.sim.peer_gie_extproc import EnvoyGateway, GieGateway
 from triscope.sim.peer_sglang import LOAD_POLL_S, SglangRouter
@@ -143,6 +145,13 @@ def routed_by_haproxy(hap: HAProxy) -> dict[str, int]:
     return {}
 
 
+def logged_requests(hap: HAProxy) -> dict[str, Any]:
+    """HAProxy's request log in brief (sim/haproxy_log.py; ``bench/pick_log.py`` reads it in full): the
+    split, the in-flight spread at arrivals and, with the Lua picker, its fit states and the picks it sent
+    where HAProxy had more requests in flight."""
+    return brief(summarize_requests(hap.request_log()))
+
+
 @contextlib.contextmanager
 def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Iterator[Front]:
     """Start ``policy`` in front of ``fleet`` (every backend alive), yield it, stop it."""
@@ -155,6 +164,7 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
             info: dict[str, Any] = {"balance": balance}
             yield Front(hap.port, info)
             info["routed"] = routed_by_haproxy(hap)
+            info["request_log"] = logged_requests(hap)
     elif policy == "triscope":
         feed = FeedWorker({b.name: b.url for b in fleet.backends}, triscope_overrides(opts), 5.0).start()
         try:
@@ -164,6 +174,7 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
                 info = {"feed": feed.info.get("feed", "")}
                 yield Front(hap.port, info)
                 info["routed"] = routed_by_haproxy(hap)
+                info["request_log"] = logged_requests(hap)
         finally:
             feed.stop()
     elif policy in ("sglang-p2c", "sglang-cache-aware"):
@@ -211,6 +222,7 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
                 yield Front(hap.port, info)
                 info["routed"] = routed_by_haproxy(hap)
                 info["lua"] = hap.pick_stats()
+                info["request_log"] = logged_requests(hap)
             info["epp"] = service.stats()
     else:
         raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")

@@ -123,8 +123,16 @@ def test_every_policy_routes_and_is_judged(tmp_path: Path, capsys: pytest.Captur
             assert routed is not None and set(routed) == {"b0", "b1"}, (name, front)
             assert all(routed[b] >= d["served_by"][b] for b in routed), (name, routed, d["served_by"])
             assert sum(routed.values()) <= d["requests"], (name, routed)
+        if name.startswith(("haproxy", "triscope")) and not name.startswith("triscope-epp"):
+            # HAProxy's request log agrees with its stats (a last line may still be on its way at the read)
+            logged = front["request_log"]
+            assert all(logged["split"].get(b, 0) <= routed[b] for b in routed), (name, logged, routed)
+            assert sum(logged["split"].values()) >= sum(routed.values()) - 2, (name, logged, routed)
         if name.startswith("triscope-haproxy"):  # the Lua action chose every request, on a table polled all along
             lua = front["lua"]  # (or refused it, where an admission level is on)
+            # and logged why: a fit state per pick; a pick sent where HAProxy had more in flight is diverted
+            assert sum(front["request_log"]["fit_chosen_other"].values()) == front["request_log"]["requests"]
+            assert front["request_log"]["sent_to_busier"] <= lua["diverted"], (front["request_log"], lua)
             refused = lua["refused_degrade"] + lua["refused_limit"] + lua["refused_break"]
             assert lua["picks"] + refused == d["requests"] and lua["fallback"] == 0, lua
             assert refused == 0 or name == "triscope-haproxy-levels", lua
