@@ -137,13 +137,16 @@ def pick_rules(pools: Iterable[str], server_names: Iterable[str], settings: str,
 
 def pick_snippet(table_url: str, backend: str, server_names: Iterable[str], settings: str, poll_ms: int = 50,
                  fallback: Fallback | None = None, stats_port: int = 0) -> str:
-    """HAProxy config text: the ``global`` lines, those of ``backend`` (before its server lines) and, with a
-    ``stats_port``, a frontend on 127.0.0.1 answering the action's counters (JSON; Prometheus on /metrics)."""
+    """HAProxy config text: the ``global`` lines, those of ``backend`` (before its server lines), with a
+    ``stats_port`` a frontend on 127.0.0.1 answering the action's counters (JSON; Prometheus on /metrics),
+    and, as a comment, the ``log-format`` that logs each pick's factors."""
     lines = ["global", *("    " + line for line in pick_globals(table_url, poll_ms)),
              f"backend {backend}", "    balance leastconn",
              *("    " + line for line in pick_rules([backend], server_names, settings, fallback))]
     if stats_port:
         lines += pick_stats_frontend(stats_port)
+    lines += ["# each pick's factors in HAProxy's log: in the frontend (with a log target)",
+              f'#     log-format "{PICK_LOG_FORMAT}"']
     return "\n".join(lines) + "\n"
 
 

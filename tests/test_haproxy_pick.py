@@ -396,8 +396,11 @@ def test_cli_prints_lines_haproxy_accepts(tmp_path: Path, capsys: pytest.Capture
     lines = doc["config"].splitlines()
     stats_at = lines.index("frontend triscope_pick_stats")
     lines = lines[:stats_at]  # placed after the servers below
-    frontend = ["    nbthread 1", "defaults", "    mode http", "    timeout connect 1s", "    timeout client 5s",
-                "    timeout server 5s", "frontend fe", "    bind 127.0.0.1:18080", "    default_backend gpus"]
+    assert f'#     log-format "{doc["log_format"]}"' in doc["config"].splitlines()  # a comment; used below
+    frontend = ["    nbthread 1", "    log stdout format raw local0", "defaults", "    mode http",
+                "    timeout connect 1s", "    timeout client 5s", "    timeout server 5s", "frontend fe",
+                "    bind 127.0.0.1:18080", "    log global", f'    log-format "{doc["log_format"]}"',
+                "    default_backend gpus"]
     full = (lines[:4] + frontend + lines[4:]
             + ["    server gpu-a:8000 127.0.0.1:9001", "    server gpu-b:8000 127.0.0.1:9002"]
             + doc["config"].splitlines()[stats_at:])

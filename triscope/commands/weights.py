@@ -295,7 +295,7 @@ def run_haproxy_pick(args: argparse.Namespace) -> int:
     from triscope.commands._common import print_json
     from triscope.errors import InputError
     from triscope.exporters.epp_service import EppConfig, picker_backends
-    from triscope.exporters.haproxy_pick import LUA_PATH, TABLE_PATH, pick_snippet
+    from triscope.exporters.haproxy_pick import LUA_PATH, PICK_LOG_FORMAT, TABLE_PATH, pick_snippet
 
     if args.lua_path:
         print(LUA_PATH)
@@ -313,7 +313,7 @@ def run_haproxy_pick(args: argparse.Namespace) -> int:
     snippet = pick_snippet(url, args.backend, servers, settings, args.poll_ms, cfg.fallback, args.stats_port)
     if args.json:
         print_json({"lua_path": str(LUA_PATH), "table_url": url, "backend": args.backend, "servers": servers,
-                    "settings": settings, "config": snippet})
+                    "settings": settings, "config": snippet, "log_format": PICK_LOG_FORMAT})
     else:
         sys.stdout.write(snippet)
     return 0
