@@ -64,6 +64,18 @@ def _name(p: psutil.Process) -> str:
     return "feed worker" if "feed_worker" in " ".join(p.cmdline()) else p.name()
 
 
+def _cpu_by_name(lb: list[psutil.Process], since: dict[int, float]) -> dict[str, float]:
+    """CPU seconds each kind of LB process (HAProxy, Envoy, a feed worker) took since ``since`` (pid -> seconds)."""
+    by_name: dict[str, float] = {}
+    for p in lb:
+        try:
+            name = _name(p)
+        except psutil.Error:
+            continue
+        by_name[name] = by_name.get(name, 0.0) + _cpu([p]) - since.get(p.pid, 0.0)
+    return by_name
+
+
 def idle_shares(lb: list[psutil.Process], seconds: float) -> dict[str, float]:
     """Share of one core each LB process (and this one, hosting the in-process pickers) takes with no request:
     the price of watching the engines (scrapes, the weight engine, the pick table's polls)."""
@@ -71,13 +83,7 @@ def idle_shares(lb: list[psutil.Process], seconds: float) -> dict[str, float]:
     each0, own0, t0 = {p.pid: _cpu([p]) for p in lb}, _cpu([me]), time.monotonic()
     time.sleep(seconds)
     elapsed = time.monotonic() - t0
-    shares: dict[str, float] = {}
-    for p in lb:
-        try:
-            name = _name(p)
-        except psutil.Error:
-            continue
-        shares[name] = shares.get(name, 0.0) + (_cpu([p]) - each0[p.pid]) / elapsed
+    shares = {name: cpu_s / elapsed for name, cpu_s in _cpu_by_name(lb, each0).items()}
     shares["in-process pickers"] = (_cpu([me]) - own0) / elapsed
     return {k: round(v, 4) for k, v in sorted(shares.items())}
 
@@ -95,13 +101,7 @@ def measure(policy: str, fleet: SimTestFleet, workdir: Path, requests: int, conn
         out = subprocess.run([sys.executable, "-c", CLIENT, str(fr.port), str(requests), str(conns)],
                              capture_output=True, text=True, check=True, timeout=600)
         lb1, own1, t1 = _cpu(lb), _cpu([me]), time.monotonic()
-        by_name: dict[str, float] = {}
-        for p in lb:  # which LB process the CPU went to (HAProxy, Envoy, a feed worker)
-            try:
-                name = _name(p)
-            except psutil.Error:
-                continue
-            by_name[name] = by_name.get(name, 0.0) + _cpu([p]) - each0.get(p.pid, 0.0)
+        by_name = _cpu_by_name(lb, each0)  # which LB process the CPU went to
     client = json.loads(out.stdout)
     n = max(1, client["ok"])
     return {"requests_ok": client["ok"], "sent": client["sent"], "wall_s": round(t1 - t0, 2),

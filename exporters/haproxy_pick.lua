@@ -220,9 +220,7 @@ local function standing(busy, name, row, now, tokens, request_class, cfg)
   -- HAProxy's own requests the scrape saw: in flight now, less those picked after its answer, plus
   -- those answered after it was sent; the rest of the engine's requests came from elsewhere
   local picked_since = ring.after(picks[name], row.updated)
-  local ended_since = ring.after(ends[name], row.sent, function()
-    return 0
-  end)
+  local ended_since = ring.count_after(ends[name], row.sent)
   local external = 0
   if row.load >= 0 then
     external = math.max(0, row.load - (busy - picked_since + ended_since))

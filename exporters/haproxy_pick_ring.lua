@@ -43,6 +43,19 @@ function M.after(l, since, value)
   return n, sum
 end
 
+-- How many entries were logged after `since` (whatever their values).
+function M.count_after(l, since)
+  local n = 0
+  if l == nil then
+    return n
+  end
+  local i = l.tail
+  while i >= l.head and l.t[i] > since do
+    n, i = n + 1, i - 1
+  end
+  return n
+end
+
 -- The time of the last entry, or nil.
 function M.last(l)
   if l == nil or l.tail < l.head then

@@ -49,7 +49,7 @@ def _number(value: Any) -> float:
         return math.nan
 
 
-def _quantiles(values: list[float]) -> dict[str, float | None]:
+def quantiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p99": None, "max": None}
     return {"p50": round(percentile(values, 50), 1), "p99": round(percentile(values, 99), 1),
@@ -89,4 +89,4 @@ def summarize(records: Iterable[Mapping[str, Any]], names: Mapping[str, str] | N
                for pick, r in slow[:5]]
     return {"requests": sum(outcomes.values()), "routed": dict(sorted(routed.items())),
             "outcomes": dict(sorted(outcomes.items())), "slow_picks": len(slow), "slowest_picks": slowest,
-            "stages_ms": {k: _quantiles(v) for k, v in stages.items()}}
+            "stages_ms": {k: quantiles(v) for k, v in stages.items()}}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from triscope.exporters.haproxy_pick import PickLogRecord, parse_pick_log_line
-from triscope.sim.loadgen import percentile
+from triscope.sim.gateway_log import quantiles
 
 
 def read_request_log(path: Path) -> list[PickLogRecord]:
@@ -41,10 +41,6 @@ def spread_at_arrivals(records: list[PickLogRecord]) -> list[float]:
     return out
 
 
-def _q(values: list[float]) -> dict[str, float]:
-    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "max": max(values)} if values else {}
-
-
 def summarize(records: list[PickLogRecord], window_s: float = 10.0) -> dict[str, Any]:
     """The run's split, times and spread, per window of ``window_s`` too, and the picker's factors."""
     records = sorted((r for r in records if not r.server.startswith("<")), key=lambda r: r.accepted_s)
@@ -57,10 +53,10 @@ def summarize(records: list[PickLogRecord], window_s: float = 10.0) -> dict[str,
         windows.setdefault(int((r.accepted_s - t0) // window_s), []).append((r, s))
     doc: dict[str, Any] = {
         "requests": len(records), "split": dict(sorted(Counter(r.server for r in records).items())),
-        "active_ms": _q([float(r.active_ms) for r in records]), "spread_mean": sum(spread) / len(spread),
+        "active_ms": quantiles([float(r.active_ms) for r in records]), "spread_mean": sum(spread) / len(spread),
         "windows": [{"t0_s": w * window_s, "requests": len(rs),
                      "split": dict(sorted(Counter(r.server for r, _ in rs).items())),
-                     "active_ms": _q([float(r.active_ms) for r, _ in rs]),
+                     "active_ms": quantiles([float(r.active_ms) for r, _ in rs]),
                      "spread_mean": sum(s for _, s in rs) / len(rs)} for w, rs in sorted(windows.items())],
     }
     picked = [r for r in records if r.server in r.standings]
