@@ -33,6 +33,7 @@ from triscope.sim.procs import process_table, tree_cpu_seconds
 from triscope.sim.testbed_fleet import FLEETS, SCENARIOS, Fleet, FleetError, make_fleet
 from triscope.sim.testbed_fronts import POLICIES, FrontOptions, epp_config, front
 from triscope.sim.testbed_record import MetricsRecorder
+from triscope.sim.testbed_repeat import rotated, summarize
 from triscope.sim.testbed_report import print_tables
 from triscope.sim.vllm_load import CLASSES as SIZES
 from triscope.sim.workloads import WORKLOADS, WorkloadError, bucket_seconds, build
@@ -99,6 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="var/testbed", help="PNGs and the JSON document go here")
     p.add_argument("--record-metrics", default="", help="append every backend's KV usage and queue, scraped "
                                                         "every 250 ms during each run, to this CSV")
+    p.add_argument("--repeat", type=int, default=1, help="rounds per policy on the same arrivals, in a rotated "
+                                                          "order; adds each policy's spread and paired ratios")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the tables")
     args = p.parse_args(argv)
     args.fleets = [f.strip() for f in args.fleet.split(",") if f.strip()]
@@ -110,6 +113,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, value in (("--epp-scrape-ms", args.epp_scrape_ms), ("--epp-engine-ms", args.epp_engine_ms)):
         if value is not None and not 10 <= value <= 10_000:
             raise SystemExit(f"{flag} must be 10-10000")
+    if not 1 <= args.repeat <= 50:
+        raise SystemExit("--repeat must be 1-50")
     if not 0 <= args.engine_nice <= 19:
         raise SystemExit("--engine-nice must be 0-19")
     if args.backends < 1 or args.sim_backends < 0 or not 0 < args.pin_ratio < 1 or not 0 < args.kill_at < 1:
@@ -145,7 +150,7 @@ def schedule_for(args: argparse.Namespace, backends: int) -> tuple[list[Arrival]
 
 
 def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: float, args: argparse.Namespace,
-               profile: SimProfile, workdir: Path) -> dict[str, Any]:
+               profile: SimProfile, workdir: Path, round_index: int = 0) -> dict[str, Any]:
     """One replay of ``schedule`` through ``policy``: the judgement plus what the fleet counted."""
     fleet.restore()
     fleet.wait_idle()
@@ -186,7 +191,7 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
                 with recorder:
                     results, lag = client.drive(
                         "127.0.0.1", f.port, schedule, timeout_factor=args.timeout_factor, api="completions",
-                        model=fleet.model, prompt_salt=f"{policy}-{fleet.kind}-s{args.seed}",
+                        model=fleet.model, prompt_salt=prompt_salt(policy, fleet.kind, args.seed, round_index),
                         chars_per_token=fleet.chars_per_token, extra_body=fleet.extra_body or None,
                         slas=profile.sla_s)
             finally:
@@ -219,6 +224,11 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
     return doc
 
 
+def prompt_salt(policy: str, fleet: str, seed: int, round_index: int) -> str:
+    """Prompts differ per policy and round, so no replay finds another's prefix in an engine's cache."""
+    return f"{policy}-{fleet}-s{seed}" + (f"-r{round_index}" if round_index else "")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     profile = PROFILES[args.profile]
     out_dir = Path(args.out_dir).resolve()  # HAProxy reads a relative socket path as host:port
@@ -233,6 +243,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         n = args.sim_backends or args.backends if kind == "sim" else args.backends
         schedule, bucket_s = schedule_for(args, n)
         fleet_doc: dict[str, Any] = {"backends": n, "arrivals": len(schedule), "bucket_s": bucket_s, "policies": {}}
+        rounds: list[dict[str, Any]] = []
+        orders: list[list[str]] = []
         say(f"{kind}: starting {n} backends ({args.scenario}) ...")
         try:
             with make_fleet(kind, n, args.scenario, out_dir / "work", args.profile, args.engine_nice,
@@ -241,13 +253,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fleet_doc["layout"] = [{"name": b.name, "kv_tokens": b.kv_tokens, "slots": b.slots,
                                         "nice": nice.get(b.name), "cores": cores.get(b.name)}
                                        for b in fleet.backends]
-                for policy in args.policy_list:
-                    say(f"{kind}: {policy}, {len(schedule)} requests over {schedule[-1].t:.0f} s ...")
-                    fleet_doc["policies"][policy] = run_policy(policy, fleet, schedule, bucket_s, args, profile,
-                                                               out_dir / "work")
+                for k in range(args.repeat):
+                    order = rotated(args.policy_list, k)
+                    orders.append(order)
+                    rounds.append({})
+                    for policy in order:
+                        say(f"{kind}: {policy}{f' (round {k + 1}/{args.repeat})' if args.repeat > 1 else ''}, "
+                            f"{len(schedule)} requests over {schedule[-1].t:.0f} s ...")
+                        rounds[-1][policy] = run_policy(policy, fleet, schedule, bucket_s, args, profile,
+                                                        out_dir / "work", k)
         except FleetError as exc:
             fleet_doc["error"] = str(exc)
             say(f"{kind}: {exc}")
+        if rounds:  # the first round is the side-by-side table and PNG, as a single run's
+            fleet_doc["policies"] = {p: rounds[0][p] for p in args.policy_list if p in rounds[0]}
+        if args.repeat > 1 and rounds:
+            fleet_doc["rounds"] = rounds
+            fleet_doc["repeat"] = summarize(rounds, orders)
         if fleet_doc["policies"]:
             png = out_dir / f"testbed-{kind}-{args.workload}-{args.scenario}-s{args.seed}.png"
             plot_judgements(fleet_doc["policies"], str(png),

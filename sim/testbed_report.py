@@ -46,6 +46,39 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
+def _mean_sd(s: dict[str, Any], digits: int = 2) -> str:
+    if not s.get("n"):
+        return "-"
+    sd = f" ± {s['sd']:.{digits}f}" if s.get("sd") is not None else ""
+    return f"{s['mean']:.{digits}f}{sd} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def _tail(s: dict[str, Any]) -> str:
+    return "-" if not s.get("n") else f"{_ms(s['median'])} ({_ms(s['min'])}-{_ms(s['max'])})"
+
+
+def _ratio(r: dict[str, Any]) -> str:
+    if "geo_mean" not in r:
+        return "-"
+    ci = f" [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]" if "ci95" in r else ""
+    return f"{r['geo_mean']:.2f}x{ci}" + (f" ({r['dropped']} rounds left out)" if r["dropped"] else "")
+
+
+def print_repeat(rep: dict[str, Any]) -> None:
+    """Each policy's mean ± sd (range) over the rounds, then triscope's paired ratios with 95 % CIs."""
+    print(f"\nover {rep['rounds']} rounds (order rotated each round): mean ± sd (min-max); P99: median (min-max)")
+    header = ["policy", "goodput/s", "peak QPS held", *(f"P99 {SHORT[c]} ms" for c in CLASSES), "errors",
+              "preemptions"]
+    rows = [[name, _mean_sd(p["goodput_qps"]), _mean_sd(p["peak_qps_held"]),
+             *(_tail(p["p99_all_s"][c]) for c in CLASSES), _mean_sd(p["errors"], 1), _mean_sd(p["preemptions"], 1)]
+            for name, p in rep["policies"].items()]
+    print(_table(header, rows))
+    if rep["ratios"]:
+        print("\ntriscope / peer, paired by round: geometric mean [95 % CI]")
+        rows = [[pair, _ratio(r["goodput_qps"]), _ratio(r["peak_qps_held"])] for pair, r in rep["ratios"].items()]
+        print(_table(["pair", "goodput", "peak QPS held"], rows))
+
+
 def print_tables(doc: dict[str, Any]) -> None:
     slas = ", ".join(f"{SHORT[c]} {v * 1000:.0f} ms" for c, v in doc["sla_s"].items())
     print(f"workload {doc['workload']}, scenario {doc['scenario']}, seed {doc['seed']}; class SLAs: {slas}")
@@ -62,5 +95,7 @@ def print_tables(doc: dict[str, Any]) -> None:
         print(_table(["window", *f["policies"]], step_rows(f["policies"])))
         if f.get("png"):
             print(f"PNG: {f['png']}")
+        if f.get("repeat"):
+            print_repeat(f["repeat"])
     if doc.get("json_path"):
         print(f"\nJSON: {doc['json_path']}")

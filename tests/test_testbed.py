@@ -20,7 +20,7 @@ from conftest import require, require_binary
 from triscope.sim.engine import GIB
 from triscope.sim.peer_gie_extproc import envoy_path
 from triscope.sim.peer_sglang import missing_message, venv_python
-from triscope.sim.testbed import main, parse_args, run
+from triscope.sim.testbed import main, parse_args, prompt_salt, run
 from triscope.sim.testbed_fleet import SimTestFleet, backend_layout
 from triscope.sim.vllm_cpu import quiet_env, rpc_socket_dir
 from triscope.sim.vllm_sidecar import MAX_BODY_BYTES, VllmSidecar, vllm_load
@@ -53,6 +53,7 @@ def test_sglang_load_report_from_vllm_metrics() -> None:
     (["--param", "steps"], "KEY=VALUE"),
     (["--epp-engine-ms", "5"], "--epp-engine-ms must be 10-10000"),
     (["--engine-nice", "20"], "--engine-nice must be 0-19"),
+    (["--repeat", "0"], "--repeat must be 1-50"),
     (["--epp-picker", "no_such_knob=1"], "--epp-picker: [epp] has unknown keys"),
     (["--epp-picker", "misfit_penalty=-1"], "--epp-picker: [epp] misfit_penalty"),
 ])
@@ -210,3 +211,32 @@ def test_vllm_sockets_fit_sockaddr_un_from_a_deep_workdir(tmp_path: Path) -> Non
     finally:
         for d in (short, rpc_socket_dir(tmp_path / ("e" * 80) / "tmp")):
             d.rmdir()
+
+
+def test_repeated_rounds_rotate_the_order_and_pair_the_ratios(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    require_binary("haproxy")
+    doc = run(parse_args(["--fleet", "sim", "--backends", "2", "--param", "steps=2", "--param", "step_s=4",
+                          "--qps-per-backend", "1", "--seed", "5", "--repeat", "2",
+                          "--policies", "haproxy-leastconn,triscope-haproxy", "--out-dir", str(tmp_path)]))
+    sim = doc["fleets"]["sim"]
+    assert sim["repeat"]["orders"] == [["haproxy-leastconn", "triscope-haproxy"],
+                                       ["triscope-haproxy", "haproxy-leastconn"]]
+    assert len(sim["rounds"]) == 2 and sim["policies"] == sim["rounds"][0]  # round 1 is the single-run table
+    for r in sim["rounds"]:
+        for name, d in r.items():
+            assert d["requests"] == sim["arrivals"], name
+            assert d["goodput_qps"] > 0, (name, d["errors"])
+    pair = sim["repeat"]["ratios"]["triscope-haproxy/haproxy-leastconn"]["goodput_qps"]
+    expected = [r["triscope-haproxy"]["goodput_qps"] / r["haproxy-leastconn"]["goodput_qps"] for r in sim["rounds"]]
+    assert pair["per_round"] == pytest.approx(expected, abs=1e-4) and len(pair["ci95"]) == 2
+    assert sim["repeat"]["policies"]["triscope-haproxy"]["rounds"] == 2
+    out = capsys.readouterr().out
+    assert "over 2 rounds" in out and "triscope-haproxy/haproxy-leastconn" in out
+
+
+def test_each_round_salts_its_prompts_apart() -> None:
+    """No replay may hit an engine's prefix cache warmed by another round or policy; round 1 keeps the
+    salt of a single run, so its prompts are those of earlier runs of the same seed."""
+    salts = {prompt_salt(p, "vllm", 7, k) for p in ("haproxy-leastconn", "triscope-haproxy") for k in range(3)}
+    assert len(salts) == 6 and prompt_salt("haproxy-leastconn", "vllm", 7, 0) == "haproxy-leastconn-vllm-s7"

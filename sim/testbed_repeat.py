@@ -1,0 +1,108 @@
+"""Repeated test bed rounds summed up: each policy's spread and each triscope policy's paired ratios.
+
+One run of a policy on the 2-CPU bed varies more than policies differ (docs/closed_loop.md: leastconn
+alone 9.8-11.2 goodput/s on the same arrivals), so ``bench/testbed.py --repeat N`` replays the arrivals N
+times per policy, in a rotated order each round so that drift (warm engines, a busy neighbour) falls on
+every policy alike, and this module turns the rounds into figures a claim can stand on: per policy the
+mean, standard deviation and range; per pair the ratio of triscope's figure to the peer's in each round,
+their geometric mean and a 95 % confidence interval (Student's t on the log ratios, paired by round).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from triscope.sim.engine import CLASSES
+
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""Student's t, two-sided 95 % (the 0.975 quantile), for 1-30 degrees of freedom; 1.96 beyond."""
+
+TRISCOPE_PREFIX = "triscope"
+
+
+def rotated(policies: Sequence[str], round_index: int) -> list[str]:
+    """Round ``round_index``'s order: the list rotated by the round (A B C, B C A, C A B, ...)."""
+    if not policies:
+        return []
+    k = round_index % len(policies)
+    return [*policies[k:], *policies[:k]]
+
+
+def t_quantile(df: int) -> float:
+    """Two-sided 95 % Student's t for ``df`` degrees of freedom (>= 1)."""
+    if df < 1:
+        raise ValueError("t_quantile needs at least 1 degree of freedom")
+    return T_975[df - 1] if df <= len(T_975) else 1.96
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """n, mean, sd (None below 2 values), min and max of the finite values; ``non_finite`` counts the rest."""
+    finite = [float(v) for v in values if _finite(v)]
+    out: dict[str, Any] = {"n": len(finite), "non_finite": len(values) - len(finite)}
+    if finite:
+        out.update(mean=statistics.fmean(finite), sd=statistics.stdev(finite) if len(finite) > 1 else None,
+                   min=min(finite), max=max(finite))
+    return out
+
+
+def tail_spread(values: Sequence[Any]) -> dict[str, Any]:
+    """Median and range of P99s, where a failed request makes a P99 infinite (``"inf"`` in the documents)."""
+    numbers = sorted(math.inf if v == "inf" else float(v) for v in values if v is not None)
+    if not numbers:
+        return {"n": 0}
+    show = lambda v: "inf" if math.isinf(v) else v  # noqa: E731
+    return {"n": len(numbers), "median": show(statistics.median(numbers)), "min": show(numbers[0]),
+            "max": show(numbers[-1])}
+
+
+def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, Any]:
+    """Per-round ratios ours / theirs, their geometric mean and its 95 % CI (rounds where either is 0 or
+    not finite are left out and counted in ``dropped``; the CI needs two ratios)."""
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True) if _finite(a) and _finite(b) and a > 0 and b > 0]
+    out: dict[str, Any] = {"per_round": [round(r, 4) for r in ratios], "dropped": len(ours) - len(ratios)}
+    if not ratios:
+        return out
+    logs = [math.log(r) for r in ratios]
+    centre = statistics.fmean(logs)
+    out["geo_mean"] = math.exp(centre)
+    if len(logs) > 1:
+        half = t_quantile(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+        out["ci95"] = [math.exp(centre - half), math.exp(centre + half)]
+    return out
+
+
+def summarize(rounds: Sequence[Mapping[str, Mapping[str, Any]]], orders: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """The ``repeat`` block of a fleet: per policy the spread of each figure, per triscope policy and peer
+    the paired ratios of goodput and peak QPS held (a pair only over the rounds where both ran)."""
+    names = list(dict.fromkeys(p for r in rounds for p in r))
+    policies: dict[str, Any] = {}
+    for name in names:
+        docs = [r[name] for r in rounds if name in r]
+        policies[name] = {
+            "rounds": len(docs),
+            "goodput_qps": spread([float(d["goodput_qps"]) for d in docs]),
+            "peak_qps_held": spread([float(d["peak_qps_held"]) for d in docs]),
+            "errors": spread([float(sum(d["errors"].values())) for d in docs]),
+            "preemptions": spread([float(d.get("preemptions", math.nan)) for d in docs]),
+            "p99_all_s": {c: tail_spread([d["classes"][c]["p99_all_s"] for d in docs]) for c in CLASSES},
+        }
+    ours = [n for n in names if n.startswith(TRISCOPE_PREFIX)]
+    pairs: dict[str, Any] = {}
+    for a in ours:
+        for b in names:
+            if b == a or b.startswith(TRISCOPE_PREFIX):
+                continue
+            both = [r for r in rounds if a in r and b in r]
+            pairs[f"{a}/{b}"] = {
+                key: paired_ratio([float(r[a][key]) for r in both], [float(r[b][key]) for r in both])
+                for key in ("goodput_qps", "peak_qps_held")}
+    return {"rounds": len(rounds), "orders": [list(o) for o in orders], "policies": policies, "ratios": pairs}
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)

@@ -1,0 +1,98 @@
+"""Repeated test bed rounds summed up (``sim/testbed_repeat.py``): orders, spreads, paired ratios and CIs."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from triscope.sim.engine import CLASSES
+from triscope.sim.testbed_repeat import paired_ratio, rotated, spread, summarize, t_quantile, tail_spread
+
+
+def _doc(goodput: float, held: float, p99: Any = 0.5, errors: int = 0, preemptions: int = 3) -> dict[str, Any]:
+    return {"goodput_qps": goodput, "peak_qps_held": held, "errors": {"timeout": errors},
+            "preemptions": preemptions, "classes": {c: {"p99_all_s": p99} for c in CLASSES}}
+
+
+def test_each_policy_leads_a_round_in_turn() -> None:
+    orders = [rotated(["a", "b", "c"], k) for k in range(4)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert rotated([], 3) == []
+
+
+def test_t_quantiles_shrink_toward_the_normal() -> None:
+    assert t_quantile(1) == pytest.approx(12.706)
+    assert t_quantile(4) == pytest.approx(2.776)
+    assert t_quantile(1000) == pytest.approx(1.96)
+    assert all(t_quantile(d) > t_quantile(d + 1) for d in range(1, 30))
+    with pytest.raises(ValueError):
+        t_quantile(0)
+
+
+def test_paired_ratio_is_a_geometric_mean_with_a_t_interval() -> None:
+    ours, theirs = [11.0, 9.0, 12.0], [10.0, 10.0, 10.0]
+    r = paired_ratio(ours, theirs)
+    logs = [math.log(1.1), math.log(0.9), math.log(1.2)]
+    mean = sum(logs) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
+    half = 4.303 * sd / math.sqrt(3)
+    assert r["per_round"] == [1.1, 0.9, 1.2] and r["dropped"] == 0
+    assert r["geo_mean"] == pytest.approx(math.exp(mean))
+    assert r["ci95"] == pytest.approx([math.exp(mean - half), math.exp(mean + half)])
+    assert r["ci95"][0] < r["geo_mean"] < r["ci95"][1]
+
+
+def test_identical_rounds_give_a_zero_width_interval_and_a_lone_round_none() -> None:
+    same = paired_ratio([12.0, 12.0], [10.0, 10.0])
+    assert same["ci95"] == pytest.approx([1.2, 1.2])
+    lone = paired_ratio([12.0], [10.0])
+    assert lone["geo_mean"] == pytest.approx(1.2) and "ci95" not in lone
+
+
+def test_rounds_where_a_ratio_is_undefined_are_dropped_and_counted() -> None:
+    r = paired_ratio([5.0, 0.0, 6.0, math.nan], [5.0, 4.0, 0.0, 3.0])
+    assert r["per_round"] == [1.0] and r["dropped"] == 3
+    assert paired_ratio([0.0], [1.0]) == {"per_round": [], "dropped": 1}
+
+
+def test_spread_keeps_infinite_values_out_of_the_mean_and_counts_them() -> None:
+    s = spread([1.0, 3.0, math.inf])
+    assert s == {"n": 2, "non_finite": 1, "mean": 2.0, "sd": pytest.approx(math.sqrt(2)), "min": 1.0, "max": 3.0}
+    assert spread([]) == {"n": 0, "non_finite": 0}
+    assert spread([4.0])["sd"] is None
+
+
+def test_a_failed_request_makes_a_tail_infinite_not_missing() -> None:
+    assert tail_spread([0.2, "inf", 0.4]) == {"n": 3, "median": 0.4, "min": 0.2, "max": "inf"}
+    assert tail_spread(["inf", "inf"])["median"] == "inf"
+    assert tail_spread([None]) == {"n": 0}
+
+
+def test_summary_pairs_every_triscope_policy_with_every_peer_by_round() -> None:
+    rounds = [
+        {"haproxy-leastconn": _doc(10.0, 7.0), "triscope-haproxy": _doc(11.0, 7.0, errors=1),
+         "gie-epp": _doc(8.0, 0.0)},
+        {"triscope-haproxy": _doc(9.0, 7.0, p99="inf"), "gie-epp": _doc(10.0, 7.0),
+         "haproxy-leastconn": _doc(9.0, 14.0)},
+    ]
+    orders = [["haproxy-leastconn", "triscope-haproxy", "gie-epp"],
+              ["triscope-haproxy", "gie-epp", "haproxy-leastconn"]]
+    rep = summarize(rounds, orders)
+    assert rep["rounds"] == 2 and rep["orders"] == orders
+    mine = rep["policies"]["triscope-haproxy"]
+    assert mine["rounds"] == 2 and mine["goodput_qps"]["mean"] == pytest.approx(10.0)
+    assert mine["errors"]["mean"] == pytest.approx(0.5)
+    assert all(mine["p99_all_s"][c]["max"] == "inf" for c in CLASSES)
+    assert set(rep["ratios"]) == {"triscope-haproxy/haproxy-leastconn", "triscope-haproxy/gie-epp"}
+    lc = rep["ratios"]["triscope-haproxy/haproxy-leastconn"]
+    assert lc["goodput_qps"]["per_round"] == [1.1, 1.0]
+    assert lc["peak_qps_held"]["per_round"] == [1.0, 0.5]
+    gie = rep["ratios"]["triscope-haproxy/gie-epp"]
+    assert gie["peak_qps_held"]["dropped"] == 1  # gie held nothing in round 1: no ratio there
+
+
+def test_without_a_triscope_policy_there_are_no_pairs() -> None:
+    rep = summarize([{"haproxy-rr": _doc(1.0, 1.0), "haproxy-leastconn": _doc(2.0, 2.0)}], [["haproxy-rr"]])
+    assert rep["ratios"] == {} and set(rep["policies"]) == {"haproxy-rr", "haproxy-leastconn"}
