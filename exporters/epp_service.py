@@ -87,7 +87,7 @@ class EppConfig(ComponentConfig):
     """Honour the weight engine's drains for KV cache usage alone (the fit test weighs KV per request; drains
     for health, memory or sleep always hold)."""
     early_signals: bool = True
-    """Preemptions and requests waiting for KV count against a backend's fit before its KV gauge shows it."""
+    """Preemptions and requests waiting for capacity count against a backend's fit before its KV gauge shows it."""
     max_body_bytes: int = MAX_BODY_BYTES
     max_streams: int = MAX_STREAMS
     levels_window_s: float = 10.0

@@ -289,6 +289,12 @@ class Engine:
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
             "# TYPE vllm:num_requests_waiting gauge",
             f"vllm:num_requests_waiting{{{lab}}} {float(self.waiting)}",
+            # as vLLM V1 (0.11+) exports it: "capacity" is every waiting request not deferred (no batch slot,
+            # token budget or KV blocks for it yet); nothing here defers (no LoRA, no KV transfer)
+            "# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason.",
+            "# TYPE vllm:num_requests_waiting_by_reason gauge",
+            f'vllm:num_requests_waiting_by_reason{{{lab},reason="capacity"}} {float(self.waiting)}',
+            f'vllm:num_requests_waiting_by_reason{{{lab},reason="deferred"}} 0.0',
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{{{lab}}} {self.kv_ratio():.6f}",

@@ -71,7 +71,7 @@ def test_a_request_that_ended_while_the_scrape_was_in_flight_is_not_another_clie
 
 
 def test_a_backend_that_preempts_or_queues_for_kv_is_full_whatever_its_gauge() -> None:
-    """Early signals: a preemption since the previous scrape, or requests waiting for KV capacity, mean the
+    """Early signals: a preemption since the previous scrape, or requests waiting for capacity, mean the
     engine is out of KV now (the usage gauge can read 70 % between two block allocations). With an infinite
     short_penalty such a backend takes nothing that fits elsewhere."""
     picker = _picker(2, short_penalty=math.inf)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from conftest import free_port, require
 
+from triscope.analyzers.routing.live import live_signals
 from triscope.sim.calibrate import (
     FitResult,
     Run,
@@ -175,6 +176,26 @@ def test_paged_engine_preempts_when_a_block_is_short(monkeypatch: pytest.MonkeyP
            f"{float(paged.preemptions)}" in text
     assert 'block_size="16"' in text and 'num_gpu_blocks="6"' in text
     assert engine.state_json()["preemptions"] == paged.preemptions
+
+
+def test_waiting_requests_are_exported_by_reason_as_vllm_does() -> None:
+    """vLLM V1 exports ``num_requests_waiting_by_reason``: ``capacity`` is every waiting request not deferred.
+    The sim does too, so the picker's early signal reads the same on the sim as on the real fleet."""
+    engine = _paged(32, slots=1, dc=0.01)
+
+    async def main() -> tuple[str, list[Served | str]]:
+        tasks = [asyncio.create_task(_serve(engine, 16, 40)) for _ in range(3)]
+        await asyncio.sleep(0.05)  # the first runs (0.4 s), the other two wait for its batch slot
+        text = engine.metrics_text()
+        return text, list(await asyncio.gather(*tasks))
+
+    text, done = asyncio.run(main())
+    assert all(isinstance(d, Served) for d in done), done
+    signals = live_signals(text, 0.0)
+    assert signals.waiting == 2.0 and signals.running == 1.0
+    assert signals.waiting_for_capacity == 2.0
+    assert 'reason="deferred"} 0.0' in text
+    assert live_signals(engine.metrics_text(), 1.0).waiting_for_capacity == 0.0
 
 
 def test_paged_engine_under_random_load_keeps_its_invariants(monkeypatch: pytest.MonkeyPatch) -> None:

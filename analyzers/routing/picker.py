@@ -66,7 +66,7 @@ class PickerParams:
     request against fresher KV figures, and a drain held for an engine period sent a whole burst to the other
     engine on the real test bed (docs/epp.md); drains for health, memory or sleep always hold."""
     early_signals: bool = True
-    """A preemption since the previous scrape, or requests waiting for KV capacity, make a backend full."""
+    """A preemption since the previous scrape, or requests waiting for capacity (a queue), make a backend full."""
     misfit_penalty: float = 1.0
     """Work added to a backend the request does not fit by its KV gauge, in requests (or mean request sizes
     with ``tokens``): the fit counts the whole expected output, which the engine allocates only as it
@@ -100,7 +100,8 @@ class LiveSignals:
     preemptions_total: float = NAN
     """The engine's preemptions counter (``vllm:num_preemptions_total``)."""
     waiting_for_capacity: float = NAN
-    """Requests waiting because the KV cache is full (``vllm:num_requests_waiting_by_reason{reason="capacity"}``)."""
+    """Requests waiting for scheduling capacity: a batch slot, the step's token budget or KV blocks; vLLM V1's
+    ``vllm:num_requests_waiting_by_reason{reason="capacity"}`` counts every waiting request it does not defer."""
     period_s: float = 0.0
     """The scraper's period when it took this scrape (its figures stay fresh for two)."""
 

@@ -58,7 +58,8 @@ SERVING_METRICS = Table(
         Column("sleep_state", "Float64", "vllm:engine_sleep_state: 0 awake, > 0 sleeping (level); NaN when unknown",
                since=3),
         Column("waiting_capacity", "Float64",
-               "requests waiting for KV capacity (vllm:num_requests_waiting_by_reason{reason=capacity})", since=3),
+               "requests waiting, not deferred: no batch slot, token budget or KV yet "
+               "(vllm:num_requests_waiting_by_reason{reason=capacity})", since=3),
         Column("waiting_deferred", "Float64",
                "requests deferred by the scheduler (vllm:num_requests_waiting_by_reason{reason=deferred})", since=3),
         Column("swapped_requests", "Float64", "V0 vllm:num_requests_swapped; NaN when unknown", since=3),
