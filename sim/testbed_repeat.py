@@ -106,3 +106,63 @@ def summarize(rounds: Sequence[Mapping[str, Mapping[str, Any]]], orders: Sequenc
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def best_peer(repeat: Mapping[str, Any], policy: str) -> str | None:
+    """The peer (not a triscope policy) with the highest mean goodput over the rounds, paired with ``policy``."""
+    peers = [(p["goodput_qps"].get("mean", -math.inf), name) for name, p in repeat["policies"].items()
+             if not name.startswith(TRISCOPE_PREFIX) and f"{policy}/{name}" in repeat["ratios"]]
+    return max(peers)[1] if peers else None
+
+
+def verdict_rows(doc: Mapping[str, Any], label: str = "") -> list[dict[str, Any]]:
+    """One row per fleet and triscope policy of a repeated test-bed document: its ratios to the best peer
+    and to round-robin (``haproxy-rr``) where it ran, and each side's failed requests per round."""
+    rows = []
+    for kind, fleet in doc.get("fleets", {}).items():
+        rep = fleet.get("repeat")
+        if not rep:
+            continue
+        for ours in (n for n in rep["policies"] if n.startswith(TRISCOPE_PREFIX)):
+            peer = best_peer(rep, ours)
+            if peer is None:
+                continue
+            rr = rep["ratios"].get(f"{ours}/haproxy-rr") if peer != "haproxy-rr" else None
+            rows.append({
+                "label": label or f"{doc.get('workload')}/{doc.get('scenario')}", "fleet": kind,
+                "seed": doc.get("seed"), "rounds": rep["rounds"], "policy": ours, "best_peer": peer,
+                "goodput": rep["ratios"][f"{ours}/{peer}"]["goodput_qps"],
+                "held": rep["ratios"][f"{ours}/{peer}"]["peak_qps_held"],
+                "errors": rep["policies"][ours]["errors"], "peer_errors": rep["policies"][peer]["errors"],
+                "vs_round_robin": ({"goodput": rr["goodput_qps"], "held": rr["peak_qps_held"]} if rr else None)})
+    return rows
+
+
+def plot_verdicts(rows: Sequence[Mapping[str, Any]], path: str, targets: tuple[float, float] = (1.2, 1.3)) -> None:
+    """PNG: per row the geometric mean and 95 % CI of goodput and peak-QPS-held ratios against the best
+    peer (dots) and round-robin (squares), with 1.0 and the targets marked."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional heavy import, only when plotting
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 1.2 + 0.45 * len(rows)))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2, sharey=True)
+    names = [f"{r['fleet']} {r['label']} ({r['rounds']}x, vs {r['best_peer']})" for r in rows]
+    for ax, key, target in zip(axes, ("goodput", "held"), targets, strict=True):
+        for y, row in enumerate(rows):
+            for ratio, marker, colour, dy in ((row[key], "o", "tab:blue", 0.0),
+                                              ((row["vs_round_robin"] or {}).get(key), "s", "tab:orange", 0.22)):
+                if not ratio or "geo_mean" not in ratio:
+                    continue
+                lo, hi = ratio.get("ci95", [ratio["geo_mean"]] * 2)
+                ax.errorbar([ratio["geo_mean"]], [y + dy], xerr=[[ratio["geo_mean"] - lo], [hi - ratio["geo_mean"]]],
+                            fmt=marker, color=colour, capsize=3)
+        ax.axvline(1.0, color="grey", ls=":")
+        ax.axvline(target, color="tab:green", ls="--", label=f"target {target:g}x the best peer")
+        ax.set(xscale="log", xlabel=f"triscope / other, {'goodput' if key == 'goodput' else 'peak QPS held'}")
+        ax.legend(fontsize=8, loc="lower right")
+    axes[0].set_yticks(range(len(rows)), names, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle("paired ratios over repeated rounds: dot = vs best peer, square = vs round-robin, bar = 95 % CI")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from triscope.sim.engine import CLASSES
-from triscope.sim.testbed_repeat import paired_ratio, rotated, spread, summarize, t_quantile, tail_spread
+from triscope.sim.testbed_repeat import (
+    best_peer,
+    paired_ratio,
+    rotated,
+    spread,
+    summarize,
+    t_quantile,
+    tail_spread,
+    verdict_rows,
+)
+
+_spec = importlib.util.spec_from_file_location("testbed_ratios", Path(__file__).parents[1] / "bench/testbed_ratios.py")
+assert _spec is not None and _spec.loader is not None
+_ratios = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_ratios)
+ratios_main = _ratios.main
 
 
 def _doc(goodput: float, held: float, p99: Any = 0.5, errors: int = 0, preemptions: int = 3) -> dict[str, Any]:
@@ -96,3 +114,47 @@ def test_summary_pairs_every_triscope_policy_with_every_peer_by_round() -> None:
 def test_without_a_triscope_policy_there_are_no_pairs() -> None:
     rep = summarize([{"haproxy-rr": _doc(1.0, 1.0), "haproxy-leastconn": _doc(2.0, 2.0)}], [["haproxy-rr"]])
     assert rep["ratios"] == {} and set(rep["policies"]) == {"haproxy-rr", "haproxy-leastconn"}
+
+
+def _repeated_doc() -> dict[str, Any]:
+    rounds = [
+        {"haproxy-rr": _doc(8.0, 5.0), "haproxy-leastconn": _doc(10.0, 7.0), "triscope-haproxy": _doc(10.5, 7.0)},
+        {"haproxy-rr": _doc(7.0, 5.0), "haproxy-leastconn": _doc(11.0, 7.0, errors=4),
+         "triscope-haproxy": _doc(10.0, 7.0, errors=1)},
+    ]
+    rep = summarize(rounds, [list(rounds[0]), list(rounds[1])])
+    return {"workload": "flash-crowd", "scenario": "none", "seed": 9, "fleets": {"vllm": {"repeat": rep}}}
+
+
+def test_the_verdict_weighs_triscope_against_the_peer_with_the_best_mean_goodput() -> None:
+    doc = _repeated_doc()
+    rep = doc["fleets"]["vllm"]["repeat"]
+    assert best_peer(rep, "triscope-haproxy") == "haproxy-leastconn"
+    (row,) = verdict_rows(doc)
+    assert row["label"] == "flash-crowd/none" and row["rounds"] == 2 and row["best_peer"] == "haproxy-leastconn"
+    assert row["goodput"]["per_round"] == pytest.approx([1.05, 10 / 11], abs=1e-4)
+    assert row["errors"]["mean"] == pytest.approx(0.5) and row["peer_errors"]["mean"] == pytest.approx(2.0)
+    assert row["vs_round_robin"]["goodput"]["per_round"] == pytest.approx([10.5 / 8, 10 / 7], abs=1e-4)
+    assert verdict_rows({"fleets": {"sim": {"policies": {}}}}) == []  # a single run has no verdict
+
+
+def test_ratios_cli_prints_the_verdict_draws_it_and_names_bad_files(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "run.json"
+    good.write_text(json.dumps(_repeated_doc()))
+    single = tmp_path / "single.json"
+    single.write_text(json.dumps({"fleets": {"sim": {"policies": {}}}}))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    png = tmp_path / "ratios.png"
+    assert ratios_main([str(good), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "vllm flash-crowd/none" in out and "vs haproxy-leastconn: goodput 0.98 [" in out
+    assert "vs round-robin goodput 1.37 [" in out
+    assert png.stat().st_size > 10_000
+    assert ratios_main([str(good), str(single), str(broken), "--json"]) == 1  # the good file still reported
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)) == 1
+    errors = captured.err.strip().splitlines()
+    assert len(errors) == 2 and "single.json: no repeated rounds" in errors[0] and "broken.json: not a test-bed" \
+        in errors[1]

@@ -1,0 +1,68 @@
+"""Issue 21's verdict from repeated test-bed runs: triscope against the best peer, with 95 % intervals.
+
+    .venv/bin/python bench/testbed.py --repeat 4 ... --out-dir var/r1      # one or more repeated runs
+    .venv/bin/python bench/testbed_ratios.py var/r1/testbed-*.json [...] [--png ratios.png] [--json]
+
+Per file, fleet and triscope policy: the peer with the best mean goodput, the paired goodput and
+peak-QPS-held ratios (geometric mean, 95 % t interval over rounds) against it and against round-robin,
+and the failed requests per round of each (``triscope.sim.testbed_repeat``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from triscope.sim.testbed_repeat import plot_verdicts, verdict_rows
+
+
+def _ratio(r: dict[str, Any] | None) -> str:
+    if not r or "geo_mean" not in r:
+        return "-"
+    ci = f" [{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}]" if "ci95" in r else ""
+    return f"{r['geo_mean']:.2f}{ci}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="test-bed JSON documents made with --repeat N (N >= 2)")
+    parser.add_argument("--png", type=Path, help="write the ratios with their intervals here")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    bad = 0
+    for path in args.runs:
+        try:
+            doc = json.loads(path.read_text())
+            found = verdict_rows(doc) if isinstance(doc, dict) else []
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"testbed_ratios: {path}: not a test-bed document ({type(exc).__name__}: {exc})", file=sys.stderr)
+            bad += 1
+            continue
+        if not found:
+            print(f"testbed_ratios: {path}: no repeated rounds with a triscope policy and a peer "
+                  "(run bench/testbed.py with --repeat 2 or more)", file=sys.stderr)
+            bad += 1
+        rows += found
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            rr = r["vs_round_robin"] or {}
+            print(f"{r['fleet']:4} {r['label']:28} seed {r['seed']} x{r['rounds']} {r['policy']} vs {r['best_peer']}: "
+                  f"goodput {_ratio(r['goodput'])}, held {_ratio(r['held'])}; errors/round "
+                  f"{r['errors'].get('mean', 0):.1f} vs {r['peer_errors'].get('mean', 0):.1f}"
+                  + (f"; vs round-robin goodput {_ratio(rr.get('goodput'))}, held {_ratio(rr.get('held'))}"
+                     if rr else ""))
+    if args.png and rows:
+        plot_verdicts(rows, str(args.png))
+        if not args.json:
+            print(f"PNG: {args.png}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
