@@ -3,9 +3,11 @@
     .venv/bin/python bench/testbed.py --repeat 4 ... --out-dir var/r1      # one or more repeated runs
     .venv/bin/python bench/testbed_ratios.py var/r1/testbed-*.json [...] [--png ratios.png] [--json]
 
-Per file, fleet and triscope policy: the peer with the best mean goodput, the paired goodput and
-peak-QPS-held ratios (geometric mean, 95 % t interval over rounds) against it and against round-robin,
-and the failed requests per round of each (``triscope.sim.testbed_repeat``).
+Per file, fleet and triscope policy: the peer with the best mean goodput; the paired ratios (geometric
+mean, 95 % t interval over rounds) of goodput over the run, goodput in the window where that peer stops
+holding (issue 21's 1.2x target) and peak QPS held (1.3x), against it and against round-robin; the
+ceiling of each (offered / the peer's figure: what no router could beat at that load); the failed
+requests per round of each (``triscope.sim.testbed_repeat``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,24 @@ def _ratio(r: dict[str, Any] | None) -> str:
         return "-"
     ci = f" [{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}]" if "ci95" in r else ""
     return f"{r['geo_mean']:.2f}{ci}"
+
+
+def _ceiling(s: dict[str, Any]) -> str:
+    return f"{s['mean']:.2f}" if s.get("n") else "-"
+
+
+def _line(r: dict[str, Any]) -> str:
+    best, rr = r["vs_best_peer"], r["vs_round_robin"]
+    at_break = (f"{_ratio(best['goodput_at_peer_break'])} (ceiling {_ceiling(best['ceiling_at_peer_break'])}; "
+                f"the peer held every window in {best['peer_held_every_window']} of {r['rounds']})")
+    line = (f"{r['fleet']} {r['label']} seed {r['seed']} x{r['rounds']}: {r['policy']} / {r['best_peer']}: "
+            f"goodput {_ratio(best['goodput_qps'])} (ceiling {_ceiling(best['ceiling_goodput'])}), "
+            f"where it stops holding {at_break}, held {_ratio(best['peak_qps_held'])} "
+            f"(ceiling {_ceiling(best['ceiling_held'])}); failed/round {r['errors'].get('mean', 0):.1f} "
+            f"vs {r['peer_errors'].get('mean', 0):.1f}")
+    if rr:
+        line += f"; / haproxy-rr: goodput {_ratio(rr['goodput_qps'])}, held {_ratio(rr['peak_qps_held'])}"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,12 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows, indent=1))
     else:
         for r in rows:
-            rr = r["vs_round_robin"] or {}
-            print(f"{r['fleet']:4} {r['label']:28} seed {r['seed']} x{r['rounds']} {r['policy']} vs {r['best_peer']}: "
-                  f"goodput {_ratio(r['goodput'])}, held {_ratio(r['held'])}; errors/round "
-                  f"{r['errors'].get('mean', 0):.1f} vs {r['peer_errors'].get('mean', 0):.1f}"
-                  + (f"; vs round-robin goodput {_ratio(rr.get('goodput'))}, held {_ratio(rr.get('held'))}"
-                     if rr else ""))
+            print(_line(r))
     if args.png and rows:
         plot_verdicts(rows, str(args.png))
         if not args.json:

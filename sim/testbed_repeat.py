@@ -76,6 +76,34 @@ def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, An
     return out
 
 
+def peer_break(ours: Mapping[str, Any], peer: Mapping[str, Any]) -> tuple[float, float, float] | None:
+    """(our goodput, the peer's, the offered QPS) in the window where the peer stops holding (issue 21's
+    step): of those with requests it did not hold, the one offered least, as ``peak_qps_held`` is judged
+    (the earliest on a tie); None when it held every window."""
+    unheld = [(float(b["offered_qps"]), k) for k, b in enumerate(peer["buckets"]) if b["requests"] and not b["held"]]
+    if not unheld or min(unheld)[1] >= len(ours["buckets"]):
+        return None
+    k = min(unheld)[1]
+    theirs = peer["buckets"][k]
+    return float(ours["buckets"][k]["goodput_qps"]), float(theirs["goodput_qps"]), float(theirs["offered_qps"])
+
+
+def at_peer_break(ours: Sequence[Mapping[str, Any]], peers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Over rounds: goodput ratios where the peer stops holding, and the ceilings no router can pass at this
+    load (offered / the peer's goodput there, overall, and the highest offered window / the peer's held)."""
+    breaks = [(k, b) for k, (o, p) in enumerate(zip(ours, peers, strict=True)) if (b := peer_break(o, p))]
+    top = [max((float(b["offered_qps"]) for b in p["buckets"] if b["requests"]), default=math.nan) for p in peers]
+    return {
+        "goodput_at_peer_break": paired_ratio([g for _, (g, _, _) in breaks], [pg for _, (_, pg, _) in breaks]),
+        "ceiling_at_peer_break": spread([off / pg if pg > 0 else math.inf for _, (_, pg, off) in breaks]),
+        "peer_held_every_window": len(ours) - len(breaks),
+        "ceiling_goodput": spread([float(p["offered_qps"]) / float(p["goodput_qps"]) if float(p["goodput_qps"]) > 0
+                                   else math.inf for p in peers]),
+        "ceiling_held": spread([t / float(p["peak_qps_held"]) if float(p["peak_qps_held"]) > 0 else math.inf
+                                for t, p in zip(top, peers, strict=True)]),
+    }
+
+
 def summarize(rounds: Sequence[Mapping[str, Mapping[str, Any]]], orders: Sequence[Sequence[str]]) -> dict[str, Any]:
     """The ``repeat`` block of a fleet: per policy the spread of each figure, per triscope policy and peer
     the paired ratios of goodput and peak QPS held (a pair only over the rounds where both ran)."""
@@ -99,8 +127,9 @@ def summarize(rounds: Sequence[Mapping[str, Mapping[str, Any]]], orders: Sequenc
                 continue
             both = [r for r in rounds if a in r and b in r]
             pairs[f"{a}/{b}"] = {
-                key: paired_ratio([float(r[a][key]) for r in both], [float(r[b][key]) for r in both])
-                for key in ("goodput_qps", "peak_qps_held")}
+                **{key: paired_ratio([float(r[a][key]) for r in both], [float(r[b][key]) for r in both])
+                   for key in ("goodput_qps", "peak_qps_held")},
+                **at_peer_break([r[a] for r in both], [r[b] for r in both])}
     return {"rounds": len(rounds), "orders": [list(o) for o in orders], "policies": policies, "ratios": pairs}
 
 
@@ -115,9 +144,16 @@ def best_peer(repeat: Mapping[str, Any], policy: str) -> str | None:
     return max(peers)[1] if peers else None
 
 
+PANELS = (("goodput_qps", "ceiling_goodput", "goodput, whole run", 1.2),
+          ("goodput_at_peer_break", "ceiling_at_peer_break", "goodput where the peer stops holding", 1.2),
+          ("peak_qps_held", "ceiling_held", "peak QPS held", 1.3))
+"""(ratio, its ceiling, title, issue 21's target against the best peer) per panel of :func:`plot_verdicts`."""
+
+
 def verdict_rows(doc: Mapping[str, Any], label: str = "") -> list[dict[str, Any]]:
-    """One row per fleet and triscope policy of a repeated test-bed document: its ratios to the best peer
-    and to round-robin (``haproxy-rr``) where it ran, and each side's failed requests per round."""
+    """One row per fleet and triscope policy of a repeated test-bed document: its pair blocks (ratios and
+    ceilings, :func:`at_peer_break`) against the best peer and round-robin (``haproxy-rr``) where it ran,
+    and each side's failed requests per round."""
     rows = []
     for kind, fleet in doc.get("fleets", {}).items():
         rep = fleet.get("repeat")
@@ -127,42 +163,46 @@ def verdict_rows(doc: Mapping[str, Any], label: str = "") -> list[dict[str, Any]
             peer = best_peer(rep, ours)
             if peer is None:
                 continue
-            rr = rep["ratios"].get(f"{ours}/haproxy-rr") if peer != "haproxy-rr" else None
             rows.append({
                 "label": label or f"{doc.get('workload')}/{doc.get('scenario')}", "fleet": kind,
                 "seed": doc.get("seed"), "rounds": rep["rounds"], "policy": ours, "best_peer": peer,
-                "goodput": rep["ratios"][f"{ours}/{peer}"]["goodput_qps"],
-                "held": rep["ratios"][f"{ours}/{peer}"]["peak_qps_held"],
-                "errors": rep["policies"][ours]["errors"], "peer_errors": rep["policies"][peer]["errors"],
-                "vs_round_robin": ({"goodput": rr["goodput_qps"], "held": rr["peak_qps_held"]} if rr else None)})
+                "vs_best_peer": rep["ratios"][f"{ours}/{peer}"],
+                "vs_round_robin": rep["ratios"].get(f"{ours}/haproxy-rr") if peer != "haproxy-rr" else None,
+                "errors": rep["policies"][ours]["errors"], "peer_errors": rep["policies"][peer]["errors"]})
     return rows
 
 
-def plot_verdicts(rows: Sequence[Mapping[str, Any]], path: str, targets: tuple[float, float] = (1.2, 1.3)) -> None:
-    """PNG: per row the geometric mean and 95 % CI of goodput and peak-QPS-held ratios against the best
-    peer (dots) and round-robin (squares), with 1.0 and the targets marked."""
+def plot_verdicts(rows: Sequence[Mapping[str, Any]], path: str) -> None:
+    """PNG, one panel per :data:`PANELS` entry: per row the geometric mean and 95 % CI of the ratio to the
+    best peer (dot) and to round-robin (square), the ceiling against the best peer (grey bar: the most any
+    router could make at that load), 1.0 and the target."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional heavy import, only when plotting
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 1.2 + 0.45 * len(rows)))
+    fig = Figure(figsize=(15, 1.4 + 0.5 * len(rows)))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 2, sharey=True)
+    axes = fig.subplots(1, len(PANELS), sharey=True)
     names = [f"{r['fleet']} {r['label']} ({r['rounds']}x, vs {r['best_peer']})" for r in rows]
-    for ax, key, target in zip(axes, ("goodput", "held"), targets, strict=True):
+    for ax, (key, ceiling, title, target) in zip(axes, PANELS, strict=True):
         for y, row in enumerate(rows):
-            for ratio, marker, colour, dy in ((row[key], "o", "tab:blue", 0.0),
-                                              ((row["vs_round_robin"] or {}).get(key), "s", "tab:orange", 0.22)):
-                if not ratio or "geo_mean" not in ratio:
+            top = row["vs_best_peer"].get(ceiling, {})
+            if top.get("n"):
+                ax.plot([top["mean"]], [y], marker="|", markersize=14, color="grey")
+            for pair, marker, colour, dy in ((row["vs_best_peer"], "o", "tab:blue", 0.0),
+                                             (row["vs_round_robin"], "s", "tab:orange", 0.22)):
+                ratio = (pair or {}).get(key) or {}
+                if "geo_mean" not in ratio:
                     continue
-                lo, hi = ratio.get("ci95", [ratio["geo_mean"]] * 2)
-                ax.errorbar([ratio["geo_mean"]], [y + dy], xerr=[[ratio["geo_mean"] - lo], [hi - ratio["geo_mean"]]],
-                            fmt=marker, color=colour, capsize=3)
+                mid = ratio["geo_mean"]
+                lo, hi = ratio.get("ci95", [mid, mid])
+                ax.errorbar([mid], [y + dy], xerr=[[mid - lo], [hi - mid]], fmt=marker, color=colour, capsize=3)
         ax.axvline(1.0, color="grey", ls=":")
         ax.axvline(target, color="tab:green", ls="--", label=f"target {target:g}x the best peer")
-        ax.set(xscale="log", xlabel=f"triscope / other, {'goodput' if key == 'goodput' else 'peak QPS held'}")
+        ax.set(xscale="log", title=title, xlabel="triscope / other")
         ax.legend(fontsize=8, loc="lower right")
     axes[0].set_yticks(range(len(rows)), names, fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle("paired ratios over repeated rounds: dot = vs best peer, square = vs round-robin, bar = 95 % CI")
+    fig.suptitle("paired ratios over repeated rounds: dot vs the best peer, square vs round-robin, bar 95 % CI, "
+                 "grey | the ceiling (offered / the best peer's)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

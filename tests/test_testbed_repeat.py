@@ -12,8 +12,10 @@ import pytest
 
 from triscope.sim.engine import CLASSES
 from triscope.sim.testbed_repeat import (
+    at_peer_break,
     best_peer,
     paired_ratio,
+    peer_break,
     rotated,
     spread,
     summarize,
@@ -29,9 +31,16 @@ _spec.loader.exec_module(_ratios)
 ratios_main = _ratios.main
 
 
-def _doc(goodput: float, held: float, p99: Any = 0.5, errors: int = 0, preemptions: int = 3) -> dict[str, Any]:
-    return {"goodput_qps": goodput, "peak_qps_held": held, "errors": {"timeout": errors},
-            "preemptions": preemptions, "classes": {c: {"p99_all_s": p99} for c in CLASSES}}
+def _bucket(offered: float, goodput: float, held: bool, requests: int = 10) -> dict[str, Any]:
+    return {"offered_qps": offered, "goodput_qps": goodput, "held": held, "requests": requests}
+
+
+def _doc(goodput: float, held: float, p99: Any = 0.5, errors: int = 0, preemptions: int = 3,
+         buckets: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A judged run; by default one window, held at ``held`` QPS, with 10 % of the offered lost."""
+    return {"goodput_qps": goodput, "peak_qps_held": held, "offered_qps": goodput * 1.1, "errors": {"timeout": errors},
+            "preemptions": preemptions, "classes": {c: {"p99_all_s": p99} for c in CLASSES},
+            "buckets": buckets if buckets is not None else [_bucket(held, goodput, True)]}
 
 
 def test_each_policy_leads_a_round_in_turn() -> None:
@@ -132,9 +141,10 @@ def test_the_verdict_weighs_triscope_against_the_peer_with_the_best_mean_goodput
     assert best_peer(rep, "triscope-haproxy") == "haproxy-leastconn"
     (row,) = verdict_rows(doc)
     assert row["label"] == "flash-crowd/none" and row["rounds"] == 2 and row["best_peer"] == "haproxy-leastconn"
-    assert row["goodput"]["per_round"] == pytest.approx([1.05, 10 / 11], abs=1e-4)
+    assert row["vs_best_peer"]["goodput_qps"]["per_round"] == pytest.approx([1.05, 10 / 11], abs=1e-4)
+    assert row["vs_best_peer"]["peer_held_every_window"] == 2
     assert row["errors"]["mean"] == pytest.approx(0.5) and row["peer_errors"]["mean"] == pytest.approx(2.0)
-    assert row["vs_round_robin"]["goodput"]["per_round"] == pytest.approx([10.5 / 8, 10 / 7], abs=1e-4)
+    assert row["vs_round_robin"]["goodput_qps"]["per_round"] == pytest.approx([10.5 / 8, 10 / 7], abs=1e-4)
     assert verdict_rows({"fleets": {"sim": {"policies": {}}}}) == []  # a single run has no verdict
 
 
@@ -149,8 +159,9 @@ def test_ratios_cli_prints_the_verdict_draws_it_and_names_bad_files(
     png = tmp_path / "ratios.png"
     assert ratios_main([str(good), "--png", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "vllm flash-crowd/none" in out and "vs haproxy-leastconn: goodput 0.98 [" in out
-    assert "vs round-robin goodput 1.37 [" in out
+    assert "vllm flash-crowd/none seed 9 x2: triscope-haproxy / haproxy-leastconn: goodput 0.98 [" in out
+    assert "(ceiling 1.10)" in out and "held every window in 2 of 2" in out
+    assert "/ haproxy-rr: goodput 1.37 [" in out
     assert png.stat().st_size > 10_000
     assert ratios_main([str(good), str(single), str(broken), "--json"]) == 1  # the good file still reported
     captured = capsys.readouterr()
@@ -158,3 +169,27 @@ def test_ratios_cli_prints_the_verdict_draws_it_and_names_bad_files(
     errors = captured.err.strip().splitlines()
     assert len(errors) == 2 and "single.json: no repeated rounds" in errors[0] and "broken.json: not a test-bed" \
         in errors[1]
+
+
+def test_the_peers_break_is_its_least_offered_unheld_window() -> None:
+    peer = _doc(3.0, 2.0, buckets=[_bucket(2.0, 2.0, True), _bucket(4.0, 3.5, False), _bucket(6.0, 3.0, False)])
+    ours = _doc(3.3, 4.0, buckets=[_bucket(2.0, 2.0, True), _bucket(4.0, 3.9, True), _bucket(6.0, 4.0, False)])
+    assert peer_break(ours, peer) == (3.9, 3.5, 4.0)
+    # a flash crowd's windows are not in offered order: the quietest one lost is the break
+    flash = _doc(3.0, 2.0, buckets=[_bucket(3.0, 3.0, True), _bucket(8.0, 5.0, False), _bucket(3.5, 3.0, False)])
+    assert peer_break(ours, flash) == (4.0, 3.0, 3.5)
+    assert peer_break(ours, _doc(3.0, 6.0, buckets=[_bucket(6.0, 6.0, True), _bucket(0.0, 0.0, False, 0)])) is None
+
+
+def test_ceilings_say_how_far_any_router_could_beat_the_peer_at_this_load() -> None:
+    peers = [_doc(3.0, 2.0, buckets=[_bucket(2.0, 2.0, True), _bucket(4.0, 3.5, False), _bucket(6.0, 3.0, False)]),
+             _doc(5.0, 6.0, buckets=[_bucket(2.0, 2.0, True), _bucket(6.0, 6.0, True)])]
+    ours = [_doc(3.3, 4.0, buckets=[_bucket(2.0, 2.0, True), _bucket(4.0, 3.9, True), _bucket(6.0, 4.0, False)]),
+            _doc(5.0, 6.0, buckets=[_bucket(2.0, 2.0, True), _bucket(6.0, 6.0, True)])]
+    out = at_peer_break(ours, peers)
+    assert out["peer_held_every_window"] == 1
+    assert out["goodput_at_peer_break"]["per_round"] == [round(3.9 / 3.5, 4)]
+    assert out["ceiling_at_peer_break"]["mean"] == pytest.approx(4.0 / 3.5)
+    assert out["ceiling_goodput"]["mean"] == pytest.approx(1.1)  # offered = 1.1 x goodput in both rounds
+    # the first peer held 2 of a top window of 6 QPS (3x room); the second held the top window (none)
+    assert (out["ceiling_held"]["min"], out["ceiling_held"]["max"]) == (pytest.approx(1.0), pytest.approx(3.0))
