@@ -239,6 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "sla_s": profile.sla_s, "fleets": {}}
     say = (lambda *_: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     say(f"seed {args.seed} (rerun with --seed {args.seed})")
+    path = out_dir / f"testbed-{args.workload}-{args.scenario}-s{args.seed}.json"
     for kind in args.fleets:
         n = args.sim_backends or args.backends if kind == "sim" else args.backends
         schedule, bucket_s = schedule_for(args, n)
@@ -262,6 +263,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             f"{len(schedule)} requests over {schedule[-1].t:.0f} s ...")
                         rounds[-1][policy] = run_policy(policy, fleet, schedule, bucket_s, args, profile,
                                                         out_dir / "work", k)
+                        # what ran so far survives a crash or a kill of a long repeated run
+                        doc["fleets"][kind] = {**fleet_doc, "rounds": rounds, "partial": True}
+                        path.write_text(json.dumps(doc, indent=1, default=str))
         except FleetError as exc:
             fleet_doc["error"] = str(exc)
             say(f"{kind}: {exc}")
@@ -276,7 +280,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             f"{kind} fleet ({n} backends), {args.workload}, {args.scenario}, seed {args.seed}")
             fleet_doc["png"] = str(png)
         doc["fleets"][kind] = fleet_doc
-    path = out_dir / f"testbed-{args.workload}-{args.scenario}-s{args.seed}.json"
     path.write_text(json.dumps(doc, indent=1, default=str))
     doc["json_path"] = str(path)
     if args.json:

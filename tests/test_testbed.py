@@ -231,6 +231,9 @@ def test_repeated_rounds_rotate_the_order_and_pair_the_ratios(tmp_path: Path,
     expected = [r["triscope-haproxy"]["goodput_qps"] / r["haproxy-leastconn"]["goodput_qps"] for r in sim["rounds"]]
     assert pair["per_round"] == pytest.approx(expected, abs=1e-4) and len(pair["ci95"]) == 2
     assert sim["repeat"]["policies"]["triscope-haproxy"]["rounds"] == 2
+    # the file, written after every run so a killed campaign keeps what ran, ends whole
+    written = json.loads(Path(doc["json_path"]).read_text())["fleets"]["sim"]
+    assert "partial" not in written and len(written["rounds"]) == 2
     out = capsys.readouterr().out
     assert "over 2 rounds" in out and "triscope-haproxy/haproxy-leastconn" in out
 
