@@ -91,6 +91,10 @@ def print_tables(doc: dict[str, Any]) -> None:
         header = ["policy", "peak QPS held", "goodput/s", "offered/s", *(f"P99 {SHORT[c]} ms" for c in CLASSES),
                   "errors %", "errors", "preemptions"]
         print(_table(header, [policy_row(n, d) for n, d in f["policies"].items()]))
+        whole = [n for n, d in f["policies"].items() if all(b["held"] for b in d["buckets"] if b["requests"])]
+        if whole:
+            print(f"\nheld every window: {', '.join(whole)}; no policy can make more goodput at this load than "
+                  "one that held every window (raise --qps-per-backend to find where they break)")
         print(f"\ngoodput/offered per {f['bucket_s']:g} s window (* = held)")
         print(_table(["window", *f["policies"]], step_rows(f["policies"])))
         if f.get("png"):

@@ -23,6 +23,7 @@ from triscope.sim.testbed_repeat import (
     tail_spread,
     verdict_rows,
 )
+from triscope.sim.testbed_report import print_tables
 
 _spec = importlib.util.spec_from_file_location("testbed_ratios", Path(__file__).parents[1] / "bench/testbed_ratios.py")
 assert _spec is not None and _spec.loader is not None
@@ -193,3 +194,18 @@ def test_ceilings_say_how_far_any_router_could_beat_the_peer_at_this_load() -> N
     assert out["ceiling_goodput"]["mean"] == pytest.approx(1.1)  # offered = 1.1 x goodput in both rounds
     # the first peer held 2 of a top window of 6 QPS (3x room); the second held the top window (none)
     assert (out["ceiling_held"]["min"], out["ceiling_held"]["max"]) == (pytest.approx(1.0), pytest.approx(3.0))
+
+
+def test_the_table_names_the_policies_that_held_every_window(capsys: pytest.CaptureFixture[str]) -> None:
+    held = _doc(5.0, 6.0, buckets=[_bucket(2.0, 2.0, True), _bucket(6.0, 6.0, True), _bucket(0.0, 0.0, False, 0)])
+    broke = _doc(4.0, 2.0, buckets=[_bucket(2.0, 2.0, True), _bucket(6.0, 5.0, False)])
+    doc = {"workload": "step", "scenario": "none", "seed": 1, "sla_s": {c: 1.0 for c in CLASSES},
+           "fleets": {"sim": {"backends": 2, "arrivals": 10, "bucket_s": 20.0,
+                              "policies": {"haproxy-leastconn": {**held, "error_rate": 0.0},
+                                           "haproxy-rr": {**broke, "error_rate": 0.0}}}}}
+    print_tables(doc)
+    out = capsys.readouterr().out
+    assert "held every window: haproxy-leastconn;" in out and "raise --qps-per-backend" in out
+    doc["fleets"]["sim"]["policies"].pop("haproxy-leastconn")
+    print_tables(doc)
+    assert "held every window" not in capsys.readouterr().out
