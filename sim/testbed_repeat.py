@@ -159,6 +159,8 @@ def verdict_rows(doc: Mapping[str, Any], label: str = "") -> list[dict[str, Any]
         rep = fleet.get("repeat")
         if not rep:
             continue
+        if fleet.get("rounds"):  # the rounds themselves, read with this analysis whatever version wrote the file
+            rep = summarize(fleet["rounds"], rep["orders"])
         for ours in (n for n in rep["policies"] if n.startswith(TRISCOPE_PREFIX)):
             peer = best_peer(rep, ours)
             if peer is None:
