@@ -181,30 +181,33 @@ def plot_verdicts(rows: Sequence[Mapping[str, Any]], path: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional heavy import, only when plotting
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 1.4 + 0.5 * len(rows)))
+    fig = Figure(figsize=(15, 2.0 + 0.55 * len(rows)))
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(PANELS), sharey=True)
     names = [f"{r['fleet']} {r['label']} ({r['rounds']}x, vs {r['best_peer']})" for r in rows]
     for ax, (key, ceiling, title, target) in zip(axes, PANELS, strict=True):
+        lo_x, hi_x = 0.8, max(1.4, target + 0.1)
         for y, row in enumerate(rows):
             top = row["vs_best_peer"].get(ceiling, {})
             if top.get("n"):
-                ax.plot([top["mean"]], [y], marker="|", markersize=14, color="grey")
+                ax.plot([min(top["mean"], 2.5)], [y], marker="|", markersize=16, mew=2, color="grey")
+                hi_x = max(hi_x, min(top["mean"], 2.5) + 0.05)
             for pair, marker, colour, dy in ((row["vs_best_peer"], "o", "tab:blue", 0.0),
-                                             (row["vs_round_robin"], "s", "tab:orange", 0.22)):
+                                             (row["vs_round_robin"], "s", "tab:orange", 0.25)):
                 ratio = (pair or {}).get(key) or {}
                 if "geo_mean" not in ratio:
                     continue
                 mid = ratio["geo_mean"]
                 lo, hi = ratio.get("ci95", [mid, mid])
                 ax.errorbar([mid], [y + dy], xerr=[[mid - lo], [hi - mid]], fmt=marker, color=colour, capsize=3)
+                lo_x, hi_x = min(lo_x, lo - 0.05), max(hi_x, hi + 0.05)
         ax.axvline(1.0, color="grey", ls=":")
-        ax.axvline(target, color="tab:green", ls="--", label=f"target {target:g}x the best peer")
-        ax.set(xscale="log", title=title, xlabel="triscope / other")
-        ax.legend(fontsize=8, loc="lower right")
+        ax.axvline(target, color="tab:green", ls="--")
+        ax.set(title=f"{title} (target {target:g}x)", xlabel="triscope / other", xlim=(lo_x, hi_x),
+               ylim=(len(rows) - 0.5, -0.5))
     axes[0].set_yticks(range(len(rows)), names, fontsize=8)
-    axes[0].invert_yaxis()
-    fig.suptitle("paired ratios over repeated rounds: dot vs the best peer, square vs round-robin, bar 95 % CI, "
-                 "grey | the ceiling (offered / the best peer's)")
+    fig.suptitle("paired ratios over repeated rounds: dot = vs the best peer, square = vs round-robin, bar = 95 % CI\n"
+                 "grey | = ceiling (offered / the best peer's); dashed = target; no dot: the peer held every window",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
