@@ -3,11 +3,13 @@
     .venv/bin/python bench/testbed.py --repeat 4 ... --out-dir var/r1      # one or more repeated runs
     .venv/bin/python bench/testbed_ratios.py var/r1/testbed-*.json [...] [--png ratios.png] [--json]
 
-Per file, fleet and triscope policy: the peer with the best mean goodput; the paired ratios (geometric
-mean, 95 % t interval over rounds) of goodput over the run, goodput in the window where that peer stops
-holding (issue 21's 1.2x target) and peak QPS held (1.3x), against it and against round-robin; the
-ceiling of each (offered / the peer's figure: what no router could beat at that load); the failed
-requests per round of each (``triscope.sim.testbed_repeat``).
+Runs of the same fleet, workload, scenario, seed and parameters add up as rounds, whether one
+``--repeat`` invocation made them or several (e.g. each on fresh engines). Per group and triscope
+policy: the peer with the best mean goodput; the paired ratios (geometric mean, 95 % t interval over
+rounds) of goodput over the run, goodput in the window where that peer stops holding (issue 21's 1.2x
+target) and peak QPS held (1.3x), against it and against round-robin; the ceiling of each (offered /
+the peer's figure: what no router could beat at that load); the failed requests per round of each
+(``triscope.sim.testbed_repeat``).
 """
 
 from __future__ import annotations
@@ -48,25 +50,32 @@ def _line(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="test-bed JSON documents made with --repeat N (N >= 2)")
+    parser.add_argument("runs", nargs="+", type=Path, help="test-bed JSON documents: --repeat runs, or runs of the same seed")
     parser.add_argument("--png", type=Path, help="write the ratios with their intervals here")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
-    rows: list[dict[str, Any]] = []
+    docs: list[dict[str, Any]] = []
     bad = 0
     for path in args.runs:
         try:
             doc = json.loads(path.read_text())
-            found = verdict_rows(doc) if isinstance(doc, dict) else []
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if not isinstance(doc, dict) or not isinstance(doc.get("fleets"), dict):
+                raise ValueError("no fleets")
+        except (OSError, ValueError) as exc:
             print(f"testbed_ratios: {path}: not a test-bed document ({type(exc).__name__}: {exc})", file=sys.stderr)
             bad += 1
             continue
-        if not found:
-            print(f"testbed_ratios: {path}: no repeated rounds with a triscope policy and a peer "
-                  "(run bench/testbed.py with --repeat 2 or more)", file=sys.stderr)
-            bad += 1
-        rows += found
+        docs.append(doc)
+    try:
+        rows = verdict_rows(docs)
+    except (KeyError, TypeError, ValueError) as exc:
+        print(f"testbed_ratios: a document lacks what a judged run has ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 2
+    if not rows:
+        print("testbed_ratios: no two rounds of the same arrivals with a triscope policy and a peer (run "
+              "bench/testbed.py with --repeat 2 or more, or name runs of the same --seed)", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

@@ -10,6 +10,7 @@ their geometric mean and a 95 % confidence interval (Student's t on the log rati
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -150,25 +151,42 @@ PANELS = (("goodput_qps", "ceiling_goodput", "goodput, whole run", 1.2),
 """(ratio, its ceiling, title, issue 21's target against the best peer) per panel of :func:`plot_verdicts`."""
 
 
-def verdict_rows(doc: Mapping[str, Any], label: str = "") -> list[dict[str, Any]]:
-    """One row per fleet and triscope policy of a repeated test-bed document: its pair blocks (ratios and
-    ceilings, :func:`at_peer_break`) against the best peer and round-robin (``haproxy-rr``) where it ran,
-    and each side's failed requests per round."""
+def group_rounds(docs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Rounds of the same arrivals, whichever invocation made them: per fleet, workload, scenario and seed
+    (and parameters), a ``--repeat`` document's rounds and a single run's policies as one round each, in
+    the order given. Runs on fresh engines (one invocation each) thus add up like rounds of one."""
+    groups: dict[str, dict[str, Any]] = {}
+    for doc in docs:
+        for kind, fleet in doc.get("fleets", {}).items():
+            rounds = fleet.get("rounds") or ([fleet["policies"]] if fleet.get("policies") else [])
+            if not rounds:
+                continue
+            key = json.dumps([kind, doc.get("workload"), doc.get("scenario"), doc.get("seed"), doc.get("params")],
+                             sort_keys=True, default=str)
+            group = groups.setdefault(key, {"fleet": kind, "label": f"{doc.get('workload')}/{doc.get('scenario')}",
+                                            "seed": doc.get("seed"), "rounds": [], "orders": []})
+            orders = (fleet.get("repeat") or {}).get("orders") or [list(r) for r in rounds]
+            group["rounds"] += rounds
+            group["orders"] += orders
+    return list(groups.values())
+
+
+def verdict_rows(docs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per group of rounds (:func:`group_rounds`, two or more) and triscope policy: its pair blocks
+    (ratios and ceilings, :func:`at_peer_break`) against the best peer and round-robin (``haproxy-rr``)
+    where it ran, and each side's failed requests per round."""
     rows = []
-    for kind, fleet in doc.get("fleets", {}).items():
-        rep = fleet.get("repeat")
-        if not rep:
+    for group in group_rounds(docs):
+        if len(group["rounds"]) < 2:
             continue
-        if fleet.get("rounds"):  # the rounds themselves, read with this analysis whatever version wrote the file
-            rep = summarize(fleet["rounds"], rep["orders"])
+        rep = summarize(group["rounds"], group["orders"])
         for ours in (n for n in rep["policies"] if n.startswith(TRISCOPE_PREFIX)):
             peer = best_peer(rep, ours)
             if peer is None:
                 continue
             rows.append({
-                "label": label or f"{doc.get('workload')}/{doc.get('scenario')}", "fleet": kind,
-                "seed": doc.get("seed"), "rounds": rep["rounds"], "policy": ours, "best_peer": peer,
-                "vs_best_peer": rep["ratios"][f"{ours}/{peer}"],
+                "label": group["label"], "fleet": group["fleet"], "seed": group["seed"], "rounds": rep["rounds"],
+                "policy": ours, "best_peer": peer, "vs_best_peer": rep["ratios"][f"{ours}/{peer}"],
                 "vs_round_robin": rep["ratios"].get(f"{ours}/haproxy-rr") if peer != "haproxy-rr" else None,
                 "errors": rep["policies"][ours]["errors"], "peer_errors": rep["policies"][peer]["errors"]})
     return rows

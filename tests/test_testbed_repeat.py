@@ -133,20 +133,33 @@ def _repeated_doc() -> dict[str, Any]:
          "triscope-haproxy": _doc(10.0, 7.0, errors=1)},
     ]
     rep = summarize(rounds, [list(rounds[0]), list(rounds[1])])
-    return {"workload": "flash-crowd", "scenario": "none", "seed": 9, "fleets": {"vllm": {"repeat": rep}}}
+    return {"workload": "flash-crowd", "scenario": "none", "seed": 9,
+            "fleets": {"vllm": {"policies": rounds[0], "rounds": rounds, "repeat": rep}}}
 
 
 def test_the_verdict_weighs_triscope_against_the_peer_with_the_best_mean_goodput() -> None:
     doc = _repeated_doc()
     rep = doc["fleets"]["vllm"]["repeat"]
     assert best_peer(rep, "triscope-haproxy") == "haproxy-leastconn"
-    (row,) = verdict_rows(doc)
+    (row,) = verdict_rows([doc])
     assert row["label"] == "flash-crowd/none" and row["rounds"] == 2 and row["best_peer"] == "haproxy-leastconn"
     assert row["vs_best_peer"]["goodput_qps"]["per_round"] == pytest.approx([1.05, 10 / 11], abs=1e-4)
     assert row["vs_best_peer"]["peer_held_every_window"] == 2
     assert row["errors"]["mean"] == pytest.approx(0.5) and row["peer_errors"]["mean"] == pytest.approx(2.0)
     assert row["vs_round_robin"]["goodput_qps"]["per_round"] == pytest.approx([10.5 / 8, 10 / 7], abs=1e-4)
-    assert verdict_rows({"fleets": {"sim": {"policies": {}}}}) == []  # a single run has no verdict
+    assert verdict_rows([{"fleets": {"sim": {"policies": {}}}}]) == []  # nothing ran, no verdict
+
+
+def test_single_runs_of_the_same_arrivals_add_up_as_rounds() -> None:
+    def single(seed: int, lc: float, ours: float) -> dict[str, Any]:
+        return {"workload": "step", "scenario": "none", "seed": seed, "params": {"steps": 3},
+                "fleets": {"vllm": {"policies": {"haproxy-leastconn": _doc(lc, 5.0),
+                                                 "triscope-haproxy": _doc(ours, 5.0)}}}}
+
+    assert verdict_rows([single(1, 10.0, 11.0)]) == []  # one round: no interval
+    (row,) = verdict_rows([single(1, 10.0, 11.0), single(2, 10.0, 9.0), single(1, 10.0, 10.0)])
+    assert row["seed"] == 1 and row["rounds"] == 2  # seed 2 is other arrivals: a group of its own, of one
+    assert row["vs_best_peer"]["goodput_qps"]["per_round"] == [1.1, 1.0]
 
 
 def test_ratios_cli_prints_the_verdict_draws_it_and_names_bad_files(
@@ -164,12 +177,13 @@ def test_ratios_cli_prints_the_verdict_draws_it_and_names_bad_files(
     assert "(ceiling 1.10)" in out and "held every window in 2 of 2" in out
     assert "/ haproxy-rr: goodput 1.37 [" in out
     assert png.stat().st_size > 10_000
-    assert ratios_main([str(good), str(single), str(broken), "--json"]) == 1  # the good file still reported
+    assert ratios_main([str(good), str(broken), "--json"]) == 1  # the good file still reported
     captured = capsys.readouterr()
     assert len(json.loads(captured.out)) == 1
-    errors = captured.err.strip().splitlines()
-    assert len(errors) == 2 and "single.json: no repeated rounds" in errors[0] and "broken.json: not a test-bed" \
-        in errors[1]
+    (error,) = captured.err.strip().splitlines()
+    assert "broken.json: not a test-bed document" in error
+    assert ratios_main([str(single)]) == 1
+    assert "no two rounds of the same arrivals" in capsys.readouterr().err
 
 
 def test_the_peers_break_is_its_least_offered_unheld_window() -> None:
