@@ -5,7 +5,10 @@ alone 9.8-11.2 goodput/s on the same arrivals), so ``bench/testbed.py --repeat N
 times per policy, in a rotated order each round so that drift (warm engines, a busy neighbour) falls on
 every policy alike, and this module turns the rounds into figures a claim can stand on: per policy the
 mean, standard deviation and range; per pair the ratio of triscope's figure to the peer's in each round,
-their geometric mean and a 95 % confidence interval (Student's t on the log ratios, paired by round).
+their geometric mean and a 95 % confidence interval (Student's t on the log ratios, paired by round);
+and the ceilings no router can pass at that load (offered / the peer's goodput, where it stops holding
+and over the run; the top window / the peer's peak QPS held), against which issue 21's targets are read.
+``bench/testbed_ratios.py`` groups runs of the same arrivals (:func:`group_rounds`) into that verdict.
 """
 
 from __future__ import annotations
