@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/testbed.py --repeat 4 ... --out-dir var/r1      # one or more repeated runs
     .venv/bin/python bench/testbed_ratios.py var/r1/testbed-*.json [...] [--png ratios.png] [--json]
+    .venv/bin/python bench/testbed_ratios.py before.json=old-picker after.json=new-picker
 
 Runs of the same fleet, workload, scenario, seed and parameters add up as rounds, whether one
 ``--repeat`` invocation made them or several (e.g. each on fresh engines). Per group and triscope
@@ -50,17 +51,22 @@ def _line(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="test-bed JSON documents: --repeat runs, or runs of the same seed")
+    parser.add_argument("runs", nargs="+", help="test-bed JSON documents (--repeat runs, or runs of the same seed) "
+                                                "as FILE or FILE=LABEL (runs with different labels never pool)")
     parser.add_argument("--png", type=Path, help="write the ratios with their intervals here")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     docs: list[dict[str, Any]] = []
     bad = 0
-    for path in args.runs:
+    for item in args.runs:
+        name, _, label = item.partition("=")
+        path = Path(name)
         try:
             doc = json.loads(path.read_text())
             if not isinstance(doc, dict) or not isinstance(doc.get("fleets"), dict):
                 raise ValueError("no fleets")
+            if label:
+                doc["label"] = label
         except (OSError, ValueError) as exc:
             print(f"testbed_ratios: {path}: not a test-bed document ({type(exc).__name__}: {exc})", file=sys.stderr)
             bad += 1

@@ -156,18 +156,21 @@ PANELS = (("goodput_qps", "ceiling_goodput", "goodput, whole run", 1.2),
 
 def group_rounds(docs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Rounds of the same arrivals, whichever invocation made them: per fleet, workload, scenario and seed
-    (and parameters), a ``--repeat`` document's rounds and a single run's policies as one round each, in
-    the order given. Runs on fresh engines (one invocation each) thus add up like rounds of one."""
+    (and parameters, and the document's ``label`` where set), a ``--repeat`` document's rounds and a single
+    run's policies as one round each, in the order given. Runs on fresh engines (one invocation each) thus
+    add up like rounds of one."""
     groups: dict[str, dict[str, Any]] = {}
     for doc in docs:
+        tag = doc.get("label") or ""  # set by the reader (``FILE=LABEL``): runs that must not pool
         for kind, fleet in doc.get("fleets", {}).items():
             rounds = fleet.get("rounds") or ([fleet["policies"]] if fleet.get("policies") else [])
             if not rounds:
                 continue
-            key = json.dumps([kind, doc.get("workload"), doc.get("scenario"), doc.get("seed"), doc.get("params")],
-                             sort_keys=True, default=str)
-            group = groups.setdefault(key, {"fleet": kind, "label": f"{doc.get('workload')}/{doc.get('scenario')}",
-                                            "seed": doc.get("seed"), "rounds": [], "orders": []})
+            key = json.dumps([kind, doc.get("workload"), doc.get("scenario"), doc.get("seed"), doc.get("params"),
+                              tag], sort_keys=True, default=str)
+            label = f"{doc.get('workload')}/{doc.get('scenario')}" + (f", {tag}" if tag else "")
+            group = groups.setdefault(key, {"fleet": kind, "label": label, "seed": doc.get("seed"), "rounds": [],
+                                            "orders": []})
             orders = (fleet.get("repeat") or {}).get("orders") or [list(r) for r in rounds]
             group["rounds"] += rounds
             group["orders"] += orders

@@ -160,6 +160,11 @@ def test_single_runs_of_the_same_arrivals_add_up_as_rounds() -> None:
     (row,) = verdict_rows([single(1, 10.0, 11.0), single(2, 10.0, 9.0), single(1, 10.0, 10.0)])
     assert row["seed"] == 1 and row["rounds"] == 2  # seed 2 is other arrivals: a group of its own, of one
     assert row["vs_best_peer"]["goodput_qps"]["per_round"] == [1.1, 1.0]
+    # labelled runs (FILE=LABEL on the command line) pool only with runs of the same label
+    before, after = single(1, 10.0, 11.0), single(1, 10.0, 10.0)
+    assert verdict_rows([{**before, "label": "old"}, {**after, "label": "new"}]) == []
+    (row,) = verdict_rows([{**before, "label": "new"}, {**after, "label": "new"}])
+    assert row["label"] == "step/none, new" and row["rounds"] == 2
 
 
 def test_ratios_cli_prints_the_verdict_draws_it_and_names_bad_files(
@@ -182,6 +187,9 @@ def test_ratios_cli_prints_the_verdict_draws_it_and_names_bad_files(
     assert len(json.loads(captured.out)) == 1
     (error,) = captured.err.strip().splitlines()
     assert "broken.json: not a test-bed document" in error
+    assert ratios_main([f"{good}=first", f"{good}=second", "--json"]) == 0  # two groups of two rounds
+    assert [r["label"] for r in json.loads(capsys.readouterr().out)] == ["flash-crowd/none, first",
+                                                                         "flash-crowd/none, second"]
     assert ratios_main([str(single)]) == 1
     assert "no two rounds of the same arrivals" in capsys.readouterr().err
 
