@@ -110,7 +110,8 @@ def at_peer_break(ours: Sequence[Mapping[str, Any]], peers: Sequence[Mapping[str
 
 def summarize(rounds: Sequence[Mapping[str, Mapping[str, Any]]], orders: Sequence[Sequence[str]]) -> dict[str, Any]:
     """The ``repeat`` block of a fleet: per policy the spread of each figure, per triscope policy and peer
-    the paired ratios of goodput and peak QPS held (a pair only over the rounds where both ran)."""
+    the paired ratios of goodput and peak QPS held and :func:`at_peer_break`'s figures (a pair only over
+    the rounds where both ran)."""
     names = list(dict.fromkeys(p for r in rounds for p in r))
     policies: dict[str, Any] = {}
     for name in names:
