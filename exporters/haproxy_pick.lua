@@ -219,7 +219,7 @@ local function standing(busy, name, row, now, tokens, request_class, cfg)
   end
   -- HAProxy's own requests the scrape saw: in flight now, less those picked after its answer, plus
   -- those answered after it was sent; the rest of the engine's requests came from elsewhere
-  local picked_since = ring.after(picks[name], row.updated)
+  local picked_since = ring.count_after(picks[name], row.updated)
   local ended_since = ring.count_after(ends[name], row.sent)
   local external = 0
   if row.load >= 0 then

@@ -29,31 +29,33 @@ function M.push(l, t, v, keep)
   M.trim(l, t - keep)
 end
 
--- How many entries were logged after `since`, and the sum of their values (of `value(v)` where given).
-function M.after(l, since, value)
-  local n, sum = 0, 0
-  if l == nil then
-    return n, sum
-  end
+-- The index of the oldest entry logged after `since` (tail + 1 when none): entries are in time order.
+local function first_after(l, since)
   local i = l.tail
   while i >= l.head and l.t[i] > since do
-    n, sum = n + 1, sum + (value ~= nil and value(l.v[i]) or l.v[i])
     i = i - 1
   end
-  return n, sum
+  return i + 1
+end
+
+-- How many entries were logged after `since`, and the sum of their values (of `value(v)` where given).
+function M.after(l, since, value)
+  if l == nil then
+    return 0, 0
+  end
+  local first, sum = first_after(l, since), 0
+  for i = first, l.tail do
+    sum = sum + (value ~= nil and value(l.v[i]) or l.v[i])
+  end
+  return l.tail - first + 1, sum
 end
 
 -- How many entries were logged after `since` (whatever their values).
 function M.count_after(l, since)
-  local n = 0
   if l == nil then
-    return n
+    return 0
   end
-  local i = l.tail
-  while i >= l.head and l.t[i] > since do
-    n, i = n + 1, i - 1
-  end
-  return n
+  return l.tail - first_after(l, since) + 1
 end
 
 -- The time of the last entry, or nil.
