@@ -21,7 +21,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-from triscope.analyzers.routing import DRAIN, WeightParams, WeightsResult, split_address
+from triscope.analyzers.routing import DOWN, DRAIN, READY, WeightParams, WeightsResult, split_address
 
 log = logging.getLogger(__name__)
 
@@ -84,23 +84,27 @@ def _socket_address(address: str) -> dict[str, Any] | None:
     return {"address": ip, "port_value": port}
 
 
+_HEALTH = {READY: "HEALTHY", DRAIN: "DRAINING", DOWN: "UNHEALTHY"}
+
+
 def cluster_load_assignment(result: WeightsResult, params: WeightParams,
                             name: str | None = None) -> dict[str, Any]:
     """One ``ClusterLoadAssignment`` with every addressed backend, sorted by backend name.
 
     Ready backends: ``load_balancing_weight = lb_weight`` (1..lb_scale), ``HEALTHY``.
-    Drained backends: weight 1 (Envoy rejects 0) and ``DRAINING``, so Envoy sends them no new requests.
+    Drained backends: weight 1 (Envoy rejects 0) and ``DRAINING``, so Envoy sends them no new requests;
+    down backends (they do not answer): weight 1 and ``UNHEALTHY``.
     """
     lb_endpoints = []
     for backend, bw in sorted(result.backends.items()):
         sock = _socket_address(bw.inputs.address) if bw.inputs.address else None
         if sock is None:
             continue
-        drained = bw.state == DRAIN
+        drained = bw.state != READY
         lb_endpoints.append({
             "endpoint": {"address": {"socket_address": sock},
                          "hostname": split_address(bw.inputs.address)[0]},
-            "health_status": "DRAINING" if drained else "HEALTHY",
+            "health_status": _HEALTH[bw.state],
             "load_balancing_weight": 1 if drained else max(1, int(bw.lb_weight)),
             "metadata": {"filter_metadata": {"triscope": {
                 "backend": backend, "weight": float(bw.weight), "state": bw.state}}},

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 JSON_TYPE = "application/json"
 InputsFn = Callable[[], Sequence[BackendInputs]]
 Response = tuple[int, str, bytes]
+MAX_UNKNOWN_REMEMBERED = 10_000
 POLLED_PATHS = ("/v1/weights", "/v1/traefik")
 """Routes the serving process answers from its table (``serve_process``); it passes others on."""
 
@@ -92,6 +93,7 @@ class WeightFeed:
         self.history_rows_submitted = 0
         self.history_rows_dropped = 0
         self._history_error = ""
+        self._unknown_seen: set[str] = set()
         self.fallback = False
         """True while the published result is the equal-weights fallback of failing updates."""
 
@@ -125,12 +127,25 @@ class WeightFeed:
             result, state = compute_weights(inputs, self._state, self.params, now)
             self._publish(result, state)
             with self._lock:
+                self._count_unknown(result.unknown_backends)
                 self.updates_total += 1
                 self.last_update = now
                 self.fallback = False
             if self.records_history():
                 self._record(result)
             return result
+
+    def _count_unknown(self, names: Sequence[str]) -> None:
+        """Remember names seen only in spans (bounded: a flood of random names cannot grow it)."""
+        for name in names:
+            if name not in self._unknown_seen and len(self._unknown_seen) < MAX_UNKNOWN_REMEMBERED:
+                self._unknown_seen.add(name)
+                log.info("weight feed: %s is seen only in request spans (not configured, no scrape): not published",
+                         name)
+
+    @property
+    def unknown_backends_seen_total(self) -> int:
+        return len(self._unknown_seen)
 
     def _publish(self, result: WeightsResult, state: EngineState) -> None:
         body = json.dumps(result.to_dict(), separators=(",", ":")).encode() + b"\n"
@@ -340,7 +355,8 @@ class WeightFeed:
 
     def metrics_response(self) -> Response:
         body = prometheus_text.render_weights(self._result, self.updates_total, self.update_errors_total,
-                                              self.last_update, self.inputs_age_seconds())
+                                              self.last_update, self.inputs_age_seconds(),
+                                              self.unknown_backends_seen_total)
         return 200, prometheus_text.CONTENT_TYPE, body
 
     def format_response(self, name: str, request_body: bytes) -> Response:

@@ -1,16 +1,18 @@
-"""HAProxy agent-check server: HAProxy sends its ``agent-send`` line, we answer ``ready NN%`` or ``drain``.
+"""HAProxy agent-check server: HAProxy sends its ``agent-send`` line, we answer ``up ready NN%``, ``drain`` or ``down``.
 
 Protocol (HAProxy 2.6 ``agent-check``): HAProxy opens a TCP connection, writes the configured
 ``agent-send`` string and reads one ASCII line. We read at most :data:`MAX_LINE` bytes up to the
 first newline; the line names the backend (``gpu-a:8000``), optionally followed by a space and a
 request class (``gpu-a:8000 offline_video``) for per-class HAProxy pools. Answers:
 
-* ``ready NN%\n`` for a ready backend, ``NN`` = its integer LB weight (1..100 with ``lb_scale`` 100),
-  a percentage of the server's configured ``weight`` (configure ``weight 100``); ``ready`` also
-  lifts a drain set by a previous answer;
+* ``up ready NN%\n`` for a ready backend, ``NN`` = its integer LB weight (1..100 with ``lb_scale`` 100),
+  a percentage of the server's configured ``weight`` (configure ``weight 100``); ``ready`` lifts a
+  drain and ``up`` a DOWN set by a previous answer (HAProxy keeps an agent's DOWN until it says ``up``);
   followed by `` maxconn:M`` when the backend has ``max_inflight`` configured: ``M = max(1,
   round(max_inflight * weight))``, so HAProxy caps the server's concurrency as its weight falls and
   queues the rest in the backend (admission control; ``timeout queue`` bounds the wait);
+* ``down\n`` for a backend that does not answer (its scrape refused or failing, its requests failing,
+  its spans stopped): HAProxy marks it DOWN and sends it nothing until the agent says ``up``;
 * ``drain\n`` for a drained backend, and for a backend closed to the named class by that class's
   ``admit_kv_ratio`` or ``admit_batch_ratio`` (a class the feed does not know gets the
   backend's own answer);
@@ -36,7 +38,7 @@ import logging
 import socket
 from collections.abc import Callable, Mapping
 
-from triscope.analyzers.routing import DRAIN, WeightsResult
+from triscope.analyzers.routing import DOWN, DRAIN, WeightsResult
 from triscope.exporters.loop_server import LoopConnection, LoopServer
 from triscope.httpserver import DEFAULT_MAX_CONNECTIONS
 
@@ -50,7 +52,7 @@ LINE_DEADLINE_S = 1.5
 """Total time for the ``agent-send`` line, however it trickles in (HAProxy sends it at once)."""
 REPLY_DEADLINE_S = 2.0
 """Total time for the answer once the line is in."""
-UNKNOWN_REPLY = "ready 100%\n"
+UNKNOWN_REPLY = "up ready 100%\n"
 
 
 def parse_agent_line(line: str) -> tuple[str, str]:
@@ -67,9 +69,11 @@ def agent_reply(result: WeightsResult | None, name: str, max_inflight: int = 0, 
     bw = result.backends.get(name) if result is not None else None
     if result is None or bw is None:
         return UNKNOWN_REPLY
+    if bw.state == DOWN:  # operationally DOWN: no traffic, persistent sessions included
+        return "down\n"
     if bw.state == DRAIN or (request_class and result.class_state(name, request_class) == DRAIN):
         return "drain\n"
-    reply = f"ready {max(1, int(bw.lb_weight))}%"
+    reply = f"up ready {max(1, int(bw.lb_weight))}%"  # "up" lifts a DOWN set by an earlier "down" answer
     if max_inflight > 0:
         reply += f" maxconn:{max(1, round(max_inflight * bw.weight))}"
     return reply + "\n"

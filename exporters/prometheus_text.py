@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 
-from triscope.analyzers.routing import DRAIN, READY, BackendWeight, WeightsResult
+from triscope.analyzers.routing import DOWN, DRAIN, READY, BackendWeight, WeightsResult
 from triscope.analyzers.routing.model import LEVELS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,7 +54,7 @@ class MetricWriter:
 
 
 def render_weights(result: WeightsResult | None, updates_total: int, update_errors_total: int,
-                   last_update: float, inputs_age: float) -> bytes:
+                   last_update: float, inputs_age: float, unknown_seen: int = 0) -> bytes:
     """The feed's ``/metrics`` document for the latest ``result`` (None before the first update)."""
     w = MetricWriter()
     backends = sorted(result.backends.items()) if result is not None else []
@@ -72,6 +72,14 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
              per_backend(lambda b: 1.0 if b.state == DRAIN else 0.0))
     w.family("triscope_backend_draining", "gauge", "Same as triscope_backend_drained (name of the first contract).",
              per_backend(lambda b: 1.0 if b.state == DRAIN else 0.0))
+    w.family("triscope_backend_down", "gauge",
+             "1 when the backend does not answer (scrape refused or failing, requests failing, spans stopped): "
+             "no traffic until it answers.", per_backend(lambda b: 1.0 if b.state == DOWN else 0.0))
+    w.family("triscope_backend_stale", "gauge", "1 when the backend's inputs are older than stale_after_s.",
+             per_backend(lambda b: 1.0 if result is not None and b.backend in result.stale_backends else 0.0))
+    w.family("triscope_backend_missing_factors", "gauge",
+             "Factors the backend does not report, each set to the fleet's median penalty.",
+             per_backend(lambda b: float(len(b.missing))))
     w.family("triscope_backend_weight_factor", "gauge", "Penalty factor (>= 1) of the weight formula.",
              [({"backend": n, "factor": f}, float(v)) for n, b in backends for f, v in sorted(b.factors.items())])
     # the engine's inputs under the feed's own prefix: the run's exporter owns the triscope_backend_* telemetry
@@ -88,8 +96,16 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
     w.family("triscope_weights_inputs_age_seconds", "gauge", "Age of the oldest backend input at the last update.",
              [({}, inputs_age)])
     stale = float(result.stale) if result is not None else 1.0
-    w.family("triscope_weights_stale", "gauge", "1 when inputs are stale and equal weights are published.",
+    w.family("triscope_weights_stale", "gauge", "1 when no backend has fresh inputs and equal weights are published.",
              [({}, stale)])
+    w.family("triscope_weights_down_backends", "gauge", "Backends published down.",
+             [({}, float(len(result.down_backends)) if result is not None else 0.0)])
+    w.family("triscope_weights_unknown_backends", "gauge",
+             "Backends seen only in request spans (not configured, no scrape, no GPU samples): not published.",
+             [({}, float(len(result.unknown_backends)) if result is not None else 0.0)])
+    w.family("triscope_weights_unknown_backends_seen_total", "counter",
+             "Distinct names seen only in request spans since the feed started (at most 10,000 remembered).",
+             [({}, float(unknown_seen))])
     w.family("triscope_weights_absent_backends", "gauge",
              "Known backends without inputs within lookback_s, still published (docs/weights.md).",
              [({}, float(len(result.absent_backends)) if result is not None else 0.0)])
@@ -120,7 +136,8 @@ def render_weights(result: WeightsResult | None, updates_total: int, update_erro
              "Share of a limited request class's recent arrival rate the gateway admits (limit).",
              [({"request_class": c}, lv.admit_ratio) for c, lv in levels])
     w.family("triscope_fleet_pressure_ratio", "gauge",
-             "Fleet pressure the admission levels follow (1 = full: KV usage, queue per running request, P99/SLA).",
+             "Fleet pressure the admission levels follow (1 = full, above 1 past full: the most pressing of mean KV "
+             "usage, waiting per running request over queue_full, worst P99/SLA over latency_full).",
              [({}, result.pressure if result is not None else math.nan)])
     action = result.scale.action if result is not None else ""
     w.family("triscope_kv_cache_scale_recommendation", "gauge", "1 for the current KV-cache scaling action.",

@@ -25,7 +25,7 @@ UPSTREAM_TIMEOUT_S = 10.0
 
 def table_reply(table: Mapping[str, bytes], line: str) -> bytes:
     """The answer to one ``agent-send`` line (stripped) from a table keyed by name and ``"NAME CLASS"``:
-    a class the table does not know gets the backend's own answer, an unknown backend ``ready 100%``."""
+    a class the table does not know gets the backend's own answer, an unknown backend ``up ready 100%``."""
     hit = table.get(line)
     if hit is not None:
         return hit

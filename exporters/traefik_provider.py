@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from triscope.analyzers.routing import DRAIN, WeightParams, WeightsResult, split_address
+from triscope.analyzers.routing import READY, WeightParams, WeightsResult, split_address
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9-]")
 
@@ -59,7 +59,7 @@ def traefik_config(result: WeightsResult, params: WeightParams) -> dict[str, Any
         bw = result.backends[backend]
         services[names[backend]] = {"loadBalancer": {"servers": [{"url": urls[backend]}],
                                                      "passHostHeader": True}}
-        if bw.state != DRAIN:
+        if bw.state == READY:  # drained and down backends are left out of the weighted service
             weighted.append({"name": names[backend], "weight": max(1, int(bw.lb_weight))})
     if not weighted:
         # Nothing can serve: no router either, so Traefik answers 404 instead of logging a broken service.

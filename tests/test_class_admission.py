@@ -58,7 +58,7 @@ def test_low_priority_classes_close_first_and_reopen_with_hysteresis() -> None:
     assert res.class_state("b", VIDEO) == READY
     assert agent_reply(res, "a", request_class=VIDEO) == "drain\n"
     assert (agent_reply(res, "a", request_class=IMAGE) == agent_reply(res, "a")
-            == f"ready {res.backends['a'].lb_weight}%\n")
+            == f"up ready {res.backends['a'].lb_weight}%\n")
     assert agent_reply(res, "a", request_class="no_such_class") == agent_reply(res, "a")
 
     t += 0.1  # a fills further: image-text closes too; video below 0.80 but above readmit 0.75 stays closed

@@ -84,8 +84,8 @@ def test_table_answers_every_line_as_the_in_process_agent_does() -> None:
         want = agent_reply(res, name, inflight.get(name, 0), cls).encode()
         assert table_reply(table, line) == want, line
         answers.add(want)
-    assert {b"drain\n", b"ready 100%\n"} < answers and any(b"maxconn:" in a for a in answers)
-    assert agent_table(None, inflight) == {} and table_reply({}, "a:1") == b"ready 100%\n"
+    assert {b"drain\n", b"up ready 100%\n"} < answers and any(b"maxconn:" in a for a in answers)
+    assert agent_table(None, inflight) == {} and table_reply({}, "a:1") == b"up ready 100%\n"
 
 
 @pytest.fixture()
@@ -110,7 +110,7 @@ def test_a_killed_serving_process_comes_back_on_the_same_ports(fleet_feed) -> No
     agent = feed._process
     assert isinstance(agent, FeedProcess) and agent.pid is not None and agent.pid != os.getpid()
     port, http_port, first_pid = feed.agent_port, feed.http_port, agent.pid
-    assert check(port, b"a:1") == b"ready 100%\n"
+    assert check(port, b"a:1") == b"up ready 100%\n"
     os.kill(first_pid, signal.SIGKILL)
     kv["a:1"] = 0.99  # the next update drains a:1 and finds the child dead
     assert wait_for(lambda: check(port, b"a:1") == b"drain\n", 10, "the restarted agent to answer drain")
@@ -137,7 +137,7 @@ def test_the_serving_process_ends_with_its_feed_and_with_a_killed_parent(fleet_f
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         child_pid, port = map(int, parent.stdout.readline().split())
-        assert check(port, b"x:1") == b"ready 100%\n"  # no table yet: fail open
+        assert check(port, b"x:1") == b"up ready 100%\n"  # no table yet: fail open
         parent.kill()
         parent.wait(timeout=5)
         wait_for(lambda: not _alive(child_pid), 5, "the orphaned agent process to exit")

@@ -107,7 +107,7 @@ def test_telemetry_stopping_keeps_the_known_fleet_published(feed: WeightFeed, st
         n: (100, "ready", ["absent"]) for n in NAMES}
     assert _eds(feed) == (200, dict.fromkeys(ports, 100))  # Envoy keeps every host, equal weights
     assert _traefik(feed) == (200, {f"b-127-0-0-1-{p}": 100 for p in ports})
-    assert {_agent(feed, n) for n in NAMES} == {b"ready 100%\n"}
+    assert {_agent(feed, n) for n in NAMES} == {b"up ready 100%\n"}
     metrics = _request(feed.http_port, "GET", "/metrics")[1].decode()
     assert "triscope_weights_absent_backends 3" in metrics and "triscope_weights_stale 1" in metrics
 
@@ -138,7 +138,7 @@ def test_telemetry_stopping_keeps_the_known_fleet_published(feed: WeightFeed, st
     feed.step()
     assert _weights(feed)["backends"] == {}
     assert _eds(feed)[0] == 503 and _traefik(feed)[0] == 503
-    assert _agent(feed, NAMES[0]) == b"ready 100%\n"  # fail open
+    assert _agent(feed, NAMES[0]) == b"up ready 100%\n"  # fail open
 
 
 def test_forget_after_s_drops_the_silent_only_while_others_report(store: Any, clock: list[float]) -> None:
@@ -278,7 +278,7 @@ address = "127.0.0.1:9202"
         assert status == 200 and body.count(b"load_balancing_weight") == 2
         with socket.create_connection(("127.0.0.1", agent_port), timeout=5) as s:
             s.sendall(b"gpu-a\n")
-            assert s.recv(100) == b"ready 100%\n"
+            assert s.recv(100) == b"up ready 100%\n"
         assert _request(http_port, "GET", "/healthz")[0] == 503
     finally:
         code, took, err = _stop(proc, 20)

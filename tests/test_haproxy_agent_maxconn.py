@@ -34,12 +34,12 @@ def test_reply_adds_maxconn_scaled_by_weight() -> None:
     res = result_for({"a": 0.0, "b": 0.5, "c": 0.99}, p)  # c: drained (kv >= 0.98)
     wb = res.backends["b"].weight
     assert 0.4 < wb < 0.6
-    assert agent_reply(res, "a", 16) == "ready 100% maxconn:16\n"
-    assert agent_reply(res, "b", 16) == f"ready {res.backends['b'].lb_weight}% maxconn:{round(16 * wb)}\n"
-    assert agent_reply(res, "b", 0) == f"ready {res.backends['b'].lb_weight}%\n", "unset: weight only"
-    assert agent_reply(res, "b", 1) == f"ready {res.backends['b'].lb_weight}% maxconn:1\n", "never below 1"
+    assert agent_reply(res, "a", 16) == "up ready 100% maxconn:16\n"
+    assert agent_reply(res, "b", 16) == f"up ready {res.backends['b'].lb_weight}% maxconn:{round(16 * wb)}\n"
+    assert agent_reply(res, "b", 0) == f"up ready {res.backends['b'].lb_weight}%\n", "unset: weight only"
+    assert agent_reply(res, "b", 1) == f"up ready {res.backends['b'].lb_weight}% maxconn:1\n", "never below 1"
     assert agent_reply(res, "c", 16) == "drain\n"
-    assert agent_reply(res, "nobody", 16) == "ready 100%\n"
+    assert agent_reply(res, "nobody", 16) == "up ready 100%\n"
 
 
 def test_max_inflight_config_is_validated() -> None:

@@ -188,3 +188,49 @@ def test_drain_puts_the_server_in_drain_and_ready_lifts_it(stack) -> None:
         assert time.monotonic() < deadline, {k: row[k] for k in ("status", "weight", "agent_desc")}
         time.sleep(0.02)
     assert traffic(hap, 50)["s2"] > 0
+
+
+class KillableInputs(Inputs):
+    """Inputs whose backends can be marked as refusing their scrape (what a SIGKILLed engine looks like)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: set[str] = set()
+
+    def __call__(self) -> list[BackendInputs]:
+        return [i if i.backend not in self.refused else
+                BackendInputs(i.backend, sources={"gpu": i.sources["gpu"] - 60}, scrape_up=0.0,
+                              scrape_error=f"{i.backend}: scrape failed: connection refused")
+                for i in super().__call__()]
+
+
+def test_a_down_backend_is_marked_down_and_comes_back_when_it_answers(tmp_path: Path) -> None:
+    """A backend whose scrape is refused: the agent answers ``down``, HAProxy marks it DOWN and sends it
+    nothing, while the rest keep their weights; when its scrape answers again it is UP and served."""
+    require_binary("haproxy")
+    inputs = KillableInputs()
+    params = WeightParams.from_config({"weights": {"interval_s": INTERVAL_S, "slow_start": False, "ewma_up": 1.0,
+                                                   "max_step_up": 1.0, "feed": {"port": 0, "agent_port": 0}}})
+    with backends(list(NAMES)) as ports:
+        feed = WeightFeed(params, inputs_fn=inputs).start()
+        hap = HAProxy(tmp_path, ports, feed.agent_port)
+        try:
+            wait_weights(hap, {"s0": 100, "s1": 100, "s2": 100})
+            inputs.refused.add("s2")
+            deadline = time.monotonic() + 5
+            while not (row := hap.stat()["s2"])["status"].startswith("DOWN"):
+                assert time.monotonic() < deadline, {k: row[k] for k in ("status", "weight", "agent_desc")}
+                time.sleep(0.02)
+            hits = traffic(hap, 60)
+            assert hits["s2"] == 0 and hits["s0"] + hits["s1"] == 60
+            assert feed.result is not None and feed.result.down_backends == ("s2",)
+            assert hap.weights()["s0"] == 100 and hap.weights()["s1"] == 100  # the rest keep their weights
+            inputs.refused.clear()
+            deadline = time.monotonic() + 5
+            while (row := hap.stat()["s2"])["status"].startswith("DOWN"):
+                assert time.monotonic() < deadline, {k: row[k] for k in ("status", "weight", "agent_desc")}
+                time.sleep(0.02)
+            assert traffic(hap, 60)["s2"] > 0
+        finally:
+            hap.close()
+            feed.close()

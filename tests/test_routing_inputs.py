@@ -4,13 +4,17 @@ the schema; values are synthetic, shaped like vLLM's metrics and an OTel SDK's s
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import pytest
 
 from triscope.analyzers.routing import NAN, BackendInputs, WeightParams, compute_weights, read_inputs, with_address
-from triscope.schema import REQUESTS, SERVING_METRICS, encode_ts, qualified
+from triscope.exporters.envoy_eds import cluster_load_assignment
+from triscope.exporters.haproxy_agent import agent_reply
+from triscope.exporters.traefik_provider import render as render_traefik
+from triscope.schema import REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
 
 A, B, C = "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
 UUID = "5f0c9a3e-8d2b-4c1e-9a77-3b1f2e6d4c80"  # what the OTel SDK's service.instance.id looks like
@@ -51,10 +55,80 @@ def test_span_only_backend_counts_neither_for_staleness_nor_normalisation(store:
     assert result.backends[B].target == 1.0 and result.backends[A].target == pytest.approx(0.625)
     assert {n: b.lb_weight for n, b in result.backends.items()} == {n: b.lb_weight for n, b in alone.backends.items()}
     assert result.to_dict()["unknown_backends"] == [UUID]
-    # the same spans under the backend's host:port are the backend's, as before
-    _rows(store, REQUESTS, [{"ts": now - 20, "backend": C, "latency_seconds": 0.3}])
+    # a gateway's spans naming a host:port that nothing scrapes: still unknown, the fleet stays as it was
+    _rows(store, REQUESTS, [{"ts": now - 20 + i, "backend": C, "latency_seconds": 0.3} for i in range(2)])
     result = _weigh(store, now)
-    assert C in result.backends and result.stale and result.stale_backends == (C,)
+    assert result.unknown_backends == (C, UUID) and C not in result.backends and not result.stale
+    assert {n: b.lb_weight for n, b in result.backends.items()} == {n: b.lb_weight for n, b in alone.backends.items()}
+    traefik = json.loads(render_traefik(result, WeightParams(), b"")[2])
+    assert C not in json.dumps(traefik) and len(traefik["http"]["services"]["triscope"]["weighted"]["services"]) == 2
+    # configured, it is the fleet's: published (its inputs late: stale on its own)
+    configured = WeightParams.from_config({"weights": {"backends": {C: {"address": C}}}})
+    result = _weigh(store, now, configured)
+    assert C in result.backends and not result.stale and result.stale_backends == (C,)
+
+
+def _health(store: Any, backend: str, rows: list[tuple[float, int]]) -> None:
+    _rows(store, SCRAPE_HEALTH, [{"ts": t, "backend": backend, "host": "h", "target": f"http://{backend}/metrics",
+                                  "up": up, "error": "" if up else f"http://{backend}/metrics: scrape failed: "
+                                  "[Errno 111] Connection refused"} for t, up in rows])
+
+
+def test_a_refused_scrape_puts_the_backend_down_everywhere_until_it_answers(store: Any) -> None:
+    """What a SIGKILLed engine leaves in the store: its serving rows stop, its scrapes fail. It is down
+    at once (not stale, not eased to equal weights) in every LB format; the other keeps its weight."""
+    now = time.time()
+    _serving(store, now, A, kv=0.5)
+    _serving(store, now, B, kv=0.2)
+    _health(store, A, [(now - 30, 1), (now - 10, 1), (now - 1, 1)])
+    _health(store, B, [(now - 30, 1), (now - 10, 1), (now - 1, 0)])
+    params = WeightParams()
+    inputs = [with_address(i, params) for i in read_inputs(store, params, now)]
+    by = {i.backend: i for i in inputs}
+    assert by[A].scrape_up == 1 and by[B].scrape_up == 0 and "Connection refused" in by[B].scrape_error
+    result, state = compute_weights(inputs, None, params, now)
+    b = result.backends[B]
+    assert b.state == "down" and b.reasons == ("scrape_failed",) and b.weight == 0 and b.lb_weight == 0
+    assert result.down_backends == (B,) and not result.stale and result.backends[A].target == 1.0
+    assert result.to_dict()["backends"][B]["down"] is True
+    assert agent_reply(result, B) == "down\n" and agent_reply(result, A).startswith("up ready ")
+    eds = {e["metadata"]["filter_metadata"]["triscope"]["backend"]: e["health_status"]
+           for e in cluster_load_assignment(result, params)["endpoints"][0]["lb_endpoints"]}
+    assert eds == {A: "HEALTHY", B: "UNHEALTHY"}
+    services = json.loads(render_traefik(result, params, b"")[2])["http"]["services"]
+    weighted = [services[w["name"]]["loadBalancer"]["servers"][0]["url"]
+                for w in services["triscope"]["weighted"]["services"]]
+    assert weighted == [f"http://{A}"]
+    # still down a minute later, however stale its last numbers: a dead engine never gets equal weights
+    _health(store, A, [(now + 59, 1)])
+    _serving(store, now + 60, A, kv=0.5)
+    _health(store, B, [(now + 59, 0)])
+    inputs = [with_address(i, params) for i in read_inputs(store, params, now + 60)]
+    result, state = compute_weights(inputs, state, params, now + 60)
+    assert result.backends[B].state == "down" and not result.stale
+    # it answers again: ready, through slow start
+    _health(store, B, [(now + 60.5, 1)])
+    _serving(store, now + 61, B, kv=0.2)
+    inputs = [with_address(i, params) for i in read_inputs(store, params, now + 61)]
+    result, _ = compute_weights(inputs, state, params, now + 61)
+    assert result.backends[B].state == "ready" and result.backends[B].weight == params.floor
+    assert result.down_backends == ()
+
+
+def test_failing_requests_put_a_backend_down(store: Any) -> None:
+    now = time.time()
+    _serving(store, now, A)
+    _serving(store, now, B)
+    for backend, statuses in ((A, ["ok"] * 6 + ["error"] * 4), (B, ["ok"] * 6 + ["error"] * 5)):
+        _rows(store, REQUESTS, [{"ts": now - 9 + 0.5 * k, "backend": backend, "status": st, "latency_seconds": 0.1}
+                                for k, st in enumerate(statuses)])
+    params = WeightParams()
+    inputs = {i.backend: i for i in read_inputs(store, params, now)}
+    assert (inputs[A].trailing_errors, inputs[B].trailing_errors) == (4, 5)
+    assert (inputs[A].span_count, inputs[B].span_count) == (10, 11)
+    result = _weigh(store, now)
+    assert result.backends[A].state == "ready"  # 4 in a row: not yet (Envoy's outlier default is 5)
+    assert result.backends[B].state == "down" and result.backends[B].reasons == ("requests_failing",)
 
 
 def test_sleeping_engine_is_drained_and_comes_back_awake(store: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections import defaultdict
@@ -149,11 +150,25 @@ def test_unknown_metrics_and_parse_error_message() -> None:
         parse_exposition("x y z")
 
 
-def test_unreachable_target_is_skipped_not_raised() -> None:
-    scraper = ServingMetricsScraper({"serving_metrics": {"targets": [f"http://127.0.0.1:{free_port()}/metrics"],
-                                                         "timeout_s": 1}})
-    assert scraper.collect() == {}
+def test_unreachable_target_is_skipped_not_raised_and_recorded_down() -> None:
+    url = f"http://127.0.0.1:{free_port()}/metrics"
+    scraper = ServingMetricsScraper({"serving_metrics": {"targets": [url], "timeout_s": 1}})
+    out = scraper.collect()
+    assert set(out) == {"scrape_health"}  # no serving rows, but the failure itself is a row
+    health = out["scrape_health"]
+    assert health["up"] == [0] and health["target"] == [url] and health["backend"] == [url.split("/")[2]]
+    assert "scrape failed" in health["error"][0] and "\n" not in health["error"][0]
+    assert 0 <= health["duration_seconds"][0] < 2
     assert "scrape failed" in next(iter(scraper.errors.values()))
+
+
+def test_scrape_interval_shorter_than_its_timeout_is_warned(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="triscope.collectors.serving_metrics")
+    ServingMetricsScraper({"serving_metrics": {"targets": ["http://h:1/m"], "interval_s": 2, "timeout_s": 3}})
+    assert "timeout_s 3 exceeds interval_s 2" in caplog.text
+    caplog.clear()
+    ServingMetricsScraper({"serving_metrics": {"targets": ["http://h:1/m"], "interval_s": 3, "timeout_s": 3}})
+    assert caplog.text == ""
 
 
 def test_quantile_and_reset() -> None:
@@ -208,5 +223,6 @@ def test_redirects_same_origin_by_default_never_elsewhere() -> None:
         assert scraper.collect()["serving_metrics"]["running_requests"] == [2.0]
         assert "another origin" in scraper.errors[s.url("/away")]
         strict = ServingMetricsScraper({"serving_metrics": {"targets": [s.url("/metrics")], "redirects": "none"}})
-        assert strict.collect() == {} and "redirects are not allowed" in strict.errors[s.url("/metrics")]
+        assert "serving_metrics" not in strict.collect()
+        assert "redirects are not allowed" in strict.errors[s.url("/metrics")]
     assert "/latest" not in s.requests

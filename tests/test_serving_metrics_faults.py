@@ -88,7 +88,7 @@ def test_failures_logged_once_per_state_change_and_counted_every_tick(caplog: py
         scraper = _scraper([s.url("/m")])
         caplog.set_level(logging.WARNING, logger="triscope.collectors.serving_metrics")
         for _ in range(5):
-            assert scraper.collect() == {}
+            assert scraper.collect()["scrape_health"]["up"] == [0]
         assert scraper.errors_total == 5 and len(scraper.take_errors()) == 5 and scraper.take_errors() == []
         answer["route"] = Route(body=VLLM.encode())
         for _ in range(3):
@@ -149,8 +149,13 @@ def test_daemon_counts_target_errors_and_stops_promptly(store_path: Path, tmp_pa
             stopping = time.monotonic() - t0
     with open_store(config) as check:
         rows = check.query(f"SELECT backend, count() FROM {database}.serving_metrics GROUP BY backend").rows
+        health = dict(check.query(f"SELECT target, countIf(up = 1) FROM {database}.scrape_health GROUP BY target").rows)
+        failed = check.query(f"SELECT count() FROM {database}.scrape_health WHERE up = 0").rows[0][0]
         check.command(f"DROP DATABASE IF EXISTS {database}")
     counters = summary["collectors"]["serving_metrics"]
     assert stopping < 1.0 + 1.5 + 1.0, stopping  # the loop's collect, then one bounded last collect
-    assert rows == [(f"127.0.0.1:{s.port}", counters["rows"])] and counters["rows"] >= 2
+    served = rows[0][1]
+    assert rows == [(f"127.0.0.1:{s.port}", served)] and served >= 2
+    assert health == {s.url("/good"): served, s.url("/slow"): 0} and failed >= 2  # one health row per scrape
+    assert counters["rows"] == served + sum(health.values()) + failed
     assert counters["errors"] >= 2 and "total deadline" in counters["last_error"]

@@ -133,7 +133,7 @@ def _poll_agent(port: int) -> float:
     t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(b"127.0.0.1:9000\n")
-        assert s.recv(100) == b"ready 100%\n"
+        assert s.recv(100) == b"up ready 100%\n"
     return time.monotonic() - t0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -112,26 +113,44 @@ def test_weights_never_all_zero_and_drain_is_a_state(hist) -> None:
             assert b.state == "ready"
             assert P.floor <= b.weight <= 1.0
             assert isinstance(b.lb_weight, int) and 1 <= b.lb_weight <= P.lb_scale
-            m = re.fullmatch(r"ready (\d+)%\n", agent_reply(result, b.backend))
+            m = re.fullmatch(r"up ready (\d+)%\n", agent_reply(result, b.backend))
             assert m and 1 <= int(m.group(1)) <= 100
         assert 0.0 <= b.target <= 1.0
 
 
 @SETTINGS
 @given(fleet(min_size=2), st.data())
-def test_stale_inputs_give_equal_weights_and_a_flag(current, data) -> None:
+def test_one_stale_backend_eases_to_the_median_alone(current, data) -> None:
+    """A backend with late inputs neither resets the fleet nor wins: the others keep exactly the weights
+    they would have without it, and it moves towards the median target of the fresh ready ones."""
     idx = data.draw(st.integers(0, len(current) - 1))
     age = data.draw(st.floats(P.stale_after_s + 0.001, 1e6))
     old = current[idx]
     current[idx] = old.__class__(**{**old.__dict__, "sources": {"gpu": NOW - age, "serving": NOW}})
-    state = run([current], current)[0]  # a previous state exists: staleness still wins
+    state = run([current], current)[0]
+    result, _ = compute_weights(current, state, P, NOW)
+    without, _ = compute_weights([b for b in current if b.backend != old.backend], state, P, NOW)
+    assert not result.stale and result.stale_backends == (old.backend,)
+    for name, b in without.backends.items():
+        if name != old.backend:
+            assert result.backends[name].weight == b.weight and result.backends[name].state == b.state
+    mine = result.backends[old.backend]
+    assert mine.state == "ready" and mine.reasons == ("stale",) and P.floor <= mine.weight <= 1.0
+    ready = sorted(b.target for n, b in result.backends.items() if n != old.backend and b.state == "ready")
+    assert mine.target == pytest.approx(statistics.median(ready))
+
+
+@SETTINGS
+@given(fleet(min_size=1), st.data())
+def test_equal_weights_only_when_no_backend_is_fresh(current, data) -> None:
+    ages = [data.draw(st.floats(P.stale_after_s + 0.001, 1e6)) for _ in current]
+    current = [i.__class__(**{**i.__dict__, "sources": {"gpu": NOW - a, "serving": NOW}})
+               for i, a in zip(current, ages, strict=True)]
+    state = run([current], current)[0]
     result, new_state = compute_weights(current, state, P, NOW)
-    assert result.stale and new_state.stale
-    assert result.stale_backends == (old.backend,)
-    assert not result.drain_suppressed
+    assert result.stale and new_state.stale and result.stale_backends == tuple(sorted(b.backend for b in current))
     for b in result.backends.values():
-        assert b.weight == 1.0 and b.lb_weight == P.lb_scale and b.state == "ready"
-    assert result.backends[old.backend].reasons == ("stale",)
+        assert b.weight == 1.0 and b.lb_weight == P.lb_scale and b.state == "ready" and b.reasons == ("stale",)
     assert result.scale.action == "hold"
 
 
@@ -202,13 +221,31 @@ def test_memory_penalty_examples() -> None:
 
 
 def test_targets_follow_the_product_of_penalties() -> None:
-    inputs = [mk("a:1", mem=0.5), mk("b:2", mem=0.0, kv=0.75), mk("c:3", mem=0.2, qps=20, cap=40)]
+    inputs = [mk("a:1", mem=0.5, kv=0.0, qps=0, cap=40), mk("b:2", mem=0.0, kv=0.75, qps=0, cap=40),
+              mk("c:3", mem=0.2, kv=0.0, qps=20, cap=40)]
     result, _ = compute_weights(inputs, None, P, NOW)
+    assert all(b.missing == () for b in result.backends.values())  # nobody measures latency: 1 for all
     # raw: a = 1/2, b = 1/4, c = 1/(1.25*2) = 0.4 -> normalised by the best (a)
     assert result.backends["a:1"].target == pytest.approx(1.0)
     assert result.backends["b:2"].target == pytest.approx(0.5)
     assert result.backends["c:3"].target == pytest.approx(0.8)
     assert [result.backends[n].lb_weight for n in ("a:1", "b:2", "c:3")] == [100, 50, 80]  # first update: target
+
+
+def test_a_missing_signal_takes_the_fleets_median_penalty() -> None:
+    """Five engines report a P99 at 4x, 3x, 5x, 6x and 4x the SLA; a Triton exports none. Before, its
+    latency factor was 1 and it won the fleet's traffic; now it takes the median penalty (4x -> 16)."""
+    sla = P.classes[P.default_class].sla_seconds
+    engines = [mk(f"e{k}:1", kv=0.2, p99={P.default_class: sla * x}) for k, x in enumerate((4, 3, 5, 6, 4))]
+    triton = mk("triton:1", kv=0.2)
+    result, _ = compute_weights([*engines, triton], None, P, NOW)
+    t = result.backends["triton:1"]
+    assert t.missing == ("latency",) and t.factors["latency"] == pytest.approx(16.0)
+    assert t.target == pytest.approx(result.backends["e0:1"].target) and t.target < 1.0
+    assert result.backends["e1:1"].target == 1.0  # the 3x engine is the best, not the silent one
+    assert result.to_dict()["backends"]["triton:1"]["missing"] == ["latency"]
+    # memory measured by nobody (a CPU fleet): 1 for all, not listed as missing
+    assert "memory" not in t.missing and t.factors["memory"] == 1.0
 
 
 def test_p99_priority_weights_of_the_design_classes() -> None:
@@ -346,7 +383,7 @@ def test_stale_inputs_hold_scaling_and_restart_its_timer() -> None:
     for k in range(3):
         r, s = compute_weights(_kv(0.95, NOW + k), s, P, NOW + k)
     assert r.scale.action == "up"
-    stale = [mk("a:1", kv=0.95, at=NOW + 3), mk("b:2", kv=0.95, at=NOW - 100)]
+    stale = [mk("a:1", kv=0.95, at=NOW - 100), mk("b:2", kv=0.95, at=NOW - 100)]
     r, s = compute_weights(stale, s, P, NOW + 3)
     assert r.stale and r.scale.action == "hold" and "stale" in r.scale.reason
     r, s = compute_weights(_kv(0.95, NOW + 4), s, P, NOW + 4)  # fresh again: the 2 s start over
@@ -355,10 +392,11 @@ def test_stale_inputs_hold_scaling_and_restart_its_timer() -> None:
     assert r.scale.action == "up"
 
 
-def test_missing_inputs_count_as_stale() -> None:
-    r, _ = compute_weights([mk("a:1", mem=0.99), BackendInputs("b:2")], None, P, NOW)
-    assert r.stale and r.stale_backends == ("b:2",)
-    assert all(b.state == "ready" and b.lb_weight == P.lb_scale for b in r.backends.values())
+def test_a_configured_backend_without_inputs_is_stale_alone() -> None:
+    params = WeightParams.from_config({"weights": {"backends": {"b:2": {"address": "127.0.0.1:2"}}}})
+    r, _ = compute_weights([mk("a:1", mem=0.99), BackendInputs("b:2")], None, params, NOW)
+    assert not r.stale and r.stale_backends == ("b:2",)
+    assert r.backends["a:1"].target == 1.0 and r.backends["b:2"].reasons == ("stale",)
     r, _ = compute_weights([], None, P, NOW)
     assert r.stale and r.backends == {}
 
@@ -370,3 +408,54 @@ def test_sharpness_compresses_targets() -> None:
     assert compute_weights(inputs, None, soft, NOW)[0].backends["b:2"].target == pytest.approx(0.5)
     with pytest.raises(ConfigError):
         WeightParams.from_config({"weights": {"sharpness": 0}})
+
+
+# --------------------------------------------------------------------------- down backends
+
+
+def _spans(name: str, at: float, spans: float, errors: float = 0.0, up: float = NAN) -> BackendInputs:
+    return BackendInputs(name, kv_cache_usage_ratio=0.1, sources={"serving": at, "requests": at}, span_count=spans,
+                         trailing_errors=errors, scrape_up=up)
+
+
+def test_a_backend_whose_spans_stop_is_down_once_its_share_would_have_shown() -> None:
+    s = None
+    for k in range(12):  # both ready for longer than window_s, 50 spans each per window
+        r, s = compute_weights([_spans("a:1", NOW + k, 50), _spans("b:2", NOW + k, 50)], s, P, NOW + k)
+    assert {b.state for b in r.backends.values()} == {"ready"}
+    r, s = compute_weights([_spans("a:1", NOW + 12, 0), _spans("b:2", NOW + 12, 60)], s, P, NOW + 12)
+    assert r.backends["a:1"].state == "down" and r.backends["a:1"].reasons == ("spans_stopped",)
+    assert r.down_backends == ("a:1",) and r.backends["b:2"].state == "ready"
+    # little traffic: 10 spans in the fleet's window cannot tell silence from chance
+    s2 = None
+    for k in range(12):
+        r2, s2 = compute_weights([_spans("a:1", NOW + k, 5), _spans("b:2", NOW + k, 5)], s2, P, NOW + k)
+    r2, _ = compute_weights([_spans("a:1", NOW + 12, 0), _spans("b:2", NOW + 12, 10)], s2, P, NOW + 12)
+    assert r2.backends["a:1"].state == "ready"
+    # back from down it is not judged before its share had a window to show (no flapping)
+    r, s = compute_weights([_spans("a:1", NOW + 13, 0), _spans("b:2", NOW + 13, 60)], s, P, NOW + 13)
+    assert r.backends["a:1"].state == "ready" and r.backends["a:1"].weight == P.floor
+
+
+def test_every_backend_down_reads_as_our_view_broken_not_a_dead_fleet() -> None:
+    r, _ = compute_weights([_spans("a:1", NOW, 5, up=0.0), _spans("b:2", NOW, 5, up=0.0)], None, P, NOW)
+    assert r.down_backends == () and r.drain_suppressed
+    for b in r.backends.values():
+        assert b.state == "ready" and b.lb_weight >= 1 and "scrape_failed" in b.reasons and b.drain_suppressed
+
+
+@SETTINGS
+@given(fleet(min_size=2), st.data())
+def test_a_down_backend_gets_no_traffic_and_never_moves_the_others(current, data) -> None:
+    idx = data.draw(st.integers(0, len(current) - 1))
+    dead = current[idx]
+    state = run([current], current)[0]
+    current[idx] = BackendInputs(dead.backend, sources={"serving": NOW - data.draw(st.floats(0, 1e5))}, scrape_up=0.0)
+    result, _ = compute_weights(current, state, P, NOW)
+    without, _ = compute_weights([b for b in current if b.backend != dead.backend], state, P, NOW)
+    d = result.backends[dead.backend]
+    assert d.state == "down" and d.lb_weight == 0 and agent_reply(result, dead.backend) == "down\n"
+    assert all(result.class_state(dead.backend, c) == "drain" for c in P.classes)
+    for name, b in without.backends.items():
+        if name != dead.backend:  # (without its inputs it is absent there)
+            assert result.backends[name].weight == b.weight and result.backends[name].state == b.state

@@ -143,18 +143,33 @@ def test_weights_document_follows_inputs_and_versions(feed: WeightFeed, fleet: F
     assert weights(feed)["version"] == v1
 
 
-def test_stale_inputs_are_flagged_with_equal_weights(fleet: Fleet) -> None:
+def test_a_stale_backend_is_flagged_alone_and_a_stale_fleet_gets_equal_weights(fleet: Fleet) -> None:
+    late = {"gpu": 60.0}
+
     def stale_inputs() -> list[BackendInputs]:
         fresh = fleet()
-        return [fresh[0], BackendInputs(fresh[1].backend, 9e8, 1e9, sources={"gpu": time.time() - 60})]
+        return [BackendInputs(fresh[0].backend, 1e8, 1e9, sources={"gpu": time.time()}),
+                BackendInputs(fresh[1].backend, 9e8, 1e9, sources={"gpu": time.time() - late["gpu"]})]
 
     with WeightFeed(params(), inputs_fn=stale_inputs).start() as feed:
         doc = weights(feed)
-        assert doc["stale"] is True and doc["stale_backends"] == [name(1)]
+        assert doc["stale"] is False and doc["stale_backends"] == [name(1)]
+        assert doc["backends"][name(0)]["lb_weight"] == 100 and doc["backends"][name(1)]["reasons"] == ["stale"]
+        metrics = {f.name: f for f in text_string_to_metric_families(get(feed, "/metrics")[2].decode())}
+        assert metrics["triscope_weights_stale"].samples[0].value == 0
+        assert {s.labels["backend"]: s.value for s in metrics["triscope_backend_stale"].samples} == {
+            name(0): 0, name(1): 1}
+        assert max(s.value for s in metrics["triscope_backend_input_age_seconds"].samples) >= 59
+
+    def all_stale() -> list[BackendInputs]:
+        return [BackendInputs(i.backend, 9e8, 1e9, sources={"gpu": time.time() - 60}) for i in fleet()]
+
+    with WeightFeed(params(), inputs_fn=all_stale).start() as feed:
+        doc = weights(feed)
+        assert doc["stale"] is True and doc["stale_backends"] == [name(0), name(1)]
         assert {b["lb_weight"] for b in doc["backends"].values()} == {100}
         metrics = {f.name: f for f in text_string_to_metric_families(get(feed, "/metrics")[2].decode())}
         assert metrics["triscope_weights_stale"].samples[0].value == 1
-        assert max(s.value for s in metrics["triscope_backend_input_age_seconds"].samples) >= 59
 
 
 def test_metrics_exposition(feed: WeightFeed, fleet: Fleet) -> None:
@@ -259,7 +274,7 @@ def test_no_result_yet_is_503() -> None:
         status, _, body = get(feed, "/v1/weights")
         assert status == 503 and "store down" in json.loads(body)["error"]
         assert get(feed, "/healthz")[0] == 503
-        assert agent(feed.agent_port, b"x\n") == b"ready 100%\n"
+        assert agent(feed.agent_port, b"x\n") == b"up ready 100%\n"
 
 
 def test_feed_binds_loopback_and_ports_can_be_off(fleet: Fleet) -> None:
@@ -293,12 +308,12 @@ def test_factory_builds_a_feed_from_config() -> None:
 def test_agent_replies_percent_drain_and_unknown(feed: WeightFeed, fleet: Fleet) -> None:
     doc = weights(feed)
     lb_b = doc["backends"][name(1)]["lb_weight"]
-    assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
+    assert agent(feed.agent_port, name(0).encode() + b"\n") == b"up ready 100%\n"
     reply = agent(feed.agent_port, name(1).encode() + b"\n")
-    assert reply in (f"ready {lb_b}%\n".encode(),
-                     f"ready {weights(feed)['backends'][name(1)]['lb_weight']}%\n".encode())
-    assert agent(feed.agent_port, b"nobody:1\n") == b"ready 100%\n"
-    assert agent(feed.agent_port, b"\n") == b"ready 100%\n"
+    assert reply in (f"up ready {lb_b}%\n".encode(),
+                     f"up ready {weights(feed)['backends'][name(1)]['lb_weight']}%\n".encode())
+    assert agent(feed.agent_port, b"nobody:1\n") == b"up ready 100%\n"
+    assert agent(feed.agent_port, b"\n") == b"up ready 100%\n"
     fleet.mem["a"] = 0.98
     wait_for(lambda: weights(feed)["backends"][name(0)]["state"] == "drain")
     # an agent process gets the update's table just after /v1/weights has it
@@ -306,7 +321,7 @@ def test_agent_replies_percent_drain_and_unknown(feed: WeightFeed, fleet: Fleet)
     fleet.mem["a"] = 0.1  # released: slow start, never 0%
     wait_for(lambda: weights(feed)["backends"][name(0)]["state"] == "ready")
     first = wait_for(lambda: (r := agent(feed.agent_port, name(0).encode() + b"\n")) != b"drain\n" and r)
-    assert first.startswith(b"ready ") and first.endswith(b"%\n") and int(first[6:-2]) >= 1
+    assert first.startswith(b"up ready ") and first.endswith(b"%\n") and int(first[9:-2]) >= 1
 
 
 def test_agent_line_framing(feed: WeightFeed) -> None:
@@ -315,22 +330,22 @@ def test_agent_line_framing(feed: WeightFeed) -> None:
         s.sendall(name(0).encode()[:5])
         time.sleep(0.05)
         s.sendall(name(0).encode()[5:] + b"\n")
-        assert s.recv(100) == b"ready 100%\n"
-    assert agent(feed.agent_port, name(0).encode(), shutdown_write=True) == b"ready 100%\n"
+        assert s.recv(100) == b"up ready 100%\n"
+    assert agent(feed.agent_port, name(0).encode(), shutdown_write=True) == b"up ready 100%\n"
     # an over-long line gets no answer: the connection is closed
     assert agent(feed.agent_port, b"x" * (MAX_LINE + 10)) == b""
     assert agent(feed.agent_port, b"x" * MAX_LINE + b"\n") == b""
     # the agent is still serving
-    assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
+    assert agent(feed.agent_port, name(0).encode() + b"\n") == b"up ready 100%\n"
 
 
 def test_agent_silent_client_times_out_without_blocking_others(feed: WeightFeed) -> None:
     silent = socket.create_connection(("127.0.0.1", feed.agent_port), timeout=5)
     try:
         t0 = time.monotonic()
-        assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
+        assert agent(feed.agent_port, name(0).encode() + b"\n") == b"up ready 100%\n"
         assert time.monotonic() - t0 < 0.5
-        assert silent.recv(100) == b"ready 100%\n"  # after the read timeout: unknown (empty) name
+        assert silent.recv(100) == b"up ready 100%\n"  # after the read timeout: unknown (empty) name
     finally:
         silent.close()
 
@@ -483,7 +498,7 @@ def test_cli_serve_runs_until_sigterm(tmp_path) -> None:
         assert doc["backends"] == {} and doc["stale"] is True  # empty store: nothing known yet
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=10) as resp:
             assert resp.read() == b"ok\n"
-        assert agent(agent_port, b"x:1\n") == b"ready 100%\n"
+        assert agent(agent_port, b"x:1\n") == b"up ready 100%\n"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
@@ -586,12 +601,12 @@ def test_connection_cap_closes_extra_connections(fleet: Fleet, serve_process: bo
                     with contextlib.suppress(ConnectionResetError):  # closed without an answer
                         assert extra.recv(100) == b""
                 if port == feed.agent_port:  # an agent check sent at once is answered even over the bound
-                    assert agent(port, name(0).encode() + b"\n") == b"ready 100%\n"
+                    assert agent(port, name(0).encode() + b"\n") == b"up ready 100%\n"
             finally:
                 for s in idle:
                     s.close()
         time.sleep(0.2)  # slots freed
-        assert agent(feed.agent_port, name(0).encode() + b"\n") == b"ready 100%\n"
+        assert agent(feed.agent_port, name(0).encode() + b"\n") == b"up ready 100%\n"
         assert weights(feed)["backends"]
         with pytest.raises(ConfigError):
             WeightFeed(WeightParams.from_config({"weights": {"feed": {"max_connections": 0}}}), inputs_fn=fleet)
@@ -725,7 +740,7 @@ def test_cli_explain_shows_every_factor_of_one_backend(store, tmp_path, capsys, 
     assert doc["penalties"]["memory"] > 1 and set(doc["penalties"]) >= {"memory", "kv_cache", "load", "latency"}
     product = math.prod(v for v in doc["penalties"].values())
     assert doc["penalty_product"] == pytest.approx(product) and doc["raw_weight"] == pytest.approx(1 / product)
-    assert doc["haproxy_agent_reply"] == f"ready {doc['lb_weight']}%"
+    assert doc["haproxy_agent_reply"] == f"up ready {doc['lb_weight']}%"
     assert main(["weights", "explain", "gpu-b:8000", "-c", cfg]) == 0
     out = capsys.readouterr().out
     assert "gpu-b:8000" in out and "drain because" in out and "penalties" in out and "'drain'" in out

@@ -6,7 +6,13 @@
 documented in docs/weights.md; the load-balancer adapters live in ``triscope.exporters``.
 """
 
-from triscope.analyzers.routing.admission import batch_occupancy, class_admission, drain_reasons, over_limit
+from triscope.analyzers.routing.admission import (
+    batch_occupancy,
+    class_admission,
+    down_reasons,
+    drain_reasons,
+    over_limit,
+)
 from triscope.analyzers.routing.config import (
     DEFAULT_CLASSES,
     NAN,
@@ -18,6 +24,7 @@ from triscope.analyzers.routing.config import (
 )
 from triscope.analyzers.routing.history import history_columns
 from triscope.analyzers.routing.model import (
+    DOWN,
     DRAIN,
     READY,
     BackendInputs,
@@ -45,9 +52,10 @@ from triscope.analyzers.routing.scoring import (
 )
 from triscope.analyzers.routing.store_inputs import read_inputs
 
-__all__ = ["DEFAULT_CLASSES", "DRAIN", "NAN", "READY", "BackendConfig", "BackendInputs", "BackendState",
+__all__ = ["DEFAULT_CLASSES", "DOWN", "DRAIN", "NAN", "READY", "BackendConfig", "BackendInputs", "BackendState",
            "BackendWeight", "EngineState", "FeedConfig", "RequestClass", "ScaleDecision", "WeightParams",
            "WeightsConfig", "WeightsResult", "batch_occupancy", "class_admission", "class_of", "class_priorities",
-           "compute_weights", "damp", "drain_reasons", "factors", "forget", "headroom_penalty", "history_columns",
+           "compute_weights", "damp", "down_reasons", "drain_reasons", "factors", "forget", "headroom_penalty",
+           "history_columns",
            "latency_penalty", "lb_knows", "lb_weight", "over_limit", "queue_penalty", "read_inputs", "scale_decision",
            "split_address", "with_address"]

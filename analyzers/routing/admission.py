@@ -28,6 +28,20 @@ def drain_reasons(inputs: BackendInputs, was_drained: bool, params: WeightParams
     return tuple(reasons)
 
 
+def down_reasons(inputs: BackendInputs, expected_spans: float, params: WeightParams) -> tuple[str, ...]:
+    """Why a backend does not answer now (empty: nothing says so). ``expected_spans``: the request
+    spans its share of the fleet's traffic would have made within ``window_s``."""
+    reasons = []
+    if inputs.scrape_up == 0:
+        reasons.append("scrape_failed")
+    if params.down_after_errors > 0 and inputs.trailing_errors >= params.down_after_errors:
+        reasons.append("requests_failing")
+    if (params.down_silent_requests > 0 and inputs.span_count == 0
+            and expected_spans >= params.down_silent_requests):
+        reasons.append("spans_stopped")
+    return tuple(reasons)
+
+
 def batch_occupancy(inputs: BackendInputs, max_num_seqs: int) -> float:
     """``(running + waiting) / max_num_seqs``: how full the engine's batch is, and past 1 how
     many requests queue behind it; NaN when unknown (no ``max_num_seqs`` or no running gauge)."""
@@ -39,7 +53,7 @@ def batch_occupancy(inputs: BackendInputs, max_num_seqs: int) -> float:
 
 def class_admission(backends: Mapping[str, BackendWeight], closed_before: frozenset[tuple[str, str]],
                     params: WeightParams, stale: bool) -> tuple[dict[str, dict[str, str]], frozenset[tuple[str, str]]]:
-    """Per class and backend: ``drain`` when the backend is drained, or when the class has an
+    """Per class and backend: ``drain`` when the backend is drained or down, or when the class has an
     ``admit_kv_ratio`` and the backend's KV usage reached it, or an ``admit_batch_ratio`` and the
     backend's :func:`batch_occupancy` reached it (the ``readmit_`` ratios once closed); else
     ``ready``. Also returns the closed (class, backend) pairs for the next update.
@@ -55,12 +69,12 @@ def class_admission(backends: Mapping[str, BackendWeight], closed_before: frozen
         per: dict[str, str] = {}
         for name, bw in backends.items():
             was_closed = (cname, name) in closed_before
-            shut = (bw.state != DRAIN and not stale and cls.has_admission_limit
+            shut = (bw.state == READY and not stale and cls.has_admission_limit
                     and (over_limit(bw.inputs.kv_cache_usage_ratio, cls.admit_kv_ratio, cls.readmit_kv_ratio,
                                     was_closed)
                          or over_limit(occupancy[name], cls.admit_batch_ratio, cls.readmit_batch_ratio, was_closed)))
             if shut:
                 closed.add((cname, name))
-            per[name] = DRAIN if shut or bw.state == DRAIN else READY
+            per[name] = DRAIN if shut or bw.state != READY else READY
         states[cname] = per
     return states, frozenset(closed)

@@ -180,6 +180,12 @@ class WeightsConfig(ComponentConfig):
     preemption_penalty: float = 2.0
     """Factor of a backend whose preemptions counter rose within ``preemption_lookback_s`` (1 = off)."""
     preemption_lookback_s: float = 60.0
+    down_after_errors: int = 5
+    """Failed requests in a row (its newest spans) that put a backend down, as Envoy's outlier
+    detection ejects after 5 consecutive 5xx (0 = off)."""
+    down_silent_requests: float = 20.0
+    """A backend whose spans stop while its share of the fleet's spans in ``window_s`` would have been
+    at least this many is down (P(0 | Poisson 20) = 2e-9; 0 = off)."""
     forget_after_s: float = 0.0
     """A known backend with no inputs stays published (absent) until forgotten; > 0 forgets it after
     that long while another backend still reports (0 = only an operator removes it)."""
@@ -236,6 +242,8 @@ class WeightsConfig(ComponentConfig):
             (self.preemption_penalty >= 1, "preemption_penalty must be >= 1"),
             (self.preemption_lookback_s > 0, "preemption_lookback_s must be > 0"),
             (self.forget_after_s >= 0, "forget_after_s must be >= 0"),
+            (self.down_after_errors >= 0 and self.down_silent_requests >= 0,
+             "down_after_errors and down_silent_requests must be >= 0"),
             (self.default_class in self.classes, f"default_class {self.default_class!r} is not a class"),
         ]
         for ok, message in checks:

@@ -28,12 +28,22 @@ import math
 from collections.abc import Mapping
 
 from triscope.analyzers.routing.config import WeightParams
-from triscope.analyzers.routing.model import BREAK, DEGRADE, DRAIN, LEVELS, LIMIT, NORMAL, BackendWeight, ClassLevel
+from triscope.analyzers.routing.model import (
+    BREAK,
+    DEGRADE,
+    DRAIN,
+    LEVELS,
+    LIMIT,
+    NORMAL,
+    READY,
+    BackendWeight,
+    ClassLevel,
+)
 
 
 def fleet_pressure(backends: Mapping[str, BackendWeight], params: WeightParams) -> tuple[float, str]:
     """(pressure, what set it) over the backends that serve; (NaN, "") when nothing is measured."""
-    serving = [b.inputs for b in backends.values() if b.state != DRAIN]
+    serving = [b.inputs for b in backends.values() if b.state == READY]
     parts: dict[str, float] = {}
     kvs = [i.kv_cache_usage_ratio for i in serving if math.isfinite(i.kv_cache_usage_ratio)]
     if kvs:

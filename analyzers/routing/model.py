@@ -11,6 +11,8 @@ from triscope.analyzers.routing.config import NAN, WeightParams
 
 READY = "ready"
 DRAIN = "drain"
+DOWN = "down"
+"""A backend that does not answer (scrape refused, requests failing, spans stopped): no traffic until it answers."""
 SOURCE_GPU, SOURCE_SERVING, SOURCE_REQUESTS = "gpu", "serving", "requests"
 """Keys of :attr:`BackendInputs.sources`: GPU samples, serving-metrics scrapes, request spans."""
 
@@ -40,6 +42,14 @@ class BackendInputs:
     """Rise of the engine's preemptions counter over ``preemption_lookback_s`` (``vllm:num_preemptions``)."""
     sleep_state: float = NAN
     """``vllm:engine_sleep_state``: 0 awake, > 0 sleeping (its level)."""
+    scrape_up: float = NAN
+    """The latest scrape of its metrics: 1 answered, 0 failed (refused, timed out, garbage); NaN when not scraped."""
+    scrape_error: str = ""
+    """The latest failed scrape's one-line error (empty when ``scrape_up`` is not 0)."""
+    span_count: float = NAN
+    """Request spans of the backend within ``window_s``; NaN when the backend has no spans at all."""
+    trailing_errors: float = NAN
+    """Failed requests in a row at the end of ``window_s`` (0 when the newest succeeded); NaN without spans."""
 
     @property
     def memory_used_ratio(self) -> float:
@@ -66,6 +76,9 @@ class BackendState:
     first_seen: float = NAN
     address: str = ""
     sources: Mapping[str, float] = field(default_factory=dict)
+    down: bool = False
+    ready_since: float = NAN
+    """When it last became ready (new, or back from drain or down): the silence rule waits a window."""
 
 
 @dataclass(frozen=True)
@@ -109,12 +122,15 @@ class BackendWeight:
     inputs: BackendInputs
     age_seconds: float
     drain_suppressed: bool = False
+    missing: tuple[str, ...] = ()
+    """Factors whose input this backend does not report: each took the fleet's median penalty."""
 
     def to_dict(self) -> dict[str, Any]:
         i = self.inputs
         return {
             "weight": _num(self.weight), "target": _num(self.target), "lb_weight": self.lb_weight,
-            "state": self.state, "drained": self.state == DRAIN, "reasons": list(self.reasons),
+            "state": self.state, "drained": self.state == DRAIN, "down": self.state == DOWN,
+            "reasons": list(self.reasons), "missing": list(self.missing),
             "address": i.address,
             "age_seconds": _num(self.age_seconds), "drain_suppressed": self.drain_suppressed,
             "factors": {k: _num(v) for k, v in self.factors.items()},
@@ -127,6 +143,8 @@ class BackendWeight:
                 "preemptions": _num(i.preemptions), "sleep_state": _num(i.sleep_state),
                 "p99_seconds": {k: _num(v) for k, v in i.p99_seconds.items()},
                 "healthy": i.healthy,
+                "scrape_up": _num(i.scrape_up), "scrape_error": i.scrape_error,
+                "span_count": _num(i.span_count), "trailing_errors": _num(i.trailing_errors),
                 "sources": {k: _num(v) for k, v in i.sources.items()},
             },
         }
@@ -204,7 +222,11 @@ class WeightsResult:
     class_levels: Mapping[str, ClassLevel] = field(default_factory=dict)
     """Per class: its admission level (analyzers/routing/levels.py); all ``normal`` while levels are off."""
     pressure: float = NAN
-    """The fleet pressure the levels were set from (NaN when nothing is measured)."""
+    """The fleet pressure the levels were set from (NaN when nothing is measured); 1.0 = full, above = past full."""
+    pressure_source: str = ""
+    """What set the pressure: ``kv``, ``queue`` or ``latency``."""
+    down_backends: tuple[str, ...] = ()
+    """Backends that do not answer: published with state ``down`` and no traffic."""
 
     def class_state(self, backend: str, request_class: str) -> str | None:
         """``ready``/``drain`` of ``backend`` for ``request_class``; None when either is unknown."""
@@ -214,7 +236,8 @@ class WeightsResult:
         """The ``/v1/weights`` document."""
         return {
             "version": self.version, "computed_at": self.computed_at, "stale": self.stale,
-            "stale_backends": list(self.stale_backends), "drain_suppressed": self.drain_suppressed,
+            "stale_backends": list(self.stale_backends), "down_backends": list(self.down_backends),
+            "drain_suppressed": self.drain_suppressed,
             "absent_backends": list(self.absent_backends), "unknown_backends": list(self.unknown_backends),
             "interval_s": self.interval_s,
             "backends": {name: b.to_dict() for name, b in sorted(self.backends.items())},
@@ -226,7 +249,7 @@ class WeightsResult:
                        "shedding": bool(states) and all(s == DRAIN for s in states.values())}
                 for name, states in sorted(self.class_admission.items())},
             "class_levels": {name: level.to_dict() for name, level in sorted(self.class_levels.items())},
-            "pressure": _num(self.pressure),
+            "pressure": _num(self.pressure), "pressure_source": self.pressure_source,
         }
 
 
@@ -247,11 +270,12 @@ def with_address(inputs: BackendInputs, params: WeightParams) -> BackendInputs:
 
 
 def lb_knows(inputs: BackendInputs, params: WeightParams) -> bool:
-    """Whether a load balancer can know the backend: it has an address (a ``host:port`` name
-    counts), a ``[weights.backends]`` entry, or a scrape (serving metrics or GPU samples). A backend
-    seen only in request spans (say a random ``service.instance.id``) cannot."""
-    return bool(inputs.address or _is_host_port(inputs.backend) or inputs.backend in params.backends
-                or SOURCE_SERVING in inputs.sources or SOURCE_GPU in inputs.sources)
+    """Whether the backend is one of the fleet's: configured in ``[weights.backends]``, or with
+    telemetry of its own (a scrape, answered or failed, or GPU samples). A name seen only in request
+    spans (a gateway's ``server.address``, an SDK's random ``service.instance.id``) is not: nothing
+    vouches that it exists or is the fleet's, and it has no numbers to weigh."""
+    return bool(inputs.backend in params.backends or SOURCE_SERVING in inputs.sources
+                or SOURCE_GPU in inputs.sources or math.isfinite(inputs.scrape_up))
 
 
 def _is_host_port(text: str) -> bool:

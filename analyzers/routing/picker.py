@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from triscope.analyzers.routing.model import DRAIN, ClassLevel, WeightsResult
+from triscope.analyzers.routing.model import DOWN, DRAIN, ClassLevel, WeightsResult
 
 NAN = float("nan")
 KV_ONLY = ("kv_cache",)
@@ -122,7 +122,7 @@ class EngineView:
 
     @classmethod
     def of(cls, result: WeightsResult) -> EngineView:
-        drained = {n: v.reasons for n, v in result.backends.items() if v.state == DRAIN}
+        drained = {n: v.reasons for n, v in result.backends.items() if v.state in (DRAIN, DOWN)}
         return cls({n: v.weight for n, v in result.backends.items()}, frozenset(drained),
                    result.class_admission, result.version, result.class_levels,
                    frozenset(n for n, why in drained.items() if tuple(why) == KV_ONLY))
@@ -139,7 +139,7 @@ class EngineView:
                 raise ValueError(f"not a /v1/weights document: backend {name!r} is not a table")
             w = b.get("weight")
             weights[str(name)] = float(w) if isinstance(w, int | float) and not isinstance(w, bool) else NAN
-            if b.get("state") == DRAIN:
+            if b.get("state") in (DRAIN, DOWN):
                 drained.add(str(name))
                 if isinstance(b.get("reasons"), list) and tuple(b["reasons"]) == KV_ONLY:
                     kv_drained.add(str(name))

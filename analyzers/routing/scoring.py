@@ -10,10 +10,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from triscope.analyzers.routing.admission import class_admission, drain_reasons
+from triscope.analyzers.routing.admission import class_admission, down_reasons, drain_reasons
 from triscope.analyzers.routing.config import NAN, RequestClass, WeightParams
 from triscope.analyzers.routing.levels import class_levels, fleet_pressure
 from triscope.analyzers.routing.model import (
+    DOWN,
     DRAIN,
     READY,
     BackendInputs,
@@ -164,8 +165,73 @@ def _absent(prev: EngineState, present: Mapping[str, BackendInputs], params: Wei
     return out
 
 
-def _state(inputs: BackendInputs, weight: float, drained: bool, first_seen: float) -> BackendState:
-    return BackendState(weight, drained, first_seen, inputs.address, dict(inputs.sources))
+def _state(inputs: BackendInputs, weight: float, state: str, first_seen: float, prev: BackendState | None,
+           now: float) -> BackendState:
+    back = prev is None or prev.drained or prev.down or not math.isfinite(prev.ready_since)
+    ready_since = (now if back else prev.ready_since) if state == READY else NAN  # type: ignore[union-attr]
+    return BackendState(weight, state == DRAIN, first_seen, inputs.address, dict(inputs.sources), state == DOWN,
+                        ready_since)
+
+
+def missing_factors(inputs: BackendInputs, params: WeightParams) -> set[str]:
+    """The factors of :func:`factors` whose input the backend does not report."""
+    out = set()
+    if not math.isfinite(inputs.memory_used_ratio):
+        out.add("memory")
+    if not math.isfinite(inputs.kv_cache_usage_ratio):
+        out.add("kv_cache")
+    capacity = inputs.capacity_qps if math.isfinite(inputs.capacity_qps) else params.default_capacity_qps
+    if not (capacity > 0 and math.isfinite(inputs.qps)):
+        out.add("load")
+    if not any(math.isfinite(v) and v > 0 for v in inputs.p99_seconds.values()):
+        out.add("latency")
+    if params.queue_weight > 0 and not math.isfinite(inputs.queue_length):
+        out.add("queue")
+    return out
+
+
+def impute_missing(fac: Mapping[str, dict[str, float]], missing: Mapping[str, set[str]], measured_by: Sequence[str],
+                   targets: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """A factor a backend of ``targets`` does not report takes the median of that factor over the
+    backends of ``measured_by`` that report it (in place): not measuring a signal must not win
+    traffic. Returns, per backend, the factors filled in."""
+    filled: dict[str, list[str]] = {n: [] for n in targets}
+    for key in sorted({k for n in targets for k in missing[n]}):
+        values = sorted(fac[n][key] for n in measured_by if key not in missing[n] and key in fac[n])
+        if not values:
+            continue  # nobody measures it: 1 for all, as the formula says
+        mid = len(values) // 2
+        median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+        for n in targets:
+            if key in missing[n] and key in fac[n]:
+                fac[n][key] = median
+                filled[n].append(key)
+    return {n: tuple(keys) for n, keys in filled.items()}
+
+
+def _expected_spans(present: Mapping[str, BackendInputs], prev: EngineState, params: WeightParams,
+                    now: float) -> dict[str, float]:
+    """Spans each backend's share of the fleet's traffic (its published weight over the ready ones')
+    would have made within ``window_s``, counted from when it became ready."""
+    fleet = sum(i.span_count for i in present.values() if math.isfinite(i.span_count))
+    ready = {n: b for n, b in prev.backends.items() if not (b.drained or b.down) and b.weight > 0}
+    total = sum(b.weight for b in ready.values())
+    if fleet <= 0 or total <= 0:
+        return {}
+    out = {}
+    for n in present:
+        b = ready.get(n)
+        if b is not None and math.isfinite(b.ready_since):
+            out[n] = fleet * b.weight / total * min(1.0, max(0.0, (now - b.ready_since) / params.window_s))
+    return out
+
+
+def _median(values: Sequence[float], default: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return default
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | None,
@@ -173,7 +239,8 @@ def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | Non
     """Weights for ``inputs`` given the previous state; pure (no clock, no I/O).
 
     Backends no LB can know (:func:`lb_knows`) are left out; backends of ``previous`` missing from
-    ``inputs`` stay published as absent (docs/weights.md, "Stale inputs").
+    ``inputs`` stay published as absent; a backend that does not answer is ``down``; one whose
+    inputs are late eases to the fleet's median weight on its own (docs/weights.md, "Stale inputs").
     """
     first_update = previous is None
     prev = previous or EngineState()
@@ -184,22 +251,37 @@ def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | Non
     by_name = {**present, **absent}
     names = sorted(by_name)
     ages = {n: now - by_name[n].updated_at() for n in names}
-    stale_backends = tuple(n for n in sorted(present) if not (ages[n] <= params.stale_after_s))
-    stale = bool(stale_backends) or not present
+    expected = _expected_spans(present, prev, params, now)
+    down = {n: why for n in sorted(present) if (why := down_reasons(present[n], expected.get(n, 0.0), params))}
+    kept_up: dict[str, tuple[str, ...]] = {}
+    if down and len(down) == len(present):  # every one down: more likely our view of the fleet broke than the fleet
+        kept_up, down = down, {}
+    stale_backends = tuple(n for n in sorted(present) if n not in down and not (ages[n] <= params.stale_after_s))
+    live = [n for n in sorted(present) if n not in down and n not in stale_backends]
+    stale = not live
     first_seen, newest = _first_seen(names, prev, first_update, now)
 
     fac = {n: factors(by_name[n], params) for n in names}
+    missing = {n: missing_factors(by_name[n], params) for n in names}
+    filled = impute_missing(fac, missing, live, [*live, *stale_backends])
     results: dict[str, BackendWeight] = {}
     states: dict[str, BackendState] = {}
     suppressed = False
-    if stale:
+
+    def publish(n: str, weight: float, target: float, state: str, reasons: tuple[str, ...],
+                drain_suppressed: bool = False) -> None:
+        results[n] = BackendWeight(n, weight, target, lb_weight(weight, state != READY, params), state, reasons,
+                                   fac[n], by_name[n], ages[n], drain_suppressed, filled.get(n, ()))
+        states[n] = _state(by_name[n], weight, state, first_seen[n], prev.backends.get(n), now)
+
+    for n, why in down.items():
+        publish(n, 0.0, 0.0, DOWN, why)
+    if stale:  # nothing fresh to compare: equal weights for every backend that answers
         for n in names:
-            why = ("absent",) if n in absent else ("stale",) if n in stale_backends else ()
-            results[n] = BackendWeight(n, 1.0, 1.0, lb_weight(1.0, False, params), READY, why, fac[n], by_name[n],
-                                       ages[n])
-            states[n] = _state(by_name[n], 1.0, False, first_seen[n])
+            if n not in down:
+                why = ("absent",) if n in absent else ("stale",) if n in stale_backends else ()
+                publish(n, 1.0, 1.0, READY, why + kept_up.get(n, ()), drain_suppressed=n in kept_up)
     else:
-        live = sorted(present)
         reasons = {n: drain_reasons(by_name[n], _was_drained(prev, n), params) for n in live}
         drained = {n for n in live if reasons[n]}
         if drained and len(drained) == len(live):  # never drain the whole fleet: hold it at the floor
@@ -207,47 +289,48 @@ def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | Non
             drained = set()
         raw = {n: 1.0 / math.prod(fac[n].values()) for n in live if n not in drained}
         best = max(raw.values())
+        targets: dict[str, float] = {}
         for n in live:
             if n in drained:
-                results[n] = BackendWeight(n, 0.0, 0.0, 0, DRAIN, reasons[n], fac[n], by_name[n], ages[n])
-                states[n] = _state(by_name[n], 0.0, True, first_seen[n])
+                publish(n, 0.0, 0.0, DRAIN, reasons[n])
                 continue
-            target = (raw[n] / best) ** params.sharpness
+            target = targets[n] = (raw[n] / best) ** params.sharpness
             old = prev.backends.get(n)
             if suppressed and reasons[n]:
                 weight = params.floor
             elif first_update:
                 weight = max(params.floor, target)
-            elif old is None or old.drained:
+            elif old is None or old.drained or old.down:
                 weight = params.floor if params.slow_start else max(params.floor, target)
             else:
                 weight = damp(old.weight, target, params)
-            results[n] = BackendWeight(n, weight, target, lb_weight(weight, False, params), READY,
-                                       reasons[n] if suppressed else (), fac[n], by_name[n], ages[n],
-                                       drain_suppressed=suppressed and bool(reasons[n]))
-            states[n] = _state(by_name[n], weight, False, first_seen[n])
+            publish(n, weight, target, READY, (reasons[n] if suppressed else ()) + kept_up.get(n, ()),
+                    drain_suppressed=(suppressed and bool(reasons[n])) or n in kept_up)
+        neutral = _median(list(targets.values()), 1.0)
+        for n in stale_backends:  # late numbers: neither favoured nor starved, eased towards the median
+            old = prev.backends.get(n)
+            start = params.floor if old is None or old.drained or old.down else old.weight
+            publish(n, damp(start, neutral, params) if not first_update else neutral, neutral, READY,
+                    ("stale",) + kept_up.get(n, ()), drain_suppressed=n in kept_up)
         for n in sorted(absent):  # no numbers: kept in the LB's list, eased down to the floor
-            weight = damp(prev.backends[n].weight, params.floor, params)
-            results[n] = BackendWeight(n, weight, params.floor, lb_weight(weight, False, params), READY, ("absent",),
-                                       fac[n], by_name[n], ages[n])
-            states[n] = _state(by_name[n], weight, False, first_seen[n])
+            publish(n, damp(prev.backends[n].weight, params.floor, params), params.floor, READY, ("absent",))
 
+    fresh_inputs = [present[n] for n in live]
     if stale:  # a sustained condition cannot be verified on stale numbers: hold and restart the timers
         scale, above, below = ScaleDecision("hold", NAN, "inputs are stale"), NAN, NAN
     else:
         # the instance that appeared in this very update already starts the cooldown
-        scale, above, below = scale_decision(list(present.values()), replace(prev, newest_instance_at=newest),
-                                             params, now)
+        scale, above, below = scale_decision(fresh_inputs, replace(prev, newest_instance_at=newest), params, now)
     admission, closed = class_admission(results, prev.class_closed, params, stale)
-    pressure, source = (NAN, "") if stale else fleet_pressure(results, params)
+    pressure, source = (NAN, "") if stale else fleet_pressure({n: results[n] for n in live}, params)
     levels = class_levels(pressure, source, admission, prev.class_levels, params, now, stale)
     published = (tuple((n, results[n].lb_weight, results[n].state) for n in names) + (("stale", stale),)
                  + tuple(sorted(closed))
                  + tuple((c, lv.level, round(lv.shed_ratio, 2)) for c, lv in sorted(levels.items())))
     version = prev.version + 1 if published != prev.published else prev.version
-    result = WeightsResult(results, version, now, stale, stale_backends, suppressed,
-                           class_priorities(inputs, params), scale, params.interval_s, admission,
-                           tuple(sorted(absent)), unknown, levels, pressure)
+    result = WeightsResult(results, version, now, stale, stale_backends, suppressed or bool(kept_up),
+                           class_priorities(fresh_inputs, params), scale, params.interval_s, admission,
+                           tuple(sorted(absent)), unknown, levels, pressure, source, tuple(sorted(down)))
     state = EngineState(states, version, published, above, below, newest, stale, closed, frozenset(absent), levels)
     return result, state
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from triscope.analyzers.routing.config import NAN, WeightParams
 from triscope.analyzers.routing.model import SOURCE_GPU, SOURCE_REQUESTS, SOURCE_SERVING, BackendInputs
-from triscope.schema import GPU_SAMPLES, REQUESTS, SERVING_METRICS, qualified
+from triscope.schema import GPU_SAMPLES, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, qualified
 from triscope.store.base import Store
 
 UNHEALTHY_STATES = ("lost", "unavailable")
@@ -33,7 +33,7 @@ def _f(x: Any) -> float:
 def _backend_names(store: Store, params: WeightParams, p: dict[str, Any]) -> list[str]:
     names = set(params.backends)
     if params.discover:
-        for table in (SERVING_METRICS, REQUESTS):
+        for table in (SERVING_METRICS, SCRAPE_HEALTH, REQUESTS):
             rows = store.query(f"SELECT DISTINCT backend FROM {qualified(store, table)} "
                                "WHERE ts >= fromUnixTimestamp64Nano({since:Int64}) AND backend != ''", p).rows
             names.update(str(r[0]) for r in rows)
@@ -104,6 +104,42 @@ GROUP BY backend, cls"""
     return dict(qps), dict(p99), last
 
 
+def _scrapes(store: Store, p: dict[str, Any]) -> dict[str, tuple[float, str, float]]:
+    """(up of the latest scrape, its error, its time) per backend; a backend with several targets is up
+    when its latest scrapes all answered."""
+    sql = f"""
+SELECT backend, min(up) AS up, any(err) AS error, max(last_ns) AS last_ns FROM (
+    SELECT backend, target, argMax(up, ts) AS up, argMax(error, ts) AS err, toUnixTimestamp64Nano(max(ts)) AS last_ns
+    FROM {qualified(store, SCRAPE_HEALTH)}
+    WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
+    GROUP BY backend, target)
+GROUP BY backend"""
+    return {str(r["backend"]): (float(r["up"]), str(r["error"]) if int(r["up"]) == 0 else "", int(r["last_ns"]) / 1e9)
+            for r in store.query(sql, p).dicts()}
+
+
+def _span_tail(store: Store, p: dict[str, Any], params: WeightParams) -> dict[str, tuple[float, float]]:
+    """(spans within ``window_s``, failed requests in a row at its end) per backend with spans within ``lookback_s``."""
+    sql = f"""
+SELECT backend, countIf(ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS n,
+       arraySlice(arrayMap(x -> x.2, arraySort(groupArrayIf((ts, status = 'error'),
+                                                            ts >= fromUnixTimestamp64Nano({{wstart:Int64}})))),
+                  -{{k:UInt32}}) AS tail
+FROM {qualified(store, REQUESTS)}
+WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
+GROUP BY backend"""
+    out = {}
+    for r in store.query(sql, {**p, "k": max(1, params.down_after_errors)}).dicts():
+        tail = [int(x) for x in r["tail"]]
+        trailing = 0
+        for failed in reversed(tail):
+            if not failed:
+                break
+            trailing += 1
+        out[str(r["backend"])] = (float(r["n"]), float(trailing))
+    return out
+
+
 def _gpu_map(store: Store, p: dict[str, Any]) -> dict[str, set[tuple[str, str]]]:
     rows = store.query(f"SELECT DISTINCT backend, host, gpu FROM {qualified(store, REQUESTS)} "
                        "WHERE ts >= fromUnixTimestamp64Nano({since:Int64}) AND gpu != ''", p).rows
@@ -140,6 +176,8 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
         return []
     serving = _serving(store, p)
     qps_req, p99_req, last_req = _requests(store, p, params)
+    scrapes = _scrapes(store, p)
+    tails = _span_tail(store, p, params)
     gpu_of = _gpu_map(store, p)
     gpus = _gpus(store, p)
     out = []
@@ -174,8 +212,11 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
                 qps = srv["qps"]
         if name in last_req:
             sources[SOURCE_REQUESTS] = last_req[name]
+        up, scrape_error, _ = scrapes.get(name, (NAN, "", NAN))
+        spans, trailing = tails.get(name, (NAN, NAN))
         out.append(BackendInputs(name, memory_used_bytes=used, memory_total_bytes=total, kv_cache_usage_ratio=kv,
                                  qps=qps, capacity_qps=cfg.capacity_qps if cfg and cfg.capacity_qps > 0 else NAN,
                                  p99_seconds=p99, healthy=healthy, sources=sources,
-                                 address=cfg.address if cfg else "", sleep_state=sleep, preemptions=preemptions))
+                                 address=cfg.address if cfg else "", sleep_state=sleep, preemptions=preemptions,
+                                 scrape_up=up, scrape_error=scrape_error, span_count=spans, trailing_errors=trailing))
     return out

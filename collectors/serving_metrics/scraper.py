@@ -1,10 +1,12 @@
 """The ``serving_metrics`` collector: every target fetched concurrently with a total deadline, parsed on its own.
 
 A target's failure (no answer, deadline, oversized or malformed exposition, a bucket ``le="abc"``)
-is that target's error only: the others' rows are still returned. Each failure is counted
-(:meth:`ServingMetricsScraper.take_errors`, read by the collector loop) and logged once per change
-of state, not once per tick. Histogram baselines are kept per target for the models of its last
-scrape only, at most ``max_models_per_target``, so label churn cannot grow them.
+is that target's error only: the others' rows are still returned. Every scrape, failed or not, also
+writes one ``scrape_health`` row per target (``up`` 1 or 0, as Prometheus' synthetic ``up``): the
+weight engine reads a refused scrape as a backend that is down, not as one whose numbers are late.
+Each failure is counted (:meth:`ServingMetricsScraper.take_errors`, read by the collector loop) and
+logged once per change of state, not once per tick. Histogram baselines are kept per target for the
+models of its last scrape only, at most ``max_models_per_target``, so label churn cannot grow them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from triscope.collectors.serving_metrics.targets import ServingMetricsConfig, Ta
 from triscope.errors import InputError
 from triscope.http_fetch import fetch
 from triscope.prom_text import bucket_delta, histogram_quantile, parse_exposition
-from triscope.schema import SERVING_METRICS, encode_ts
+from triscope.schema import SCRAPE_HEALTH, SERVING_METRICS, encode_ts
 from triscope.store_link import one_line
 
 log = logging.getLogger("triscope.collectors.serving_metrics")
@@ -39,12 +41,32 @@ _QUANTILES = (("latency_p50_seconds", "latency", 0.5), ("latency_p99_seconds", "
               ("itl_p99_seconds", "itl", 0.99))
 
 
+@dataclass(frozen=True)
+class _Fetched:
+    """One fetch's outcome: the body or the error, and how long it took."""
+
+    body: bytes | None
+    error: str
+    seconds: float
+
+
+def _timed_fetch(url: str, timeout_s: float, max_bytes: int, allow_redirects: bool | str) -> _Fetched:
+    started = time.monotonic()
+    try:
+        body = fetch(url, timeout_s=timeout_s, max_bytes=max_bytes, allow_redirects=allow_redirects)
+    except InputError as exc:
+        return _Fetched(None, str(exc).splitlines()[0], time.monotonic() - started)
+    except Exception as exc:  # any failure of one target is that target's error only
+        return _Fetched(None, f"{url}: {type(exc).__name__}: {one_line(exc)}", time.monotonic() - started)
+    return _Fetched(body, "", time.monotonic() - started)
+
+
 @dataclass
 class _State:
     """What the scraper remembers of one target between scrapes."""
 
     error: str = ""
-    future: Future[bytes] | None = None
+    future: Future[_Fetched] | None = None
     previous: dict[str, InstanceSnapshot] = field(default_factory=dict)
 
 
@@ -57,6 +79,10 @@ class ServingMetricsScraper:
         cfg = config if isinstance(config, ServingMetricsConfig) else ServingMetricsConfig.from_config(config)
         self.targets = cfg.target_list()
         self.interval_s = cfg.interval_s
+        if cfg.timeout_s > cfg.interval_s and self.targets:  # a scrape still in flight skips ticks
+            log.warning("serving_metrics: timeout_s %g exceeds interval_s %g: a target that stops answering is "
+                        "scraped every %g s, not every %g s", cfg.timeout_s, cfg.interval_s, cfg.timeout_s,
+                        cfg.interval_s)
         self.timeout_s = cfg.timeout_s
         self.max_body_bytes = cfg.max_body_bytes
         self.redirects = _REDIRECTS[cfg.redirects]
@@ -130,7 +156,7 @@ class ServingMetricsScraper:
         state.error = ""
         self.errors.pop(target.url, None)
 
-    def _submit(self) -> dict[str, Future[bytes]]:
+    def _submit(self) -> dict[str, Future[_Fetched]]:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=max(1, min(self.max_parallel, len(self.targets))),
                                             thread_name_prefix="serving-metrics")
@@ -140,8 +166,8 @@ class ServingMetricsScraper:
             if state.future is not None and not state.future.done():
                 self._fail(target, f"{target.url}: the previous scrape has not finished")
                 continue
-            state.future = self._pool.submit(fetch, target.url, timeout_s=self.timeout_s,
-                                             max_bytes=self.max_body_bytes, allow_redirects=self.redirects)
+            state.future = self._pool.submit(_timed_fetch, target.url, self.timeout_s, self.max_body_bytes,
+                                             self.redirects)
             futures[target.url] = state.future
         return futures
 
@@ -154,32 +180,54 @@ class ServingMetricsScraper:
 
     def _collect(self) -> dict[str, dict[str, list[Any]]]:
         ts_ns = time.time_ns()
+        started = time.monotonic()
         futures = self._submit()
         waves = math.ceil(len(futures) / max(1, min(self.max_parallel, len(self.targets)))) if futures else 0
         wait(list(futures.values()), timeout=waves * self.timeout_s + GRACE_S)
         rows: list[dict[str, Any]] = []
+        health: list[dict[str, Any]] = []
         for target in self.targets:
-            future = futures.get(target.url)
-            if future is None:
-                continue
-            if not future.done():
-                self._fail(target, f"{target.url}: no answer within {self.timeout_s:g} s")
-                continue
-            try:
-                got, dropped = self._rows(target, future.result().decode("utf-8", errors="replace"), ts_ns)
-            except InputError as exc:
-                self._fail(target, str(exc).splitlines()[0])
-                continue
-            except Exception as exc:  # a target's bad input must never cost the others their rows
-                self._fail(target, f"{target.url}: {type(exc).__name__}: {one_line(exc)}")
-                continue
-            rows += got
-            if dropped:
-                self._fail(target, f"{target.url}: {len(got) + dropped} models exposed, more than "
-                                   f"max_models_per_target = {self.max_models}; {dropped} dropped")
-            else:
-                self._ok(target)
-        return {SERVING_METRICS.name: SERVING_METRICS.columns_of(rows)} if rows else {}
+            error, seconds = self._scrape_one(target, futures.get(target.url), ts_ns, rows)
+            if not seconds >= 0:
+                seconds = time.monotonic() - started
+            health.append({"ts": encode_ts(ts_ns), "host": target.host, "backend": target.backend,
+                           "target": target.url, "up": 0 if error else 1, "error": error,
+                           "duration_seconds": seconds})
+        out = {SCRAPE_HEALTH.name: SCRAPE_HEALTH.columns_of(health)}
+        if rows:
+            out[SERVING_METRICS.name] = SERVING_METRICS.columns_of(rows)
+        return out
+
+    def _scrape_one(self, target: Target, future: Future[_Fetched] | None, ts_ns: int,
+                    rows: list[dict[str, Any]]) -> tuple[str, float]:
+        """Parse one target's answer into ``rows``; (its error or "", the fetch's seconds or NaN)."""
+        if future is None:
+            return self.errors.get(target.url, f"{target.url}: the previous scrape has not finished"), math.nan
+        if not future.done():
+            message = f"{target.url}: no answer within {self.timeout_s:g} s"
+            self._fail(target, message)
+            return message, math.nan
+        fetched = future.result()
+        if fetched.body is None:
+            self._fail(target, fetched.error)
+            return fetched.error, fetched.seconds
+        try:
+            got, dropped = self._rows(target, fetched.body.decode("utf-8", errors="replace"), ts_ns)
+        except InputError as exc:
+            message = str(exc).splitlines()[0]
+            self._fail(target, message)
+            return message, fetched.seconds
+        except Exception as exc:  # a target's bad input must never cost the others their rows
+            message = f"{target.url}: {type(exc).__name__}: {one_line(exc)}"
+            self._fail(target, message)
+            return message, fetched.seconds
+        rows += got
+        if dropped:  # it answered: up, but the extra models are counted as an error
+            self._fail(target, f"{target.url}: {len(got) + dropped} models exposed, more than "
+                               f"max_models_per_target = {self.max_models}; {dropped} dropped")
+        else:
+            self._ok(target)
+        return "", fetched.seconds
 
     def close(self) -> None:
         """Stop the scrape threads without waiting for a fetch in flight (each ends by its deadline)."""

@@ -101,7 +101,10 @@ def _print(result: Any, as_json: bool) -> None:
     if not doc["backends"]:
         console.print("no backends: configure [weights.backends] or write serving_metrics / requests rows")
     if doc.get("unknown_backends"):
-        console.print(f"left out (no address, no scrape): {', '.join(doc['unknown_backends'])}")
+        console.print("unknown, not published (seen only in request spans: not configured, no scrape, no GPU "
+                      f"samples): {', '.join(doc['unknown_backends'])}")
+    if doc.get("down_backends"):
+        console.print(f"down (no traffic until they answer): {', '.join(doc['down_backends'])}")
     classes = ", ".join(f"{c} {v['priority_weight']:.1f}" for c, v in doc["classes"].items())
     console.print(f"class priority weights: {classes}")
     console.print(f"KV-cache scaling: {doc['scale']['action']} ({doc['scale']['reason']})")
@@ -143,7 +146,7 @@ def explanation(result: Any, backend: str) -> dict[str, Any]:
         "weight": doc["weight"], "target": doc["target"], "lb_weight": b.lb_weight,
         "penalties": penalties, "penalty_product": product, "raw_weight": 1.0 / product if product > 0 else None,
         "inputs": doc["inputs"], "age_seconds": doc["age_seconds"], "stale": backend in result.stale_backends,
-        "drain_suppressed": b.drain_suppressed,
+        "drain_suppressed": b.drain_suppressed, "down": b.state == "down", "missing": list(b.missing),
         "class_admission": {c: states.get(backend) for c, states in result.class_admission.items()},
         "haproxy_agent_reply": agent_reply(result, backend).strip(),
         "class_priority_weights": {c: dict(v).get("priority_weight") for c, v in result.classes.items()},
@@ -179,13 +182,20 @@ def run_explain(args: argparse.Namespace) -> int:
     console.print(f"[bold]{args.backend}[/bold] (weights v{doc['version']}): {doc['state']}"
                   + (f" because {', '.join(doc['reasons'])}" if doc["reasons"] else "")
                   + (" [STALE inputs]" if doc["stale"] else ""))
+    if doc["down"]:
+        console.print("down: it does not answer" + (f" ({doc['inputs']['scrape_error']})"
+                                                     if doc["inputs"]["scrape_error"] else "")
+                      + "; no load balancer sends it traffic until it answers again")
     console.print("penalties (each >= 1; raw weight = 1 / their product): " + ", ".join(
         f"{k} {num(v)}" for k, v in doc["penalties"].items()) + f" -> product {num(doc['penalty_product'])}")
+    if doc["missing"]:
+        console.print(f"missing: {', '.join(doc['missing'])} not reported by this backend; each took the "
+                      "fleet's median penalty")
     console.print(f"weight {num(doc['weight'])} (target {num(doc['target'])}, damped), LB weight {doc['lb_weight']}, "
                   f"HAProxy agent says {doc['haproxy_agent_reply']!r}")
     i = doc["inputs"]
     console.print("inputs: " + ", ".join(f"{k} {num(v)}" for k, v in i.items()
-                                         if k not in ("p99_seconds", "sources", "healthy"))
+                                         if k not in ("p99_seconds", "sources", "healthy", "scrape_error"))
                   + f", healthy {i['healthy']}, age {num(doc['age_seconds'])} s")
     if i["p99_seconds"]:
         console.print("P99 by class: " + ", ".join(f"{c} {num(v)} s" for c, v in i["p99_seconds"].items()))

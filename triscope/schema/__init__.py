@@ -27,13 +27,13 @@ from triscope.schema.model import (
     qualified,
 )
 from triscope.schema.nccl import NCCL_OPS
-from triscope.schema.requests import REQUESTS, SERVING_METRICS
+from triscope.schema.requests import REQUESTS, SCRAPE_HEALTH, SERVING_METRICS
 from triscope.schema.trace import TRACE_EVENTS, TRACE_RUNS
 from triscope.schema.weights import WEIGHTS_HISTORY
 from triscope.store.base import Store
 
 __all__ = ["ALLOCATOR_SAMPLES", "GPU_PROCESS_MEMORY", "GPU_SAMPLES", "IO_LATENCY", "NCCL_OPS", "REQUESTS",
-           "SERVING_METRICS", "TABLES", "TRACE_EVENTS", "TRACE_RUNS", "WEIGHTS_HISTORY",
+           "SCRAPE_HEALTH", "SERVING_METRICS", "TABLES", "TRACE_EVENTS", "TRACE_RUNS", "WEIGHTS_HISTORY",
            "Column", "Migration", "Table", "add_columns", "create_table_sql", "create_tables", "default_for",
            "domains", "encode_ts", "migrate", "qualified", "schema_versions", "table"]
 
@@ -52,7 +52,7 @@ _MIGRATIONS_TABLE = Table(
 
 TABLES: dict[str, Table] = {t.name: t for t in (
     GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES, IO_LATENCY, NCCL_OPS, REQUESTS, SERVING_METRICS,
-    TRACE_RUNS, TRACE_EVENTS, WEIGHTS_HISTORY)}
+    SCRAPE_HEALTH, TRACE_RUNS, TRACE_EVENTS, WEIGHTS_HISTORY)}
 """Every data table by name (``schema_migrations`` is the migrator's own)."""
 
 

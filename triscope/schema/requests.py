@@ -72,9 +72,26 @@ SERVING_METRICS = Table(
     partition_by="toYYYYMMDD(ts)",
 )
 
+SCRAPE_HEALTH = Table(
+    name="scrape_health",
+    columns=[
+        Column("ts", "DateTime64(9, 'UTC')", "when the scrape started", since=4),
+        Column("host", "LowCardinality(String)", since=4),
+        Column("backend", "LowCardinality(String)", "the scraped instance, as in serving_metrics.backend", since=4),
+        Column("target", "String", "the scraped URL", since=4),
+        Column("up", "UInt8", "1: the scrape answered and parsed (Prometheus' synthetic up); 0: it failed", since=4),
+        Column("error", "String", "one line naming the failure; empty when up", since=4),
+        Column("duration_seconds", "Float64", "time to the answer or the failure", since=4),
+    ],
+    order_by="backend, ts",
+    partition_by="toYYYYMMDD(ts)",
+)
+
 MIGRATIONS = [
     Migration(1, "requests and serving metrics", create_tables(REQUESTS, SERVING_METRICS, version=1)),
     Migration(2, "requests: service name and gen_ai operation", add_columns(REQUESTS, 2)),
     Migration(3, "serving metrics: preemptions, sleep state, waiting by reason, swapped, queue time, ITL",
               add_columns(SERVING_METRICS, 3)),
+    Migration(4, "scrape health: one row per target and scrape, failed ones included",
+              create_tables(SCRAPE_HEALTH, version=4)),
 ]
