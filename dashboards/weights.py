@@ -91,12 +91,14 @@ FROM {HISTORY} WHERE $__timeFilter(ts) AND {cond('backend', 'backend')}
 GROUP BY time, backend ORDER BY time, backend""")],
             f"the integer weight HAProxy / Envoy / Traefik received (scale {DEFAULTS.lb_scale})", unit="short",
             w=12),
-        table("Drains and stale fallbacks", [sql_target(f"""
+        table("Down, drained and stale backends", [sql_target(f"""
 SELECT toString(backend) AS backend, toString(state) AS state, reasons, stale, count() AS updates,
        min(ts) AS first_seen, max(ts) AS last_seen, max(version) AS last_version
-FROM {HISTORY} WHERE $__timeFilter(ts) AND {cond('backend', 'backend')} AND (state != 'ready' OR stale = 1)
+FROM {HISTORY} WHERE $__timeFilter(ts) AND {cond('backend', 'backend')}
+  AND (state != 'ready' OR stale = 1 OR reasons != '')
 GROUP BY backend, state, reasons, stale ORDER BY last_seen DESC LIMIT 100""", table=True)],
-            "updates in which a backend was drained, or the fleet fell back to equal weights",
+            "updates in which a backend was down (it did not answer: no traffic), drained, stale or absent on its "
+            "own, or the fleet fell back to equal weights (stale = 1: no backend had fresh inputs)",
             column_links={"backend": [link("Fleet view of ${__data.fields.backend}", FLEET_UID,
                                            {"backend": "${__data.fields.backend}"})]}, w=12),
         row("Live (Prometheus: the feed's /metrics)"),
@@ -108,11 +110,12 @@ GROUP BY backend, state, reasons, stale ORDER BY last_seen DESC LIMIT 100""", ta
         timeseries("Weight factors", [prom_target(
             'triscope_backend_weight_factor{backend=~"${backend:regex}"}', "{{backend}} {{factor}}")],
             "memory, KV-cache, load and latency penalties per backend", unit="short", w=8),
-        timeseries("Draining backends", [prom_target('triscope_backend_draining{backend=~"${backend:regex}"}',
-                                                     "{{backend}}"),
-                                         prom_target("triscope_kv_cache_scale_recommendation", "{{action}}", ref="B")],
-                   "1 while drained (memory or KV cache past its drain ratio); KV-cache scale action", unit="short",
-                   w=8),
+        timeseries("Down and draining backends", [
+            prom_target('triscope_backend_down{backend=~"${backend:regex}"}', "{{backend}} down"),
+            prom_target('triscope_backend_draining{backend=~"${backend:regex}"}', "{{backend}} drained", ref="C"),
+            prom_target("triscope_kv_cache_scale_recommendation", "{{action}}", ref="B")],
+            "1 while down (scrape refused or failing, requests failing, spans stopped: no traffic) or drained "
+            "(memory or KV cache past its drain ratio); KV-cache scale action", unit="short", w=8),
         timeseries("Admission level per class", [
             prom_target("triscope_class_admission_level", "{{request_class}} level"),
             prom_target("triscope_class_shed_ratio", "{{request_class}} shed", ref="B"),

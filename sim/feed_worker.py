@@ -41,22 +41,24 @@ class BackendProbe:
         self.min_count = min_count
         self.history: deque[tuple[float, dict[str, dict[float, float]], float]] = deque()
         self.last: dict[str, Any] = {}
+        self.last_ok = NAN
 
     def scrape(self) -> str:
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=self.timeout_s) as resp:
             return str(resp.read(4 << 20).decode())
 
     def sample(self, now: float | None = None) -> dict[str, Any]:
-        """Scrape once; a dict of BackendInputs keyword arguments (``healthy=False`` on failure)."""
+        """Scrape once; a dict of BackendInputs keyword arguments (``scrape_up=0`` on failure: the
+        engine reads the backend as down, as it reads a failed ``scrape_health`` row)."""
         now = time.time() if now is None else now
-        unhealthy = {"backend": self.name, "healthy": False, "sources": {"serving": now}}
         try:
             series = parse_exposition(self.scrape(), self.base_url)
-        except (OSError, ValueError, InputError):
-            return unhealthy
+        except (OSError, ValueError, InputError) as exc:
+            return self._failed(f"{self.base_url}/metrics: {type(exc).__name__}: {exc}")
         snaps = aggregate(series, "vllm")
         if not snaps:
-            return unhealthy
+            return self._failed(f"{self.base_url}/metrics: no vLLM metrics")
+        self.last_ok = now
         snap = next(iter(snaps.values()))
         kv, success = snap.kv_cache_usage_ratio, snap.requests_total
         hist: dict[str, dict[float, float]] = {}
@@ -76,7 +78,12 @@ class BackendProbe:
         self.last = {"kv": kv, "running": snap.running_requests, "waiting": snap.queue_length}
         return {"backend": self.name, "kv_cache_usage_ratio": kv, "qps": qps, "p99_seconds": p99,
                 "queue_length": snap.queue_length, "running_requests": snap.running_requests,
-                "healthy": True, "sources": {"serving": now}}
+                "healthy": True, "sources": {"serving": now}, "scrape_up": 1.0}
+
+    def _failed(self, error: str) -> dict[str, Any]:
+        sources = {"serving": self.last_ok} if math.isfinite(self.last_ok) else {}
+        return {"backend": self.name, "scrape_up": 0.0, "scrape_error": error.splitlines()[0][:300],
+                "sources": sources}
 
 
 def inputs_fn(probes: list[BackendProbe]) -> Callable[[], list[Any]]:
