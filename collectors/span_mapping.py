@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from triscope.collectors.request_classes import ClassRule, classify, rule_attributes
 from triscope.schema import encode_ts
 
 VLLM_SPAN_NAME = "llm_request"
@@ -66,11 +67,16 @@ class SpanRules:
     models: Mapping[str, str] = field(default_factory=dict)
     model: str = ""
     max_attribute_length: int = 4096
+    class_rules: tuple[ClassRule, ...] = ()
+    """How spans that name no request class get one (:mod:`triscope.collectors.request_classes`)."""
+    default_class: str = ""
+    """The class of spans no rule matches ("" = the weight engine's ``[weights] default_class``)."""
 
     @property
     def link_keys(self) -> frozenset[str]:
         """Attributes a parent span passes to its request-span child."""
-        return frozenset(self.address_attributes + self.port_attributes + self.model_attributes)
+        return (frozenset(self.address_attributes + self.port_attributes + self.model_attributes)
+                | rule_attributes(self.class_rules))
 
     @property
     def wanted(self) -> frozenset[str]:
@@ -260,4 +266,7 @@ def map_span(span: SpanView, rules: SpanRules = DEFAULT_RULES) -> dict[str, Any]
         service_name=_text(span.resource.get("service.name"), limit),
         operation=_text(_first(span, OPERATION_ATTRS, False), limit),
     )
+    if not row["request_class"]:
+        row["request_class"] = _text(classify(row, lambda names: _first(span, names, parent_too=True),
+                                              rules.class_rules, rules.default_class), limit)
     return row

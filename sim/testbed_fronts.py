@@ -138,6 +138,41 @@ class ExternalWork:
         self._ticker.stop(2.0)
 
 
+class DownWatch:
+    """Polls the feed's ``/v1/weights`` and keeps when each backend was first published down, so the run can
+    count what HAProxy still sent it afterwards (the ``killed`` scenario's check)."""
+
+    def __init__(self, feed: FeedWorker, period_s: float = 0.1) -> None:
+        self.feed = feed
+        self.down_at: dict[str, float] = {}
+        self._ticker = Ticker("testbed-down-watch", period_s, self._poll)
+
+    def _poll(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            doc = self.feed.weights_doc()
+            now = time.time()
+            for name, b in (doc.get("backends") or {}).items():
+                if b.get("state") == "down":
+                    self.down_at.setdefault(name, now)
+
+    def __enter__(self) -> DownWatch:
+        self._ticker.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ticker.stop(2.0)
+
+    def report(self, hap: HAProxy, agent_inter_s: float) -> dict[str, dict[str, Any]]:
+        """Per backend seen down: when, and the requests HAProxy accepted for it after it was published down
+        and after the agent's next check could have told HAProxy."""
+        records = [r for r in hap.request_log() if r.server in self.down_at]
+        return {name: {"down_at": round(t, 3),
+                       "sent_after_down": sum(1 for r in records if r.server == name and r.accepted_s > t),
+                       "sent_after_agent_check": sum(1 for r in records
+                                                     if r.server == name and r.accepted_s > t + agent_inter_s)}
+                for name, t in sorted(self.down_at.items())}
+
+
 def routed_by_haproxy(hap: HAProxy) -> dict[str, int]:
     """Requests HAProxy sent each server (``stot``), read before it stops."""
     with contextlib.suppress(OSError, ValueError):
@@ -172,9 +207,11 @@ def front(policy: str, fleet: Fleet, workdir: Path, opts: FrontOptions) -> Itera
                          agent_inter_ms=opts.agent_inter_ms, health_check_ms=HEALTH_CHECK_MS, retries=0) as hap:
                 time.sleep(max(0.5, 3 * opts.agent_inter_ms / 1000))  # the agent's first answers are in
                 info = {"feed": feed.info.get("feed", "")}
-                yield Front(hap.port, info)
+                with DownWatch(feed) as watch:
+                    yield Front(hap.port, info)
                 info["routed"] = routed_by_haproxy(hap)
                 info["request_log"] = logged_requests(hap)
+                info["down"] = watch.report(hap, opts.agent_inter_ms / 1000)
         finally:
             feed.stop()
     elif policy in ("sglang-p2c", "sglang-cache-aware"):

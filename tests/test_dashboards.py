@@ -745,7 +745,7 @@ def test_weights_history_panels(seeded) -> None:
     store = seeded
     board = BOARDS["weights"]
     results = run_panels(store, board, resolve_variables(store, board))
-    drains = [v for k, v in results.items() if k.startswith("Drains")][0][2].dicts()
+    drains = [v for k, v in results.items() if k.startswith("Down, drained")][0][2].dicts()
     assert [(d["backend"], d["state"], d["reasons"], d["updates"], d["last_version"]) for d in drains] == [
         ("h2:8000", "drain", "memory", 5, 10)]
     weights = [v for k, v in results.items() if k.startswith("Weight and target")][0][2].dicts()

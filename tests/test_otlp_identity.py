@@ -239,3 +239,63 @@ def test_identity_attributes_are_configurable(store, writer) -> None:
         rx.close()
     (row,) = stored(store, writer)
     assert row["backend"] == "sglang-0:30000" and row["host"] == "node-7"
+
+
+def test_request_classes_come_from_the_documented_mapping(store, writer, monkeypatch) -> None:
+    """vLLM's spans name no class: ``[otlp] class_rules`` give one by model, by the gateway's header attribute
+    (on the parent span) and by prompt size; the rest get ``default_class``; a span's own class wins."""
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "vllm")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "host.name=gpu-1,server.port=8000")
+    rules = [{"class": "realtime_speech", "model": "whisper*"},
+             {"class": "offline_video", "attribute": "http.request.header.x-priority", "value": "batch*"},
+             {"class": "offline_video", "min_prompt_tokens": 4000}]
+    rx = start_receiver(writer, class_rules=rules, default_class="interactive_image_text",
+                        models={"gpu-1:8000": "llama"})
+    mem = InMemorySpanExporter()
+    gateway = TracerProvider(resource=Resource.create({"service.name": "gateway"}))
+    gateway.add_span_processor(SimpleSpanProcessor(mem))
+    engine = vllm_provider(SimpleSpanProcessor(mem))
+    tracer = engine.get_tracer("vllm.tracing")
+    try:
+        vllm_request_span(tracer, "plain")
+        _, span = gateway_call(gateway.get_tracer("router"), "gpu-1", 8000)
+        span.set_attribute("http.request.header.x-priority", "batch-nightly")
+        headers = {}
+        inject(headers, context=set_span_in_context(span))
+        vllm_request_span(tracer, "batch", headers)
+        span.end()
+        with tracer.start_as_current_span("llm_request", kind=SpanKind.SERVER, attributes={
+                "gen_ai.request.id": "speech", "gen_ai.request.model": "whisper-large-v3",
+                "gen_ai.usage.prompt_tokens": 5000, "gen_ai.latency.e2e": 0.1}):
+            pass  # the model rule comes first: speech, though 5000 tokens
+        with tracer.start_as_current_span("llm_request", kind=SpanKind.SERVER, attributes={
+                "gen_ai.request.id": "long", "gen_ai.usage.prompt_tokens": 4096, "gen_ai.latency.e2e": 3.0}):
+            pass
+        with tracer.start_as_current_span("llm_request", kind=SpanKind.SERVER, attributes={
+                "gen_ai.request.id": "tagged", "triscope.request_class": "realtime_speech",
+                "gen_ai.usage.prompt_tokens": 9000, "gen_ai.latency.e2e": 0.1}):
+            pass
+        assert OTLPSpanExporter(endpoint=rx.url).export(list(mem.get_finished_spans())).name == "SUCCESS"
+    finally:
+        rx.close()
+    assert writer.flush(timeout_s=30)
+    got = dict(store.query(f"SELECT request_id, request_class FROM {qualified(store, 'requests')}").rows)
+    assert got == {"plain": "interactive_image_text", "batch": "offline_video", "speech": "realtime_speech",
+                   "long": "offline_video", "tagged": "realtime_speech"}
+
+
+@pytest.mark.parametrize(("rules", "message"), [
+    ([{"class": "x", "modle": "a"}], r"\[otlp\] class_rules\[0\] has unknown keys: modle \(known: "),
+    ([{"model": "a"}], r"class_rules\[0\] needs class"),
+    ([{"class": "x"}], r"sets no condition: use default_class"),
+    ([{"class": "x", "value": "a"}], r"value needs attribute"),
+    ([{"class": "x", "min_prompt_tokens": -1}], r"must be integers >= 0"),
+    (["x"], r"class_rules\[0\]: must be a table"),
+])
+def test_class_rule_mistakes_are_one_line_errors(rules, message) -> None:
+    from triscope.collectors.otlp import OtlpConfig
+    from triscope.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message) as err:
+        OtlpConfig.from_config({"otlp": {"class_rules": rules}})
+    assert "\n" not in str(err.value)

@@ -169,6 +169,9 @@ def test_a_killed_backend_is_routed_around(tmp_path: Path) -> None:
         assert last["requests"] > 0 and last["error_rate"] == 0, (name, last["errors"])
         assert sum(b["requests"] for b in buckets) == d["requests"]
         assert list(d["served_by"]) == ["b1"], name  # b0 is dead at the end: its counters are gone
+    # triscope's feed publishes b0 down (its scrape refused), and HAProxy sends it nothing once told
+    down = doc["fleets"]["sim"]["policies"]["triscope"]["front"]["down"]
+    assert list(down) == ["b0"] and down["b0"]["sent_after_agent_check"] == 0, down
 
 
 def test_pinned_backend_holds_the_tenant_only_during_the_run(tmp_path: Path) -> None:

@@ -41,8 +41,9 @@ from triscope.collectors.otlp.decode import (
     gunzip_bounded,
 )
 from triscope.collectors.otlp.links import MappedBatch, SpanMapper
+from triscope.collectors.request_classes import parse_class_rules
 from triscope.collectors.span_mapping import DEFAULT_RULES, SpanRules
-from triscope.component import ComponentConfig, Context, Submit, interval, port, positive
+from triscope.component import ComponentConfig, Context, Submit, config_field, interval, port, positive
 from triscope.errors import ConfigError, InputError, SpoolUnavailable
 from triscope.httpserver import (
     DEFAULT_HOST,
@@ -89,6 +90,10 @@ class OtlpConfig(ComponentConfig):
     """Model of spans that name none (vLLM's llm_request span does not)."""
     models: dict[str, str] = field(default_factory=dict)
     """Model by backend id or service.name, for spans that name none."""
+    class_rules: list[dict[str, Any]] = config_field([])
+    """``[[otlp.class_rules]]``: the request class of spans that name none (collectors/request_classes.py)."""
+    default_class: str = ""
+    """The class of spans no rule matches ("" = the weight engine's ``[weights] default_class``)."""
     link_cache_spans: int = 20_000
     """Parent spans (and request spans' parents) remembered to link spans that arrive in separate requests."""
     max_connections: int = DEFAULT_MAX_CONNECTIONS
@@ -107,12 +112,14 @@ class OtlpConfig(ComponentConfig):
                  max_attribute_length=self.max_attribute_length, link_cache_spans=self.link_cache_spans,
                  max_connections=self.max_connections, buffer_rows=self.buffer_rows, batch_rows=self.batch_rows)
         interval(where, interval_s=self.interval_s)
+        parse_class_rules(self.class_rules, f"{where} class_rules")
 
     @property
     def rules(self) -> SpanRules:
         return SpanRules(address_attributes=tuple(self.address_attributes), port_attributes=tuple(self.port_attributes),
                          model_attributes=tuple(self.model_attributes), models=dict(self.models), model=self.model,
-                         max_attribute_length=self.max_attribute_length)
+                         max_attribute_length=self.max_attribute_length,
+                         class_rules=parse_class_rules(self.class_rules), default_class=self.default_class)
 
 
 _UNUSED = ("buffer_rows", "batch_rows")
