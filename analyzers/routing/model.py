@@ -13,6 +13,9 @@ READY = "ready"
 DRAIN = "drain"
 DOWN = "down"
 """A backend that does not answer (scrape refused, requests failing, spans stopped): no traffic until it answers."""
+QPS_COUNTS = "completed"
+"""What a backend's ``qps`` counts: requests that finished (spans are written when a request ends; the
+engine's success counter rises then), not requests offered; a backend refusing work shows a low rate."""
 SOURCE_GPU, SOURCE_SERVING, SOURCE_REQUESTS = "gpu", "serving", "requests"
 """Keys of :attr:`BackendInputs.sources`: GPU samples, serving-metrics scrapes, request spans."""
 
@@ -240,6 +243,7 @@ class WeightsResult:
             "drain_suppressed": self.drain_suppressed,
             "absent_backends": list(self.absent_backends), "unknown_backends": list(self.unknown_backends),
             "interval_s": self.interval_s,
+            "qps_counts": QPS_COUNTS,
             "backends": {name: b.to_dict() for name, b in sorted(self.backends.items())},
             "classes": {name: {k: _num(v) for k, v in c.items()} for name, c in self.classes.items()},
             "scale": self.scale.to_dict(),
