@@ -88,3 +88,44 @@ def test_a_store_path_that_is_a_file_is_one_line(tmp_path: Path) -> None:
     file.write_text("x")
     with pytest.raises(ConfigError, match="cannot be a data directory"):
         EmbeddedStore(str(file / "data"))
+
+
+@pytest.mark.parametrize(("section", "hint"), [("otpl", "[otlp]"), ("OTLP", "[otlp]"), ("wieghts", "[weights]"),
+                                               ("grafana", "")])
+def test_an_unknown_section_is_one_line_exit_2_with_a_suggestion(section: str, hint: str, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "triscope.toml"
+    path.write_text(_config_text(tmp_path, f'[{section}]\ntoken = "secret"\n'))
+    assert main(["run", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"unknown section [{section}]" in err and err.count("\n") == 1 and "known: analysis, " in err
+    assert (f"did you mean {hint}?" in err) if hint else ("did you mean" not in err)
+    assert not (tmp_path / "store").exists()
+    with pytest.raises(ConfigError, match=r"TRISCOPE_\* environment has an unknown section \[otpl\]"):
+        load_config(None, environ={"TRISCOPE_OTPL__TOKEN": "x"})
+
+
+def test_every_component_section_is_a_known_section() -> None:
+    import importlib
+
+    from triscope.component import ComponentConfig
+    from triscope.config import SECTIONS
+    from triscope.registry import COLLECTORS, EXPORTERS
+
+    for target in {*COLLECTORS.values(), *EXPORTERS.values()}:
+        importlib.import_module(target.partition(":")[0])
+    importlib.import_module("triscope.analyzers.heatmap")
+    importlib.import_module("triscope.analyzers.stalls")
+    seen, todo = set(), list(ComponentConfig.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        seen.add(cls)
+        todo += [c for c in cls.__subclasses__() if c not in seen]
+    sections = {c.section.split(".")[0] for c in seen if getattr(c, "section", "")}
+    assert sections and sections <= set(SECTIONS), sections - set(SECTIONS)
+
+
+def test_a_custom_component_keeps_its_own_section(tmp_path: Path) -> None:
+    path = tmp_path / "triscope.toml"
+    path.write_text('[run]\ncollectors = ["mypkg.collector:create"]\n[mypkg]\nrate = 5\n')
+    assert load_config(path, environ={})["mypkg"] == {"rate": 5}

@@ -10,6 +10,7 @@ are always taken verbatim, so a password such as ``123456`` or ``"x"`` arrives u
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import tomllib
 from collections.abc import Mapping
@@ -29,6 +30,29 @@ DEFAULTS: dict[str, Any] = {
     "store": StoreConfig().as_dict(),  # the defaults are StoreConfig's; here so config["store"][k] works
     "analysis": {"window_ms": 100},
 }
+
+
+SECTIONS = ("analysis", "blockio", "dcgm", "epp", "heatmap", "ingest", "nvml", "otlp", "prometheus", "run",
+            "serving_metrics", "stalls", "store", "torch_allocator", "weights", "writer")
+"""Every top-level table the product reads; ``tests/test_config_mistakes.py`` checks each component's
+section is here. A misspelt section must not run silently with defaults (``[otpl] token`` would leave
+OTLP unauthenticated)."""
+
+
+def check_sections(config: Mapping[str, Any], where: str = "config") -> None:
+    """ConfigError (one line) for a top-level table no component reads, with the nearest known name.
+    Skipped when ``[run]`` names a component outside triscope (``package.module:create``): its
+    section cannot be known here."""
+    run = config.get("run")
+    names = [*(run.get("collectors") or []), *(run.get("exporters") or [])] if isinstance(run, Mapping) else []
+    if any(isinstance(n, str) and ":" in n for n in names):
+        return
+    for key in config:
+        if key in SECTIONS:
+            continue
+        near = difflib.get_close_matches(key.lower(), SECTIONS, n=1, cutoff=0.6)
+        hint = f"; did you mean [{near[0]}]?" if near else ""
+        raise ConfigError(f"{where} has an unknown section [{key}]{hint} (known: {', '.join(SECTIONS)})")
 
 
 def deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -92,5 +116,8 @@ def load_config(path: str | os.PathLike[str] | None = None,
             raise ConfigError(f"config file {file} is not UTF-8 text (byte {exc.start})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {file} is not valid TOML: {exc}") from None
+        check_sections(data, f"config file {file}")
         config = deep_merge(config, data)
-    return deep_merge(config, env_overrides(dict(env)))
+    overrides = env_overrides(dict(env))
+    check_sections({**config, **overrides}, "TRISCOPE_* environment")
+    return deep_merge(config, overrides)
