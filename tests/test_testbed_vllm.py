@@ -49,3 +49,22 @@ def test_policies_route_real_vllm_servers(tmp_path: Path) -> None:
         assert ok <= sum(d["served_by"].values()) <= ok + errors["timeout"], (name, d["served_by"], ok)
         assert d["goodput_tokens_per_s"] is not None and d["goodput_tokens_per_s"] > 0, name
     assert Path(fleet["png"]).exists()
+
+
+def test_a_killed_vllm_engine_is_down_and_gets_no_request(tmp_path: Path) -> None:
+    """SIGKILL of one of two real vLLM engines under load behind HAProxy and triscope's feed: its refused
+    scrape puts it down (never stale, never equal weights), and HAProxy accepts no request for it once the
+    agent has answered ``down``. About 90 s."""
+    install = VllmInstall.default()
+    require(install.missing() is None, str(install.missing()))
+    require_binary("haproxy")
+    doc = run(parse_args(["--fleet", "vllm", "--backends", "2", "--scenario", "killed", "--kill-at", "0.4",
+                          "--policies", "triscope", "--param", "steps=1", "--param", "step_s=12",
+                          "--qps-per-backend", "0.4", "--seed", "9", "--out-dir", str(tmp_path), "--json"]))
+    fleet = doc["fleets"]["vllm"]
+    assert "error" not in fleet, fleet.get("error")
+    d = fleet["policies"]["triscope"]
+    down = d["front"]["down"]
+    assert list(down) == ["b0"] and down["b0"]["sent_after_agent_check"] == 0, down
+    assert list(d["served_by"]) == ["b1"] and d["served_by"]["b1"] > 0  # b0 is dead at the end
+    assert d["requests"] == fleet["arrivals"] > 5
