@@ -9,11 +9,15 @@ when ``TRISCOPE_REQUIRE_ALL=1`` (set by CI) so a missing tool cannot pass unnoti
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import itertools
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -41,6 +45,22 @@ def require_binary(name: str) -> str:
     require(path is not None, f"{name} is not installed (see .ci/apt-packages.txt / README)")
     assert path is not None
     return path
+
+
+def own_process(test: Callable[..., None]) -> Callable[..., None]:
+    """Run ``test`` in a pytest process of its own: for process-global measurements (peak RSS,
+    tracemalloc), which whatever the suite left running in the shared process would move."""
+    @functools.wraps(test)
+    def wrapper(*args: object, **kwargs: object) -> None:
+        if os.environ.get("TRISCOPE_OWN_PROCESS") == test.__name__:
+            test(*args, **kwargs)
+            return
+        nodeid = f"{inspect.getfile(test)}::{test.__name__}"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", nodeid],
+                              env={**os.environ, "TRISCOPE_OWN_PROCESS": test.__name__}, capture_output=True,
+                              text=True, timeout=600, cwd=REPO)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    return wrapper
 
 
 def free_port() -> int:

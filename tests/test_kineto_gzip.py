@@ -11,6 +11,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from conftest import own_process
 from kineto_helpers import kernel, load_json
 
 from triscope.collectors.kineto import ingest_trace
@@ -64,6 +65,7 @@ def test_one_inflate_call_never_expands_past_what_was_asked(tmp_path: Path) -> N
     assert sizes == [MIB] * 10
 
 
+@own_process
 def test_whitespace_is_skipped_while_streaming_in_bounded_memory(tmp_path: Path) -> None:
     bomb = _bomb(tmp_path / "spaces.json.gz", whitespace_mib=200, events=5)
     tracemalloc.start()
@@ -84,6 +86,7 @@ def test_whitespace_between_events_goes_into_the_store_exactly(store, tmp_path: 
     assert [n for (n,) in names] == ["k0", "k1", "k2", "k3"]
 
 
+@own_process
 def test_an_event_without_end_is_damage_within_a_bounded_buffer(tmp_path: Path) -> None:
     """One string of 100 MiB (no event boundary anywhere): an error after at most 64 MiB held, not the
     whole file in memory."""
