@@ -168,3 +168,52 @@ def test_mid_file_spool_damage_keeps_the_later_good_frames(store: Any, tmp_path:
     assert ios == list(range(0, 100)) + list(range(200, 300))
     assert snap["rows_written"] == 200 and snap["rows_rejected"] == 100
     assert list((tmp_path / "spool" / "rejected").glob("damaged-*"))  # the damaged file is kept for a look
+
+
+def create_counting(config: Any, context: Any) -> CountingSource:
+    """``[run] collectors = ["tests.test_faults:create_counting"]``: a daemon's CountingSource."""
+    return CountingSource(rows_per_tick=500)
+
+
+@pytest.mark.slow
+def test_sigterm_just_after_space_returns_loses_nothing(store_path: Path, tmp_path: Path) -> None:
+    """The attack that lost 135,000 rows: the disk fills under a running daemon, space returns, SIGTERM
+    comes 0.5 s later, inside the old 30 s backoff. Held rows reach the spool within 2 s of space
+    returning, the shutdown hands over whatever is still held, the status line never says "spool ok"
+    while rows wait, and every row produced is stored or counted."""
+    from triscope.daemon import Daemon
+    from triscope.store import open_store
+
+    database = f"faults{int(time.time() * 1000) % 10**8}"
+    with small_tmpfs(tmp_path / "spool") as spool_dir:
+        config = {"store": {"backend": "embedded", "path": str(store_path), "database": database},
+                  "run": {"collectors": ["tests.test_faults:create_counting"], "status_interval_s": 0},
+                  "writer": {"spool_dir": str(spool_dir), "flush_interval_s": 0.1}}
+        daemon = Daemon(config)
+        daemon.start()
+        loop = daemon.loops[0]
+        source = loop.collector
+        assert daemon.writer is not None
+        try:
+            _wait(lambda: daemon.writer is not None and daemon.writer.snapshot()["rows_written"] > 0, 30,
+                  "the first rows in the store")
+            filler = fill(spool_dir)
+            _wait(lambda: loop.pending_rows > 20_000, 60, "rows held on the full disk")
+            line = daemon.status_line()
+            assert "spool ok" not in line and "No space left" in line, line
+            filler.unlink()
+            back = time.monotonic()
+            _wait(lambda: loop.pending_rows == 0, 5, "the held rows to reach the spool")
+            assert time.monotonic() - back < 2.0
+            filler = fill(spool_dir)  # full again, and SIGTERM inside the backoff
+            _wait(lambda: loop.pending_rows > 0, 30, "rows held again")
+            filler.unlink()
+            time.sleep(0.5)
+        finally:
+            summary = daemon.shutdown()
+    produced = source.produced
+    with open_store(config) as check:
+        stored = check.query(f"SELECT count() FROM {database}.io_latency WHERE host = 'fault-test'").scalar()
+        check.command(f"DROP DATABASE IF EXISTS {database}")
+    lost = summary["lost"].get("counting", 0)
+    assert stored + lost == produced and lost == 0, (stored, lost, produced)

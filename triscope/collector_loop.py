@@ -3,7 +3,9 @@
 Nothing a source or the disk does stops the loop: a failing ``collect()`` is counted and logged
 once per new message; rows the writer cannot take (spool disk full, out of file descriptors)
 stay in memory, up to ``max_pending_rows`` (oldest dropped and counted past it), and are handed
-over again with backoff until the spool works.
+over again with a backoff of at most ``retry_max_s`` (1 s) until the spool works, so they reach it
+within a second or two of space returning. The last collect at shutdown hands them over whatever
+the backoff; what the spool still refuses then is counted as lost.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class CollectorLoop(threading.Thread):
     """Calls one collector every ``interval_s`` and submits its rows."""
 
     def __init__(self, collector: Collector, writer: Writer, stop: threading.Event,
-                 max_pending_rows: int = 200_000, retry_max_s: float = 30.0,
+                 max_pending_rows: int = 200_000, retry_max_s: float = 1.0,
                  counter: RowCounter | None = None) -> None:
         super().__init__(name=f"collect-{collector.name}", daemon=True)
         self.collector, self.writer, self.stop = collector, writer, stop
@@ -74,8 +76,9 @@ class CollectorLoop(threading.Thread):
             log.warning("collector %s: %s", self.collector.name, message)
         self.last_error = message
 
-    def collect_once(self) -> int:
-        """One collect() and submit; errors are logged and counted, never raised."""
+    def collect_once(self, final: bool = False) -> int:
+        """One collect() and submit; errors are logged and counted, never raised. ``final`` (shutdown):
+        the held rows are handed over now, whatever the backoff."""
         try:
             out = self.collector.collect()
         except Exception as exc:
@@ -90,11 +93,11 @@ class CollectorLoop(threading.Thread):
             if _length(columns):
                 self.pending.append((table, columns))
                 self.pending_rows += _length(columns)
-        return self._hand_over()
+        return self._hand_over(force=final)
 
-    def _hand_over(self) -> int:
+    def _hand_over(self, force: bool = False) -> int:
         """Submit pending rows oldest first; keep what the writer cannot take (bounded)."""
-        if time.monotonic() < self._retry_at:
+        if time.monotonic() < self._retry_at and not force:
             self._bound_pending()
             return 0
         n = 0

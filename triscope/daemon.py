@@ -142,16 +142,25 @@ class Daemon:
         """Block until :meth:`request_stop` (a signal), logging writer status periodically."""
         every = self.run_cfg.status_interval_s
         while not self.stop.wait(every if every > 0 else None):
-            assert self.writer is not None
-            s = self.writer.snapshot()
-            errors = sum(loop.errors for loop in self.loops)
-            waiting = sum(loop.pending_rows for loop in self.loops)
-            dropped = s["rows_dropped"] + sum(loop.rows_dropped for loop in self.loops)
-            log.info("status: written %d, pending %d, dropped %d, rejected %d, store %s, spool %s, "
-                     "collector errors %d, rows waiting for the spool %d",
-                     s["rows_written"], s["rows_pending"], dropped,
-                     s["rows_rejected"], "up" if s["store_up"] else f"down ({s['last_error']})",
-                     f"failing ({s['spool_error']})" if s["spool_error"] else "ok", errors, waiting)
+            log.info("%s", self.status_line())
+
+    def status_line(self) -> str:
+        """The periodic status: rows written, pending, dropped, rejected, store and spool state."""
+        assert self.writer is not None
+        s = self.writer.snapshot()
+        errors = sum(loop.errors for loop in self.loops)
+        waiting = sum(loop.pending_rows for loop in self.loops)
+        dropped = s["rows_dropped"] + sum(loop.rows_dropped for loop in self.loops)
+        spool = (f"failing ({s['spool_error']})" if s["spool_error"]
+                 else f"refusing rows ({self._held_error()})" if waiting else "ok")
+        store = "up" if s["store_up"] else f"down ({s['last_error']})"
+        return (f"status: written {s['rows_written']}, pending {s['rows_pending']}, dropped {dropped}, "
+                f"rejected {s['rows_rejected']}, store {store}, spool {spool}, collector errors {errors}, "
+                f"rows waiting for the spool {waiting}")
+
+    def _held_error(self) -> str:
+        """The last error of a collector holding rows the spool refused."""
+        return next((loop.last_error for loop in self.loops if loop.pending_rows and loop.last_error), "unknown")
 
     def request_stop(self, *_: object) -> None:
         self.stop.set()
@@ -162,11 +171,11 @@ class Daemon:
         for loop in self.loops:
             loop.join(timeout=self.run_cfg.shutdown_timeout_s)
         for loop in self.loops:
-            loop.collect_once()
+            loop.collect_once(final=True)
             with contextlib.suppress(Exception):
                 loop.collector.close()
             if getattr(loop.collector, "ROWS_AFTER_CLOSE", False):  # e.g. the window bpftrace's END prints
-                loop.collect_once()
+                loop.collect_once(final=True)
         for exporter in self.exporters:
             with contextlib.suppress(Exception):
                 exporter.close()
