@@ -52,6 +52,10 @@ local counters = require("haproxy_pick_stats")
 
 local URL = os.getenv("TRISCOPE_PICK_TABLE_URL")
 local POLL_MS = tonumber(os.getenv("TRISCOPE_PICK_TABLE_POLL_MS") or "") or 50
+-- A table larger than this is dropped unparsed (a fleet of 4,096 backends writes ~0.5 MB): what a poll
+-- brings can never grow the Lua state past it, and the picker fails open as for garbage.
+local MAX_TABLE_BYTES = tonumber(os.getenv("TRISCOPE_PICK_TABLE_MAX_BYTES") or "") or 1048576
+local MAX_TABLE_ROWS = 10000
 local KEEP_S = 10 -- pick and end times kept per server: a scrape older than this is stale anyway
 local SERVER_VAR = "txn.triscope_server"
 local FACTORS_VAR = "txn.triscope_pick_factors"
@@ -83,7 +87,7 @@ end
 -- start and its answer: each time is placed where an error counts fewer external requests (the
 -- scrape's answer as late, its sending as early as possible).
 local function parse_table(body, asked, arrived)
-  local out, classes, header = {}, {}, false
+  local out, classes, header, nrows = {}, {}, false, 0
   for line in string.gmatch(body, "[^\n]+") do
     if not header then
       if string.match(line, "^triscope%-pick%-table 1") == nil then
@@ -97,7 +101,8 @@ local function parse_table(body, asked, arrived)
       end
       if f[1] == "@class" and #f >= 5 then
         classes[f[2]] = { level = f[3], shed = tonumber(f[4]) or 0, admit = tonumber(f[5]) or 1 }
-      elseif #f >= 11 then
+      elseif #f >= 11 and nrows < MAX_TABLE_ROWS then
+        nrows = nrows + 1
         local drains = {}
         if f[11] ~= "-" then
           for c in string.gmatch(f[11], "[^,]+") do
@@ -127,7 +132,18 @@ if URL ~= nil and URL ~= "" then
       local ok, answer = pcall(client.get, client, { url = URL, timeout = 1000 })
       local table_now, classes = nil, nil
       if ok and answer ~= nil and answer.status == 200 and answer.body ~= nil then
-        table_now, classes = parse_table(answer.body, asked, now_s())
+        if #answer.body > MAX_TABLE_BYTES then
+          stats.oversized_polls = stats.oversized_polls + 1
+        else
+          local parsed_ok, t, c = pcall(parse_table, answer.body, asked, now_s())
+          if parsed_ok then
+            table_now, classes = t, c
+          end
+        end
+      end
+      answer = nil
+      if table_now == nil then -- what a refused answer took is returned now, not at the next GC cycle
+        collectgarbage("collect")
       end
       if table_now ~= nil then
         rows, rows_at = table_now, now_s()

@@ -5,10 +5,11 @@
 -- in HAProxy was left out (drained, unhealthy, closed to the class); no_table: no table fresh enough;
 -- no_fit: the request fitted nowhere (work alone decided); diverted: the chosen server had more of
 -- HAProxy's requests in flight than the least loaded candidate (where leastconn would not have sent it)
--- refused_*: requests an admission level refused (answered by the fallback rule)
+-- refused_*: requests an admission level refused (answered by the fallback rule); oversized_polls: answers
+-- larger than the table bound, dropped unparsed (counted in failed_polls too)
 
 local M = {}
-M.KEYS = { "polls", "failed_polls", "picks", "fallback", "excluded", "no_table", "no_fit", "diverted",
+M.KEYS = { "polls", "failed_polls", "oversized_polls", "picks", "fallback", "excluded", "no_table", "no_fit", "diverted",
   "refused_degrade", "refused_limit", "refused_break" }
 M.counts = {}
 for _, key in ipairs(M.KEYS) do
@@ -19,6 +20,8 @@ end
 local PROM = {
   { "polls", "triscope_haproxy_pick_table_polls_total", "Polls of the pick table that brought a table." },
   { "failed_polls", "triscope_haproxy_pick_table_poll_failures_total", "Polls of the pick table that failed." },
+  { "oversized_polls", "triscope_haproxy_pick_table_oversized_total",
+    "Polls whose answer was larger than TRISCOPE_PICK_TABLE_MAX_BYTES (not parsed; also failures)." },
   { "picks", "triscope_haproxy_picks_total", "Requests whose server the action chose." },
   { "fallback", "triscope_haproxy_pick_fallbacks_total", "Requests left to the backend's balance (no server up)." },
   { "excluded", "triscope_haproxy_pick_excluded_total", "Picks that left out a server HAProxy had up." },

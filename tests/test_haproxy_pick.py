@@ -510,3 +510,55 @@ def test_the_kv_of_an_answered_request_counts_free_before_the_next_scrape(tmp_pa
                 assert big.standings[ran.server].fit == "fit" and big.standings[other].fit == "misfit", big
             else:
                 assert {s.fit for s in big.standings.values()} == {"nofit"}, big
+
+
+class _BigTable(http.server.BaseHTTPRequestHandler):
+    """Answers every poll with a 20 MB table of a valid header and 550,000 made-up rows."""
+
+    body = (TABLE_HEADER + "\n" + "".join(f"x{i} 1 0 3 0 1000 0 0 0.1 0.1 - 0 0\n" for i in range(550_000))).encode()
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_an_oversized_table_is_dropped_unparsed_and_haproxy_keeps_answering(
+        tmp_path_factory: pytest.TempPathFactory, bed: Bed) -> None:
+    """The attack: a 20 MB pick table left 3 of 20 requests unanswered within 5 s and took HAProxy from 16 to
+    172 MB for good. Now it is refused before parsing (fail open: HAProxy's own balance) and memory
+    stays bounded."""
+    settle(bed)
+    assert len(_BigTable.body) > 20_000_000
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BigTable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        big = PickSetup(f"http://127.0.0.1:{server.server_address[1]}{TABLE_PATH}", "cpt=4", 200)
+        with HAProxy(tmp_path_factory.mktemp("bigtable"), [Server(s.name, s.port) for s in bed.specs],
+                     balance="leastconn", retries=0, pick=big) as hap:
+            assert hap.proc is not None
+            wait_for(lambda: hap.pick_stats()["oversized_polls"] >= 3, 20, "three oversized polls")
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(20) as pool:
+                results = list(pool.map(lambda i: post(hap.port, body(50, 16, f" big{i}"), timeout=5), range(20)))
+            elapsed = time.monotonic() - t0
+            wait_for(lambda: hap.pick_stats()["oversized_polls"] >= 10, 30, "ten oversized polls")
+            rss_mib = _rss_kib(hap.proc.pid) / 1024
+            stats = hap.pick_stats()
+    finally:
+        server.shutdown()
+    assert all(status == 200 for status, _ in results) and elapsed < 5, (results, elapsed)
+    assert stats["polls"] == 0 and stats["failed_polls"] >= stats["oversized_polls"] >= 10
+    assert stats["no_table"] == 20  # fail open: the backend's own balance picked
+    assert rss_mib < 100, f"HAProxy RSS {rss_mib:.0f} MiB after ten 20 MB answers"
