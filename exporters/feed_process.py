@@ -11,8 +11,10 @@ Other HTTP requests (EDS, ``/metrics``, ``/healthz``) go through the child to th
 server on a loopback port, so every route keeps one implementation.
 
 A child that dies is started again, on the same sockets, at the next update; the parent keeps the
-listening sockets, so ports never change and polls queue in their backlog meanwhile. The child exits
-when the parent closes or dies (its end of the pipe closes).
+listening sockets, so ports never change and polls queue in their backlog meanwhile. A watchdog
+thread pings the child every :data:`PING_S`; a child that leaves a table or a ping unanswered for
+:data:`HANG_S` (stopped, deadlocked, swapping) is killed and replaced, so polls resume within about
+two seconds. The child exits when the parent closes or dies (its end of the pipe closes).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any, Self
@@ -34,6 +38,10 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 30.0
 """How long a new child may take to import, take its first tables and start serving."""
+PING_S = 0.25
+"""How often the watchdog asks an idle child for its counters."""
+HANG_S = 1.0
+"""A child that has not answered a table or a ping for this long is hung: killed and replaced."""
 
 
 def agent_table(result: WeightsResult | None, max_inflight: Mapping[str, int]) -> dict[str, bytes]:
@@ -85,6 +93,11 @@ class FeedProcess:
         self.counters: dict[str, dict[str, int]] = {}
         """The child's counters per server as of its last acknowledged tables (``requests_total``, ...)."""
         self.restarts_total = 0
+        self.hangs_total = 0
+        """Children killed and replaced because they stopped answering."""
+        self._unacked: deque[float] = deque()  # send times of the messages the child has not answered
+        self._closed = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     def port(self, which: str) -> int:
         """The bound port of ``"agent"`` or ``"http"`` (-1 when off)."""
@@ -104,7 +117,50 @@ class FeedProcess:
             except OSError:
                 self._close_socks()
                 raise
+        self._watchdog = threading.Thread(target=self._watch, name="triscope-feed-watchdog", daemon=True)
+        self._watchdog.start()
         return self
+
+    def _send(self, message: Any) -> None:
+        assert self._conn is not None
+        self._conn.send(message)
+        self._unacked.append(time.monotonic())
+
+    def _take_acks(self) -> None:
+        assert self._conn is not None
+        while self._conn.poll():
+            self.counters = self._conn.recv()
+            if self._unacked:
+                self._unacked.popleft()
+
+    def _watch(self) -> None:
+        """Ping an idle child; replace one that leaves a message unanswered for HANG_S."""
+        while not self._closed.wait(PING_S / 2):
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                try:
+                    if self._conn is None or self._proc is None or self._proc.poll() is not None:
+                        raise EOFError("not running")
+                    self._take_acks()
+                    if self._unacked and time.monotonic() - self._unacked[0] > HANG_S:
+                        self.hangs_total += 1
+                        self._restart(f"no answer for {time.monotonic() - self._unacked[0]:.1f}s (hung)", kill=True)
+                    elif not self._unacked:
+                        self._send(None)
+                except (OSError, EOFError) as exc:
+                    self._restart(str(exc) or "gone")
+
+    def _restart(self, why: str, kill: bool = False) -> None:
+        log.warning("feed process: %s; starting it again", why)
+        if kill and self._proc is not None:
+            self._proc.kill()
+        self._stop_child()
+        try:
+            self._spawn()
+            self.restarts_total += 1
+        except OSError as start_exc:
+            log.warning("%s", start_exc)
 
     def _spawn(self) -> None:
         # a fresh interpreter, not multiprocessing: no fork of a threaded parent, no re-import of __main__
@@ -126,26 +182,19 @@ class FeedProcess:
             proc.wait(timeout=5.0)
             raise OSError(f"feed process failed to start: {exc or f'it exited with {proc.returncode}'}") from None
         self._proc, self._conn = proc, parent_end
+        self._unacked.clear()
 
     def publish(self, agent: dict[str, bytes], http: dict[tuple[str, str], tuple[bytes, bytes]]) -> None:
         """Send new tables; a dead child is started again first (errors are logged, not raised)."""
         with self._lock:
             self._tables = {"agent": agent, "http": http}
-            conn = self._conn
             try:
-                if conn is None or self._proc is None or self._proc.poll() is not None:
+                if self._conn is None or self._proc is None or self._proc.poll() is not None:
                     raise EOFError("not running")
-                while conn.poll():  # the acknowledgement of the previous tables
-                    self.counters = conn.recv()
-                conn.send(self._tables)
+                self._take_acks()  # the acknowledgements of the previous tables and pings
+                self._send(self._tables)
             except (OSError, EOFError) as exc:
-                log.warning("feed process: %s; starting it again", exc or "gone")
-                self._stop_child()
-                try:
-                    self._spawn()
-                    self.restarts_total += 1
-                except OSError as start_exc:
-                    log.warning("%s", start_exc)
+                self._restart(str(exc) or "gone")
 
     def _stop_child(self) -> None:
         if self._conn is not None:
@@ -165,9 +214,12 @@ class FeedProcess:
 
     def close(self) -> None:
         """Stop the child and close the ports; idempotent."""
+        self._closed.set()
         with self._lock:
             self._stop_child()
             self._close_socks()
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=2.0)
 
 
 def _serve(pipe_fd: int, settings: dict[str, dict[str, Any]]) -> None:
@@ -191,6 +243,9 @@ def _serve(pipe_fd: int, settings: dict[str, dict[str, Any]]) -> None:
         first = True
         while True:
             tables = conn.recv()
+            if tables is None:  # the parent's liveness ping
+                conn.send(counters())
+                continue
             for which, server in servers.items():
                 server.table = tables[which]
             if first:

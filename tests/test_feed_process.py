@@ -5,6 +5,7 @@ at the next update, and no child outlives its parent. Real processes and sockets
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -183,3 +184,39 @@ def test_the_table_server_answers_502_when_the_feed_behind_it_is_gone() -> None:
         assert "feed unavailable" in json.loads(answers[1][2])["error"] and answers[1][1]["connection"] == "close"
     finally:
         proc.close()
+
+
+def _answers(port: int, http_port: int) -> bool:
+    """Whether the agent and /v1/weights both answer within 0.3 s."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.3) as s:
+            s.settimeout(0.3)
+            s.sendall(b"a:1\n")
+            if not s.recv(64):
+                return False
+        with socket.create_connection(("127.0.0.1", http_port), timeout=0.3) as s:
+            s.settimeout(0.3)
+            s.sendall(b"GET /v1/weights HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            return s.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+
+
+def test_a_hung_serving_process_is_replaced_within_two_seconds(fleet_feed) -> None:
+    """The attack: a SIGSTOPped child left 100 of 249 polls and 20 of 50 agent checks unanswered for 15 s."""
+    feed, _ = fleet_feed
+    agent = feed._process
+    port, http_port, first_pid = feed.agent_port, feed.http_port, agent.pid
+    assert _answers(port, http_port)
+    os.kill(first_pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        assert wait_for(lambda: _answers(port, http_port), 10, "answers from a replaced child")
+        gap = time.monotonic() - stopped
+        assert gap < 2.5, gap  # HANG_S (1 s) + a child's start + the last unanswered poll's timeout
+        assert wait_for(lambda: agent.pid not in (None, first_pid), 5, "the new child's handle")
+        assert agent.hangs_total == 1 and not _alive(first_pid)
+        assert all(_answers(port, http_port) for _ in range(20))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first_pid, signal.SIGCONT)
