@@ -487,3 +487,33 @@ def test_skipped_probe_runs_are_read_per_process_and_logged_at_each_decade_and_f
     assert all("not counted" in m for m in counted)
     assert swaps == [2000, 2100, 2500], "a swap whenever a request-start map holds restart_at_map_keys entries"
     assert sum("replacing the process" in m for m in logged) == 3
+
+
+def test_failed_reads_are_counted_as_errors_and_logged_once(tmp_path, caplog) -> None:
+    """A read that fails (here a missing file; EMFILE is the same OSError path) and a refused ebpf_exporter
+    scrape are errors the collector loop counts on every tick, logged once per new message."""
+    import logging
+    import threading
+
+    from conftest import free_port
+
+    from triscope.collector_loop import CollectorLoop
+    from triscope.collectors.blockio import create_diskstats, create_ebpf_exporter
+    from triscope.component import Context
+
+    class NoWriter:
+        def submit(self, table, columns):  # pragma: no cover - nothing is handed over
+            raise AssertionError("no rows expected")
+
+    caplog.set_level(logging.WARNING)
+    disk = create_diskstats({"blockio": {"interval_s": 1}}, Context())
+    disk.path = str(tmp_path / "no-diskstats")
+    ebpf = create_ebpf_exporter({"blockio": {"interval_s": 1, "url": f"http://127.0.0.1:{free_port()}/metrics"}},
+                                Context())
+    for collector in (disk, ebpf):
+        loop = CollectorLoop(collector, NoWriter(), threading.Event())  # type: ignore[arg-type]
+        for _ in range(5):
+            loop.collect_once()
+        assert loop.errors == 5 and loop.last_error, collector.name
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings

@@ -159,3 +159,20 @@ def test_daemon_counts_target_errors_and_stops_promptly(store_path: Path, tmp_pa
     assert health == {s.url("/good"): served, s.url("/slow"): 0} and failed >= 2  # one health row per scrape
     assert counters["rows"] == served + sum(health.values()) + failed
     assert counters["errors"] >= 2 and "total deadline" in counters["last_error"]
+
+
+def test_a_garbage_target_is_logged_escaped_and_rarely(caplog: pytest.LogCaptureFixture) -> None:
+    """Binary garbage that differs on every scrape: every failure counted, the log line escaped (no control
+    bytes) and written when the target starts failing, not once per tick."""
+    import os as _os
+
+    routes = {"/g": lambda: Route(body=b"vllm:x " + _os.urandom(64) + b"\n\x1b[2J\x00garbage\n")}
+    with raw_server(routes) as s:
+        scraper = _scraper([s.url("/g")])
+        caplog.set_level(logging.WARNING, logger="triscope.collectors.serving_metrics")
+        for _ in range(10):
+            assert scraper.collect()["scrape_health"]["up"] == [0]
+    assert scraper.errors_total == 10
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert all(c.isprintable() for c in lines[0]) and len(lines[0]) < 400

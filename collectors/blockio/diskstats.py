@@ -12,7 +12,6 @@ from typing import Any
 
 from triscope.collectors.blockio.config import BlockioConfig, blockio_config
 from triscope.collectors.blockio.parse import DiskStat, diskstats_delta, parse_diskstats
-from triscope.errors import InputError
 from triscope.schema import IO_LATENCY, encode_ts
 
 log = logging.getLogger(__name__)
@@ -38,11 +37,9 @@ class DiskstatsCollector:
         self._prev = self._snap()
 
     def collect(self) -> dict[str, dict[str, list[Any]]]:
-        try:
-            now = self._snap()
-        except (InputError, OSError) as exc:
-            log.warning("blockio: %s", exc)
-            return {}
+        """Rows of the window since the last read. A failed read (EMFILE, a malformed file) raises: the
+        collector loop counts every one and logs each new message once."""
+        now = self._snap()
         if self._prev is None:
             self._prev = now
             return {}

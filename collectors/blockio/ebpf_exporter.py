@@ -5,17 +5,17 @@ from __future__ import annotations
 import logging
 import socket
 import time
-import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
 from triscope.collectors.blockio.assembler import hist_row
 from triscope.collectors.blockio.config import BlockioConfig, blockio_config
 from triscope.collectors.blockio.parse import Bucket, parse_ebpf_exporter
-from triscope.errors import InputError
+from triscope.http_fetch import fetch
 from triscope.schema import IO_LATENCY
 
 log = logging.getLogger(__name__)
+FETCH_TIMEOUT_S = 5.0
 
 
 class EbpfExporterCollector:
@@ -35,14 +35,9 @@ class EbpfExporterCollector:
         """Nothing held: each collect() is one GET."""
 
     def fetch(self) -> str:
-        try:
-            with urllib.request.urlopen(self.url, timeout=5) as resp:
-                body = resp.read(self.max_body_bytes + 1)
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{self.url}: scrape failed: {getattr(exc, 'reason', exc)}") from None
-        if len(body) > self.max_body_bytes:
-            raise InputError(f"{self.url}: response exceeds {self.max_body_bytes} bytes")
-        return body.decode("utf-8", errors="replace")
+        """The exposition within 5 s in total and ``max_body_bytes``; InputError (one line) otherwise."""
+        return fetch(self.url, timeout_s=FETCH_TIMEOUT_S, max_bytes=self.max_body_bytes).decode("utf-8",
+                                                                                               errors="replace")
 
     def rows_from_text(self, text: str, ts_ns: int) -> dict[str, list[Any]]:
         """Rows (every io_latency column) for the window since the previous scrape; none on the first one."""
@@ -59,11 +54,8 @@ class EbpfExporterCollector:
         return IO_LATENCY.columns_of(rows)
 
     def collect(self) -> dict[str, dict[str, list[Any]]]:
-        try:
-            rows = self.rows_from_text(self.fetch(), time.time_ns())
-        except InputError as exc:
-            log.warning("%s", exc)
-            return {}
+        """One scrape's rows; a failure raises (one line) for the collector loop to count and log once."""
+        rows = self.rows_from_text(self.fetch(), time.time_ns())
         return {IO_LATENCY.name: rows} if rows["ts"] else {}
 
     def close(self) -> None:

@@ -31,6 +31,17 @@ from triscope.store_link import one_line
 
 log = logging.getLogger("triscope.collectors.serving_metrics")
 
+LOG_EVERY_S = 60.0
+"""A failing target's changing error is logged at most this often (every failure is still counted)."""
+MAX_MESSAGE = 300
+
+
+def printable(text: str) -> str:
+    """One line of at most MAX_MESSAGE characters, control and non-printable characters escaped."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:MAX_MESSAGE])
+    return out[:MAX_MESSAGE] + ("..." if len(text) > MAX_MESSAGE else "")
+
+
 GRACE_S = 1.0
 """Waited beyond the fetch deadlines for threads to hand their results back."""
 _REDIRECTS: dict[str, bool | str] = {"none": False, "same-origin": "same-origin", "any": "any"}
@@ -66,6 +77,7 @@ class _State:
     """What the scraper remembers of one target between scrapes."""
 
     error: str = ""
+    logged_at: float = -math.inf
     future: Future[_Fetched] | None = None
     previous: dict[str, InstanceSnapshot] = field(default_factory=dict)
 
@@ -142,11 +154,15 @@ class ServingMetricsScraper:
 
     def _fail(self, target: Target, message: str) -> None:
         state = self._state.setdefault(target.url, _State())
+        message = printable(message)
         self.errors_total += 1
         self._new_errors.append(message)
         self.errors[target.url] = message
-        if message != state.error:  # once per change of state, not once per tick
+        now = time.monotonic()
+        # when it starts failing, then at most once a minute: garbage differs every tick
+        if not state.error or (message != state.error and now - state.logged_at >= LOG_EVERY_S):
             log.warning("serving_metrics: %s", message)
+            state.logged_at = now
         state.error = message
 
     def _ok(self, target: Target) -> None:
