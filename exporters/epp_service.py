@@ -27,7 +27,7 @@ from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, Picker
 from triscope.component import ComponentConfig, Context, interval, non_negative, port, positive
 from triscope.errors import ConfigError, InputError, TriscopeError
 from triscope.exporters.epp import Fallback, HeadroomChooser, NeedParams
-from triscope.exporters.extproc import MAX_BODY_BYTES, MAX_STREAMS, ExtProcServer
+from triscope.exporters.extproc import MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_STREAMS, ExtProcServer
 from triscope.exporters.feed_http import one_line
 from triscope.exporters.haproxy_pick import PickTableServer, pick_settings
 from triscope.http_fetch import RefusedError, fetch
@@ -90,6 +90,9 @@ class EppConfig(ComponentConfig):
     """Preemptions and requests waiting for capacity count against a backend's fit before its KV gauge shows it."""
     max_body_bytes: int = MAX_BODY_BYTES
     max_streams: int = MAX_STREAMS
+    """Requests (gRPC streams) open at once in the process, over every connection."""
+    max_connections: int = MAX_CONNECTIONS
+    """gRPC connections at once; more are closed at accept."""
     levels_window_s: float = 10.0
     """Arrivals per class over this window set a limited class's rate (``[weights.levels]``)."""
     table_port: int = -1
@@ -127,8 +130,8 @@ class EppConfig(ComponentConfig):
             raise ConfigError(f"{where} fallback_status must be an HTTP error status 400-599, "
                               f"got {self.fallback_status}")
         positive(where, levels_window_s=self.levels_window_s)
-        if self.max_body_bytes < 1 or self.max_streams < 1:
-            raise ConfigError(f"{where} max_body_bytes and max_streams must be >= 1")
+        if self.max_body_bytes < 1 or self.max_streams < 1 or self.max_connections < 1:
+            raise ConfigError(f"{where} max_body_bytes, max_streams and max_connections must be >= 1")
 
     @property
     def fallback(self) -> Fallback:
@@ -202,7 +205,8 @@ class EppService:
         self.picker = HeadroomPicker(backends, replace(cfg.picker_params(), seed=seed))
         self.chooser = HeadroomChooser(self.picker, NeedParams(cfg.chars_per_token, cfg.default_output_tokens),
                                        ClassGate(cfg.levels_window_s, seed=seed), cfg.fallback)
-        self.server = ExtProcServer(self.chooser, cfg.max_body_bytes, cfg.bind, cfg.port, cfg.max_streams)
+        self.server = ExtProcServer(self.chooser, cfg.max_body_bytes, cfg.bind, cfg.port, cfg.max_streams,
+                                    cfg.max_connections)
         self.table_server: PickTableServer | None = None
         self.scrape_errors: dict[str, str] = {}
         self.scrapes_total = 0

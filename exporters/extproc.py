@@ -32,7 +32,11 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 MAX_BODY_BYTES = 64 * 1024
 MAX_STREAMS = 4096
-"""Concurrent requests the picker holds open (gRPC streams); Envoy's own limits sit in front."""
+"""Concurrent requests the picker holds open (gRPC streams) in the process, over all connections; Envoy's
+own limits sit in front."""
+MAX_CONNECTIONS = 256
+"""gRPC connections the picker accepts at once (Envoy multiplexes its streams over a few); more are closed
+at accept, so idle sockets cannot take the process's file descriptors."""
 
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 OVERWRITE_IF_EXISTS_OR_ADD = 2  # HeaderValueOption.HeaderAppendAction: a client's own value never survives
@@ -137,12 +141,16 @@ class ExtProcServer:
     """The picker's gRPC side (grpc.aio on its own thread): one stream per HTTP request."""
 
     def __init__(self, chooser: Chooser, max_body_bytes: int = MAX_BODY_BYTES, bind: str = "127.0.0.1",
-                 port: int = 0, max_streams: int = MAX_STREAMS) -> None:
+                 port: int = 0, max_streams: int = MAX_STREAMS, max_connections: int = MAX_CONNECTIONS) -> None:
         self.chooser = chooser
         self.max_body_bytes = max_body_bytes
         self.bind = bind
         self.port = port
         self.max_streams = max_streams
+        self.max_connections = max_connections
+        self.streams = 0
+        """Streams open now, over every connection (at most ``max_streams``)."""
+        self.streams_refused_total = 0
         self.counts: Counter[str] = Counter()
         """Backend name or ``status:<code>`` -> requests (for reports and tests)."""
         self.last: Choice | None = None
@@ -160,7 +168,9 @@ class ExtProcServer:
             self._process, request_deserializer=PB["ProcessingRequest"].FromString,
             response_serializer=lambda m: m.SerializeToString())})
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * self.max_body_bytes),
-                                                ("grpc.max_concurrent_streams", self.max_streams)])
+                                                ("grpc.max_concurrent_streams", self.max_streams),
+                                                ("grpc.max_allowed_incoming_connections", self.max_connections),
+                                                ("grpc.max_connection_idle_ms", 300_000)])
         self._server.add_generic_rpc_handlers((handler,))
         port = self._server.add_insecure_port(f"{self.bind}:{self.port}")
         await self._server.start()
@@ -174,7 +184,11 @@ class ExtProcServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
 
-    async def _process(self, requests: AsyncIterator[Any], _context: Any) -> AsyncIterator[Any]:
+    async def _process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        if self.streams >= self.max_streams:  # the bound is the process's, not one connection's
+            self.streams_refused_total += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {self.max_streams} requests open")
+        self.streams += 1
         headers: dict[str, str] = {}
         body = b""
         routed: Choice | None = None
@@ -193,7 +207,8 @@ class ExtProcServer:
                     if len(body) > self.max_body_bytes:
                         yield self._answer("request_body", self._record(Choice(status=413,
                                                                                message="request body too large")))
-                    elif req.request_body.end_of_stream:
+                        return  # the stream ends here: what is streamed on is never read nor counted
+                    if req.request_body.end_of_stream:
                         routed = self._record(self.chooser.choose(body, headers))
                         yield self._answer("request_body", routed)
                 elif req.HasField("response_headers"):
@@ -208,6 +223,7 @@ class ExtProcServer:
                         kind, "TrailersResponse")
                     yield PB["ProcessingResponse"](**{kind: PB[answer]()})
         finally:  # the HTTP request is over (or Envoy gave up on it): close the ledger entry
+            self.streams -= 1
             if routed is not None and routed.address:
                 self.chooser.done(routed)
 
