@@ -87,7 +87,7 @@ def test_streams_are_bounded_over_all_connections(server: ExtProcServer) -> None
 
     channels = [_stub(server.port) for _ in range(5)]
     try:
-        for channel, call in channels[:4]:
+        for _channel, call in channels[:4]:
             calls.append(call(held(), timeout=30))
             deadline = time.monotonic() + 5
             while server.streams < len(calls):
