@@ -29,6 +29,8 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from triscope.conn_budget import BUDGET
+
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 MAX_BODY_BYTES = 64 * 1024
 MAX_STREAMS = 4096
@@ -157,6 +159,7 @@ class ExtProcServer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="extproc", daemon=True)
         self._server: grpc.aio.Server | None = None
+        self._claimed = 0
 
     def start(self) -> ExtProcServer:
         self._thread.start()
@@ -164,12 +167,14 @@ class ExtProcServer:
         return self
 
     async def _start(self) -> int:
+        # gRPC accepts for itself: its cap comes out of the process's connection budget as one claim
+        self._claimed = BUDGET.claim(self.max_connections)
         handler = grpc.method_handlers_generic_handler(SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(
             self._process, request_deserializer=PB["ProcessingRequest"].FromString,
             response_serializer=lambda m: m.SerializeToString())})
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * self.max_body_bytes),
                                                 ("grpc.max_concurrent_streams", self.max_streams),
-                                                ("grpc.max_allowed_incoming_connections", self.max_connections),
+                                                ("grpc.max_allowed_incoming_connections", self._claimed),
                                                 ("grpc.max_connection_idle_ms", 300_000)])
         self._server.add_generic_rpc_handlers((handler,))
         port = self._server.add_insecure_port(f"{self.bind}:{self.port}")
@@ -177,6 +182,9 @@ class ExtProcServer:
         return port
 
     def stop(self) -> None:
+        if self._claimed:
+            BUDGET.release(self._claimed)
+            self._claimed = 0
         if self._thread.is_alive():
             if self._server is not None:
                 with contextlib.suppress(Exception):

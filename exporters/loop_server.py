@@ -18,6 +18,7 @@ import threading
 from collections import Counter
 from typing import Self, cast
 
+from triscope.conn_budget import BUDGET
 from triscope.httpserver import DEFAULT_EVICT_AFTER_S, DEFAULT_EVICT_PARTIAL_AFTER_S, default_max_per_client
 
 
@@ -86,21 +87,30 @@ class LoopServer:
         return len(self.open_connections)
 
     def admit(self, conn: LoopConnection, now: float) -> bool:
-        """Give ``conn`` a slot, evicting the oldest slow connection at a limit; False: refuse it."""
+        """Give ``conn`` a slot, evicting the oldest slow connection at a limit (this server's, or the
+        process's connection budget); False: refuse it."""
         client_full = self.per_client[conn.client] >= self.max_per_client
-        if client_full or self.connections >= self.max_connections:
+        server_full = client_full or self.connections >= self.max_connections
+        if server_full or not BUDGET.try_acquire():
             victim = self._victim(conn.client if client_full else None, now)
             if victim is None:
                 self.refused_total += 1
+                if not server_full:
+                    BUDGET.refused()
                 return False
             self.evicted_total += 1
-            victim.drop(abort=True)
+            victim.drop(abort=True)  # releases its budget slot
+            if not BUDGET.try_acquire():  # another server took it meanwhile (another thread)
+                self.refused_total += 1
+                BUDGET.refused()
+                return False
         self.open_connections.add(conn)
         self.per_client[conn.client] += 1
         return True
 
     def release(self, conn: LoopConnection) -> None:
         if conn in self.open_connections:
+            BUDGET.release()
             self.open_connections.discard(conn)
             self.per_client[conn.client] -= 1
             if self.per_client[conn.client] <= 0:

@@ -21,6 +21,7 @@ from typing import Any
 
 from triscope.collector_loop import CollectorLoop, RowCounter
 from triscope.component import Collector, ComponentConfig, Context, Exporter, Factory, Rows, non_negative, positive
+from triscope.conn_budget import BUDGET, raise_fd_limit
 from triscope.errors import ConfigError, SpoolUnavailable, StoreError, TriscopeError
 from triscope.registry import COLLECTORS, EXPORTERS, resolve
 from triscope.store.base import Store
@@ -89,6 +90,8 @@ class Daemon:
     def start(self) -> None:
         """Build every component (a config mistake raises ConfigError before anything is opened),
         open the writer, start collectors (a failing one is reported and skipped) and exporters."""
+        limit = raise_fd_limit()
+        log.debug("file descriptors: %d; server connections at most %d", limit, BUDGET.limit)
         context = Context(open_store=self.opener, submit=self._submit, stats=self.stats)
         counters = {spec: RowCounter(self._submit) for spec, _ in self.collector_factories}
         collectors = [(spec, _build(spec, factory, self.config, replace(context, submit=counters[spec].submit),
@@ -131,6 +134,7 @@ class Daemon:
         """Live counters: ``writer`` (:meth:`Writer.snapshot`), per-collector rows/errors, not started, and
         those of every exporter with a ``stats()`` (the per-request picker's), by its ``[run] exporters`` name."""
         return {"writer": self.writer.snapshot() if self.writer is not None else {},
+                "connections": BUDGET.snapshot(),
                 "collectors": {loop.collector.name: loop.counters() for loop in self.loops},
                 "not_started": dict(self.failed),
                 # started exporters are a prefix of the configured ones, in their order

@@ -37,6 +37,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from triscope.conn_budget import BUDGET
+
 log = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
@@ -226,14 +228,18 @@ class BoundedServerMixIn(socketserver.ThreadingMixIn):
         return best[1] if best is not None else None
 
     def _admit(self, request: socket.socket, client: str) -> bool:
-        """Register ``request``, evicting a slow waiting connection when a limit is reached; False: refuse."""
+        """Register ``request``, evicting a slow waiting connection when a limit is reached (this server's,
+        or the process's connection budget); False: refuse. A victim's budget slot passes to ``request``."""
         now = time.monotonic()
         with self._lock:
             client_full = self._per_client[client] >= self.max_per_client
-            if client_full or len(self._conns) >= self.max_connections:
+            server_full = client_full or len(self._conns) >= self.max_connections
+            if server_full or not BUDGET.try_acquire():
                 victim = self._victim(client if client_full else None, now)
                 if victim is None or len(self._evicted) >= self._evict_slack:
                     self.refused_total += 1
+                    if not server_full:
+                        BUDGET.refused()
                     return False
                 gone = self._conns.pop(victim)
                 self._release(gone.client)
@@ -263,8 +269,9 @@ class BoundedServerMixIn(socketserver.ThreadingMixIn):
     def _forget(self, request: Any) -> None:
         with self._lock:
             conn = self._conns.pop(request, None)
-            if conn is not None:
+            if conn is not None:  # (an evicted one's slot went to the connection that evicted it)
                 self._release(conn.client)
+                BUDGET.release()
             self._evicted.discard(request)
 
     @property
