@@ -150,6 +150,7 @@ class FeedConnection(LoopConnection):
 
     def answered(self, close: bool) -> bool:
         """After an answer: close, or wait for the next request; False once closed."""
+        self.answered_total += 1
         if close:
             assert self.transport is not None
             self.transport.close()

@@ -1,12 +1,14 @@
 """One event loop on its own thread serving a TCP protocol with bounded connections (the feed's HTTP
 server and its HAProxy agent port).
 
-At most ``max_connections`` connections (``max_per_client`` from one address); at a limit a new
-connection takes the slot of the oldest slow one (from that client when its own limit is the one
-reached): one that started a request and has not finished it within 0.25 s, or that has sent nothing
-for 1 s, as :mod:`triscope.httpserver` does; with none, the new one is closed unanswered. A client that
-sends its request at once therefore gets in while slow clients hold every slot. A connection whose
-request is not complete ``timeout_s`` after it connected (or after its last answer) expires.
+At most ``max_connections`` connections (``max_per_client`` from one address), within the process's
+connection budget (:mod:`triscope.conn_budget`); at a limit a new connection takes the slot of the oldest
+one that has not completed a request :data:`EVICT_AFTER_S` after connecting (from that client when its
+own limit is the one reached); with none, the new one is closed unanswered. A keep-alive connection that
+has been answered (a load balancer polling on it) is never evicted. A client that sends its request at
+once therefore gets in, and an LB keeps its connection, while slow clients hold every other slot. A
+connection whose request is not complete ``timeout_s`` after it connected (or after its last answer)
+expires.
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from collections import Counter
 from typing import Self, cast
 
 from triscope.conn_budget import BUDGET
-from triscope.httpserver import DEFAULT_EVICT_AFTER_S, DEFAULT_EVICT_PARTIAL_AFTER_S, default_max_per_client
+from triscope.httpserver import default_max_per_client
+
+EVICT_AFTER_S = 0.1
+"""A connection that has not completed a request this long after connecting may be evicted for a new one:
+a load balancer sends its whole request at once (well within it), a slow or idle client does not."""
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -117,14 +123,19 @@ class LoopServer:
                 del self.per_client[conn.client]
 
     def _victim(self, client: str | None, now: float) -> LoopConnection | None:
+        """The connection to evict for a new one (of ``client`` when given): the oldest that never completed
+        a request and has waited past its grace (a slow or idle client). A keep-alive connection that has
+        been answered (a load balancer's, polling on it) is never evicted: it ends by its idle timeout."""
         best: LoopConnection | None = None
         for c in self.open_connections:
-            grace = DEFAULT_EVICT_PARTIAL_AFTER_S if c.buffer else DEFAULT_EVICT_AFTER_S
-            if now - c.since < grace or (client is not None and c.client != client):
+            if c.answered_total or (client is not None and c.client != client):
+                continue
+            if now - c.since < EVICT_AFTER_S:
                 continue
             if best is None or c.since < best.since:
                 best = c
         return best
+
 
 class LoopConnection(asyncio.Protocol):
     """One connection of a :class:`LoopServer`: its slot, its timer and what it has sent so far."""
@@ -136,6 +147,8 @@ class LoopConnection(asyncio.Protocol):
         self.client = ""
         self.since = 0.0
         """When it connected or last got an answer (the start of its wait for a request)."""
+        self.answered_total = 0
+        """Requests answered on it: a connection that never completed one is evicted first."""
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

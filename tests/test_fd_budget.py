@@ -8,6 +8,7 @@ process's budget is empty, a reserve of descriptors stays for the writer, and no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import signal
@@ -93,10 +94,8 @@ port = {ports['epp']}
         for port, n in ((ports["epp"], 1100), (ports["otlp"], 300), (ports["feed"], 300), (ports["prom"], 300),
                         (ports["agent"], 300)):
             for _ in range(n):
-                try:
+                with contextlib.suppress(OSError):
                     socks.append(socket.create_connection(("127.0.0.1", port), timeout=2))
-                except OSError:
-                    pass
         time.sleep(1.5)  # past the HTTP servers' eviction grace
         sent = 0
         for k in range(20):  # the services still answer, and spans still reach the writer

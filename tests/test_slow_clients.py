@@ -29,7 +29,7 @@ POLL_BOUND_S = 2.0  # measured: the slowest of 12 polls under attack took 3-162 
 @pytest.fixture(autouse=True)
 def _fds() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 4 * (HTTP_ATTACKERS + AGENT_ATTACKERS) + 256  # both ends live in this process
+    want = 4 * (HTTP_ATTACKERS + AGENT_ATTACKERS) + 2 * (512 + 1500) + 256  # both ends live in this process
     if soft < want:
         if hard != resource.RLIM_INFINITY and hard < want:
             pytest.skip(f"needs {want} file descriptors, the hard limit is {hard}")
@@ -166,3 +166,33 @@ def test_lb_polls_are_answered_while_slow_clients_attack(feed: WeightFeed, sourc
     if source == "127.0.0.1":  # same address as the LB: its polls got in by evicting slow clients
         assert server.evicted_total > 0 and agent.evicted_total + agent.expired_total > 0
     assert _poll_http(feed.http_port) < POLL_BOUND_S  # and after the attack
+
+
+def test_a_keep_alive_lb_is_never_reset_by_slow_clients_above_the_cap(feed: WeightFeed) -> None:
+    """The attack that reset 13-18 % of an LB's polls: 512, then 1,500 more slow clients from the LB's own
+    address. The LB polls on one keep-alive connection every 1.2 s (Traefik's 1 s poll plus its work), so
+    its connection sits idle past the eviction grace between polls; the slow clients, which never
+    complete a request, are evicted before it."""
+    server = feed._http
+    assert server is not None
+    lb = http.client.HTTPConnection("127.0.0.1", feed.http_port, timeout=5)
+    failures, polls = [], 0
+    with Attack(feed.http_port, server.max_connections, b"GET /v1/weights HTTP/1.1\r\nHost: x\r\n", b"X-a: b\r\n",
+                2.0, "127.0.0.1"), Attack(feed.http_port, 1500, b"GET / HTTP/1.1\r\n", b"X: y\r\n", 2.0,
+                                          "127.0.0.1"):
+        time.sleep(2.5)
+        for _ in range(8):
+            polls += 1
+            try:
+                lb.request("GET", "/v1/weights")
+                resp = lb.getresponse()
+                assert resp.status == 200 and b'"backends"' in resp.read()
+            except (OSError, http.client.HTTPException) as exc:
+                failures.append(f"poll {polls}: {exc!r} (evicted {server.evicted_total}, "
+                                f"refused {server.refused_total})")
+                lb.close()
+                lb = http.client.HTTPConnection("127.0.0.1", feed.http_port, timeout=5)
+            time.sleep(1.2)
+    lb.close()
+    assert failures == [], f"{len(failures)} of {polls} keep-alive polls failed: {failures[:3]}"
+    assert server.evicted_total > 0

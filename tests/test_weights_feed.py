@@ -590,21 +590,27 @@ def test_connection_cap_closes_extra_connections(fleet: Fleet, serve_process: bo
                                               "feed": {"port": 0, "agent_port": 0, "max_connections": 2,
                                                        "serve_process": serve_process}}})
     with WeightFeed(p, inputs_fn=fleet).start() as feed:
-        for port in (feed.agent_port, feed.http_port):
-            idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
-            try:
-                time.sleep(0.1)  # both accepted and holding a thread
-                with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
-                    if port == feed.http_port:
-                        extra.sendall(b"GET /v1/weights HTTP/1.1\r\nHost: x\r\n\r\n")
-                    # an agent connection over the bound is closed unless its line comes at once (probation)
-                    with contextlib.suppress(ConnectionResetError):  # closed without an answer
-                        assert extra.recv(100) == b""
-                if port == feed.agent_port:  # an agent check sent at once is answered even over the bound
-                    assert agent(port, name(0).encode() + b"\n") == b"up ready 100%\n"
-            finally:
-                for s in idle:
-                    s.close()
+        # two keep-alive connections that have been answered hold the HTTP port's slots: never evicted
+        held = [socket.create_connection(("127.0.0.1", feed.http_port), timeout=5) for _ in range(2)]
+        try:
+            for s in held:
+                s.sendall(b"GET /v1/weights HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            with socket.create_connection(("127.0.0.1", feed.http_port), timeout=5) as extra:
+                extra.sendall(b"GET /v1/weights HTTP/1.1\r\nHost: x\r\n\r\n")
+                with contextlib.suppress(ConnectionResetError):  # closed without an answer
+                    assert extra.recv(100) == b""
+        finally:
+            for s in held:
+                s.close()
+        # two idle agent connections: a check sent at once takes the slot of one (idle past EVICT_AFTER_S)
+        idle = [socket.create_connection(("127.0.0.1", feed.agent_port), timeout=5) for _ in range(2)]
+        try:
+            time.sleep(0.3)
+            assert agent(feed.agent_port, name(0).encode() + b"\n") == b"up ready 100%\n"
+        finally:
+            for s in idle:
+                s.close()
         time.sleep(0.2)  # slots freed
         assert agent(feed.agent_port, name(0).encode() + b"\n") == b"up ready 100%\n"
         assert weights(feed)["backends"]
