@@ -310,11 +310,15 @@ def test_daemon_pipeline_counters(store_path: Path, tmp_path: Path) -> None:
         vllm.shutdown()
     with open_store(config) as check:
         in_store = check.query(f"SELECT count() FROM {database}.serving_metrics").scalar()
+        in_store += check.query(f"SELECT count() FROM {database}.scrape_health").scalar()  # one row per scrape
         check.command(f"DROP DATABASE IF EXISTS {database}")
     assert _get(live, "triscope_writer_rows_written_total") >= 5
     written = _get(s, "triscope_writer_rows_written_total")
     assert written == _get(s, "triscope_writer_rows_submitted_total") == _get(
-        s, "triscope_collector_rows_total", collector="serving_metrics", table="serving_metrics")
+        s, "triscope_collector_rows_total", collector="serving_metrics", table="serving_metrics") + _get(
+        s, "triscope_collector_rows_total", collector="serving_metrics", table="scrape_health")
+    assert _get(s, "triscope_collector_rows_total", collector="serving_metrics", table="scrape_health") == _get(
+        s, "triscope_collector_rows_total", collector="serving_metrics", table="serving_metrics")  # all up
     assert summary["writer"]["rows_written"] == in_store >= written  # shutdown takes one last sample
     assert _get(s, "triscope_writer_pending_rows") == 0
     assert _get(s, "triscope_writer_spool_bytes") == 0

@@ -28,7 +28,7 @@ import json, sys
 from triscope.store import open_store
 s = open_store({"store": {"backend": "embedded", "path": sys.argv[1], "database": "runtest"}})
 out = {}
-for t in ("io_latency", "serving_metrics", "requests"):
+for t in ("io_latency", "serving_metrics", "requests", "scrape_health"):
     out[t] = s.query(f"SELECT count() FROM runtest.{t}").scalar()
 out["served"] = s.query("SELECT groupUniqArray(model), max(queue_length), max(kv_cache_usage_ratio) "
                         "FROM runtest.serving_metrics").rows[0]
@@ -121,7 +121,8 @@ port = {otlp_port}
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)
     assert got["io_latency"] == summary["collectors"]["blockio_diskstats"]["rows"] > 0
-    assert got["serving_metrics"] == summary["collectors"]["serving_metrics"]["rows"] > 0
+    assert got["serving_metrics"] + got["scrape_health"] == summary["collectors"]["serving_metrics"]["rows"]
+    assert got["serving_metrics"] == got["scrape_health"] > 0  # one health row per scrape, every one up
     assert got["served"] == [["llama"], 3.0, 0.42]
     assert got["sources"] == ["diskstats"]
     assert got["requests"] == 1 and got["span"] == [["llama", 77]]
