@@ -199,7 +199,24 @@ def _attack_shapes(rx, writer, store) -> dict:
             "ids": sorted(request_ids(store, writer)), "empty_status": empty_status}
 
 
-ATTACKS = {"bomb": _attack_bomb, "flood": _attack_flood, "at_once": _attack_at_once, "shapes": _attack_shapes}
+def _attack_series(rx, writer, store) -> dict:
+    """Twelve rounds of the attacks at once; this process's RSS after each round (after a GC)."""
+    bombs, flood = [attribute_bomb() for _ in range(3)], span_flood()
+    rss = [_status("VmRSS")]
+    for _ in range(12):
+        threads = [threading.Thread(target=post, args=(rx, b), kwargs={"headers": {"Content-Encoding": "gzip"}})
+                   for b in [*bombs, flood]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        gc.collect()
+        rss.append(_status("VmRSS"))
+    return {"growth": max(rss) - rss[0], "rss": rss}
+
+
+ATTACKS = {"series": _attack_series, "bomb": _attack_bomb, "flood": _attack_flood, "at_once": _attack_at_once,
+           "shapes": _attack_shapes}
 
 
 def attack_main(name: str, workdir: str) -> None:
@@ -292,6 +309,17 @@ def test_json_has_its_own_smaller_bound(writer) -> None:
         assert status == 413 and "exceeds 65536" in json.loads(data)["message"]
     finally:
         r.close()
+
+
+def test_repeated_attacks_level_off_rather_than_leak(tmp_path) -> None:
+    """The daemon's memory crept up over a series of attacks: retained or leaked? Twelve rounds in one
+    process: RSS rises over the first rounds (allocator arenas and caches reach their working size), then
+    stays flat; a leak would add the same every round."""
+    rss = in_own_process("series", tmp_path)["rss"]
+    later = rss[6:]
+    print("RSS MiB per round:", [round(r / MiB) for r in rss])
+    assert max(later) - min(later) < 16 * MiB, [round(r / MiB) for r in rss]
+    assert rss[-1] - rss[0] < 100 * MiB, [round(r / MiB) for r in rss]
 
 
 def test_hostile_shapes_cost_only_themselves(tmp_path) -> None:
