@@ -32,7 +32,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-SECTIONS = ("analysis", "blockio", "dcgm", "epp", "heatmap", "ingest", "nvml", "otlp", "prometheus", "run",
+SECTIONS = ("analysis", "blockio", "dcgm", "epp", "heatmap", "ingest", "nvml", "otlp", "prometheus", "query", "run",
             "serving_metrics", "stalls", "store", "torch_allocator", "weights", "writer")
 """Every top-level table the product reads; ``tests/test_config_mistakes.py`` checks each component's
 section is here. A misspelt section must not run silently with defaults (``[otpl] token`` would leave

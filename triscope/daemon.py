@@ -81,6 +81,8 @@ class Daemon:
         self.exporters: list[Exporter] = []
         self.started: list[str] = []
         self.failed: dict[str, str] = {}
+        self.query_endpoint: Any = None
+        self.query_store: Store | None = None
 
     def _submit(self, table: str, columns: Rows) -> int:
         if self.writer is None:
@@ -128,7 +130,24 @@ class Daemon:
         for exporter in exporters:
             exporter.start()
             self.exporters.append(exporter)
+        self._start_query_endpoint()
         log.info("triscope run: collectors %s; spool %s", ", ".join(self.started), self.writer.spool.dir)
+
+    def _start_query_endpoint(self) -> None:
+        """Serve the embedded store while this process holds it (``[query]``, docs/query.md)."""
+        from triscope.query_endpoint import QueryConfig, QueryEndpoint
+        from triscope.store import StoreConfig
+
+        cfg = QueryConfig.from_config(self.config)
+        if not cfg.enabled or cfg.port == -1 or StoreConfig.from_config(self.config).backend != "embedded":
+            return
+        try:
+            store = self.opener()
+        except StoreError as exc:
+            log.warning("query endpoint not started: %s", exc)
+            return
+        self.query_store = store
+        self.query_endpoint = QueryEndpoint(store, cfg).start()
 
     def stats(self) -> dict[str, Any]:
         """Live counters: ``writer`` (:meth:`Writer.snapshot`), per-collector rows/errors, not started, and
@@ -183,6 +202,9 @@ class Daemon:
         for exporter in self.exporters:
             with contextlib.suppress(Exception):
                 exporter.close()
+        if self.query_endpoint is not None:
+            self.query_endpoint.close()
+            self.query_endpoint = None
         assert self.writer is not None
         complete = self.writer.close(timeout_s=self.run_cfg.shutdown_timeout_s)
         return {"collectors": {loop.collector.name: {"rows": loop.rows, "errors": loop.errors,

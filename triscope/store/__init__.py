@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from triscope.component import ComponentConfig
-from triscope.errors import ConfigError
+from triscope.errors import ConfigError, StoreError
 from triscope.store.base import Result, Store
 
 __all__ = ["Result", "Store", "StoreConfig", "open_store"]
@@ -49,7 +49,13 @@ def open_store(config: Mapping[str, Any], migrate: bool = True) -> Store:
     if cfg.backend == "embedded":
         from triscope.store.embedded import EmbeddedStore
 
-        store = EmbeddedStore(cfg.path, database=cfg.database, cluster=cfg.cluster)
+        try:
+            store = EmbeddedStore(cfg.path, database=cfg.database, cluster=cfg.cluster)
+        except StoreError as exc:
+            served = _served_by_daemon(cfg, exc)
+            if served is None:
+                raise
+            return served  # the daemon migrated it; its endpoint is read-only
     else:
         from triscope.store.server import ServerStore
 
@@ -60,3 +66,22 @@ def open_store(config: Mapping[str, Any], migrate: bool = True) -> Store:
 
         run_migrations(store)
     return store
+
+
+def _served_by_daemon(cfg: StoreConfig, refused: StoreError) -> Store | None:
+    """A store talking to the query endpoint of the live ``triscope run`` that holds ``cfg.path``
+    (docs/query.md), or None when no live daemon serves it (a stale discovery file included)."""
+    if "in use by another process" not in str(refused):
+        return None
+    from triscope.query_discovery import find
+    from triscope.store.server import ServerStore
+
+    endpoint = find(cfg.path)
+    if endpoint is None or endpoint.database != cfg.database:
+        return None
+    try:
+        return ServerStore(endpoint.url, database=endpoint.database, username=endpoint.username,
+                           password=endpoint.token, create_database=False)
+    except StoreError as exc:
+        raise StoreError(f"embedded store {cfg.path} is held by triscope run (pid {endpoint.pid}), whose query "
+                         f"endpoint {endpoint.url} did not answer: {exc}") from None

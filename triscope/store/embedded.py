@@ -171,6 +171,11 @@ class EmbeddedStore(Store):
         doc = orjson.loads(raw)
         return Result([m["name"] for m in doc["meta"]], [tuple(r) for r in doc["data"]])
 
+    def query_raw(self, sql: str, fmt: str, params: Mapping[str, Any] | None = None) -> bytes:
+        """The answer as chDB writes it in ``fmt`` (any ClickHouse output format; a FORMAT clause wins)."""
+        res = self._run(sql, fmt, params)
+        return res.bytes() if res is not None else b""
+
     def query_columns(self, sql: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         import pyarrow as pa
 

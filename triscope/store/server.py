@@ -21,7 +21,7 @@ class ServerStore(Store):
     """Store backed by a ClickHouse server (single node or a cluster entry point)."""
 
     def __init__(self, url: str, database: str = "triscope", username: str = "", password: str = "",
-                 cluster: str = "", connect_timeout_s: float = 5.0) -> None:
+                 cluster: str = "", connect_timeout_s: float = 5.0, create_database: bool = True) -> None:
         import clickhouse_connect
 
         parsed = urlparse(url if "://" in url else f"http://{url}")
@@ -41,7 +41,10 @@ class ServerStore(Store):
         self._connect = clickhouse_connect.get_client
         self._local = threading.local()
         on_cluster = f" ON CLUSTER `{cluster}`" if cluster else ""
-        self._client(database="default").command(f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}")
+        if create_database:  # (a read-only endpoint, such as a daemon's, has it already)
+            self._client(database="default").command(f"CREATE DATABASE IF NOT EXISTS {database}{on_cluster}")
+        else:
+            self._client()
 
     def _client(self, database: str | None = None) -> Any:
         client = getattr(self._local, "client", None)

@@ -1,0 +1,157 @@
+"""The daemon's query endpoint (triscope/query_endpoint.py): ClickHouse's HTTP interface over the embedded
+store, for real clients (clickhouse-connect) and raw HTTP, with its bounds. In-process here: the endpoint
+serves the test's own store; tests/test_query_live.py runs it inside ``triscope run``."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+import clickhouse_connect
+import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError
+
+from triscope.query_endpoint import QueryConfig, QueryEndpoint, statement_kind, with_settings
+from triscope.schema import SERVING_METRICS, encode_ts, qualified
+
+T0 = 1_767_225_600  # 2026-01-01
+
+
+@pytest.fixture()
+def endpoint(store: Any) -> Iterator[QueryEndpoint]:
+    rows = [{"ts": encode_ts((T0 + i) * 10**9), "backend": f"b{i % 3}:8000", "model": "m",
+             "kv_cache_usage_ratio": i / 100, "queue_length": float(i)} for i in range(60)]
+    store.insert(qualified(store, SERVING_METRICS), SERVING_METRICS.columns_of(rows))
+    ep = QueryEndpoint(store, QueryConfig.from_config({"query": {
+        "port": 0, "password": "s3cret", "max_execution_time_s": 2, "max_memory_bytes": 200_000_000,
+        "max_query_bytes": 4096}})).start()
+    try:
+        yield ep
+    finally:
+        ep.close()
+
+
+def client(ep: QueryEndpoint, **kw: Any) -> Any:
+    return clickhouse_connect.get_client(host="127.0.0.1", port=ep.port, username="triscope", password="s3cret",
+                                         database=ep.store.database, **kw)
+
+
+def raw(ep: QueryEndpoint, method: str, query: str = "", body: bytes = b"", auth: str | None = "triscope:s3cret",
+        **params: str) -> tuple[int, dict[str, str], bytes]:
+    args = {**({"query": query} if query else {}), **params}
+    conn = http.client.HTTPConnection("127.0.0.1", ep.port, timeout=20)
+    headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+    try:
+        conn.request(method, "/?" + urllib.parse.urlencode(args), body=body or None, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def test_clickhouse_connect_gets_the_rows_a_direct_open_gets(endpoint: QueryEndpoint, store: Any) -> None:
+    sql = ("SELECT backend, count() AS n, round(avg(kv_cache_usage_ratio), 6) AS kv, max(ts) AS last "
+           f"FROM {qualified(store, SERVING_METRICS)} WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) "
+           "GROUP BY backend ORDER BY backend")
+    params = {"since": (T0 + 10) * 10**9}
+    direct = store.query(sql, params)
+    c = client(endpoint)
+    got = c.query(sql, parameters=params)
+    assert list(got.column_names) == direct.columns
+    assert [(r[0], r[1], r[2]) for r in got.result_rows] == [(r[0], int(r[1]), float(r[2])) for r in direct.rows]
+    assert [r[3].replace(tzinfo=None).isoformat(sep=" ") for r in got.result_rows] == [
+        str(r[3])[:26].rstrip("0").rstrip(".") for r in direct.rows]
+    arrow = c.query_arrow("SELECT backend FROM serving_metrics ORDER BY ts LIMIT 3")  # unqualified: the database
+    assert arrow.column("backend").to_pylist() == ["b0:8000", "b1:8000", "b2:8000"]
+    assert c.query("SELECT {x:UInt32} + 1", parameters={"x": 41}).result_rows == [(42,)]
+
+
+@pytest.mark.parametrize("fmt", ["JSON", "JSONCompact", "TabSeparatedWithNames", "CSVWithNames",
+                                 "RowBinaryWithNamesAndTypes", "Native", "Arrow", "Parquet"])
+def test_every_format_is_served_as_the_engine_writes_it(endpoint: QueryEndpoint, store: Any, fmt: str) -> None:
+    sql = f"SELECT backend, queue_length FROM {qualified(store, SERVING_METRICS)} ORDER BY ts LIMIT 5"
+    def same(answer: bytes) -> Any:
+        if fmt.startswith("JSON"):  # they carry the query's elapsed time
+            return {k: v for k, v in json.loads(answer).items() if k != "statistics"}
+        if fmt == "Arrow":  # the store's own connection asks for LowCardinality as dictionaries, a server does not
+            import pyarrow as pa
+
+            return pa.ipc.open_file(pa.py_buffer(answer)).read_all().to_pylist()
+        return answer
+
+    status, headers, body = raw(endpoint, "GET", sql, default_format=fmt)
+    assert status == 200 and headers["X-ClickHouse-Format"] == fmt
+    assert same(body) == same(store.query_raw(sql, fmt))
+    status, headers, body2 = raw(endpoint, "POST", body=f"{sql} FORMAT {fmt}".encode())  # POST, FORMAT clause
+    assert status == 200 and headers["X-ClickHouse-Format"] == fmt and same(body2) == same(body)
+
+
+def test_writes_and_raised_bounds_are_refused_and_collection_goes_on(endpoint: QueryEndpoint, store: Any) -> None:
+    c = client(endpoint)
+    table = qualified(store, SERVING_METRICS)
+    before = store.query(f"SELECT count() FROM {table}").scalar()
+    for sql, words in [(f"INSERT INTO {table} (backend) VALUES ('x')", "readonly"),
+                       (f"ALTER TABLE {table} DELETE WHERE 1", "readonly"),
+                       ("CREATE TABLE evil (a UInt8) ENGINE = Memory", "readonly"),
+                       ("SELECT 1 SETTINGS readonly = 0", r"fixed by \[query\]"),
+                       ("SELECT 1 SETTINGS max_execution_time = 1000 FORMAT JSON", r"fixed by \[query\]"),
+                       (f"WITH 1 AS a INSERT INTO {table} (backend) SELECT 'x'", "readonly")]:
+        with pytest.raises(DatabaseError, match=words):
+            c.command(sql)
+    store.insert(table, SERVING_METRICS.columns_of([{"ts": encode_ts(T0 * 10**9), "backend": "w:1"}]))  # writer
+    assert store.query(f"SELECT count() FROM {table}").scalar() == before + 1
+
+
+def test_time_and_memory_bounds_hold(endpoint: QueryEndpoint) -> None:
+    c = client(endpoint)
+    with pytest.raises(DatabaseError, match=r"TIMEOUT_EXCEEDED|Timeout exceeded"):
+        c.query("SELECT count() FROM numbers(100000000000) WHERE sipHash64(number) = 1",
+                settings={"max_execution_time": 1000})  # asked for more: the endpoint's 2 s hold
+    with pytest.raises(DatabaseError, match=r"MEMORY_LIMIT_EXCEEDED|memory limit"):
+        c.query("SELECT groupArray(number) FROM numbers(100000000)")
+    assert c.query("SELECT 1").result_rows == [(1,)]  # the endpoint still answers
+
+
+def test_bad_requests_are_clear_errors(endpoint: QueryEndpoint) -> None:
+    status, headers, body = raw(endpoint, "GET", "SELECT 1", auth="triscope:wrong")
+    assert status == 401 and headers["X-ClickHouse-Exception-Code"] == "516" and b"Authentication failed" in body
+    status, _, body = raw(endpoint, "GET", "SELECT 1", auth=None)
+    assert status == 401
+    status, _, body = raw(endpoint, "POST", body=b"SELECT '" + b"x" * 5000 + b"'")
+    assert status == 413 and body.startswith(b"Code: 241.")
+    status, _, body = raw(endpoint, "GET", "SELECT 1", database="other")
+    assert status == 404 and b"Database other does not exist here" in body
+    status, _, body = raw(endpoint, "GET", "SELECT FROM WHERE")
+    assert status == 500 and body.startswith(b"Code: 62.") and body.count(b"\n") == 1
+    status, _, body = raw(endpoint, "GET", "", body=b"")
+    assert status == 200 and body == b"Ok.\n"  # GET / is ClickHouse's health answer
+
+
+def test_statement_kinds_and_settings_clauses() -> None:
+    assert statement_kind("-- why\n/* a */ (SELECT 1)") == "SELECT"
+    assert statement_kind("  with x as (select 1) select * from x") == "WITH"
+    assert statement_kind("INSERT INTO t VALUES") == "INSERT"
+    assert with_settings("SELECT 1 FORMAT JSON", {"a": "1"}) == "SELECT 1 SETTINGS a = 1 FORMAT JSON"
+    assert with_settings("SELECT 1 SETTINGS b = 2", {"a": "x'y"}) == "SELECT 1 SETTINGS b = 2, a = 'x\\'y'"
+
+
+def test_the_discovery_file_is_the_owner_s_and_goes_with_the_endpoint(store: Any, tmp_path: Any) -> None:
+    import os
+    import stat
+
+    from triscope.query_discovery import FILE_NAME
+
+    ep = QueryEndpoint(store, QueryConfig.from_config({"query": {"port": 0}})).start()
+    path = os.path.join(store.path, FILE_NAME)
+    try:
+        with open(path) as fh:
+            doc = json.loads(fh.read())
+        assert doc["port"] == ep.port and doc["pid"] == os.getpid() and len(doc["token"]) >= 24
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    finally:
+        ep.close()
+    assert not os.path.exists(path)
