@@ -205,6 +205,10 @@ class Daemon:
         if self.query_endpoint is not None:
             self.query_endpoint.close()
             self.query_endpoint = None
+        if self.query_store is not None:
+            with contextlib.suppress(Exception):
+                self.query_store.close()
+            self.query_store = None
         assert self.writer is not None
         complete = self.writer.close(timeout_s=self.run_cfg.shutdown_timeout_s)
         return {"collectors": {loop.collector.name: {"rows": loop.rows, "errors": loop.errors,

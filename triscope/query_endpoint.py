@@ -187,7 +187,8 @@ class QueryService:
                 self.waiting -= 1
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop taking queries; a query still running ends within ``max_execution_time_s``."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def stats(self) -> dict[str, int]:
         return {"queries_total": self.queries_total, "errors_total": self.errors_total,
