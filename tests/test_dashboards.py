@@ -604,7 +604,59 @@ def test_build_command_writes_and_checks(tmp_path: Path) -> None:
     assert stale_files(out) == [] and not (out / "old.json").exists()
 
 
+def _same(value: Any) -> Any:
+    """A cell as both stores can agree on: numbers rounded, times as epoch seconds, the rest as text."""
+    import datetime as dt
+
+    if isinstance(value, (list, tuple)):
+        return [_same(v) for v in value]
+    if value is None or (isinstance(value, float) and value != value):  # JSON writes NaN as null
+        return "nan"
+    if isinstance(value, dt.datetime):
+        return round(value.replace(tzinfo=value.tzinfo or dt.UTC).timestamp(), 6)
+    if isinstance(value, bool | int | float):
+        return round(float(value), 9)
+    text = str(value)
+    try:
+        return round(float(text), 9)
+    except ValueError:
+        pass
+    if re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?", text):
+        head, _, frac = text.partition(".")
+        return round(dt.datetime.fromisoformat(head).replace(tzinfo=dt.UTC).timestamp() + float(f"0.{frac or 0}"), 6)
+    return text
+
+
+def test_every_board_answers_through_the_daemon_s_query_endpoint(seeded) -> None:
+    """Grafana on one machine: every panel's SQL through the daemon's endpoint (clickhouse-connect, as the
+    CLI uses it) gives the rows the store opened directly gives."""
+    from triscope.query_endpoint import QueryConfig, QueryEndpoint
+    from triscope.store.server import ServerStore
+
+    ep = QueryEndpoint(seeded, QueryConfig.from_config({"query": {"port": 0}})).start()
+    remote = ServerStore(ep.url, database=seeded.database, username=ep.username, password=ep.token,
+                         create_database=False)
+    try:
+        compared = 0
+        for name, board in BOARDS.items():
+            variables = resolve_variables(seeded, board)
+            direct, served = run_panels(seeded, board, variables), run_panels(remote, board, variables)
+            for key, (_, _, result) in direct.items():
+                got = served[key][2]
+                assert got.columns == result.columns, (name, key)
+                assert [_same(r) for r in got.rows] == [_same(r) for r in result.rows], (name, key)
+                compared += 1
+        assert compared > 30
+    finally:
+        remote.close()
+        ep.close()
+
+
 def test_provisioning_yaml() -> None:
+    embedded = yaml.safe_load((PROVISIONING / "datasources-embedded" / "triscope.yaml").read_text())
+    (ch,) = [d for d in embedded["datasources"] if d["type"] == "grafana-clickhouse-datasource"]
+    assert ch["uid"] == "triscope-clickhouse" and ch["jsonData"]["protocol"] == "http"
+    assert ch["secureJsonData"]["password"] == "${TRISCOPE_QUERY_PASSWORD}"
     ds = yaml.safe_load((PROVISIONING / "datasources" / "triscope.yaml").read_text())
     assert ds["apiVersion"] == 1
     types = {d["type"] for d in ds["datasources"]}

@@ -155,3 +155,22 @@ def test_the_discovery_file_is_the_owner_s_and_goes_with_the_endpoint(store: Any
     finally:
         ep.close()
     assert not os.path.exists(path)
+
+
+def test_the_grafana_plugin_s_request_shapes(endpoint: QueryEndpoint, store: Any) -> None:
+    """What the Grafana ClickHouse plugin's Go client (clickhouse-go v2, HTTP protocol) sends, read from its
+    source (conn_http.go): POST to ``/?database=DB&default_format=Native&<settings>`` with the query as the
+    body and Basic auth from the URL's user info; ``SELECT timeZone()`` when it connects, ``SELECT 1`` to
+    ping; settings from the data source (a query timeout) as URL parameters."""
+    table = qualified(store, SERVING_METRICS)
+    params = {"database": store.database, "default_format": "Native", "max_execution_time": "60",
+              "query_id": "grafana-1"}
+    for sql in ("SELECT timeZone()", "SELECT 1",
+                f"SELECT $__t AS time, backend, avg(kv_cache_usage_ratio) FROM {table} GROUP BY time, backend "
+                "ORDER BY time, backend".replace("$__t", "toStartOfMinute(ts)")):
+        status, headers, body = raw(endpoint, "POST", body=sql.encode(), **params)
+        assert status == 200 and headers["X-ClickHouse-Format"] == "Native", body[:200]
+        assert headers["X-ClickHouse-Query-Id"] == "grafana-1"
+        assert body == store.query_raw(sql, "Native") or sql == "SELECT timeZone()"
+    status, _, body = raw(endpoint, "POST", body=b"SELECT timeZone() FORMAT TSV", database=store.database)
+    assert body.strip() in (b"UTC", b"Etc/UTC")  # a zone Go's time.LoadLocation knows
