@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 READ_STATEMENTS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXISTS", "EXPLAIN")
 BOUND_SETTINGS = ("readonly", "max_execution_time", "max_memory_usage", "max_memory_usage_for_user",
-                  "timeout_overflow_mode")
+                  "timeout_overflow_mode", "max_threads")
 """Settings the endpoint fixes: a query cannot raise them in its text or its URL parameters."""
 NOT_SETTINGS = {"query", "database", "default_format", "query_id", "session_id", "session_timeout", "session_check",
                 "compress", "decompress", "user", "password", "quota_key", "buffer_size", "wait_end_of_query",
@@ -85,6 +85,8 @@ class QueryConfig(ComponentConfig):
     max_queued: int = 16
     max_execution_time_s: float = 30.0
     max_memory_bytes: int = 4 << 30
+    max_threads: int = 0
+    """Engine threads per query (0 = a quarter of the cores, at least 1): the writer keeps the rest."""
     max_connections: int = 64
 
     def validate(self, where: str) -> None:
@@ -92,7 +94,7 @@ class QueryConfig(ComponentConfig):
         positive(where, max_query_bytes=self.max_query_bytes, max_concurrent=self.max_concurrent,
                  max_execution_time_s=self.max_execution_time_s, max_memory_bytes=self.max_memory_bytes,
                  max_connections=self.max_connections)
-        non_negative(where, max_queued=self.max_queued)
+        non_negative(where, max_queued=self.max_queued, max_threads=self.max_threads)
         if not self.username or any(c in self.username for c in ":\n\r"):
             raise ConfigError(f"{where} username must be a non-empty name without ':' or newlines")
 
@@ -152,7 +154,8 @@ class QueryService:
         statements = [f"USE {self.store.database}",  # unqualified names resolve as with a server's database
                       "SET output_format_arrow_low_cardinality_as_dictionary = 0",  # as a server's default
                       f"SET max_execution_time = {int(self.cfg.max_execution_time_s)}",
-                      f"SET max_memory_usage = {int(self.cfg.max_memory_bytes)}"]
+                      f"SET max_memory_usage = {int(self.cfg.max_memory_bytes)}",
+                      f"SET max_threads = {self.cfg.max_threads or max(1, (os.cpu_count() or 1) // 4)}"]
         if self.cfg.readonly:
             statements.append("SET readonly = 2")  # reads, and settings other than readonly
         for sql in statements:

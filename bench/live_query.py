@@ -1,0 +1,204 @@
+"""Board queries through the daemon's query endpoint while the writer ingests: does either starve the other?
+
+One process, as in ``triscope run``: an embedded store seeded with an hour of a fleet's serving metrics
+and request spans, the writer ingesting synthetic ``serving_metrics`` rows as fast as it takes them (a
+producer submitting 20,000-row batches), and the query endpoint (``[query]``) serving N clients
+(clickhouse-connect, as the CLI uses it) that run every panel of the fleet and weights boards in a loop.
+For N = 0, 4 and 16 it prints the writer's rows/s and the spool's depth, with the ratio to N = 0 measured
+in the same run, and the boards' queries' latency through the endpoint against the same queries on the
+store opened directly (median ratio).
+
+    .venv/bin/python bench/live_query.py [--seconds 8] [--json]
+
+Targets: writer >= 0.8x of idle at 4 concurrent queries; endpoint latency <= 1.3x direct (median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from triscope.dashboards.boards import all_boards
+from triscope.dashboards.macros import ALL, Context, Var, expand
+from triscope.query_endpoint import QueryConfig, QueryEndpoint
+from triscope.schema import REQUESTS, SERVING_METRICS, encode_ts, migrate, qualified
+from triscope.store.embedded import EmbeddedStore
+from triscope.store.server import ServerStore
+from triscope.writer import Writer
+
+BACKENDS = [f"10.0.{i // 256}.{i % 256}:8000" for i in range(64)]
+HOUR_S = 3600
+
+
+def seed(store: EmbeddedStore, end_s: int) -> None:
+    """An hour of 64 backends' scrapes (1 s) and 50 request spans a second."""
+    rng = np.random.default_rng(7)
+    n = HOUR_S * len(BACKENDS)
+    ts = np.repeat(np.arange(end_s - HOUR_S, end_s, dtype=np.int64) * 10**9, len(BACKENDS))
+    store.insert(qualified(store, SERVING_METRICS), {
+        "ts": ts, "host": ["h"] * n, "backend": BACKENDS * HOUR_S, "server": ["vllm"] * n, "model": ["m"] * n,
+        "queue_length": rng.poisson(3, n).astype(float), "running_requests": rng.poisson(8, n).astype(float),
+        "kv_cache_usage_ratio": rng.uniform(0, 1, n), "requests_total": np.arange(n, dtype=float),
+        "latency_p99_seconds": rng.gamma(2, 0.5, n)})
+    m = HOUR_S * 50
+    store.insert(qualified(store, REQUESTS), {
+        "ts": np.sort(rng.integers((end_s - HOUR_S) * 10**9, end_s * 10**9, m)),
+        "backend": [BACKENDS[i % len(BACKENDS)] for i in range(m)], "model": ["m"] * m,
+        "request_class": ["interactive_image_text"] * m, "latency_seconds": rng.gamma(2, 0.4, m),
+        "status": ["ok"] * m})
+
+
+def board_queries(store: EmbeddedStore, start: datetime, end: datetime) -> list[str]:
+    """Every panel's SQL of the fleet and weights boards, variables at All, over [start, end]."""
+    out = []
+    for name in ("fleet", "weights"):
+        board = all_boards()[name]
+        variables: dict[str, Var] = {}
+        for v in board["templating"]["list"]:
+            if v["type"] == "textbox":
+                variables[v["name"]] = Var(store.database, [store.database], multi=False)
+                continue
+            sql = expand(v["query"]["rawSql"], Context(start, end, 10.0, variables))
+            variables[v["name"]] = Var([ALL], [str(r[0]) for r in store.query(sql).rows] or [""], multi=v["multi"])
+        for panel in board["panels"]:
+            for target in panel.get("targets", []):
+                if "rawSql" in target:
+                    out.append(expand(target["rawSql"], Context(start, end, 10.0, variables)))
+    return out
+
+
+class Producer(threading.Thread):
+    """Submits 20,000-row serving_metrics batches as fast as the writer takes them."""
+
+    def __init__(self, writer: Writer, start_s: int) -> None:
+        super().__init__(daemon=True)
+        self.writer, self.t = writer, start_s * 10**9
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        n = 20_000
+        while not self.stop.is_set():
+            ts = self.t + np.arange(n, dtype=np.int64)
+            self.t += n
+            self.writer.submit(SERVING_METRICS.name, {"ts": [encode_ts(int(t)) for t in ts], "backend": ["w:1"] * n,
+                                                      "kv_cache_usage_ratio": [0.5] * n})
+
+
+def run_level(store: EmbeddedStore, writer: Writer, endpoint: QueryEndpoint, queries: list[str], clients: int,
+              seconds: float) -> dict[str, Any]:
+    stop = threading.Event()
+    latencies: list[float] = []
+
+    def client() -> None:
+        remote = ServerStore(endpoint.url, database=store.database, username=endpoint.username,
+                             password=endpoint.token, create_database=False)
+        try:
+            while not stop.is_set():
+                for sql in queries:
+                    t0 = time.perf_counter()
+                    remote.query(sql)
+                    latencies.append(time.perf_counter() - t0)
+                    if stop.is_set():
+                        break
+        finally:
+            remote.close()
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    producer = Producer(writer, int(time.time()) + 10 * HOUR_S)
+    before = writer.snapshot()["rows_written"]
+    t0 = time.monotonic()
+    producer.start()
+    for t in threads:
+        t.start()
+    depth = []
+    while time.monotonic() - t0 < seconds:
+        time.sleep(0.25)
+        depth.append(writer.snapshot()["rows_pending"])
+    written = writer.snapshot()["rows_written"] - before
+    elapsed = time.monotonic() - t0
+    stop.set()
+    producer.stop.set()
+    for t in threads:
+        t.join(timeout=60)
+    producer.join(timeout=60)
+    writer.flush(timeout_s=120)
+    return {"clients": clients, "writer_rows_per_s": round(written / elapsed),
+            "spool_rows_max": max(depth or [0]), "spool_rows_median": statistics.median(depth or [0]),
+            "queries": len(latencies),
+            "query_median_ms": round(1000 * statistics.median(latencies), 2) if latencies else None}
+
+
+def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[str], rounds: int = 5
+                  ) -> dict[str, Any]:
+    """Per query: median over ``rounds`` through the endpoint / the same directly, idle writer."""
+    remote = ServerStore(endpoint.url, database=store.database, username=endpoint.username, password=endpoint.token,
+                         create_database=False)
+    ratios = []
+    for sql in queries:
+        direct, served = [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            store.query(sql)
+            direct.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            remote.query(sql)
+            served.append(time.perf_counter() - t0)
+        ratios.append(statistics.median(served) / statistics.median(direct))
+    remote.close()
+    return {"queries": len(queries), "median_ratio": round(statistics.median(ratios), 3),
+            "p90_ratio": round(float(np.quantile(ratios, 0.9)), 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=8.0, help="per concurrency level")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = EmbeddedStore(f"{tmp}/store")
+        migrate(store)
+        end_s = int(time.time())
+        seed(store, end_s)
+        queries = board_queries(store, datetime.fromtimestamp(end_s - HOUR_S, UTC), datetime.fromtimestamp(end_s, UTC))
+        writer = Writer(store, f"{tmp}/spool", flush_interval_s=0.5)
+        writer.start()
+        endpoint = QueryEndpoint(store, QueryConfig.from_config({"query": {"port": 0}})).start()
+        try:
+            latency = latency_ratio(store, endpoint, queries)
+            levels = [run_level(store, writer, endpoint, queries, n, args.seconds) for n in (0, 4, 16)]
+        finally:
+            endpoint.close()
+            writer.close(timeout_s=120)
+            store.close()
+    idle = levels[0]["writer_rows_per_s"] or 1
+    for level in levels:
+        level["writer_ratio_to_idle"] = round(level["writer_rows_per_s"] / idle, 3)
+    doc = {"board_queries": len(queries), "levels": levels, "endpoint_latency": latency,
+           "targets": {"writer_ratio_at_4": 0.8, "latency_median_ratio": 1.3},
+           "met": {"writer_ratio_at_4": levels[1]["writer_ratio_to_idle"] >= 0.8,
+                   "latency_median_ratio": latency["median_ratio"] <= 1.3}}
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{len(queries)} board queries (fleet and weights boards, one hour of 64 backends)")
+    print("clients  writer rows/s  x idle  spool rows (median/max)  queries  query median ms")
+    for lv in levels:
+        print(f"{lv['clients']:>7}  {lv['writer_rows_per_s']:>13,}  {lv['writer_ratio_to_idle']:>6.2f}  "
+              f"{lv['spool_rows_median']:>12,.0f} / {lv['spool_rows_max']:<9,}  {lv['queries']:>7}  "
+              f"{lv['query_median_ms']}")
+    print(f"endpoint / direct latency per query: median {latency['median_ratio']:.2f}x, "
+          f"p90 {latency['p90_ratio']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
