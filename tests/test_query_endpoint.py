@@ -14,6 +14,7 @@ from typing import Any
 import clickhouse_connect
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError
+from conftest import REPO, require
 
 from triscope.query_endpoint import QueryConfig, QueryEndpoint, statement_kind, with_settings
 from triscope.schema import SERVING_METRICS, encode_ts, qualified
@@ -174,3 +175,66 @@ def test_the_grafana_plugin_s_request_shapes(endpoint: QueryEndpoint, store: Any
         assert body == store.query_raw(sql, "Native") or sql == "SELECT timeZone()"
     status, _, body = raw(endpoint, "POST", body=b"SELECT timeZone() FORMAT TSV", database=store.database)
     assert body.strip() in (b"UTC", b"Etc/UTC")  # a zone Go's time.LoadLocation knows
+
+
+NODE_CLIENT = REPO / "var" / "node-clickhouse" / "node_modules" / "@clickhouse" / "client"
+NODE_SCRIPT = r"""
+const { createClient } = require(process.argv[2]);
+(async () => {
+  const [url, password, database, sql, params] = process.argv.slice(3);
+  const client = createClient({ url, username: 'triscope', password, database });
+  const rs = await client.query({ query: sql, format: 'JSONEachRow', query_params: JSON.parse(params) });
+  console.log(JSON.stringify(await rs.json()));
+  try {
+    await client.command({ query: 'CREATE TABLE js_evil (a UInt8) ENGINE = Memory' });
+    console.log('"write allowed"');
+  } catch (e) { console.log(JSON.stringify(e.message.split('\n')[0])); }
+  await client.close();
+})().catch((e) => { console.error(e.message); process.exit(1); });
+"""
+
+
+def test_the_official_javascript_client_gets_the_rows_a_direct_open_gets(endpoint: QueryEndpoint, store: Any,
+                                                                          tmp_path: Any) -> None:
+    """``@clickhouse/client`` (npm, Node.js 20) against the endpoint: a parameterized board-style query's rows
+    equal the direct open's, and a write is refused with ClickHouse's error."""
+    import shutil
+    import subprocess
+
+    node = shutil.which("node")
+    require(node is not None and NODE_CLIENT.exists(),
+            "node or @clickhouse/client is missing (run tools/setup_node_clickhouse.sh)")
+    script = tmp_path / "query.js"
+    script.write_text(NODE_SCRIPT)
+    table = qualified(store, SERVING_METRICS)
+    sql = (f"SELECT backend, count() AS n, round(avg(kv_cache_usage_ratio), 6) AS kv FROM {table} "
+           "WHERE ts >= fromUnixTimestamp64Nano({since:Int64}) GROUP BY backend ORDER BY backend")
+    since = (T0 + 10) * 10**9
+    done = subprocess.run([str(node), str(script), str(NODE_CLIENT), endpoint.url, "s3cret", store.database, sql,
+                           json.dumps({"since": since})], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    rows_line, write_line = done.stdout.strip().splitlines()
+    got = [(r["backend"], int(r["n"]), float(r["kv"])) for r in json.loads(rows_line)]
+    assert got == [(r[0], int(r[1]), float(r[2])) for r in store.query(sql, {"since": since}).rows]
+    assert "readonly" in json.loads(write_line)
+
+
+def test_chunked_bodies_are_read_within_the_bound(endpoint: QueryEndpoint) -> None:
+    import socket
+
+    auth = base64.b64encode(b"triscope:s3cret").decode()
+
+    def send(chunks: list[bytes]) -> bytes:
+        body = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", endpoint.port), timeout=10) as s:
+            s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n"
+                      b"Authorization: Basic " + auth.encode() + b"\r\n\r\n" + body)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+        return out
+
+    ok = send([b"SELECT 40 ", b"+ 2"])
+    assert ok.startswith(b"HTTP/1.1 200") and ok.endswith(b"\r\n\r\n42\n")
+    too_big = send([b"SELECT '" + b"x" * 3000, b"y" * 3000 + b"'"])  # 6 KB in chunks, bound 4 KB
+    assert too_big.startswith(b"HTTP/1.1 413") and b"Code: 241." in too_big

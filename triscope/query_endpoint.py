@@ -211,7 +211,7 @@ class _Handler(BoundedHTTPHandler):
 
     def do_POST(self) -> None:
         try:
-            body = read_body(self, self.endpoint.cfg.max_query_bytes)
+            body = read_body(self, self.endpoint.cfg.max_query_bytes, chunked=True)  # @clickhouse/client chunks
         except HttpError as exc:
             self._error(QueryError(exc.status, 1000 if exc.status != 413 else 241, str(exc)))
             return
