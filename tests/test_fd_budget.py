@@ -1,6 +1,7 @@
 """One connection budget for every server of ``triscope run`` (a real subprocess at 1,024 descriptors).
 
 The attack that broke it: 1,100 idle TCP connections to the EPP's gRPC port took all 1,024 descriptors,
+(here also 1,000 to the query endpoint and 300 to every other port)
 every pick timed out, OTLP stopped answering, the writer failed and 31,200 rows were lost at SIGTERM.
 Now the gRPC port accepts its cap and closes the rest, the HTTP servers evict idle connections when the
 process's budget is empty, a reserve of descriptors stays for the writer, and nothing is lost.
@@ -49,7 +50,7 @@ def _up(port: int) -> bool:
 
 def test_idle_connections_on_every_port_cannot_take_the_writer_s_descriptors(store_path: Path,
                                                                                 tmp_path: Path) -> None:
-    ports = {name: free_port() for name in ("otlp", "prom", "feed", "agent", "epp")}
+    ports = {name: free_port() for name in ("otlp", "prom", "feed", "agent", "epp", "query")}
     database = f"fdbudget{int(time.time() * 1000) % 10**8}"
     config = tmp_path / "triscope.toml"
     config.write_text(f"""
@@ -76,6 +77,8 @@ agent_port = {ports['agent']}
 address = "127.0.0.1:9"
 [epp]
 port = {ports['epp']}
+[query]
+port = {ports['query']}
 """)
     proc = subprocess.Popen([sys.executable, "-m", "triscope", "run", "--config", str(config), "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
@@ -92,7 +95,7 @@ port = {ports['epp']}
             time.sleep(0.2)
         # 1,100 idle connections to the gRPC port, 300 more to each HTTP port and the agent
         for port, n in ((ports["epp"], 1100), (ports["otlp"], 300), (ports["feed"], 300), (ports["prom"], 300),
-                        (ports["agent"], 300)):
+                        (ports["agent"], 300), (ports["query"], 1000)):
             for _ in range(n):
                 with contextlib.suppress(OSError):
                     socks.append(socket.create_connection(("127.0.0.1", port), timeout=2))
@@ -106,6 +109,11 @@ port = {ports['epp']}
             assert answer.status == 200 and "backends" in json.loads(answer.read())
         with urllib.request.urlopen(f"http://127.0.0.1:{ports['prom']}/metrics", timeout=5) as answer:
             assert answer.status == 200
+        token = json.loads((tmp_path / "store" / ".triscope-query.json").read_text())["token"]
+        ask = urllib.request.Request(f"http://127.0.0.1:{ports['query']}/?query=SELECT+count()+FROM+requests",
+                                     headers={"X-ClickHouse-User": "triscope", "X-ClickHouse-Key": token})
+        with urllib.request.urlopen(ask, timeout=10) as answer:  # the query endpoint too, among 1,000 idle
+            assert answer.status == 200 and int(answer.read()) >= 0
         assert proc.poll() is None, "".join(log)
     finally:
         for s in socks:
