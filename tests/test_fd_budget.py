@@ -1,9 +1,9 @@
 """One connection budget for every server of ``triscope run`` (a real subprocess at 1,024 descriptors).
 
 The attack that broke it: 1,100 idle TCP connections to the EPP's gRPC port took all 1,024 descriptors,
-(here also 1,000 to the query endpoint and 300 to every other port)
 every pick timed out, OTLP stopped answering, the writer failed and 31,200 rows were lost at SIGTERM.
-Now the gRPC port accepts its cap and closes the rest, the HTTP servers evict idle connections when the
+Here the same, plus 1,000 idle connections to the query endpoint and 300 to every other port. Now the
+gRPC port accepts its cap and closes the rest, the HTTP servers evict idle connections when the
 process's budget is empty, a reserve of descriptors stays for the writer, and nothing is lost.
 """
 
