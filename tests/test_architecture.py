@@ -32,7 +32,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
              "triscope.commands", "triscope.cli", "triscope.dashboards", "triscope.daemon"),
 }
 CORE_MODULES = ("store", "schema", "writer", "spool", "component", "config", "errors", "registry",
-                "httpserver", "conn_budget", "prom_text", "http_fetch", "store_link", "collector_loop")
+                "httpserver", "conn_budget", "prom_text", "http_fetch", "store_link", "collector_loop",
+                "query_endpoint", "query_discovery")
 
 
 def product_files() -> list[tuple[str, Path]]:
