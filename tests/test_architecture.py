@@ -33,7 +33,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }
 CORE_MODULES = ("store", "schema", "writer", "spool", "component", "config", "errors", "registry",
                 "httpserver", "conn_budget", "prom_text", "http_fetch", "store_link", "collector_loop",
-                "query_endpoint", "query_discovery")
+                "query_endpoint", "query_discovery", "http_body")
 
 
 def product_files() -> list[tuple[str, Path]]:
