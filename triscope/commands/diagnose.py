@@ -184,13 +184,26 @@ def run_stalls(args: argparse.Namespace) -> int:
             start_ns = since_start(args.since, end_ns)
         report = diagnose_stalls(store, start_ns, end_ns, config, hosts=args.host, gpus=args.gpu,
                                  model=args.model, run_ids=args.run_id, by=args.by)
+        incidents = None
+        if not (args.run_id and not args.since):  # a fleet's range, not one trace's
+            from triscope.analyzers.incidents import find_incidents
+
+            incidents = find_incidents(store, start_ns, end_ns, config)
     finally:
         store.close()
     if args.json:
-        print_json(report.to_json(all_windows=args.all_windows))
+        doc = report.to_json(all_windows=args.all_windows)
+        if incidents is not None:
+            doc["incidents"] = incidents.to_dict()
+        print_json(doc)
     else:
+        if incidents is not None:
+            from triscope.commands.incidents_view import render_incidents
+
+            render_incidents(incidents)
         render(report)
-    return EXIT_BREACH if report.breaches() else 0
+    alerts = incidents.alerts() if incidents is not None else []
+    return EXIT_BREACH if report.breaches() or alerts else 0
 
 
 def render(report: StallReport, title: str = "") -> None:

@@ -1,0 +1,164 @@
+"""One cause per incident, with the runners-up, the evidence in figures and the lead times.
+
+Each rule scores 0..1 from the windows of the incident's backends and of the fleet, over the
+incident and the ``baseline_s`` before its first breach (docs/diagnose.md, "Incidents", has the table).
+The highest score under 0.3 is no cause: ``unknown``, with the signals that were missing.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from triscope.analyzers.incidents.config import IncidentsConfig
+from triscope.analyzers.incidents.model import UNKNOWN, Cause
+from triscope.analyzers.incidents.series import Window
+
+MIN_SCORE = 0.3
+KV_LEAD = 0.8
+"""KV usage whose first crossing is reported as a lead indicator."""
+
+
+class BreachLike(Protocol):
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def start_s(self) -> float: ...
+
+
+@dataclass
+class Explanation:
+    cause: Cause
+    runners_up: list[Cause]
+    lead_times_s: dict[str, float] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    completed_drop_ratio: float = math.nan
+
+
+def _in(series: Mapping[float, Window], lo: float, hi: float) -> list[Window]:
+    return [w for t, w in sorted(series.items()) if lo <= t < hi]
+
+
+def _fleet_rates(windows: Mapping[str, Mapping[float, Window]], window_s: float) -> dict[float, float]:
+    """Completed requests per second of the whole fleet per window: spans, else the engines' counters."""
+    rates: dict[float, float] = {}
+    for series in windows.values():
+        ordered = sorted(series.items())
+        spans = any(w.classes for _, w in ordered)
+        prev = math.nan
+        for t, w in ordered:
+            if spans:
+                rate = w.requests / window_s
+            else:
+                rate = (w.finished_total - prev) / window_s if math.isfinite(prev) and w.finished_total >= prev else 0
+                prev = w.finished_total if math.isfinite(w.finished_total) else prev
+            rates[t] = rates.get(t, 0.0) + rate
+    return rates
+
+
+def _first(items: Iterable[tuple[float, bool]]) -> float:
+    return next((t for t, hit in sorted(items) if hit), math.nan)
+
+
+def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float, Window]], io: Mapping[float, float],
+            cfg: IncidentsConfig) -> Explanation:
+    onset = min(b.start_s for b in breaches)
+    end = max(b.start_s for b in breaches) + cfg.window_s
+    hit = sorted({b.backend for b in breaches})
+    fleet = sorted(windows)
+    lo = onset - cfg.baseline_s
+    near = onset - 2 * cfg.window_s
+    rates = _fleet_rates(windows, cfg.window_s)
+    base = [r for t, r in rates.items() if lo <= t < onset - 2 * cfg.window_s]
+    baseline = statistics.median(base) if base else math.nan
+    during = [r for t, r in rates.items() if onset <= t < end]
+    drop = 1 - statistics.mean(during) / baseline if during and baseline and math.isfinite(baseline) else math.nan
+    leads: dict[str, float] = {}
+    jump_at = (_first((t, r >= (1 + cfg.qps_jump) * baseline) for t, r in rates.items() if lo <= t < end)
+               if math.isfinite(baseline) and baseline > 0 else math.nan)
+    mine = {b: _in(windows.get(b, {}), lo, end) for b in hit}
+    kv_at = _first((w.start_s, w.kv_usage >= min(KV_LEAD, cfg.kv_high)) for ws in mine.values() for w in ws)
+    pre_at = _first((w.start_s, w.preemptions > 0) for ws in mine.values() for w in ws)
+    wait_at = _first((w.start_s, w.waiting_capacity > 0 or (w.queue > 0 and w.queue > w.running))
+                     for ws in mine.values() for w in ws)
+    down_at = _first((w.start_s, w.scrape_up == 0) for ws in mine.values() for w in ws)
+    io_at = _first((t, p >= cfg.io_p99_s) for t, p in io.items() if lo <= t < end)
+    for name, t in (("qps_jump", jump_at), ("kv_usage", kv_at), ("preemptions", pre_at), ("waiting", wait_at),
+                    ("scrape_failed", down_at), ("io_latency", io_at)):
+        if math.isfinite(t):
+            leads[name] = onset - t
+
+    causes: list[Cause] = []
+    missing: list[str] = []
+    share = len(hit) / max(1, len(fleet))
+    # backend down: its scrape failed, its requests all failed, or its spans stopped while the others' went on
+    for b in hit:
+        ws = _in(windows.get(b, {}), near, end)
+        failed = [w for w in ws if w.scrape_up == 0]
+        if failed:
+            causes.append(Cause("backend_down", 1.0, (f"{b}: scrape failed from {failed[0].start_s:.0f} "
+                                                      f"({failed[0].scrape_error or 'no answer'})",)))
+            break
+        every = [w for w in ws if w.requests and w.failed == w.requests]
+        if len(every) >= 2:
+            causes.append(Cause("backend_down", 0.9, (f"{b}: every request failed in {len(every)} windows "
+                                                      f"({sum(w.failed for w in every)} requests)",)))
+            break
+    # load beyond capacity: the fleet breaches together, completed load rose or queues grew everywhere
+    if share >= cfg.fleet_share:
+        score, evidence = 0.5, [f"{len(hit)} of {len(fleet)} backends breached together"]
+        if "qps_jump" in leads:
+            score += 0.4
+            evidence.append(f"fleet completed {baseline:.1f} -> {max(during or [0]):.1f} req/s "
+                            f"(+{(max(during or [0]) / baseline - 1):.0%}), {leads['qps_jump']:.0f} s before")
+        queued = [b for b in hit if any(w.queue > 0 for w in _in(windows.get(b, {}), onset, end))]
+        if len(queued) >= cfg.fleet_share * len(fleet):
+            score += 0.1
+            evidence.append(f"requests queued on {len(queued)} backends")
+        causes.append(Cause("load_beyond_capacity", min(score, 1.0), tuple(evidence)))
+    # KV / memory pressure on the backends hit
+    kv_seen = any(math.isfinite(w.kv_usage) for ws in mine.values() for w in ws)
+    if not kv_seen:
+        missing.append("KV usage (no serving-metrics scrape of the backends hit)")
+    pressed = []
+    for b, ws in mine.items():
+        kv = max((w.kv_usage for w in ws if math.isfinite(w.kv_usage)), default=math.nan)
+        pre = sum(w.preemptions for w in ws if math.isfinite(w.preemptions))
+        wait = max((w.waiting_capacity for w in ws if math.isfinite(w.waiting_capacity)), default=0.0)
+        if kv >= cfg.kv_high or pre > 0 or wait > 0:
+            pressed.append(f"{b}: KV {kv:.0%}" + (f", {pre:.0f} preemptions" if pre > 0 else "")
+                           + (f", {wait:.0f} waiting for KV/batch" if wait > 0 else ""))
+    if pressed:
+        score = 0.55 + (0.3 if share < cfg.fleet_share else 0.0) + (0.1 if "preemptions" in leads else 0.0)
+        causes.append(Cause("kv_pressure", min(score, 0.95), tuple(pressed)))
+    # block IO on the hosts
+    if not io:
+        missing.append("block IO latency (no io_latency rows)")
+    elif "io_latency" in leads:
+        worst = max(p for t, p in io.items() if lo <= t < end)
+        causes.append(Cause("io", 0.6, (f"block-IO read P99 {worst * 1e3:.1f} ms (>= {cfg.io_p99_s * 1e3:.0f} ms) "
+                                        f"{leads['io_latency']:.0f} s before the breach",)))
+    # routing imbalance: a few backends hit while getting more than their share
+    if share < cfg.fleet_share and len(fleet) > 1:
+        totals = {b: sum(w.requests for w in _in(windows.get(b, {}), near, end)) for b in fleet}
+        total = sum(totals.values())
+        for b in hit:
+            if total and totals[b] / total >= cfg.imbalance / len(fleet):
+                weights = [w.weight for w in _in(windows.get(b, {}), near, end) if math.isfinite(w.weight)]
+                causes.append(Cause("routing_imbalance", 0.6, (
+                    f"{b} got {totals[b] / total:.0%} of the requests (fair share {1 / len(fleet):.0%})"
+                    + (f", LB weight {statistics.mean(weights):.2f}" if weights else ""),)))
+                break
+    missing.append("host CPU and memory (no host collector: run queue, PSI, RSS, OOM kills)")
+    causes.sort(key=lambda c: -c.score)
+    best = causes[0] if causes and causes[0].score >= MIN_SCORE else Cause(UNKNOWN, 0.0, ())
+    runners = [c for c in causes if c is not best]
+    return Explanation(best, runners, leads, missing if best.name == UNKNOWN else [m for m in missing
+                                                                                     if "host" in m], drop)
+
+
+__all__ = ["Explanation", "explain"]

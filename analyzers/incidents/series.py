@@ -1,0 +1,118 @@
+"""The serving fleet's signals in fixed windows, read from the store (every bound a query parameter).
+
+One :class:`Window` per backend and window start: the engine's own figures (P99 from its histogram,
+queue, running, KV usage, preemptions, requests waiting for capacity, finished requests), the request
+spans' (per class: count, failures, P99), whether its scrape answered, and the LB's weight for it;
+plus the hosts' block-IO latency per window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from triscope.schema import IO_LATENCY, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, WEIGHTS_HISTORY, qualified
+from triscope.store.base import Store
+
+NAN = math.nan
+
+
+@dataclass
+class ClassWindow:
+    """One request class's spans on one backend in one window."""
+
+    requests: int = 0
+    failed: int = 0
+    p99_seconds: float = NAN
+
+
+@dataclass
+class Window:
+    """One backend's figures in one window (NaN: not measured)."""
+
+    backend: str
+    start_s: float
+    engine_p99_seconds: float = NAN
+    queue: float = NAN
+    running: float = NAN
+    kv_usage: float = NAN
+    preemptions: float = NAN
+    waiting_capacity: float = NAN
+    finished_total: float = NAN
+    """The engine's finished-requests counter at the end of the window (its rise is the completed rate)."""
+    scraped: bool = False
+    scrape_up: float = NAN
+    scrape_error: str = ""
+    weight: float = NAN
+    lb_state: str = ""
+    classes: dict[str, ClassWindow] = field(default_factory=dict)
+
+    @property
+    def requests(self) -> int:
+        return sum(c.requests for c in self.classes.values())
+
+    @property
+    def failed(self) -> int:
+        return sum(c.failed for c in self.classes.values())
+
+
+def _f(value: Any) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return NAN
+    return out if math.isfinite(out) else NAN
+
+
+def read_windows(store: Store, start_ns: int, end_ns: int, window_s: float, default_class: str,
+                 known_classes: list[str]) -> tuple[dict[str, dict[float, Window]], dict[float, float]]:
+    """Per backend, per window start (epoch seconds): its :class:`Window`; and per window the worst host
+    block-IO read P99 (seconds)."""
+    p = {"start": start_ns, "end": end_ns, "w": int(window_s * 1000), "classes": known_classes,
+         "default": default_class}
+    bucket = "toUnixTimestamp64Milli(toStartOfInterval(ts, toIntervalMillisecond({w:UInt32}))) / 1000"
+    span = "ts >= fromUnixTimestamp64Nano({start:Int64}) AND ts < fromUnixTimestamp64Nano({end:Int64})"
+    out: dict[str, dict[float, Window]] = defaultdict(dict)
+
+    def window(backend: str, t: float) -> Window:
+        w = out[backend].get(t)
+        if w is None:
+            w = out[backend][t] = Window(backend, t)
+        return w
+
+    for r in store.query(f"""
+SELECT backend, {bucket} AS t, max(latency_p99_seconds) AS p99, max(queue_length) AS q,
+       max(running_requests) AS run, max(kv_cache_usage_ratio) AS kv,
+       max(preemptions_total) - min(preemptions_total) AS pre, max(waiting_capacity) AS wcap,
+       max(requests_total) AS fin
+FROM {qualified(store, SERVING_METRICS)} WHERE {span} AND backend != '' GROUP BY backend, t""", p).dicts():
+        w = window(str(r["backend"]), float(r["t"]))
+        w.engine_p99_seconds, w.queue, w.running, w.kv_usage = _f(r["p99"]), _f(r["q"]), _f(r["run"]), _f(r["kv"])
+        w.preemptions, w.waiting_capacity, w.finished_total = _f(r["pre"]), _f(r["wcap"]), _f(r["fin"])
+    for r in store.query(f"""
+SELECT backend, {bucket} AS t, if(request_class IN {{classes:Array(String)}}, request_class, {{default:String}}) AS c,
+       count() AS n, countIf(status = 'error') AS n_failed,
+       quantileExactIf(0.99)(latency_seconds, isFinite(latency_seconds) AND status != 'error') AS p99
+FROM {qualified(store, REQUESTS)} WHERE {span} AND backend != '' GROUP BY backend, t, c""", p).dicts():
+        w = window(str(r["backend"]), float(r["t"]))
+        w.classes[str(r["c"])] = ClassWindow(int(r["n"]), int(r["n_failed"]), _f(r["p99"]))
+    for r in store.query(f"""
+SELECT backend, {bucket} AS t, min(up) AS up_min, argMin(error, up) AS err
+FROM {qualified(store, SCRAPE_HEALTH)} WHERE {span} GROUP BY backend, t""", p).dicts():
+        w = window(str(r["backend"]), float(r["t"]))
+        w.scraped, w.scrape_up, w.scrape_error = True, _f(r["up_min"]), str(r["err"])
+    for r in store.query(f"""
+SELECT backend, {bucket} AS t, avg(weight) AS w_avg, argMax(state, ts) AS lb_state
+FROM {qualified(store, WEIGHTS_HISTORY)} WHERE {span} GROUP BY backend, t""", p).dicts():
+        if str(r["backend"]) in out:
+            w = window(str(r["backend"]), float(r["t"]))
+            w.weight, w.lb_state = _f(r["w_avg"]), str(r["lb_state"])
+    io = {float(r["t"]): _f(r["io_p99"]) for r in store.query(f"""
+SELECT {bucket} AS t, max(if(isFinite(p99_seconds), p99_seconds, mean_seconds)) AS io_p99
+FROM {qualified(store, IO_LATENCY)} WHERE {span} AND op IN ('read', 'all') GROUP BY t""", p).dicts()}
+    return dict(out), io
+
+
+__all__ = ["ClassWindow", "Window", "read_windows"]

@@ -1,0 +1,144 @@
+"""Serving incidents (analyzers/incidents): rows shaped as vLLM's scrapes and OTLP request spans into a real
+embedded store, one fault each, and the verdict ``diagnose`` gives: the cause, the backend, the lead times,
+``unknown`` with what is missing when the data cannot say. The figures are synthetic; the shapes are the
+collectors' own."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from triscope.analyzers.incidents import UNKNOWN, find_incidents
+from triscope.cli import main
+from triscope.schema import REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
+
+T0 = 1_767_225_600  # 2026-01-01
+SLA = 0.8  # interactive_image_text
+A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+
+
+class Fleet:
+    """Per-second scrapes and spans of a fleet; the test bends them to make its fault."""
+
+    def __init__(self, backends: tuple[str, ...] = (A, B), seconds: int = 180) -> None:
+        self.backends, self.seconds = backends, seconds
+        self.rng = np.random.default_rng(3)
+
+    def write(self, store: Any, fault: Any = None, spans: bool = True, scrapes: bool = True) -> None:
+        serving, health, requests = [], [], []
+        done = dict.fromkeys(self.backends, 0.0)
+        for s in range(self.seconds):
+            for b in self.backends:
+                f = {"qps": 4.0, "latency": 0.2, "kv": 0.3, "preempt": 0.0, "waiting": 0.0, "queue": 0.0, "up": 1,
+                     "failed": 0.0}
+                if fault is not None:
+                    fault(s, b, f)
+                done[b] += f["qps"]
+                ts = (T0 + s) * 10**9
+                if scrapes:
+                    health.append({"ts": encode_ts(ts), "backend": b, "target": f"http://{b}/metrics", "up": f["up"],
+                                   "error": "" if f["up"] else f"http://{b}/metrics: scrape failed: [Errno 111] "
+                                   "Connection refused"})
+                    if f["up"]:
+                        serving.append({"ts": encode_ts(ts), "backend": b, "server": "vllm", "model": "m",
+                                        "queue_length": f["queue"], "running_requests": 4.0,
+                                        "kv_cache_usage_ratio": f["kv"], "requests_total": done[b],
+                                        "preemptions_total": f["preempt"], "waiting_capacity": f["waiting"],
+                                        "latency_p99_seconds": f["latency"] * 1.2})
+                if spans:
+                    n = self.rng.poisson(f["qps"])
+                    for k in range(n):
+                        failed = self.rng.random() < f["failed"]
+                        requests.append({"ts": encode_ts(ts + k * 10**9 // max(1, n)), "backend": b, "model": "m",
+                                         "latency_seconds": float(self.rng.gamma(4, f["latency"] / 4)),
+                                         "status": "error" if failed else "ok"})
+        for table, rows in ((SERVING_METRICS, serving), (SCRAPE_HEALTH, health), (REQUESTS, requests)):
+            if rows:
+                store.insert(qualified(store, table), table.columns_of(rows))
+
+
+def _find(store: Any, **incidents: Any) -> Any:
+    config = {"store": {"database": store.database}, "incidents": incidents}
+    return find_incidents(store, (T0 + 30) * 10**9, (T0 + 180) * 10**9, config)
+
+
+def test_a_killed_engine_is_backend_down_with_its_scrape_error(store: Any) -> None:
+    def killed(s: int, b: str, f: dict[str, float]) -> None:
+        if b == B and s >= 100:
+            f.update(up=0, failed=1.0, latency=0.01)  # its scrape refused, the LB's requests to it fail at once
+
+    Fleet().write(store, killed)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "backend_down"
+    assert "Connection refused" in incident.cause.evidence[0]
+    assert 95 <= incident.start_s - T0 <= 105 and incident.open
+    assert 0 <= incident.lead_times_s["scrape_failed"] <= 5
+
+
+def test_kv_pressure_on_one_engine_is_named_with_its_lead(store: Any) -> None:
+    def long_prompts(s: int, b: str, f: dict[str, float]) -> None:
+        if b == B and s >= 80:
+            f.update(kv=min(0.99, 0.3 + 0.05 * (s - 80)), queue=6.0)
+            if s >= 95:
+                f.update(preempt=float(s - 95), waiting=5.0)
+            if s >= 105:
+                f.update(latency=2.5)
+
+    Fleet().write(store, long_prompts)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "kv_pressure", incident.to_dict()
+    assert any("preemptions" in e for e in incident.cause.evidence)
+    assert incident.lead_times_s["kv_usage"] >= 10 and incident.lead_times_s["preemptions"] > 0
+    assert incident.worst_p99_ratio > 2
+
+
+def test_a_load_step_beyond_capacity_is_named_with_the_qps_jump(store: Any) -> None:
+    def step(s: int, b: str, f: dict[str, float]) -> None:
+        if s >= 90:
+            f.update(qps=12.0, queue=10.0)
+            if s >= 105:
+                f.update(latency=3.0)
+
+    Fleet().write(store, step)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [A, B] and incident.cause.name == "load_beyond_capacity", incident.to_dict()
+    assert 10 <= incident.lead_times_s["qps_jump"] <= 20
+
+
+def test_a_calm_fleet_has_no_incident(store: Any) -> None:
+    Fleet().write(store)
+    report = _find(store)
+    assert report.incidents == [] and report.backends == [A, B] and report.alerts() == []
+
+
+def test_without_the_signals_a_cause_needs_it_says_unknown_and_what_is_missing(store: Any) -> None:
+    def slow(s: int, b: str, f: dict[str, float]) -> None:
+        if b == B and s >= 100:
+            f.update(latency=3.0)
+
+    Fleet().write(store, slow, scrapes=False)  # spans only: no KV, no queue, no scrape, no IO
+    (incident,) = _find(store).incidents
+    assert incident.cause.name == UNKNOWN and incident.backends == [B]
+    assert any("KV usage" in m for m in incident.missing) and any("block IO" in m for m in incident.missing)
+
+
+def test_diagnose_lists_the_incident_and_exits_3_while_it_is_open(store: Any, store_path: Any, tmp_path: Any,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    def killed(s: int, b: str, f: dict[str, float]) -> None:
+        if b == B and s >= 100:
+            f.update(up=0, failed=1.0, latency=0.01)
+
+    Fleet().write(store, killed)
+    config = tmp_path / "t.toml"
+    config.write_text(f'[store]\npath = "{store_path}"\ndatabase = "{store.database}"\n')
+    until = "2026-01-01T00:03:00Z"
+    assert main(["diagnose", "--since", "150s", "--until", until, "--json", "-c", str(config)]) == 3
+    doc = json.loads(capsys.readouterr().out)
+    (incident,) = doc["incidents"]["incidents"]
+    assert incident["cause"]["cause"] == "backend_down" and incident["backends"] == [B] and incident["open"]
+    assert main(["diagnose", "--since", "150s", "--until", until, "-c", str(config)]) == 3
+    out = capsys.readouterr().out
+    assert "cause: backend_down" in out and "scrape failed" in out and B in out
