@@ -78,8 +78,10 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     during = [r for t, r in rates.items() if onset <= t < end]
     drop = 1 - statistics.mean(during) / baseline if during and baseline and math.isfinite(baseline) else math.nan
     leads: dict[str, float] = {}
-    jump_at = (_first((t, r >= (1 + cfg.qps_jump) * baseline) for t, r in rates.items() if lo <= t < end)
-               if math.isfinite(baseline) and baseline > 0 else math.nan)
+    high = (1 + cfg.qps_jump) * baseline
+    # sustained: two windows in a row over it (one noisy window of a small fleet is not a jump)
+    jump_at = (_first((t, r >= high and rates.get(t + cfg.window_s, 0.0) >= high) for t, r in rates.items()
+                      if lo <= t <= onset) if math.isfinite(baseline) and baseline > 0 else math.nan)
     mine = {b: _in(windows.get(b, {}), lo, end) for b in hit}
     kv_at = _first((w.start_s, w.kv_usage >= min(KV_LEAD, cfg.kv_high)) for ws in mine.values() for w in ws)
     pre_at = _first((w.start_s, w.preemptions > 0) for ws in mine.values() for w in ws)

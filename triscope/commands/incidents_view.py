@@ -9,6 +9,8 @@ from triscope.commands._common import utc_text
 
 
 def render_incidents(report: IncidentReport) -> None:
+    from rich.markup import escape
+
     from triscope.console import report_console
 
     console = report_console()
@@ -19,7 +21,9 @@ def render_incidents(report: IncidentReport) -> None:
         return
     console.print(f"[bold]incidents:[/] {len(report.incidents)}")
     for i in report.incidents:
-        span = f"{utc_text(int(i.start_s * 1e9))} .. " + ("now (open)" if i.open else utc_text(int(i.end_s * 1e9)))
+        span = f"{utc_text(int(i.start_s * 1e9))} .. {utc_text(int(i.end_s * 1e9))}"
+        if i.open:
+            span += " (still open at the end of the range)"
         how = []
         if math.isfinite(i.worst_p99_ratio):
             how.append(f"P99 {i.worst_p99_ratio:.1f}x SLA")
@@ -28,13 +32,13 @@ def render_incidents(report: IncidentReport) -> None:
         if math.isfinite(i.completed_drop_ratio) and i.completed_drop_ratio > 0:
             how.append(f"completed rate -{i.completed_drop_ratio:.0%}")
         console.print(f"[red]incident[/] {span} UTC ({i.end_s - i.start_s:.0f} s) on {', '.join(i.backends)}"
-                      f" [{', '.join(i.classes) or '-'}]: {'; '.join(how) or 'SLO broken'}")
+                      + escape(f" [{', '.join(i.classes) or '-'}]: {'; '.join(how) or 'SLO broken'}"))
         if i.cause.name == UNKNOWN:
             console.print("  cause: [bold]unknown[/]: no rule's data says it; missing: " + "; ".join(i.missing))
         else:
             console.print(f"  cause: [bold]{i.cause.name}[/] ({i.cause.score:.2f})")
             for line in i.cause.evidence:
-                console.print(f"    {line}")
+                console.print(f"    {escape(line)}")
         if i.runners_up:
             console.print("  also: " + ", ".join(f"{c.name} ({c.score:.2f})" for c in i.runners_up))
         if i.lead_times_s:
