@@ -140,6 +140,12 @@ def test_demo_fleet_stores_every_request_scrapes_every_backend_and_weights_the_s
         expected[min(int(math.floor(lat / 0.010)), bins - 1)] += 1
     assert heat["latency_marginal"] == expected
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # Why the fleet fell over: the small backend's KV pool, named with its figures, not "unclassified".
+    incidents = fleet["incidents"]["incidents"]
+    small_addr = backends["sim-small"]["address"]
+    assert incidents and all(i["cause"]["cause"] != "unknown" for i in incidents), incidents
+    assert any(i["cause"]["cause"] == "kv_pressure" and small_addr in i["backends"]
+               and any(small_addr in e for e in i["cause"]["evidence"]) for i in incidents), incidents
 
 
 def test_demo_fleet_error_is_one_line_and_keeps_the_trace_results(tmp_path: Path):

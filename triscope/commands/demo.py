@@ -155,10 +155,17 @@ def _fleet(store: Any, config: dict[str, Any], args: argparse.Namespace, report:
         report["errors"].append(f"fleet: load generator: {line}")
     if doc["spans_stored"] != doc["requests_sent"]:
         report["errors"].append(f"fleet: {doc['requests_sent']} requests sent but {doc['spans_stored']} spans stored")
+    from triscope.analyzers.incidents import find_incidents
+
+    window = doc["window"]
+    incidents = find_incidents(store, window["start_ns"], window["end_ns"], config)
+    doc["incidents"] = incidents.to_dict()
     if not args.json:
+        from triscope.commands.incidents_view import render_incidents
         from triscope.sim.demo_report import print_fleet
 
         print_fleet(doc, heatmap)
+        render_incidents(incidents)  # why the fleet fell over, as `diagnose --since` says it
     return doc
 
 
