@@ -142,3 +142,32 @@ def test_diagnose_lists_the_incident_and_exits_3_while_it_is_open(store: Any, st
     assert main(["diagnose", "--since", "150s", "--until", until, "-c", str(config)]) == 3
     out = capsys.readouterr().out
     assert "cause: backend_down" in out and "scrape failed" in out and B in out
+
+
+def test_weights_show_and_explain_at_a_past_time_read_the_recorded_updates(store: Any, store_path: Any,
+                                                                            tmp_path: Any,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """What the LB got during the incident, without SQL: the feed's recorded updates at that time."""
+    from triscope.analyzers.routing import BackendInputs, WeightParams, compute_weights, history_columns
+    from triscope.schema import WEIGHTS_HISTORY
+
+    params, state = WeightParams(), None
+    for s in range(0, 60, 5):
+        kv_b = 0.99 if s >= 30 else 0.3
+        inputs = [BackendInputs(A, kv_cache_usage_ratio=0.3, sources={"serving": T0 + s}),
+                  BackendInputs(B, kv_cache_usage_ratio=kv_b, sources={"serving": T0 + s})]
+        result, state = compute_weights(inputs, state, params, T0 + s)
+        store.insert(qualified(store, WEIGHTS_HISTORY), history_columns(result))
+    config = tmp_path / "t.toml"
+    config.write_text(f'[store]\npath = "{store_path}"\ndatabase = "{store.database}"\n')
+    assert main(["weights", "show", "--at", str(T0 + 20), "--json", "-c", str(config)]) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert before["backends"][B]["state"] == "ready" and before["backends"][B]["lb_weight"] >= 1
+    assert main(["weights", "show", "--at", "2026-01-01T00:00:42Z", "--json", "-c", str(config)]) == 0
+    during = json.loads(capsys.readouterr().out)
+    assert during["backends"][B]["state"] == "drain" and during["backends"][B]["reasons"] == ["kv_cache"]
+    assert during["backends"][B]["recorded_at_ns"] == (T0 + 40) * 10**9
+    assert main(["weights", "explain", B, "--at", str(T0 + 42), "-c", str(config)]) == 0
+    assert "drain because kv_cache" in capsys.readouterr().out
+    assert main(["weights", "show", "--at", str(T0 - 3600), "-c", str(config)]) == 2
+    assert "no weights recorded" in capsys.readouterr().err

@@ -34,11 +34,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_common(serve)
     serve.set_defaults(func=run_serve)
     show = sub.add_parser("show", help="compute one update from the store and print it")
+    show.add_argument("--at", metavar="WHEN", help="what the LBs were told then (ISO-8601 UTC, epoch seconds or a "
+                                                    "duration ago), from weights_history")
     add_common(show)
     show.set_defaults(func=run_show)
     explain = sub.add_parser("explain", help="compute one update from the store and show every factor behind "
                                              "one backend's weight")
     explain.add_argument("backend", help="backend name as in `weights show` (host:port)")
+    explain.add_argument("--at", metavar="WHEN", help="its recorded verdict then, from weights_history")
     add_common(explain)
     explain.set_defaults(func=run_explain)
     gate = sub.add_parser("haproxy-gate", help="print the HAProxy lines of the per-request batch gate "
@@ -75,9 +78,12 @@ def _params(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
 
 
 def _print(result: Any, as_json: bool) -> None:
+    _print_doc(result.to_dict(), as_json)
+
+
+def _print_doc(doc: dict[str, Any], as_json: bool) -> None:
     from triscope.commands._common import print_json
 
-    doc = result.to_dict()
     if as_json:
         print_json(doc)
         return
@@ -105,6 +111,11 @@ def _print(result: Any, as_json: bool) -> None:
                       f"samples): {', '.join(doc['unknown_backends'])}")
     if doc.get("down_backends"):
         console.print(f"down (no traffic until they answer): {', '.join(doc['down_backends'])}")
+    if "at_ns" in doc:  # a recorded update: the engine's other outputs are not in weights_history
+        from triscope.commands._common import utc_text
+
+        console.print(f"as recorded in weights_history at or before {utc_text(doc['at_ns'])} UTC")
+        return
     classes = ", ".join(f"{c} {v['priority_weight']:.1f}" for c, v in doc["classes"].items())
     console.print(f"class priority weights: {classes}")
     console.print(f"KV-cache scaling: {doc['scale']['action']} ({doc['scale']['reason']})")
@@ -160,6 +171,24 @@ def run_explain(args: argparse.Namespace) -> int:
     from triscope.exporters.feed import WeightFeed
     from triscope.store import open_store
 
+    if getattr(args, "at", None):
+        recorded = _recorded(args)
+        if args.backend not in recorded["backends"]:
+            raise InputError(f"no backend {args.backend!r} recorded then (recorded: "
+                             f"{', '.join(sorted(recorded['backends']))})")
+        b = recorded["backends"][args.backend]
+        doc_at = {"backend": args.backend, "at_ns": recorded["at_ns"], "version": recorded["version"], **b}
+        if args.json:
+            print_json(doc_at)
+        else:
+            from triscope.console import report_console
+
+            report_console().print(
+                f"{args.backend} as recorded at {b['recorded_at_ns']} ns: {b['state']}"
+                + (f" because {', '.join(b['reasons'])}" if b["reasons"] else "")
+                + f", weight {b['weight']}, LB weight {b['lb_weight']}; penalties "
+                + ", ".join(f"{k} {v:.3g}" for k, v in b["factors"].items() if v is not None), highlight=False)
+        return 0
     config, params = _params(args)
     store = open_store(config)
     try:  # one update, as `weights show`
@@ -204,8 +233,33 @@ def run_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recorded(args: argparse.Namespace) -> dict[str, Any]:
+    """``--at WHEN``: the recorded update of every backend then (InputError when none was recorded)."""
+    import time
+
+    from triscope.analyzers.routing.history_read import weights_at
+    from triscope.commands._common import parse_when, utc_text
+    from triscope.errors import InputError
+    from triscope.store import open_store
+
+    config, params = _params(args)
+    at_ns = parse_when(args.at, time.time_ns(), flag="--at")
+    store = open_store(config)
+    try:
+        doc = weights_at(store, at_ns, params.lookback_s)
+    finally:
+        store.close()
+    if not doc["backends"]:
+        raise InputError(f"no weights recorded in the {params.lookback_s:g} s before {utc_text(at_ns)} UTC "
+                         "(weights_history is written by a running feed with [weights] history = true)")
+    return doc
+
+
 def run_show(args: argparse.Namespace) -> int:
     """``triscope weights show``."""
+    if getattr(args, "at", None):
+        _print_doc(_recorded(args), args.json)
+        return 0
     return _once(args)
 
 
