@@ -1,9 +1,10 @@
 """Board queries through the daemon's query endpoint while the writer ingests: does either starve the other?
 
-One process, as in ``triscope run``: an embedded store seeded with an hour of a fleet's serving metrics
-and request spans, the writer ingesting synthetic ``serving_metrics`` rows as fast as it takes them (a
-producer submitting 20,000-row batches), and the query endpoint (``[query]``) serving N clients
-(clickhouse-connect, as the CLI uses it) that run every panel of the fleet and weights boards in a loop.
+As in ``triscope run``: one process holds an embedded store seeded with an hour of a fleet's serving
+metrics and request spans, the writer ingesting synthetic ``serving_metrics`` rows as fast as it takes
+them (a producer submitting 20,000-row batches), and the query endpoint (``[query]``) serving N clients,
+each a process of its own (clickhouse-connect, as the CLI uses it) running every panel of the fleet and
+weights boards in a loop.
 For N = 0, 4 and 16 it prints the writer's rows/s and the spool's depth, with the ratio to N = 0 measured
 in the same run, and the boards' queries' latency through the endpoint against the same queries on the
 store opened directly (median ratio).
@@ -93,42 +94,52 @@ class Producer(threading.Thread):
                                                       "kv_cache_usage_ratio": [0.5] * n})
 
 
+def _client(url: str, database: str, username: str, token: str, queries: list[str], seconds: float,
+            out: Any) -> None:
+    """One dashboard client in a process of its own (as Grafana or the CLI are): board queries in a loop."""
+    remote = ServerStore(url, database=database, username=username, password=token, create_database=False)
+    latencies: list[float] = []
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            for sql in queries:
+                t0 = time.perf_counter()
+                remote.query(sql)
+                latencies.append(time.perf_counter() - t0)
+                if time.monotonic() >= end:
+                    break
+    finally:
+        remote.close()
+        out.put(latencies)
+
+
 def run_level(store: EmbeddedStore, writer: Writer, endpoint: QueryEndpoint, queries: list[str], clients: int,
               seconds: float) -> dict[str, Any]:
-    stop = threading.Event()
-    latencies: list[float] = []
+    import multiprocessing as mp
 
-    def client() -> None:
-        remote = ServerStore(endpoint.url, database=store.database, username=endpoint.username,
-                             password=endpoint.token, create_database=False)
-        try:
-            while not stop.is_set():
-                for sql in queries:
-                    t0 = time.perf_counter()
-                    remote.query(sql)
-                    latencies.append(time.perf_counter() - t0)
-                    if stop.is_set():
-                        break
-        finally:
-            remote.close()
-
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_client, args=(endpoint.url, store.database, endpoint.username, endpoint.token,
+                                               queries, seconds, results), daemon=True) for _ in range(clients)]
+    for proc in procs:
+        proc.start()
+    time.sleep(2.0 if clients else 0.0)  # the clients' interpreters start before the measured stretch
     producer = Producer(writer, int(time.time()) + 10 * HOUR_S)
     before = writer.snapshot()["rows_written"]
     t0 = time.monotonic()
     producer.start()
-    for t in threads:
-        t.start()
     depth = []
-    while time.monotonic() - t0 < seconds:
+    while time.monotonic() - t0 < seconds - 2.5:
         time.sleep(0.25)
         depth.append(writer.snapshot()["rows_pending"])
     written = writer.snapshot()["rows_written"] - before
     elapsed = time.monotonic() - t0
-    stop.set()
     producer.stop.set()
-    for t in threads:
-        t.join(timeout=60)
+    latencies: list[float] = []
+    for _ in procs:
+        latencies += results.get(timeout=120)
+    for proc in procs:
+        proc.join(timeout=60)
     producer.join(timeout=60)
     writer.flush(timeout_s=120)
     return {"clients": clients, "writer_rows_per_s": round(written / elapsed),
@@ -161,6 +172,7 @@ def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[s
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=8.0, help="per concurrency level")
+    p.add_argument("--max-concurrent", type=int, default=0, help="[query] max_concurrent (0: its default)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         queries = board_queries(store, datetime.fromtimestamp(end_s - HOUR_S, UTC), datetime.fromtimestamp(end_s, UTC))
         writer = Writer(store, f"{tmp}/spool", flush_interval_s=0.5)
         writer.start()
-        endpoint = QueryEndpoint(store, QueryConfig.from_config({"query": {"port": 0}})).start()
+        query_cfg: dict[str, Any] = {"port": 0}
+        if args.max_concurrent:
+            query_cfg["max_concurrent"] = args.max_concurrent
+        endpoint = QueryEndpoint(store, QueryConfig.from_config({"query": query_cfg})).start()
         try:
             latency = latency_ratio(store, endpoint, queries)
             levels = [run_level(store, writer, endpoint, queries, n, args.seconds) for n in (0, 4, 16)]
