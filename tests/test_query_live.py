@@ -68,6 +68,9 @@ def test_query_commands_answer_while_the_daemon_collects(tmp_path: Path) -> None
 
     otlp = free_port()
     config = _config(tmp_path, otlp)
+    trace = Path(__file__).resolve().parent.parent / "examples" / "traces" / "a100_ddp_2024_rank0.json.gz"
+    code, _, err = _cli(config, "ingest", "trace", str(trace), "--run-id", "live-a100")
+    assert code == 0, err
     with running_daemon(config, clean_env()) as daemon:
         deadline = time.monotonic() + 60
         while not (tmp_path / "store" / FILE_NAME).exists():
@@ -83,8 +86,12 @@ def test_query_commands_answer_while_the_daemon_collects(tmp_path: Path) -> None
         until = time.time() - 1  # a range that ended: every row of it has reached the store
         time.sleep(2.0)
         fixed = [("diagnose", "--since", "1h", "--until", _iso(until), "--json"),
-                 ("heatmap", "--from", _iso(start - 3600), "--to", _iso(until), "--json")]
-        live = {args[0]: _cli(config, *args) for args in fixed}
+                 ("heatmap", "--from", _iso(start - 3600), "--to", _iso(until), "--json"),
+                 ("diagnose", "--trace-run", "live-a100", "--json"),
+                 ("nccl", "stragglers", "--json"),
+                 ("weights", "explain", "10.0.0.1:8000", "--json")]
+        live = {args: _cli(config, *args) for args in fixed}
+        assert live[fixed[2]][0] == 0 and json.loads(live[fixed[2]][1]), live[fixed[2]][2]
         code, out, err = _cli(config, "weights", "show", "--json")
         assert code == 0, err
         assert json.loads(out)["backends"] is not None
@@ -96,7 +103,7 @@ def test_query_commands_answer_while_the_daemon_collects(tmp_path: Path) -> None
     assert not (tmp_path / "store" / FILE_NAME).exists()  # withdrawn at shutdown
     for args in fixed:
         direct = _cli(config, *args)
-        assert live[args[0]] == direct, (args, live[args[0]][2][-500:], direct[2][-500:])
+        assert live[args] == direct, (args, live[args][2][-500:], direct[2][-500:])
         assert direct[0] == 0 or "error" in direct[2], direct
 
 
