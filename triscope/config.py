@@ -32,8 +32,9 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-SECTIONS = ("analysis", "blockio", "dcgm", "epp", "heatmap", "incidents", "ingest", "nvml", "otlp", "prometheus",
-            "query", "run", "serving_metrics", "stalls", "store", "torch_allocator", "weights", "writer")
+SECTIONS = ("analysis", "blockio", "dcgm", "epp", "heatmap", "host", "incidents", "ingest", "nvml", "otlp",
+            "prometheus", "query", "run", "serving_metrics", "stalls", "store", "torch_allocator", "weights",
+            "writer")
 """Every top-level table the product reads; ``tests/test_config_mistakes.py`` checks each component's
 section is here. A misspelt section must not run silently with defaults (``[otpl] token`` would leave
 OTLP unauthenticated)."""

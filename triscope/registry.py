@@ -22,6 +22,7 @@ COLLECTORS: dict[str, str] = {
     "nvml": "triscope.collectors.nvml:create",
     "dcgm": "triscope.collectors.dcgm:create",
     "torch_allocator": "triscope.collectors.torch_allocator:create",
+    "host": "triscope.collectors.host:create",  # engines' CPU wait and RSS, host PSI and OOM kills
 }
 """Collector names usable in ``[run] collectors``."""
 

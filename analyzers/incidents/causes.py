@@ -15,7 +15,7 @@ from typing import Protocol
 
 from triscope.analyzers.incidents.config import IncidentsConfig
 from triscope.analyzers.incidents.model import UNKNOWN, Cause
-from triscope.analyzers.incidents.series import Window
+from triscope.analyzers.incidents.series import HostWindow, Window
 
 MIN_SCORE = 0.3
 KV_LEAD = 0.8
@@ -65,7 +65,7 @@ def _first(items: Iterable[tuple[float, bool]]) -> float:
 
 
 def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float, Window]], io: Mapping[float, float],
-            cfg: IncidentsConfig) -> Explanation:
+            cfg: IncidentsConfig, host: Mapping[float, HostWindow] | None = None) -> Explanation:
     onset = min(b.start_s for b in breaches)
     end = max(b.start_s for b in breaches) + cfg.window_s
     hit = sorted({b.backend for b in breaches})
@@ -89,8 +89,11 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
                      for ws in mine.values() for w in ws)
     down_at = _first((w.start_s, w.scrape_up == 0) for ws in mine.values() for w in ws)
     io_at = _first((t, p >= cfg.io_p99_s) for t, p in io.items() if lo <= t < end)
+    host = host or {}
+    cpu_at = _first((w.start_s, w.cpu_wait_ratio >= cfg.cpu_wait) for ws in mine.values() for w in ws)
+    oom_at = _first((t, h.oom_kills > 0) for t, h in host.items() if lo <= t < end)
     for name, t in (("qps_jump", jump_at), ("kv_usage", kv_at), ("preemptions", pre_at), ("waiting", wait_at),
-                    ("scrape_failed", down_at), ("io_latency", io_at)):
+                    ("scrape_failed", down_at), ("io_latency", io_at), ("cpu_wait", cpu_at), ("oom_kill", oom_at)):
         if math.isfinite(t):
             leads[name] = onset - t
 
@@ -101,8 +104,9 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     for b in hit:
         ws = _in(windows.get(b, {}), near, end)
         failed = [w for w in ws if w.scrape_up == 0]
-        if failed:
-            causes.append(Cause("backend_down", 1.0, (f"{b}: scrape failed from {failed[0].start_s:.0f} "
+        if failed:  # (an OOM kill that took it is the cause behind the outage)
+            causes.append(Cause("backend_down", 0.95 if "oom_kill" in leads else 1.0,
+                                (f"{b}: scrape failed from {failed[0].start_s:.0f} "
                                                       f"({failed[0].scrape_error or 'no answer'})",)))
             break
         every = [w for w in ws if w.requests and w.failed == w.requests]
@@ -155,12 +159,41 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
                     f"{b} got {totals[b] / total:.0%} of the requests (fair share {1 / len(fleet):.0%})"
                     + (f", LB weight {statistics.mean(weights):.2f}" if weights else ""),)))
                 break
-    missing.append("host CPU and memory (no host collector: run queue, PSI, RSS, OOM kills)")
+    # the host: an engine starved of CPU, or memory (OOM kills, RSS growth under memory pressure)
+    host_seen = bool(host) or any(math.isfinite(w.cpu_wait_ratio) for ws in mine.values() for w in ws)
+    if not host_seen:
+        missing.append("host CPU and memory (no host collector: run queue, PSI, RSS, OOM kills)")
+    for b, ws in mine.items():
+        waits = [w.cpu_wait_ratio for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s >= near]
+        before = [w.cpu_wait_ratio for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s < near]
+        if waits and max(waits) >= cfg.cpu_wait and max(waits) >= 2 * statistics.median(before or [0.0]):
+            psi = max((h.psi_cpu_some for t, h in host.items() if near <= t < end and math.isfinite(h.psi_cpu_some)),
+                      default=math.nan)
+            causes.append(Cause("host_cpu", 0.8 + (0.1 if share < cfg.fleet_share else 0.0), (
+                f"{b}: its threads waited on the run queue {max(waits):.0%} of the time "
+                f"(before: {statistics.median(before or [0.0]):.0%})"
+                + (f"; host CPU pressure {psi:.0%}" if math.isfinite(psi) else ""),)))
+            break
+    if "oom_kill" in leads:
+        kills = sum(h.oom_kills for t, h in host.items() if lo <= t < end)
+        causes.append(Cause("host_memory", 0.98, (f"{kills:.0f} OOM kill(s) on the host "
+                                                  f"{leads['oom_kill']:.0f} s before the breach",)))
+    else:
+        for b, ws in mine.items():
+            rss_before = [w.rss_bytes for w in ws if w.start_s < near and math.isfinite(w.rss_bytes)]
+            rss_now = [w.rss_bytes for w in ws if w.start_s >= near and math.isfinite(w.rss_bytes)]
+            pressure = max((h.psi_memory_some for t, h in host.items()
+                            if near <= t < end and math.isfinite(h.psi_memory_some)), default=0.0)
+            if rss_before and rss_now and max(rss_now) >= (1 + cfg.rss_growth) * statistics.median(rss_before) \
+                    and pressure >= cfg.psi_memory:
+                causes.append(Cause("host_memory", 0.7, (
+                    f"{b}: RSS {statistics.median(rss_before) / 2**30:.1f} -> {max(rss_now) / 2**30:.1f} GiB, "
+                    f"host memory pressure {pressure:.0%}",)))
+                break
     causes.sort(key=lambda c: -c.score)
     best = causes[0] if causes and causes[0].score >= MIN_SCORE else Cause(UNKNOWN, 0.0, ())
     runners = [c for c in causes if c is not best]
-    return Explanation(best, runners, leads, missing if best.name == UNKNOWN else [m for m in missing
-                                                                                     if "host" in m], drop)
+    return Explanation(best, runners, leads, missing, drop)
 
 
 __all__ = ["Explanation", "explain"]

@@ -31,6 +31,12 @@ class IncidentsConfig(ComponentConfig):
     """Share of the fleet's backends breaching together that reads as load beyond capacity."""
     imbalance: float = 1.5
     """A breached backend's share of requests over its fair share that reads as routing imbalance."""
+    cpu_wait: float = 0.3
+    """Share of a window an engine's threads waited runnable on a run queue that reads as CPU starvation."""
+    rss_growth: float = 0.25
+    """Growth of an engine's RSS over its baseline that, with memory pressure, reads as host memory trouble."""
+    psi_memory: float = 0.1
+    """Host PSI ``memory some`` share that counts as memory pressure."""
     io_p99_s: float = 0.05
     """Block-IO read P99 (or mean where only diskstats exists) that reads as IO trouble for serving."""
     alert_open: bool = True

@@ -16,7 +16,7 @@ from typing import Any
 from triscope.analyzers.incidents.causes import explain
 from triscope.analyzers.incidents.config import IncidentsConfig
 from triscope.analyzers.incidents.model import Incident
-from triscope.analyzers.incidents.series import Window, read_windows
+from triscope.analyzers.incidents.series import Window, read_host, read_windows
 from triscope.analyzers.routing.config import WeightParams
 from triscope.store.base import Store
 
@@ -99,6 +99,7 @@ def find_incidents(store: Store, start_ns: int, end_ns: int, config: Mapping[str
     params = WeightParams.from_config(config)
     look_from = start_ns - int(cfg.baseline_s * 1e9)
     windows, io = read_windows(store, look_from, end_ns, cfg.window_s, params.default_class, list(params.classes))
+    host = read_host(store, look_from, end_ns, cfg.window_s)
     breaches = [b for series in windows.values() for w in series.values()
                 if w.start_s * 1e9 >= start_ns and (b := breach_of(w, params, cfg)) is not None]
     incidents = []
@@ -107,7 +108,7 @@ def find_incidents(store: Store, start_ns: int, end_ns: int, config: Mapping[str
         start_s = min(b.start_s for b in group)
         end_s = max(b.start_s for b in group) + cfg.window_s
         ratios = [b.p99_ratio for b in group if math.isfinite(b.p99_ratio)]
-        why = explain(group, windows, io, cfg)
+        why = explain(group, windows, io, cfg, host)
         incidents.append(Incident(
             start_s, end_s, sorted({b.backend for b in group}), sorted({c for b in group for c in b.classes}),
             max(ratios) if ratios else math.nan, sum(b.failed for b in group), sum(b.requests for b in group),

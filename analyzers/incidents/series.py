@@ -13,7 +13,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from triscope.schema import IO_LATENCY, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, WEIGHTS_HISTORY, qualified
+from triscope.schema import (
+    HOST_SAMPLES,
+    IO_LATENCY,
+    REQUESTS,
+    SCRAPE_HEALTH,
+    SERVING_METRICS,
+    WEIGHTS_HISTORY,
+    qualified,
+)
 from triscope.store.base import Store
 
 NAN = math.nan
@@ -47,6 +55,9 @@ class Window:
     scrape_error: str = ""
     weight: float = NAN
     lb_state: str = ""
+    cpu_wait_ratio: float = NAN
+    """Share of the window its processes' threads waited runnable on a run queue (host collector)."""
+    rss_bytes: float = NAN
     classes: dict[str, ClassWindow] = field(default_factory=dict)
 
     @property
@@ -66,10 +77,19 @@ def _f(value: Any) -> float:
     return out if math.isfinite(out) else NAN
 
 
+@dataclass
+class HostWindow:
+    """The hosts' pressure in one window (the worst host)."""
+
+    psi_cpu_some: float = NAN
+    psi_memory_some: float = NAN
+    oom_kills: float = 0.0
+
+
 def read_windows(store: Store, start_ns: int, end_ns: int, window_s: float, default_class: str,
                  known_classes: list[str]) -> tuple[dict[str, dict[float, Window]], dict[float, float]]:
     """Per backend, per window start (epoch seconds): its :class:`Window`; and per window the worst host
-    block-IO read P99 (seconds)."""
+    block-IO read P99 (seconds). Host pressure: :func:`read_host`."""
     p = {"start": start_ns, "end": end_ns, "w": int(window_s * 1000), "classes": known_classes,
          "default": default_class}
     bucket = "toUnixTimestamp64Milli(toStartOfInterval(ts, toIntervalMillisecond({w:UInt32}))) / 1000"
@@ -109,10 +129,28 @@ FROM {qualified(store, WEIGHTS_HISTORY)} WHERE {span} GROUP BY backend, t""", p)
         if str(r["backend"]) in out:
             w = window(str(r["backend"]), float(r["t"]))
             w.weight, w.lb_state = _f(r["w_avg"]), str(r["lb_state"])
+    for r in store.query(f"""
+SELECT backend, {bucket} AS t, sum(wait_seconds) / sum(window_seconds) AS wait_ratio, max(rss_bytes) AS rss
+FROM {qualified(store, HOST_SAMPLES)} WHERE {span} AND backend != '' GROUP BY backend, t""", p).dicts():
+        if str(r["backend"]) in out:
+            w = window(str(r["backend"]), float(r["t"]))
+            w.cpu_wait_ratio, w.rss_bytes = _f(r["wait_ratio"]), _f(r["rss"])
     io = {float(r["t"]): _f(r["io_p99"]) for r in store.query(f"""
 SELECT {bucket} AS t, max(if(isFinite(p99_seconds), p99_seconds, mean_seconds)) AS io_p99
 FROM {qualified(store, IO_LATENCY)} WHERE {span} AND op IN ('read', 'all') GROUP BY t""", p).dicts()}
     return dict(out), io
 
 
-__all__ = ["ClassWindow", "Window", "read_windows"]
+def read_host(store: Store, start_ns: int, end_ns: int, window_s: float) -> dict[float, HostWindow]:
+    """Per window: the worst host's CPU and memory pressure (PSI) and the OOM kills of every host."""
+    p = {"start": start_ns, "end": end_ns, "w": int(window_s * 1000)}
+    rows = store.query(f"""
+SELECT toUnixTimestamp64Milli(toStartOfInterval(ts, toIntervalMillisecond({{w:UInt32}}))) / 1000 AS t,
+       max(psi_cpu_some) AS cpu, max(psi_memory_some) AS mem, sumIf(oom_kills, isFinite(oom_kills)) AS ooms
+FROM {qualified(store, HOST_SAMPLES)}
+WHERE ts >= fromUnixTimestamp64Nano({{start:Int64}}) AND ts < fromUnixTimestamp64Nano({{end:Int64}}) AND backend = ''
+GROUP BY t""", p).dicts()
+    return {float(r["t"]): HostWindow(_f(r["cpu"]), _f(r["mem"]), _f(r["ooms"]) or 0.0) for r in rows}
+
+
+__all__ = ["ClassWindow", "HostWindow", "Window", "read_host", "read_windows"]

@@ -14,6 +14,7 @@ from types import ModuleType
 
 from triscope.errors import StoreError
 from triscope.schema.gpu import ALLOCATOR_SAMPLES, GPU_PROCESS_MEMORY, GPU_SAMPLES
+from triscope.schema.host import HOST_SAMPLES
 from triscope.schema.io import IO_LATENCY
 from triscope.schema.model import (
     Column,
@@ -32,7 +33,8 @@ from triscope.schema.trace import TRACE_EVENTS, TRACE_RUNS
 from triscope.schema.weights import WEIGHTS_HISTORY
 from triscope.store.base import Store
 
-__all__ = ["ALLOCATOR_SAMPLES", "GPU_PROCESS_MEMORY", "GPU_SAMPLES", "IO_LATENCY", "NCCL_OPS", "REQUESTS",
+__all__ = ["ALLOCATOR_SAMPLES", "GPU_PROCESS_MEMORY", "GPU_SAMPLES", "HOST_SAMPLES", "IO_LATENCY", "NCCL_OPS",
+           "REQUESTS",
            "SCRAPE_HEALTH", "SERVING_METRICS", "TABLES", "TRACE_EVENTS", "TRACE_RUNS", "WEIGHTS_HISTORY",
            "Column", "Migration", "Table", "add_columns", "create_table_sql", "create_tables", "default_for",
            "domains", "encode_ts", "migrate", "qualified", "schema_versions", "table"]
@@ -51,7 +53,7 @@ _MIGRATIONS_TABLE = Table(
 
 
 TABLES: dict[str, Table] = {t.name: t for t in (
-    GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES, IO_LATENCY, NCCL_OPS, REQUESTS, SERVING_METRICS,
+    GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES, IO_LATENCY, HOST_SAMPLES, NCCL_OPS, REQUESTS, SERVING_METRICS,
     SCRAPE_HEALTH, TRACE_RUNS, TRACE_EVENTS, WEIGHTS_HISTORY)}
 """Every data table by name (``schema_migrations`` is the migrator's own)."""
 
