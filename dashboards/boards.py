@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from triscope.dashboards import fleet, heatmap, io, nccl, stalls, weights
+from triscope.dashboards import fleet, heatmap, incidents, io, nccl, stalls, weights
 from triscope.dashboards.model import Board
 
-MODULES = (fleet, heatmap, stalls, nccl, io, weights)
+MODULES = (fleet, incidents, heatmap, stalls, nccl, io, weights)
 
 
 def boards() -> list[Board]:

@@ -86,7 +86,8 @@ def seed(store, seed: int = 3) -> dict[str, list[dict[str, Any]]]:
     serving = [{"ts": T0 + k * 500_000_000, "host": h, "backend": b, "server": "vllm", "model": "m-a",
                 "queue_length": float(k % 4), "running_requests": 2.0, "kv_cache_usage_ratio": 0.1 * k,
                 "requests_total": 10.0 * k, "latency_p50_seconds": 0.1, "latency_p99_seconds": 0.4,
-                "ttft_p99_seconds": 0.05} for b, (h, _) in BACKENDS.items() for k in range(8)]
+                "ttft_p99_seconds": 0.05, "preemptions_total": float(k)}
+               for b, (h, _) in BACKENDS.items() for k in range(8)]
     _ins(store, "serving_metrics", serving)
     io = []
     for s in range(4):
@@ -144,6 +145,15 @@ def seed(store, seed: int = 3) -> dict[str, list[dict[str, Any]]]:
                             "kv_cache_usage_ratio": 0.3, "qps": 40.0, "input_age_seconds": 0.5, "stale": 0,
                             "version": k + 1})
     _ins(store, "weights_history", history)
+    health = [{"ts": T0 + k * 500_000_000, "host": h, "backend": b, "target": f"http://{b}/metrics",
+               "up": 0 if (b == "h2:8000" and k >= 6) else 1, "duration_seconds": 0.01}
+              for b, (h, _) in BACKENDS.items() for k in range(8)]
+    _ins(store, "scrape_health", health)
+    host = [{"ts": T0 + k * 1_000_000_000, "host": h, "backend": b, "processes": 2, "window_seconds": 1.0,
+             "cpu_seconds": 0.8, "wait_seconds": 0.05 * k, "rss_bytes": 2e9, "psi_cpu_some": 0.1,
+             "psi_memory_some": 0.0, "psi_io_some": 0.02, "oom_kills": 0.0}
+            for b, (h, _) in list(BACKENDS.items()) + [("", ("h1", 0))] for k in range(4)]
+    _ins(store, "host_samples", host)
     return {"requests": reqs, "gpu_samples": gpus, "nccl_ops": ops}
 
 
