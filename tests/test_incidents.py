@@ -171,3 +171,20 @@ def test_weights_show_and_explain_at_a_past_time_read_the_recorded_updates(store
     assert "drain because kv_cache" in capsys.readouterr().out
     assert main(["weights", "show", "--at", str(T0 - 3600), "-c", str(config)]) == 2
     assert "no weights recorded" in capsys.readouterr().err
+
+
+def test_the_summary_gives_the_design_s_figures_over_the_range(store: Any) -> None:
+    def step(s: int, b: str, f: dict[str, float]) -> None:
+        if s >= 90:
+            f.update(qps=12.0, queue=10.0, kv=0.78)
+            if s >= 105:
+                f.update(latency=3.0)
+
+    Fleet().write(store, step)
+    report = _find(store)
+    s = report.summary()
+    assert s["incidents"] == s["after_qps_jump"] == 1 and s["share_after_qps_jump"] == 1.0
+    assert 10 <= s["seconds_from_jump_to_breach"]["median"] <= 20
+    assert s["kv_usage_at_breach"]["median"] == pytest.approx(0.78)
+    assert s["p99_growth"]["median"] > 3  # P99 from ~0.3 s to ~3 s
+    assert s["causes"] == {"load_beyond_capacity": 1}

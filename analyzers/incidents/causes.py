@@ -37,6 +37,8 @@ class Explanation:
     lead_times_s: dict[str, float] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     completed_drop_ratio: float = math.nan
+    kv_at_breach: float = math.nan
+    p99_growth: float = math.nan
 
 
 def _in(series: Mapping[float, Window], lo: float, hi: float) -> list[Window]:
@@ -193,7 +195,24 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     causes.sort(key=lambda c: -c.score)
     best = causes[0] if causes and causes[0].score >= MIN_SCORE else Cause(UNKNOWN, 0.0, ())
     runners = [c for c in causes if c is not best]
-    return Explanation(best, runners, leads, missing, drop)
+    return Explanation(best, runners, leads, missing, drop, *_at_breach(mine, onset, near, end, cfg))
+
+
+def _p99(w: Window) -> float:
+    spans = [c.p99_seconds for c in w.classes.values() if math.isfinite(c.p99_seconds)]
+    return max(spans) if spans else w.engine_p99_seconds
+
+
+def _at_breach(mine: Mapping[str, list[Window]], onset: float, near: float, end: float,
+               cfg: IncidentsConfig) -> tuple[float, float]:
+    """(KV usage in the first breached window, P99 growth over the baseline) of the backends hit."""
+    first = [w.kv_usage for ws in mine.values() for w in ws
+             if onset <= w.start_s < onset + cfg.window_s and math.isfinite(w.kv_usage)]
+    before = [_p99(w) for ws in mine.values() for w in ws if w.start_s < near and math.isfinite(_p99(w))]
+    during = [_p99(w) for ws in mine.values() for w in ws if onset <= w.start_s < end and math.isfinite(_p99(w))]
+    growth = max(during) / statistics.median(before) - 1 if before and during and statistics.median(before) > 0 \
+        else math.nan
+    return (max(first) if first else math.nan), growth
 
 
 __all__ = ["Explanation", "explain"]

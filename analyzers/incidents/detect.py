@@ -87,10 +87,31 @@ class IncidentReport:
                 out.append(f"incident with P99 {i.worst_p99_ratio:.1f}x its SLA: {i.cause.name}")
         return out
 
+    def summary(self) -> dict[str, Any]:
+        """The design's headline over this range: of the incidents, those after a sustained QPS jump of
+        ``qps_jump``; the time from the jump to the breach, KV usage at the breach, P99 growth (medians and
+        ranges)."""
+        after = [i for i in self.incidents if "qps_jump" in i.lead_times_s and i.lead_times_s["qps_jump"] >= 0]
+
+        def spread(values: list[float]) -> dict[str, float] | None:
+            vals = sorted(v for v in values if math.isfinite(v))
+            if not vals:
+                return None
+            return {"median": round(vals[len(vals) // 2], 3), "min": round(vals[0], 3), "max": round(vals[-1], 3)}
+
+        return {"incidents": len(self.incidents), "after_qps_jump": len(after),
+                "share_after_qps_jump": round(len(after) / len(self.incidents), 3) if self.incidents else None,
+                "qps_jump": self.config.qps_jump,
+                "seconds_from_jump_to_breach": spread([i.lead_times_s["qps_jump"] for i in after]),
+                "kv_usage_at_breach": spread([i.kv_at_breach for i in after]),
+                "p99_growth": spread([i.p99_growth for i in after]),
+                "causes": {c: sum(1 for i in self.incidents if i.cause.name == c)
+                           for c in sorted({i.cause.name for i in self.incidents})}}
+
     def to_dict(self) -> dict[str, Any]:
         return {"start_ns": self.start_ns, "end_ns": self.end_ns, "window_s": self.window_s,
                 "backends": self.backends, "incidents": [i.to_dict() for i in self.incidents],
-                "alerts": self.alerts()}
+                "alerts": self.alerts(), "summary": self.summary()}
 
 
 def find_incidents(store: Store, start_ns: int, end_ns: int, config: Mapping[str, Any]) -> IncidentReport:
@@ -113,7 +134,7 @@ def find_incidents(store: Store, start_ns: int, end_ns: int, config: Mapping[str
             start_s, end_s, sorted({b.backend for b in group}), sorted({c for b in group for c in b.classes}),
             max(ratios) if ratios else math.nan, sum(b.failed for b in group), sum(b.requests for b in group),
             why.completed_drop_ratio, end_s - cfg.window_s >= last_window, why.cause, why.runners_up,
-            why.lead_times_s, why.missing))
+            why.lead_times_s, why.missing, why.kv_at_breach, why.p99_growth))
     return IncidentReport(start_ns, end_ns, cfg.window_s, sorted(windows), incidents, cfg)
 
 

@@ -44,6 +44,10 @@ class Incident:
     """Per indicator: seconds from its first move to the breach (positive: it moved before)."""
     missing: list[str] = field(default_factory=list)
     """Signals a cause needs that the store does not have for this stretch."""
+    kv_at_breach: float = math.nan
+    """The highest KV usage of the backends hit in the first breached window."""
+    p99_growth: float = math.nan
+    """Worst P99 during / the backends' P99 over the baseline, less 1 (4.17 = the seed's 417 %)."""
 
     def to_dict(self) -> dict[str, Any]:
         def num(x: float) -> float | None:
@@ -54,4 +58,5 @@ class Incident:
                 "worst_p99_over_sla": num(self.worst_p99_ratio), "failed_requests": self.failed_requests,
                 "requests": self.requests, "completed_drop_ratio": num(self.completed_drop_ratio),
                 "cause": self.cause.to_dict(), "runners_up": [c.to_dict() for c in self.runners_up],
-                "lead_times_s": {k: round(v, 1) for k, v in self.lead_times_s.items()}, "missing": self.missing}
+                "lead_times_s": {k: round(v, 1) for k, v in self.lead_times_s.items()}, "missing": self.missing,
+                "kv_at_breach": num(self.kv_at_breach), "p99_growth": num(self.p99_growth)}

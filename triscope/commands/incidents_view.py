@@ -45,3 +45,25 @@ def render_incidents(report: IncidentReport) -> None:
             console.print("  moved first: " + ", ".join(
                 f"{k} {v:.0f} s before" if v >= 0 else f"{k} {-v:.0f} s after" for k, v in
                 sorted(i.lead_times_s.items(), key=lambda kv: -kv[1])))
+
+
+def render_summary(report: IncidentReport) -> None:
+    """``--summary``: the design's headline figures over the range."""
+    from triscope.console import report_console
+
+    s = report.summary()
+    console = report_console()
+    if not s["incidents"]:
+        console.print("summary: no incident in this range")
+        return
+    line = (f"summary: {s['incidents']} incident(s); {s['after_qps_jump']} "
+            f"({s['share_after_qps_jump']:.0%}) came after a QPS jump of {s['qps_jump']:.0%} or more")
+    parts = []
+    for key, label, fmt in (("seconds_from_jump_to_breach", "time from the jump to the breach", "{:.0f} s"),
+                            ("kv_usage_at_breach", "KV usage at the breach", "{:.0%}"),
+                            ("p99_growth", "P99 growth", "{:.0%}")):
+        v = s[key]
+        if v:
+            parts.append(f"{label} {fmt.format(v['median'])} (range {fmt.format(v['min'])}-{fmt.format(v['max'])})")
+    console.print(line + (": " + "; ".join(parts) if parts else ""))
+    console.print("causes: " + ", ".join(f"{c} {n}" for c, n in s["causes"].items()))
