@@ -59,9 +59,9 @@ def test_mtia_agrees_with_hta_run_here(store, tmp_path: Path) -> None:
 def test_categories_and_device_types() -> None:
     assert [event_kind(c) for c in ("mtia_ccp_events", "mtia_runtime", "xpu_runtime", "privateuse1_driver",
                                     "Kernel", "cuda_profiler_range")] == \
-        ["kernel", "runtime", "runtime", "runtime", "kernel", "other"]
-    assert [device_type(c) for c in ("kernel", "gpu_memcpy", "Memset", "mtia_ccp_events", "npu_events")] == \
-        ["GPU", "GPU", "GPU", "MTIA", "NPU"]
+        ["kernel", "runtime", "runtime", "runtime", "kernel", "profiler_range"]
+    assert [device_type(c) for c in ("kernel", "gpu_memcpy", "Memset", "mtia_ccp_events", "npu_events",
+                                     "cuda_profiler_range")] == ["GPU", "GPU", "GPU", "MTIA", "NPU", "GPU"]
     assert [pid_device(p) for p in (17, "17", "+3", " 1", "Spans", 1 << 40, "1.0")] == [17, 17, 3, -1, -1, -1, -1]
 
 

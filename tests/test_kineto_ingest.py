@@ -149,7 +149,7 @@ def test_reingest_replaces_instead_of_duplicating(store, tmp_path: Path):
     ingest_trace(store, path)
     ingest_trace(store, path)
     assert store.query(f"SELECT count() FROM {qualified(store, 'trace_events')}").scalar() == 10
-    assert store.query(f"SELECT run_id, rank FROM {qualified(store, 'trace_runs')} FINAL").rows == [("t", 2)]
+    assert store.query(f"SELECT run_id, rank FROM {qualified(store, 'trace_runs')} FINAL").rows == [("t_rank2", 2)]
 
 
 def test_multi_rank_directory_is_one_run(store, tmp_path: Path):

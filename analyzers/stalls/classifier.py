@@ -132,8 +132,13 @@ def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, 
     return report
 
 
-def diagnose_runs(store: Store, run_ids: list[str], config: dict[str, Any], by: str = "step") -> StallReport:
-    """Verdicts over the whole recorded span of the given trace runs (their extents read once)."""
+def diagnose_runs(store: Store, run_ids: list[str], config: dict[str, Any], by: str = "step",
+                  ranks: Iterable[int] | None = None) -> StallReport:
+    """Verdicts over the whole recorded span of the given trace runs (their extents read once); ``ranks``:
+    only these ranks."""
     parts = readers.trace_parts(store, -(2**62), 2**62, run_ids)
+    if ranks is not None:
+        keep = set(ranks)
+        parts = [p for p in parts if p["rank"] in keep]
     start_ns, end_ns = readers.span_of(parts, run_ids)
     return diagnose_stalls(store, start_ns, end_ns + 1, config, run_ids=run_ids, by=by, trace_parts=parts)

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from triscope.analyzers.trace_breakdown import GPU_WORK
+from triscope.analyzers.trace_breakdown import GPU_WORK, device_kind
 from triscope.errors import InputError
 from triscope.schema import (
     GPU_SAMPLES,
@@ -65,11 +65,9 @@ def serving_queue(store: Store, start_ns: int, end_ns: int) -> list[tuple[Any, .
 
 
 def device_type(category: str) -> str:
-    """The device a device-work category ran on, as ``collectors.kineto.classify.device_type`` names it."""
-    cat = category.lower()
-    if cat in ("kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset"):
-        return "gpu"
-    return cat.split("_", 1)[0] or "gpu"
+    """The device a device-work category ran on, as ``collectors.kineto.classify.device_type`` names it
+    (in lower case: ``gpu``, ``mtia``)."""
+    return device_kind(category).lower()
 
 
 def trace_parts(store: Store, start_ns: int, end_ns: int, run_ids: list[str] | None) -> list[dict[str, Any]]:

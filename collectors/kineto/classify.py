@@ -7,6 +7,12 @@ the 2022-era ``Kernel``/``Memcpy``/``Memset``) and MTIA (``mtia_ccp_events``), n
 known here is recognised after ingest by where it ran (:func:`.runs.recognise_device_work`: a
 stream argument on a pid that has no host events). Device work without a ``device`` argument
 (MTIA) takes its device from its pid, which Kineto sets to the device index.
+
+Two kinds of device activity are stored but are not device work: ``profiler_range`` (CUPTI range
+profiler measurements, ``cuda_profiler_range``: counters per range, written instead of kernel
+events) and ``device_other`` (device work on no stream that no runtime call launched, such as an
+MTIA DMA engine's own device-to-host transfers: not work the program issued, and left out of the
+breakdown as HolisticTraceAnalysis leaves it out). docs/trace-breakdown.md has the why.
 """
 
 from __future__ import annotations
@@ -32,11 +38,17 @@ KIND_BY_CATEGORY: dict[str, str] = {
     "hpu_op": "runtime",  # Kineto: "HPU host side runtime event"
     "cuda_sync": "sync",
     "python_function": "python",
+    "cuda_profiler_range": "profiler_range",
 }
 RUNTIME_SUFFIXES = ("_runtime", "_driver")
 """Categories ending so are host-side runtime calls of any device (xpu_runtime, privateuse1_driver, ...)."""
+PROFILER_RANGE_SUFFIX = "_profiler_range"
+"""Categories ending so are range-profiler measurements of a device (``cuda_profiler_range``)."""
 
 GPU_WORK_KINDS = frozenset({"kernel", "memcpy", "memset"})
+DEVICE_KINDS = GPU_WORK_KINDS | {"profiler_range", "device_other"}
+"""Kinds of device activity: without a ``device`` argument they take the device their pid names."""
+OFF_STREAM_KIND = "device_other"
 
 # NCCL/RCCL kernels of both naming eras (ncclKernel_* before 2.19, ncclDevKernel_* after) and
 # collectives implemented outside NCCL (vLLM custom all-reduce, torch symmetric memory, ...).
@@ -68,7 +80,18 @@ def event_kind(category: str) -> str:
     """triscope kind for a Kineto ``cat`` value (``other`` when unknown)."""
     kind = KIND_BY_CATEGORY.get(category) or KIND_BY_CATEGORY.get(category.lower())
     if kind is None:
-        return "runtime" if category.lower().endswith(RUNTIME_SUFFIXES) else "other"
+        lower = category.lower()
+        if lower.endswith(RUNTIME_SUFFIXES):
+            return "runtime"
+        return "profiler_range" if lower.endswith(PROFILER_RANGE_SUFFIX) else "other"
+    return kind
+
+
+def stream_kind(kind: str, stream: int | None, correlation: int | None) -> str:
+    """``kind``, or :data:`OFF_STREAM_KIND` for device work with neither a stream nor a correlation id
+    (not launched by the program: a DMA engine's own transfers)."""
+    if kind in GPU_WORK_KINDS and stream is None and correlation is None:
+        return OFF_STREAM_KIND
     return kind
 
 
@@ -96,12 +119,14 @@ def kernel_class(kind: str, name: str) -> str:
 
 
 _GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset"})
+_GPU_WORDS = frozenset({"gpu", "cuda", "hip", "rocm"})
 
 
 def device_type(category: str) -> str:
-    """The kind of device a device-work category ran on: ``GPU`` (CUDA and ROCm write the same
-    categories), ``MTIA``, else the category's first word (``npu_events`` -> ``NPU``)."""
+    """The kind of device a device-activity category ran on: ``GPU`` (CUDA and ROCm write the same
+    categories; ``cuda_profiler_range``), ``MTIA``, else the category's first word (``npu_events`` -> ``NPU``)."""
     cat = category.lower()
-    if cat in _GPU_CATEGORIES:
+    word = cat.split("_", 1)[0]
+    if cat in _GPU_CATEGORIES or word in _GPU_WORDS:
         return "GPU"
-    return cat.split("_", 1)[0].upper() or "GPU"
+    return word.upper() or "GPU"

@@ -12,7 +12,7 @@ import re
 from decimal import Decimal
 from typing import Any, TypeVar
 
-from triscope.collectors.kineto.classify import GPU_WORK_KINDS, event_kind, kernel_class, pid_device
+from triscope.collectors.kineto.classify import DEVICE_KINDS, event_kind, kernel_class, pid_device, stream_kind
 from triscope.collectors.kineto.events import INT64_MAX, INT64_MIN, EventArgs, TraceEvent, event_args, us_to_ns
 
 D = TypeVar("D", int, None)
@@ -60,10 +60,10 @@ def arg_text(value: Any) -> str:
 
 
 def _device(args: EventArgs | None, kind: str, pid: int | str) -> int:
-    """The ``device`` argument; for device work without one (MTIA), the device its pid names."""
+    """The ``device`` argument; for device activity without one (MTIA), the device its pid names."""
     device = arg_int(args.device, None) if args else None
     if device is None:
-        return pid_device(pid) if kind in GPU_WORK_KINDS else -1
+        return pid_device(pid) if kind in DEVICE_KINDS else -1
     return device
 
 
@@ -73,9 +73,10 @@ def append_block(cols: dict[str, list[Any]], events: list[TraceEvent], run_id: s
     if not xs:
         return
     d = cols
-    kinds = [event_kind(e.cat) for e in xs]
-    names = [e.name for e in xs]
     args = [event_args(e) for e in xs]
+    kinds = [stream_kind(event_kind(e.cat), arg_int(a.stream, None) if a else None,
+                         arg_int(a.correlation, None) if a else None) for e, a in zip(xs, args, strict=True)]
+    names = [e.name for e in xs]
     n = len(xs)
     d["run_id"].extend([run_id] * n)
     d["rank"].extend([rank] * n)

@@ -25,7 +25,7 @@ from triscope.store.base import Store
 TRACE_SUFFIXES = (".json", ".json.gz", ".pt.trace.json", ".pt.trace.json.gz")
 RUNS_PER_INSERT = 64  # trace_runs rows written together (each carries up to 1 MB of metadata)
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
-_RUN_SUFFIX = re.compile(r"([_.-]?rank[_-]?\d+)?(\.pt\.trace)?\.json(\.gz)?$", re.IGNORECASE)
+_TRACE_SUFFIX = re.compile(r"(\.pt\.trace)?\.json(\.gz)?$", re.IGNORECASE)
 _RANK_WHERE = "run_id = {run_id:String} AND rank = {rank:Int32}"
 
 
@@ -43,7 +43,9 @@ class IngestResult:
     seconds: float = 0.0
     base_time_ns: int = 0
     device_type: str = ""
-    """What ran the device work: GPU (CUDA, ROCm), MTIA, ...; empty when the trace has none."""
+    """What ran the device work: GPU (CUDA, ROCm), MTIA, ...; empty when the trace has no device activity."""
+    profiler_ranges: int = 0
+    """Range-profiler measurements (``cuda_profiler_range``): device activity recorded without kernel events."""
     world_size: int | None = None
     start_ns: int | None = None
     """UTC epoch ns of the first and last event; None when the trace's clock is not absolute."""
@@ -51,10 +53,11 @@ class IngestResult:
 
 
 def default_run_id(path: Path) -> str:
-    """Run id for a path: a directory's name, or a file's name without rank and extension."""
+    """Run id for a path: a directory's name (one job, each file a rank), or a file's name without its
+    extension, rank included (``mtia_rank_0.json.gz`` is run ``mtia_rank_0``)."""
     if path.is_dir():
         return path.resolve().name
-    stem = _RUN_SUFFIX.sub("", path.name)
+    stem = _TRACE_SUFFIX.sub("", path.name)
     return stem or path.name
 
 
@@ -119,13 +122,14 @@ def summarize(store: Store, result: IngestResult, header: TraceHeader) -> None:
     gpu = tuple(sorted(GPU_WORK_KINDS))
     params = {"run_id": result.run_id, "rank": result.rank}
     sql = (f"SELECT count(), countIf(kind IN {gpu}), min(ts_ns), max(ts_ns + dur_ns), "
-           f"groupUniqArrayIf(8)(category, kind IN {gpu}), countIf(kind = 'other' AND stream != -1) "
+           f"groupUniqArrayIf(8)(category, kind IN {gpu}), countIf(kind = 'other' AND stream != -1), "
+           "countIf(kind = 'profiler_range'), groupUniqArrayIf(8)(category, kind = 'profiler_range') "
            f"FROM {qualified(store, TRACE_EVENTS)} WHERE {_RANK_WHERE}")
     row = store.query(sql, params).rows[0]
     if row[5] and recognise_device_work(store, result.run_id, result.rank):
         row = store.query(sql, params).rows[0]
-    result.events, result.gpu_events = int(row[0]), int(row[1])
-    result.device_type = "/".join(sorted({classify.device_type(c) for c in row[4]}))
+    result.events, result.gpu_events, result.profiler_ranges = int(row[0]), int(row[1]), int(row[6])
+    result.device_type = "/".join(sorted({classify.device_type(c) for c in row[4] or row[7]}))
     result.base_time_ns = header.base_time_ns
     result.world_size = header.world_size
     lo, hi = header.base_time_ns + int(row[2]), header.base_time_ns + int(row[3])

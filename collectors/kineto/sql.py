@@ -11,7 +11,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from triscope.collectors.kineto import classify
-from triscope.collectors.kineto.classify import GPU_WORK_KINDS, KIND_BY_CATEGORY
+from triscope.collectors.kineto.classify import (
+    DEVICE_KINDS,
+    GPU_WORK_KINDS,
+    KIND_BY_CATEGORY,
+    OFF_STREAM_KIND,
+    PROFILER_RANGE_SUFFIX,
+    RUNTIME_SUFFIXES,
+)
 from triscope.schema import TRACE_EVENTS
 
 JSON_STRUCTURE = ("ph String, cat String, name String, pid String, tid String, "
@@ -52,6 +59,8 @@ def kernel_class_sql(kind: str) -> str:
 def insert_sql(table: str) -> str:
     """The INSERT into ``table`` (qualified ``trace_events``); parameters: :func:`insert_params`."""
     gpu = ", ".join(f"'{k}'" for k in sorted(GPU_WORK_KINDS))
+    device_kinds = ", ".join(f"'{k}'" for k in sorted(DEVICE_KINDS))
+    runtime = " OR ".join(f"endsWith(lower(cat), '{s}')" for s in RUNTIME_SUFFIXES)
     comm = _args_tuple(_COMM_INTS, _COMM_TEXTS)
     return f"""
 INSERT INTO {table} ({", ".join(TRACE_EVENTS.column_names())})
@@ -64,15 +73,19 @@ FROM (
     {{rank:Int32}} AS rank,
     {{block:UInt32}} AS ingest_block,
     transform(lower(cat), {{cats:Array(String)}}, {{kinds:Array(String)}},
-              if(endsWith(lower(cat), '_runtime') OR endsWith(lower(cat), '_driver'), 'runtime', 'other')) AS kind,
+              multiIf({runtime}, 'runtime', endsWith(lower(cat), '{PROFILER_RANGE_SUFFIX}'), 'profiler_range',
+                      'other')) AS cat_kind,
+    -- device work on no stream that no runtime call launched is not the program's (classify.stream_kind)
+    if(cat_kind IN ({gpu}) AND isNull(tupleElement(a, 'stream')) AND isNull(tupleElement(a, 'correlation')),
+       '{OFF_STREAM_KIND}', cat_kind) AS kind,
     cat AS category,
     {kernel_class_sql("kind")} AS kernel_class,
     name, pid, tid,
     -- args that are not an object carry no keys (JSONExtract would read an array's items as the tuple's)
     if(startsWith(trimLeft(args), '{{'), args, '') AS object_args,
     {_args_tuple(_ARG_INTS)} AS a,
-    -- device work without a device argument (MTIA) ran on the device its pid names (classify.pid_device)
-    toInt32(if(kind IN ({gpu}) AND isNull(tupleElement(a, 'device')), toInt32OrDefault(pid, toInt32(-1)),
+    -- device activity without a device argument (MTIA) ran on the device its pid names (classify.pid_device)
+    toInt32(if(kind IN ({device_kinds}) AND isNull(tupleElement(a, 'device')), toInt32OrDefault(pid, toInt32(-1)),
                {_arg("a", "device")})) AS device,
     {_arg("a", "stream")} AS stream,
     toInt64(round(ts * 1000)) AS ts_ns,

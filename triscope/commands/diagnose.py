@@ -65,11 +65,14 @@ def run(args: argparse.Namespace) -> int:
 def run_traces(args: argparse.Namespace) -> int:
     """``diagnose TRACE_OR_DIR...``: ingest, breakdown and per-step stall verdicts in one process (one store open).
 
-    Exit 2 when no file could be ingested, 1 when some could not or a run could not be classified (the
-    rest is reported), else as the stall diagnosis (3 on a breached threshold)."""
+    Exit 2 when no file could be ingested (with ``--json`` the errors are still a JSON document on stdout),
+    1 when some could not or a run could not be classified (the rest is reported), else as the stall
+    diagnosis (3 on a breached threshold). A rank whose breakdown supports no verdict (too short to judge,
+    device activity recorded as profiler ranges only) is left out of the verdicts, and says why."""
     from triscope.collectors.kineto.config import TraceIngestConfig
-    from triscope.collectors.kineto.errors import RefusedTraceError, SkippedTraceError
+    from triscope.collectors.kineto.errors import SkippedTraceError
     from triscope.collectors.kineto.ingest import IngestResult, ingest_paths
+    from triscope.commands.ingest import device_text
     from triscope.errors import InputError
     from triscope.store import open_store
 
@@ -77,61 +80,91 @@ def run_traces(args: argparse.Namespace) -> int:
     settings = TraceIngestConfig.from_config(config)
     failures: list[str] = []
     skipped: list[str] = []
-    refused = False
 
     def on_file(outcome: IngestResult | InputError) -> None:
-        nonlocal refused
         if isinstance(outcome, SkippedTraceError):  # a stray file in a directory: said, not a failure
             skipped.append(str(outcome))
             print(f"triscope: warning: {outcome}", file=sys.stderr)
         elif isinstance(outcome, InputError):
-            refused = refused or isinstance(outcome, RefusedTraceError)
             failures.append(str(outcome))
             print(f"triscope: error: {outcome}", file=sys.stderr)
         elif not args.json:
             print(f"ingested {outcome.path}: run {outcome.run_id} rank {outcome.rank}, {outcome.events:,} events "
-                  f"({outcome.gpu_events:,} GPU) in {outcome.seconds:.2f}s", file=sys.stderr)
+                  f"({device_text(outcome)}) in {outcome.seconds:.2f}s", file=sys.stderr)
 
     store = open_store(config)
     # Started once the store is open: before, the command's own imports and chDB's start-up need the GIL.
     warm = _warm_imports()
+    results: list[IngestResult] = []
+    reports: list[tuple[str, Any, StallReport | None]] = []
+    breaches: list[str] = []
     try:
-        results = ingest_paths(store, args.paths, run_id=args.trace_run, on_file=on_file, settings=settings)
-        run_ids = list(dict.fromkeys(r.run_id for r in results if r.events))
-        from triscope.analyzers.stalls import diagnose_runs
-        from triscope.analyzers.trace_breakdown import analyze_run
-
-        reports: list[tuple[str, Any, StallReport | None]] = []
-        breaches = []
-        for run_id in run_ids:
-            ranks = analyze_run(store, run_id, ranks=args.rank, include_last_step=args.include_last_step)
-            stalls = None
-            try:  # the breakdown stands on its own: a run the classifier refuses (too large) still gets it
-                stalls = diagnose_runs(store, [run_id], config, by="step")
-                breaches += stalls.breaches()
-            except InputError as exc:
-                failures.append(f"{run_id}: stall verdicts: {exc}")
-                print(f"triscope: error: {failures[-1]}", file=sys.stderr)
+        try:
+            results = ingest_paths(store, args.paths, run_id=args.trace_run, on_file=on_file, settings=settings)
+        except InputError as exc:  # a path that is not there, a directory without traces
+            if not args.json:
+                raise
+            failures.append(str(exc))
+            print(f"triscope: error: {exc}", file=sys.stderr)
+        for run_id in dict.fromkeys(r.run_id for r in results if r.events):
+            ranks, stalls = _analyze(store, run_id, args, config, failures)
+            breaches += stalls.breaches() if stalls else []
             reports.append((run_id, ranks, stalls))
     finally:
         store.close()
         warm.join()
+    if not results and not failures:
+        failures.append(f"no Kineto trace among {', '.join(args.paths)} ({len(skipped)} file(s) skipped)")
+        print(f"triscope: error: {failures[-1]}", file=sys.stderr)
+    _print_traces(args, results, failures, skipped, reports)
     if not results:
         return EXIT_INPUT
-    from triscope.analyzers.trace_report import print_report, report_dict
-
-    if args.json:
-        print_json({"ingested": [vars(r) for r in results], "errors": failures, "skipped": skipped,
-                    "runs": [{**report_dict(run_id, ranks), "stalls": stalls.to_json() if stalls else None}
-                             for run_id, ranks, stalls in reports]})
-    else:
-        for run_id, ranks, stalls in reports:
-            print_report(run_id, ranks)
-            if stalls is not None:
-                render(stalls, title=f"stall verdicts of run {run_id}, per profiler step")
     if failures:
-        return EXIT_INPUT if refused else 1
+        return 1
     return EXIT_BREACH if breaches else 0
+
+
+def _analyze(store: Any, run_id: str, args: argparse.Namespace, config: dict[str, Any],
+             failures: list[str]) -> tuple[Any, StallReport | None]:
+    """The breakdown of a run's ranks, and the stall verdicts of the ranks whose breakdown supports one."""
+    from triscope.analyzers.stalls import diagnose_runs
+    from triscope.analyzers.trace_breakdown import analyze_run
+    from triscope.errors import InputError
+
+    ranks = analyze_run(store, run_id, ranks=args.rank, include_last_step=args.include_last_step)
+    judged = [r.rank for r in ranks if not r.no_verdict()]
+    if not judged:
+        return ranks, None
+    try:  # the breakdown stands on its own: a run the classifier refuses (too large) still gets it
+        return ranks, diagnose_runs(store, [run_id], config, by="step", ranks=judged)
+    except InputError as exc:
+        failures.append(f"{run_id}: stall verdicts: {exc}")
+        print(f"triscope: error: {failures[-1]}", file=sys.stderr)
+        return ranks, None
+
+
+def _print_traces(args: argparse.Namespace, results: list[Any], failures: list[str], skipped: list[str],
+                  reports: list[tuple[str, Any, StallReport | None]]) -> None:
+    """The report of ``diagnose TRACE_OR_DIR...``: JSON, or per run its breakdown, its verdicts (or why there
+    are none) and the command that reports it again."""
+    if args.json:
+        from triscope.analyzers.trace_report import report_dict
+
+        print_json({"ingested": [vars(r) for r in results], "errors": failures, "skipped": skipped,
+                    "runs": [{**report_dict(run_id, ranks), "stalls": stalls.to_json() if stalls else None,
+                              "report_again": f"triscope diagnose --trace-run {run_id}"}
+                             for run_id, ranks, stalls in reports]})
+        return
+    from triscope.analyzers.trace_report import print_report
+
+    for run_id, ranks, stalls in reports:
+        print_report(run_id, ranks)
+        if stalls is not None:
+            render(stalls, title=f"stall verdicts of run {run_id}, per profiler step")
+        for rank in ranks:
+            if rank.no_verdict():
+                print(f"rank {rank.rank}: no stall verdict: {rank.no_verdict()}")
+        print(f"run id {run_id}: report it again with `triscope diagnose --trace-run {run_id}`")
 
 
 def _warm_imports() -> threading.Thread:
@@ -223,7 +256,8 @@ def render(report: StallReport, title: str = "") -> None:
         console.print("no GPU samples, traces or IO data in this range")
     else:
         console.print(f"[bold]overall:[/] {report.share_text()}")
-        units = Table(title="per GPU / rank", show_lines=False)
+        kinds = sorted({w.device.rstrip("0123456789").split("-")[0].upper() for w in report.windows if w.device_data})
+        units = Table(title=f"per {'/'.join(kinds) or 'device'} / rank", show_lines=False)
         for col in ("unit", "windows", "shares"):
             units.add_column(col)
         for u in report.units():

@@ -32,7 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def device_text(result: IngestResult) -> str:
-    """``1,313 MTIA`` / ``3,774 GPU`` / ``CPU only: no device events``."""
+    """``1,313 MTIA`` / ``3,774 GPU`` / ``no GPU kernels: 77 GPU profiler ranges`` / ``CPU only: no device events``."""
+    if not result.gpu_events and result.profiler_ranges:
+        kind = result.device_type or "GPU"
+        return f"no {kind} kernels: {result.profiler_ranges:,} {kind} profiler ranges"
     if not result.gpu_events:
         return "CPU only: no device events"
     return f"{result.gpu_events:,} {result.device_type or 'GPU'}"

@@ -37,7 +37,8 @@ TRACE_EVENTS = Table(
         Column("run_id", "LowCardinality(String)"),
         Column("rank", "Int32"),
         Column("kind", "LowCardinality(String)",
-               "kernel, memcpy, memset, runtime, cpu_op, user_annotation, gpu_user_annotation, sync, python, other"),
+               "kernel, memcpy, memset, runtime, cpu_op, user_annotation, gpu_user_annotation, sync, python, "
+               "profiler_range, device_other, other"),
         Column("category", "LowCardinality(String)", "the trace's own cat"),
         Column("kernel_class", "LowCardinality(String)", "GPU work only: compute, comm, memory"),
         Column("name", "String"),
