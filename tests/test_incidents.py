@@ -188,3 +188,20 @@ def test_the_summary_gives_the_design_s_figures_over_the_range(store: Any) -> No
     assert s["kv_usage_at_breach"]["median"] == pytest.approx(0.78)
     assert s["p99_growth"]["median"] > 3  # P99 from ~0.3 s to ~3 s
     assert s["causes"] == {"load_beyond_capacity": 1}
+
+
+def test_diagnose_summary_prints_the_headline(store: Any, store_path: Any, tmp_path: Any,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    def step(s: int, b: str, f: dict[str, float]) -> None:
+        if s >= 90:
+            f.update(qps=12.0, queue=10.0, kv=0.78)
+            if s >= 105:
+                f.update(latency=3.0)
+
+    Fleet().write(store, step)
+    config = tmp_path / "t.toml"
+    config.write_text(f'[store]\npath = "{store_path}"\ndatabase = "{store.database}"\n')
+    main(["diagnose", "--since", "150s", "--until", "2026-01-01T00:03:00Z", "--summary", "-c", str(config)])
+    out = capsys.readouterr().out
+    assert "summary: 1 incident(s); 1 (100%) came after a QPS jump of 30% or more" in out
+    assert "KV usage at the breach 78%" in out and "causes: load_beyond_capacity 1" in out

@@ -161,7 +161,7 @@ def _fleet(store: Any, config: dict[str, Any], args: argparse.Namespace, report:
     incidents = find_incidents(store, window["start_ns"], window["end_ns"], config)
     doc["incidents"] = incidents.to_dict()
     if not args.json:
-        from triscope.commands.incidents_view import render_incidents
+        from triscope.commands._incidents_view import render_incidents
         from triscope.sim.demo_report import print_fleet
 
         print_fleet(doc, heatmap)

@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stalls.add_argument("--since", metavar="DURATION", help="analyse the last DURATION (e.g. 10m, 2h; default 10m)")
     stalls.add_argument("--until", metavar="WHEN",
                         help="end of the range: a DURATION ago or an ISO-8601 UTC time (default now)")
+    stalls.add_argument("--summary", action="store_true",
+                        help="over the range's incidents: the share after a QPS jump, time to breach, KV usage at the "
+                             "breach, P99 growth (in --json always, under incidents.summary)")
     stalls.add_argument("--run-id", action="append", metavar="ID",
                         help="analyse these trace runs over their own time span (repeatable)")
     stalls.add_argument("--host", action="append", help="only these hosts (repeatable)")
@@ -231,9 +234,11 @@ def run_stalls(args: argparse.Namespace) -> int:
         print_json(doc)
     else:
         if incidents is not None:
-            from triscope.commands.incidents_view import render_incidents
+            from triscope.commands._incidents_view import render_incidents, render_summary
 
             render_incidents(incidents)
+            if args.summary:
+                render_summary(incidents)
         render(report)
     alerts = incidents.alerts() if incidents is not None else []
     return EXIT_BREACH if report.breaches() or alerts else 0
