@@ -59,6 +59,9 @@ def test_demo_ingests_examples_and_a_live_capture_and_reruns_without_duplicates(
         whole = runs[run_id]["breakdown"]["ranks"][0]["whole"]
         assert whole["compute_ns"] + whole["non_compute_ns"] + whole["idle_ns"] == whole["span_ns"]
         assert runs[run_id]["stall_shares"]
+    # a one-kernel trace gets no stall verdict: its breakdown (one kernel, 100 % busy) judges nothing
+    assert runs["demo-triton_single_kernel"]["stall_shares"].startswith("no verdict: too short to judge")
+    assert runs["demo-triton_single_kernel"]["stalls"] is None
     # A second run replaces the demo runs instead of appending to them.
     again = _demo(tmp_path / "store", "--no-capture", "--no-fleet")
     assert again.returncode == 0, again.stderr

@@ -116,9 +116,13 @@ def run(args: argparse.Namespace) -> int:
             for entry in _unique_runs(report["runs"]):
                 ranks = analyze_run(store, entry["run_id"])
                 entry["breakdown"] = report_dict(entry["run_id"], ranks)
-                stalls = diagnose_runs(store, [entry["run_id"]], config, by="step")
-                entry["stalls"] = stalls.to_json()
-                entry["stall_shares"] = stalls.share_text()
+                unjudged = [r.no_verdict() for r in ranks if r.no_verdict()]
+                if unjudged and len(unjudged) == len(ranks):  # the verdict follows from the breakdown, or is none
+                    entry["stalls"], entry["stall_shares"] = None, f"no verdict: {unjudged[0].split(':')[0]}"
+                else:
+                    stalls = diagnose_runs(store, [entry["run_id"]], config, by="step")
+                    entry["stalls"] = stalls.to_json()
+                    entry["stall_shares"] = stalls.share_text()
                 if not args.json:
                     print_report(entry["run_id"], ranks)
             if not args.json:
