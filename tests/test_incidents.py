@@ -205,3 +205,18 @@ def test_diagnose_summary_prints_the_headline(store: Any, store_path: Any, tmp_p
     out = capsys.readouterr().out
     assert "summary: 1 incident(s); 1 (100%) came after a QPS jump of 30% or more" in out
     assert "KV usage at the breach 78%" in out and "causes: load_beyond_capacity 1" in out
+
+
+def test_diagnose_draws_a_timeline_per_incident(store: Any, store_path: Any, tmp_path: Any,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    def killed(s: int, b: str, f: dict[str, float]) -> None:
+        if b == B and s >= 100:
+            f.update(up=0, failed=1.0, latency=0.01)
+
+    Fleet().write(store, killed)
+    config = tmp_path / "t.toml"
+    config.write_text(f'[store]\npath = "{store_path}"\ndatabase = "{store.database}"\n')
+    png = tmp_path / "incidents.png"
+    main(["diagnose", "--since", "150s", "--until", "2026-01-01T00:03:00Z", "--png", str(png), "-c", str(config)])
+    assert f"incident timelines: {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000

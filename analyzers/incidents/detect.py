@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from triscope.analyzers.incidents.causes import explain
@@ -76,6 +76,9 @@ class IncidentReport:
     backends: list[str]
     incidents: list[Incident]
     config: IncidentsConfig
+    windows: Mapping[str, Mapping[float, Window]] = field(default_factory=dict)
+    """The signals the incidents were judged by (for their timelines; not in :meth:`to_dict`)."""
+    sla_s: Mapping[str, float] = field(default_factory=dict)
 
     def alerts(self) -> list[str]:
         """Why ``diagnose`` exits 3 (empty: it does not)."""
@@ -135,7 +138,8 @@ def find_incidents(store: Store, start_ns: int, end_ns: int, config: Mapping[str
             max(ratios) if ratios else math.nan, sum(b.failed for b in group), sum(b.requests for b in group),
             why.completed_drop_ratio, end_s - cfg.window_s >= last_window, why.cause, why.runners_up,
             why.lead_times_s, why.missing, why.kv_at_breach, why.p99_growth))
-    return IncidentReport(start_ns, end_ns, cfg.window_s, sorted(windows), incidents, cfg)
+    return IncidentReport(start_ns, end_ns, cfg.window_s, sorted(windows), incidents, cfg, windows,
+                          {name: c.sla_seconds for name, c in params.classes.items()})
 
 
 __all__ = ["Breach", "IncidentReport", "breach_of", "find_incidents", "merge"]

@@ -42,6 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stalls.add_argument("--since", metavar="DURATION", help="analyse the last DURATION (e.g. 10m, 2h; default 10m)")
     stalls.add_argument("--until", metavar="WHEN",
                         help="end of the range: a DURATION ago or an ISO-8601 UTC time (default now)")
+    stalls.add_argument("--png", metavar="PATH", help="a timeline per incident (load, P99 / SLA, KV usage, the "
+                                                       "cause's signal; the breach marked)")
     stalls.add_argument("--summary", action="store_true",
                         help="over the range's incidents: the share after a QPS jump, time to breach, KV usage at the "
                              "breach, P99 growth (in --json always, under incidents.summary)")
@@ -240,6 +242,14 @@ def run_stalls(args: argparse.Namespace) -> int:
             if args.summary:
                 render_summary(incidents)
         render(report)
+    if args.png and incidents is not None:
+        from pathlib import Path
+
+        from triscope.commands._incidents_png import write_png
+
+        drawn = write_png(incidents, Path(args.png))
+        if not args.json:
+            print(f"incident timelines: {args.png}" if drawn else "no incident to draw: no PNG written")
     alerts = incidents.alerts() if incidents is not None else []
     return EXIT_BREACH if report.breaches() or alerts else 0
 
