@@ -42,6 +42,7 @@ class BackendProbe:
         self.history: deque[tuple[float, dict[str, dict[float, float]], float]] = deque()
         self.last: dict[str, Any] = {}
         self.last_ok = NAN
+        self.failing_since = NAN
 
     def scrape(self) -> str:
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=self.timeout_s) as resp:
@@ -54,10 +55,10 @@ class BackendProbe:
         try:
             series = parse_exposition(self.scrape(), self.base_url)
         except (OSError, ValueError, InputError) as exc:
-            return self._failed(f"{self.base_url}/metrics: {type(exc).__name__}: {exc}")
+            return self._failed(f"{self.base_url}/metrics: {type(exc).__name__}: {exc}", now)
         snaps = aggregate(series, "vllm")
         if not snaps:
-            return self._failed(f"{self.base_url}/metrics: no vLLM metrics")
+            return self._failed(f"{self.base_url}/metrics: no vLLM metrics", now)
         self.last_ok = now
         snap = next(iter(snaps.values()))
         kv, success = snap.kv_cache_usage_ratio, snap.requests_total
@@ -80,10 +81,12 @@ class BackendProbe:
                 "queue_length": snap.queue_length, "running_requests": snap.running_requests,
                 "healthy": True, "sources": {"serving": now}, "scrape_up": 1.0}
 
-    def _failed(self, error: str) -> dict[str, Any]:
+    def _failed(self, error: str, now: float) -> dict[str, Any]:
+        if not math.isfinite(self.failing_since):
+            self.failing_since = now
         sources = {"serving": self.last_ok} if math.isfinite(self.last_ok) else {}
         return {"backend": self.name, "scrape_up": 0.0, "scrape_error": error.splitlines()[0][:300],
-                "sources": sources}
+                "scrape_failing_s": now - self.failing_since, "sources": sources}
 
 
 def inputs_fn(probes: list[BackendProbe]) -> Callable[[], list[Any]]:

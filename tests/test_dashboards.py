@@ -663,7 +663,8 @@ def test_every_board_answers_through_the_daemon_s_query_endpoint(seeded) -> None
 
 
 def test_provisioning_yaml() -> None:
-    embedded = yaml.safe_load((PROVISIONING.parent / "provisioning-embedded" / "datasources" / "triscope.yaml").read_text())
+    embedded_file = PROVISIONING.parent / "provisioning-embedded" / "datasources" / "triscope.yaml"
+    embedded = yaml.safe_load(embedded_file.read_text())
     (ch,) = [d for d in embedded["datasources"] if d["type"] == "grafana-clickhouse-datasource"]
     assert ch["uid"] == "triscope-clickhouse" and ch["jsonData"]["protocol"] == "http"
     assert ch["secureJsonData"]["password"] == "${TRISCOPE_QUERY_PASSWORD}"

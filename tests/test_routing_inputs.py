@@ -180,3 +180,20 @@ def test_engine_keeps_known_backends_and_drops_unknown_ones() -> None:
     assert r.backends[A].inputs.address == "" and r.backends[A].reasons == ("absent",)
     r, s = compute_weights([BackendInputs("web-7", sources={"requests": now + 401})], s, p, now + 401)
     assert r.unknown_backends == ("web-7",) and set(r.backends) == {A, B}
+
+
+def test_a_scrape_timing_out_is_down_only_once_it_has_failed_for_stale_after_s(store: Any) -> None:
+    now = time.time()
+    _serving(store, now, A)
+    _rows(store, SCRAPE_HEALTH, [{"ts": t, "backend": B, "host": "h", "target": f"http://{B}/metrics", "up": up,
+                                  "error": "" if up else f"http://{B}/metrics: no complete answer within 3 s "
+                                  "(total deadline)"} for t, up in ((now - 40, 1), (now - 10, 1), (now - 1, 0))])
+    params = WeightParams()
+    by = {i.backend: i for i in read_inputs(store, params, now)}
+    assert by[B].scrape_up == 0 and by[B].scrape_failing_s == pytest.approx(10, abs=0.01)
+    assert _weigh(store, now).backends[B].state != "down"  # slow, maybe overloaded: not yet down
+    later = now + 10  # its scrapes went on failing: 20 s since the last answer
+    _serving(store, later, A)
+    _rows(store, SCRAPE_HEALTH, [{"ts": later - 1, "backend": B, "host": "h", "target": f"http://{B}/metrics",
+                                  "up": 0, "error": "timed out"}])
+    assert _weigh(store, later).backends[B].state == "down"

@@ -415,7 +415,8 @@ def test_sharpness_compresses_targets() -> None:
 
 def _spans(name: str, at: float, spans: float, errors: float = 0.0, up: float = NAN) -> BackendInputs:
     return BackendInputs(name, kv_cache_usage_ratio=0.1, sources={"serving": at, "requests": at}, span_count=spans,
-                         trailing_errors=errors, scrape_up=up)
+                         trailing_errors=errors, scrape_up=up,
+                         scrape_error="scrape failed: [Errno 111] Connection refused" if up == 0 else "")
 
 
 def test_a_backend_whose_spans_stop_is_down_once_its_share_would_have_shown() -> None:
@@ -437,6 +438,20 @@ def test_a_backend_whose_spans_stop_is_down_once_its_share_would_have_shown() ->
     assert r.backends["a:1"].state == "ready" and r.backends["a:1"].weight == P.floor
 
 
+def test_a_scrape_that_only_times_out_is_down_after_stale_after_s() -> None:
+    """An overloaded engine may answer its scrape late: refused is down at once, a timeout only once it
+    has lasted ``stale_after_s``."""
+    def slow(failing_s: float) -> BackendInputs:
+        return BackendInputs("b:2", kv_cache_usage_ratio=0.9, sources={"serving": NOW - failing_s}, scrape_up=0.0,
+                             scrape_error="http://b:2/metrics: no complete answer within 3 s (total deadline)",
+                             scrape_failing_s=failing_s)
+
+    ok = _spans("a:1", NOW, 50)
+    assert compute_weights([ok, slow(4.0)], None, P, NOW)[0].backends["b:2"].state == "ready"
+    r = compute_weights([ok, slow(P.stale_after_s + 1)], None, P, NOW)[0]
+    assert r.backends["b:2"].state == "down" and r.backends["b:2"].reasons == ("scrape_failed",)
+
+
 def test_every_backend_down_reads_as_our_view_broken_not_a_dead_fleet() -> None:
     r, _ = compute_weights([_spans("a:1", NOW, 5, up=0.0), _spans("b:2", NOW, 5, up=0.0)], None, P, NOW)
     assert r.down_backends == () and r.drain_suppressed
@@ -450,7 +465,8 @@ def test_a_down_backend_gets_no_traffic_and_never_moves_the_others(current, data
     idx = data.draw(st.integers(0, len(current) - 1))
     dead = current[idx]
     state = run([current], current)[0]
-    current[idx] = BackendInputs(dead.backend, sources={"serving": NOW - data.draw(st.floats(0, 1e5))}, scrape_up=0.0)
+    current[idx] = BackendInputs(dead.backend, sources={"serving": NOW - data.draw(st.floats(0, 1e5))}, scrape_up=0.0,
+                                 scrape_error="http://x/metrics: scrape failed: [Errno 111] Connection refused")
     result, _ = compute_weights(current, state, P, NOW)
     without, _ = compute_weights([b for b in current if b.backend != dead.backend], state, P, NOW)
     d = result.backends[dead.backend]

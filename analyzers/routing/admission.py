@@ -32,7 +32,10 @@ def down_reasons(inputs: BackendInputs, expected_spans: float, params: WeightPar
     """Why a backend does not answer now (empty: nothing says so). ``expected_spans``: the request
     spans its share of the fleet's traffic would have made within ``window_s``."""
     reasons = []
-    if inputs.scrape_up == 0:
+    # refused: nothing listens, the process is gone; a scrape that only times out may be an overloaded
+    # engine, down once it has failed for stale_after_s
+    if inputs.scrape_up == 0 and ("refused" in inputs.scrape_error.lower()
+                                  or inputs.scrape_failing_s >= params.stale_after_s):
         reasons.append("scrape_failed")
     if params.down_after_errors > 0 and inputs.trailing_errors >= params.down_after_errors:
         reasons.append("requests_failing")

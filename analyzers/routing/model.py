@@ -49,6 +49,8 @@ class BackendInputs:
     """The latest scrape of its metrics: 1 answered, 0 failed (refused, timed out, garbage); NaN when not scraped."""
     scrape_error: str = ""
     """The latest failed scrape's one-line error (empty when ``scrape_up`` is not 0)."""
+    scrape_failing_s: float = NAN
+    """How long its scrapes have failed in a row (since the last one that answered); NaN while they answer."""
     span_count: float = NAN
     """Request spans of the backend within ``window_s``; NaN when the backend has no spans at all."""
     trailing_errors: float = NAN
@@ -147,6 +149,7 @@ class BackendWeight:
                 "p99_seconds": {k: _num(v) for k, v in i.p99_seconds.items()},
                 "healthy": i.healthy,
                 "scrape_up": _num(i.scrape_up), "scrape_error": i.scrape_error,
+                "scrape_failing_s": _num(i.scrape_failing_s),
                 "span_count": _num(i.span_count), "trailing_errors": _num(i.trailing_errors),
                 "sources": {k: _num(v) for k, v in i.sources.items()},
             },

@@ -105,17 +105,22 @@ GROUP BY backend, cls"""
 
 
 def _scrapes(store: Store, p: dict[str, Any]) -> dict[str, tuple[float, str, float]]:
-    """(up of the latest scrape, its error, its time) per backend; a backend with several targets is up
-    when its latest scrapes all answered."""
+    """(up of the latest scrape, its error, the time of the last scrape that answered, NaN if none within
+    the look-back) per backend; a backend with several targets is up when its latest scrapes all answered."""
     sql = f"""
-SELECT backend, min(up) AS up, any(err) AS error, max(last_ns) AS last_ns FROM (
-    SELECT backend, target, argMax(up, ts) AS up, argMax(error, ts) AS err, toUnixTimestamp64Nano(max(ts)) AS last_ns
+SELECT backend, min(up_last) AS up_latest, anyIf(err, up_last = 0) AS error, min(ok_ns) AS ok_ns FROM (
+    SELECT backend, target, argMax(up, ts) AS up_last, argMax(error, ts) AS err,
+           toUnixTimestamp64Nano(maxIf(ts, up = 1)) AS ok_ns
     FROM {qualified(store, SCRAPE_HEALTH)}
     WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
     GROUP BY backend, target)
 GROUP BY backend"""
-    return {str(r["backend"]): (float(r["up"]), str(r["error"]) if int(r["up"]) == 0 else "", int(r["last_ns"]) / 1e9)
-            for r in store.query(sql, p).dicts()}
+    out = {}
+    for r in store.query(sql, p).dicts():
+        up = float(r["up_latest"])
+        ok = int(r["ok_ns"]) / 1e9 if int(r["ok_ns"]) > 0 else NAN
+        out[str(r["backend"])] = (up, str(r["error"]) if up == 0 else "", ok)
+    return out
 
 
 def _span_tail(store: Store, p: dict[str, Any], params: WeightParams) -> dict[str, tuple[float, float]]:
@@ -212,11 +217,13 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
                 qps = srv["qps"]
         if name in last_req:
             sources[SOURCE_REQUESTS] = last_req[name]
-        up, scrape_error, _ = scrapes.get(name, (NAN, "", NAN))
+        up, scrape_error, last_ok = scrapes.get(name, (NAN, "", NAN))
+        failing = (now - last_ok if math.isfinite(last_ok) else params.lookback_s) if up == 0 else NAN
         spans, trailing = tails.get(name, (NAN, NAN))
         out.append(BackendInputs(name, memory_used_bytes=used, memory_total_bytes=total, kv_cache_usage_ratio=kv,
                                  qps=qps, capacity_qps=cfg.capacity_qps if cfg and cfg.capacity_qps > 0 else NAN,
                                  p99_seconds=p99, healthy=healthy, sources=sources,
                                  address=cfg.address if cfg else "", sleep_state=sleep, preemptions=preemptions,
-                                 scrape_up=up, scrape_error=scrape_error, span_count=spans, trailing_errors=trailing))
+                                 scrape_up=up, scrape_error=scrape_error, scrape_failing_s=failing,
+                                 span_count=spans, trailing_errors=trailing))
     return out
