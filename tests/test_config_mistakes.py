@@ -32,6 +32,8 @@ MISTAKES = {
     "[weights] negative lookback": ('[run]\nexporters = ["weights_feed"]\n[weights]\nlookback_s = -5\n', "lookback_s"),
     "[otlp] port out of range": ('[run]\ncollectors = ["otlp"]\n[otlp]\nport = 99999\n', "port"),
     "[otlp] misspelt token": ('[run]\ncollectors = ["otlp"]\n[otlp]\ntokn = "secret"\n', "tokn"),
+    "[query] misspelt key": ("[query]\npasword = 'x'\n", "pasword"),
+    "[query] port out of range": ("[query]\nport = 70000\n", "port"),
 }
 
 

@@ -68,6 +68,9 @@ class Daemon:
         self.run_cfg = RunConfig.from_config(config)
         StoreConfig.from_config(config)  # checked here so no mistake waits for the first insert
         self.writer_cfg = WriterConfig.from_config(config)
+        from triscope.query_endpoint import QueryConfig
+
+        self.query_cfg = QueryConfig.from_config(config)  # checked here, before anything is opened
         self.opener: Callable[[], Store] = store_opener or (lambda: open_store(config))
         if not self.run_cfg.collectors:
             raise ConfigError(f"[run] collectors is empty; name some of: {', '.join(sorted(COLLECTORS))}")
@@ -135,10 +138,10 @@ class Daemon:
 
     def _start_query_endpoint(self) -> None:
         """Serve the embedded store while this process holds it (``[query]``, docs/query.md)."""
-        from triscope.query_endpoint import QueryConfig, QueryEndpoint
+        from triscope.query_endpoint import QueryEndpoint
         from triscope.store import StoreConfig
 
-        cfg = QueryConfig.from_config(self.config)
+        cfg = self.query_cfg
         if not cfg.enabled or cfg.port == -1 or StoreConfig.from_config(self.config).backend != "embedded":
             return
         try:
@@ -147,7 +150,10 @@ class Daemon:
             log.warning("query endpoint not started: %s", exc)
             return
         self.query_store = store
-        self.query_endpoint = QueryEndpoint(store, cfg).start()
+        try:
+            self.query_endpoint = QueryEndpoint(store, cfg).start()
+        except ConfigError as exc:  # collecting matters more than answering: say so, go on
+            log.warning("query endpoint not started: %s; set [query] port (0 = any free one)", exc)
 
     def stats(self) -> dict[str, Any]:
         """Live counters: ``writer`` (:meth:`Writer.snapshot`), per-collector rows/errors, not started, and
