@@ -3,8 +3,8 @@ server and its HAProxy agent port).
 
 At most ``max_connections`` connections (``max_per_client`` from one address), within the process's
 connection budget (:mod:`triscope.conn_budget`); at a limit a new connection takes the slot of the oldest
-one that has not completed a request :data:`EVICT_AFTER_S` after connecting (from that client when its
-own limit is the one reached); with none, the new one is closed unanswered. A keep-alive connection that
+one that has not completed a request (from that client when its own limit is the one reached); with none,
+the new one is closed unanswered. A keep-alive connection that
 has been answered (a load balancer polling on it) is never evicted. A client that sends its request at
 once therefore gets in, and an LB keeps its connection, while slow clients hold every other slot. A
 connection whose request is not complete ``timeout_s`` after it connected (or after its last answer)
@@ -22,10 +22,6 @@ from typing import Self, cast
 
 from triscope.conn_budget import BUDGET
 from triscope.httpserver import default_max_per_client
-
-EVICT_AFTER_S = 0.1
-"""A connection that has not completed a request this long after connecting may be evicted for a new one:
-a load balancer sends its whole request at once (well within it), a slow or idle client does not."""
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -123,14 +119,13 @@ class LoopServer:
                 del self.per_client[conn.client]
 
     def _victim(self, client: str | None, now: float) -> LoopConnection | None:
-        """The connection to evict for a new one (of ``client`` when given): the oldest that never completed
-        a request and has waited past its grace (a slow or idle client). A keep-alive connection that has
-        been answered (a load balancer's, polling on it) is never evicted: it ends by its idle timeout."""
+        """The connection to evict for a new one (of ``client`` when given): the oldest that never completed a
+        request (a slow or idle client; a load balancer sends its request at once, so its connection is the
+        youngest until it is answered). A keep-alive connection that has been answered (a load balancer's,
+        polling on it) is never evicted: it ends by its idle timeout."""
         best: LoopConnection | None = None
         for c in self.open_connections:
             if c.answered_total or (client is not None and c.client != client):
-                continue
-            if now - c.since < EVICT_AFTER_S:
                 continue
             if best is None or c.since < best.since:
                 best = c

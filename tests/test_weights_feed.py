@@ -603,7 +603,7 @@ def test_connection_cap_closes_extra_connections(fleet: Fleet, serve_process: bo
         finally:
             for s in held:
                 s.close()
-        # two idle agent connections: a check sent at once takes the slot of one (idle past EVICT_AFTER_S)
+        # two idle agent connections: a check sent at once takes the slot of the older one
         idle = [socket.create_connection(("127.0.0.1", feed.agent_port), timeout=5) for _ in range(2)]
         try:
             time.sleep(0.3)
