@@ -7,6 +7,7 @@ params and ``now``: no clock, no I/O.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -197,11 +198,10 @@ def impute_missing(fac: Mapping[str, dict[str, float]], missing: Mapping[str, se
     traffic. Returns, per backend, the factors filled in."""
     filled: dict[str, list[str]] = {n: [] for n in targets}
     for key in sorted({k for n in targets for k in missing[n]}):
-        values = sorted(fac[n][key] for n in measured_by if key not in missing[n] and key in fac[n])
+        values = [fac[n][key] for n in measured_by if key not in missing[n] and key in fac[n]]
         if not values:
             continue  # nobody measures it: 1 for all, as the formula says
-        mid = len(values) // 2
-        median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+        median = statistics.median(values)
         for n in targets:
             if key in missing[n] and key in fac[n]:
                 fac[n][key] = median
@@ -224,14 +224,6 @@ def _expected_spans(present: Mapping[str, BackendInputs], prev: EngineState, par
         if b is not None and math.isfinite(b.ready_since):
             out[n] = fleet * b.weight / total * min(1.0, max(0.0, (now - b.ready_since) / params.window_s))
     return out
-
-
-def _median(values: Sequence[float], default: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return default
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | None,
@@ -306,7 +298,7 @@ def compute_weights(inputs: Sequence[BackendInputs], previous: EngineState | Non
                 weight = damp(old.weight, target, params)
             publish(n, weight, target, READY, (reasons[n] if suppressed else ()) + kept_up.get(n, ()),
                     drain_suppressed=(suppressed and bool(reasons[n])) or n in kept_up)
-        neutral = _median(list(targets.values()), 1.0)
+        neutral = statistics.median(targets.values()) if targets else 1.0
         for n in stale_backends:  # late numbers: neither favoured nor starved, eased towards the median
             old = prev.backends.get(n)
             start = params.floor if old is None or old.drained or old.down else old.weight
