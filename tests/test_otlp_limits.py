@@ -1,4 +1,4 @@
-"""OTLP receiver under hostile input (issue 23 items 4 and 8): one bad span costs only itself, and memory
+"""OTLP receiver under hostile input: one bad span costs only itself, and memory
 is bounded by bytes. Real HTTP on 127.0.0.1, the real receiver, writer and chDB store.
 
 Peak memory is the VmHWM of a process of the attack's own (so the suite's order cannot move it), reset

@@ -1,4 +1,4 @@
-"""The weight engine on stored rows (issue 20 items 1 and 4, routing part): span-only backends no LB
+"""The weight engine on stored rows: span-only backends no LB
 can know, sleeping engines, preempting engines. Rows go into a real embedded store (chDB) through
 the schema; values are synthetic, shaped like vLLM's metrics and an OTel SDK's spans."""
 

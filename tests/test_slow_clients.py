@@ -1,4 +1,4 @@
-"""Slow clients against the weight feed (issue 23 item 7): hundreds of connections trickling a header
+"""Slow clients against the weight feed: hundreds of connections trickling a header
 line every 2 s at the HTTP port and a byte every 0.5 s at the HAProxy agent port, reconnecting
 whenever the feed cuts them. LB polls (``GET /v1/weights``, an agent check) must still be answered
 quickly, from the attackers' own address too. Real sockets on 127.0.0.1 (attackers optionally from

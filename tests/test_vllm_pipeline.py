@@ -1,4 +1,4 @@
-"""The whole pipeline on real vLLM-CPU engines (issue 19 item 2; docs/vllm-testbed.md).
+"""The whole pipeline on real vLLM-CPU engines (docs/vllm-testbed.md).
 
 Two real ``vllm serve`` processes (the tiny local Llama, 1,024-token KV caches) send their own OTLP
 spans to a real ``triscope run`` subprocess (OTLP receiver, serving-metrics scraper, weight feed,
