@@ -13,7 +13,7 @@ import pytest
 
 from triscope.analyzers.incidents import UNKNOWN, find_incidents
 from triscope.cli import main
-from triscope.schema import REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
+from triscope.schema import HOST_SAMPLES, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
 
 T0 = 1_767_225_600  # 2026-01-01
 SLA = 0.8  # interactive_image_text
@@ -124,6 +124,26 @@ def test_without_the_signals_a_cause_needs_it_says_unknown_and_what_is_missing(s
     assert incident.cause.name == UNKNOWN and incident.backends == [B]
     assert any("KV usage" in m for m in incident.missing) and any("block IO" in m for m in incident.missing)
 
+
+
+def test_an_unread_host_pressure_is_missing_not_calm(store: Any) -> None:
+    """Host rows whose PSI and OOM readings failed (node-exporter gone): the host memory cause is not ruled
+    out silently, the verdict lists the host's pressure as missing."""
+    def slow(s: int, b: str, f: dict[str, float]) -> None:
+        if b == B and s >= 100:
+            f.update(latency=3.0)
+
+    Fleet().write(store, slow)
+    nan = float("nan")
+    rows = [{"ts": encode_ts((T0 + s) * 10**9), "host": "node-1", "backend": b, "processes": 2 if b else 0,
+             "window_seconds": 1.0, "cpu_seconds": 0.9 if b else nan, "wait_seconds": 0.01 if b else nan,
+             "rss_bytes": 2e9 if b else nan, "psi_cpu_some": nan, "psi_memory_some": nan, "psi_memory_full": nan,
+             "psi_io_some": nan, "psi_io_full": nan, "oom_kills": nan}
+            for s in range(180) for b in (A, B, "")]
+    store.insert(qualified(store, HOST_SAMPLES), HOST_SAMPLES.columns_of(rows))
+    (incident,) = _find(store).incidents
+    assert any("host pressure" in m for m in incident.missing), incident.missing
+    assert not any("no host collector" in m for m in incident.missing)
 
 def test_diagnose_lists_the_incident_and_exits_3_while_it_is_open(store: Any, store_path: Any, tmp_path: Any,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:

@@ -165,6 +165,9 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     host_seen = bool(host) or any(math.isfinite(w.cpu_wait_ratio) for ws in mine.values() for w in ws)
     if not host_seen:
         missing.append("host CPU and memory (no host collector: run queue, PSI, RSS, OOM kills)")
+    elif host and not any(math.isfinite(h.psi_memory_some) or math.isfinite(h.oom_kills)
+                          for t, h in host.items() if near <= t < end):
+        missing.append("host pressure and OOM kills (no PSI or OOM reading in the incident: node-exporter or /proc)")
     for b, ws in mine.items():
         waits = [w.cpu_wait_ratio for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s >= near]
         before = [w.cpu_wait_ratio for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s < near]
@@ -177,7 +180,7 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
                 + (f"; host CPU pressure {psi:.0%}" if math.isfinite(psi) else ""),)))
             break
     if "oom_kill" in leads:
-        kills = sum(h.oom_kills for t, h in host.items() if lo <= t < end)
+        kills = sum(h.oom_kills for t, h in host.items() if lo <= t < end and math.isfinite(h.oom_kills))
         causes.append(Cause("host_memory", 0.98, (f"{kills:.0f} OOM kill(s) on the host "
                                                   f"{leads['oom_kill']:.0f} s before the breach",)))
     else:

@@ -146,11 +146,14 @@ def read_host(store: Store, start_ns: int, end_ns: int, window_s: float) -> dict
     p = {"start": start_ns, "end": end_ns, "w": int(window_s * 1000)}
     rows = store.query(f"""
 SELECT toUnixTimestamp64Milli(toStartOfInterval(ts, toIntervalMillisecond({{w:UInt32}}))) / 1000 AS t,
-       max(psi_cpu_some) AS cpu, max(psi_memory_some) AS mem, sumIf(oom_kills, isFinite(oom_kills)) AS ooms
+       maxIfOrNull(psi_cpu_some, isFinite(psi_cpu_some)) AS cpu,
+       maxIfOrNull(psi_memory_some, isFinite(psi_memory_some)) AS mem,
+       if(countIf(isFinite(oom_kills)) = 0, nan, sumIf(oom_kills, isFinite(oom_kills))) AS ooms
 FROM {qualified(store, HOST_SAMPLES)}
 WHERE ts >= fromUnixTimestamp64Nano({{start:Int64}}) AND ts < fromUnixTimestamp64Nano({{end:Int64}}) AND backend = ''
 GROUP BY t""", p).dicts()
-    return {float(r["t"]): HostWindow(_f(r["cpu"]), _f(r["mem"]), _f(r["ooms"]) or 0.0) for r in rows}
+    # An unread reading (node-exporter down, no PSI) stays NaN: missing, not calm.
+    return {float(r["t"]): HostWindow(_f(r["cpu"]), _f(r["mem"]), _f(r["ooms"])) for r in rows}
 
 
 __all__ = ["ClassWindow", "HostWindow", "Window", "read_host", "read_windows"]

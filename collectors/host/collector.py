@@ -4,10 +4,15 @@
 backend; the process listening on the port and its descendants are the engine) or as tables
 ``{backend = "...", pid = N}``; empty, the ``[serving_metrics]`` targets on this host. One
 ``host_samples`` row per engine and window, and one host-wide row (``backend = ''``).
+
+``[host] node_exporter = "http://127.0.0.1:9100/metrics"`` reads the host-wide PSI and OOM kills from a
+prometheus-node-exporter instead of ``/proc`` (and names the host row by its ``nodename``); a failed
+scrape leaves those columns NaN for the window (missing, not zero) and is logged once per outage.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import time
@@ -16,14 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from triscope.collectors.host import procfs
+from triscope.collectors.host import node_exporter, procfs
 from triscope.component import ComponentConfig, Context, config_field, interval
-from triscope.errors import ConfigError
+from triscope.errors import ConfigError, InputError
 from triscope.schema import HOST_SAMPLES, encode_ts
 
 LOCAL = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
 RESOLVE_EVERY_S = 30.0
 """A missing engine's PID is looked up again this often (and whenever its process is gone)."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,9 +38,15 @@ class HostConfig(ComponentConfig):
     interval_s: float = 1.0
     engines: list[str | dict[str, Any]] = config_field([])
     host: str = ""
+    node_exporter: str = ""
+    node_exporter_timeout_s: float = 2.0
 
     def validate(self, where: str) -> None:
         interval(where, interval_s=self.interval_s)
+        if self.node_exporter and urlsplit(self.node_exporter).scheme not in ("http", "https"):
+            raise ConfigError(f"{where} node_exporter {self.node_exporter!r}: not an http(s) URL")
+        if not self.node_exporter_timeout_s > 0:
+            raise ConfigError(f"{where} node_exporter_timeout_s must be > 0")
         for e in self.engines:
             if isinstance(e, dict) and (set(e) - {"backend", "pid"} or not isinstance(e.get("backend"), str)):
                 raise ConfigError(f"{where} engines entry {e!r}: a table takes backend = \"host:port\" and pid")
@@ -56,7 +68,12 @@ class HostCollector:
     def __init__(self, cfg: HostConfig, config: Mapping[str, Any] | None = None) -> None:
         self.interval_s = cfg.interval_s
         self.hostname = cfg.host or socket.gethostname()
+        self._host_named = bool(cfg.host)
         self.engines = [self._engine(e) for e in (cfg.engines or _targets(config or {}))]
+        self.node_exporter = cfg.node_exporter
+        self.node_timeout_s = min(cfg.node_exporter_timeout_s, max(0.1, cfg.interval_s))
+        self.node_errors = 0
+        self._node_down = False
         self._psi: dict[str, float] = {}
         self._oom = math.nan
         self._t = 0.0
@@ -71,8 +88,28 @@ class HostCollector:
         return _Engine(backend, int(port), pid, fixed=pid > 0)
 
     def start(self) -> None:
-        self._psi, self._oom, self._t = procfs.psi_totals(), procfs.oom_kills(), time.monotonic()
+        self._psi, self._oom = self._host_totals()
+        self._t = time.monotonic()
         self._collect_engines(time.time_ns(), 0.0)
+
+    def _host_totals(self) -> tuple[dict[str, float], float]:
+        """Cumulative PSI seconds and OOM kills, from node-exporter when configured, else /proc."""
+        if not self.node_exporter:
+            return procfs.psi_totals(), procfs.oom_kills()
+        try:
+            reading = node_exporter.scrape(self.node_exporter, self.node_timeout_s)
+        except InputError as exc:
+            self.node_errors += 1
+            if not self._node_down:
+                log.warning("host: node-exporter scrape failed, host pressure unknown until it answers: %s", exc)
+            self._node_down = True
+            return {}, math.nan
+        if self._node_down:
+            log.info("host: node-exporter %s answers again", self.node_exporter)
+        self._node_down = False
+        if reading.nodename and not self._host_named:
+            self.hostname = reading.nodename
+        return reading.psi, reading.oom_kills
 
     def _pids(self, e: _Engine, now: float) -> list[int]:
         if e.pid and not procfs.alive(e.pid):
@@ -105,7 +142,7 @@ class HostCollector:
         now = time.monotonic()
         window, self._t = now - self._t, now
         start_ns = time.time_ns() - int(window * 1e9)
-        psi, oom = procfs.psi_totals(), procfs.oom_kills()
+        psi, oom = self._host_totals()
         pressure = {k: (psi[k] - self._psi[k]) / window for k in psi if k in self._psi and window > 0}
         kills = oom - self._oom if math.isfinite(oom) and math.isfinite(self._oom) else math.nan
         self._psi, self._oom = psi, oom
