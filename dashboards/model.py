@@ -6,6 +6,18 @@ plugin's v4 SQL editor model (``pluginVersion``, ``editorType: "sql"``, ``rawSql
 time series / 1 = table, ``queryType`` timeseries / table): a target without ``pluginVersion`` is
 read as a v3 query and migrated, which marks the board modified on open. Query variables use the
 plugin's variable model (``queryType: "sql"``, ``rawSql``). Prometheus targets use ``expr``.
+
+Why not grafana-foundation-sdk (measured with 10.1.0, and its 11.6.0 build, by
+``bench/grafana_sdk_compare.py``; docs/dashboards.md has the figures): it has no dataquery for
+grafana-clickhouse-datasource, so ``rawSql``, ``format``, ``editorType`` and ``pluginVersion`` still
+need a hand-written target class (the same dict as :func:`sql_target`). What it generates for the
+fleet and incidents boards fails two of tests/test_dashboards.py's checks: panels have no ids (every row
+0) and its variable model has no ``definition``. The schema version is set by the SDK build (36 or 41,
+not 39), 10.1.0 cannot express the built-in annotation, data links come out as dashboard links (8 extra
+keys each), and its layout lets a panel run past the 24 columns (the weights board). The port is
+shorter (65 helper lines for 152 here; boards 57 / 116 lines for 62 / 127), but only with 19 lines
+patching the JSON afterwards and a layout of our own, so the SDK's types would cover none of the
+fields the plugin reads.
 """
 
 from __future__ import annotations
