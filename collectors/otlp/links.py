@@ -7,6 +7,11 @@ With ``all_spans`` such a parent is the same request as its child: it is not sto
 its own. Parents and children are matched within one batch and, through a bounded cache of the
 last ``cache_spans`` parents and children, across batches (see docs/run.md for the one order that
 cannot be undone: a parent stored in an earlier batch than its child under ``all_spans``).
+
+A request that never reached an engine leaves no engine span: a gateway's CLIENT span that ended in
+error (connection refused, a 5xx) and has no request child is stored as that backend's failed
+request (``status = 'error'``), so a dead backend's error ratio is not 0. A child that arrives after
+its failed parent was stored in an earlier batch counts twice, the same one order as above.
 """
 
 from __future__ import annotations
@@ -17,10 +22,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from triscope.collectors.span_mapping import DEFAULT_RULES, SpanRejected, SpanRules, SpanView, is_request_span, map_span
+from triscope.collectors.span_mapping import (
+    DEFAULT_RULES,
+    SpanRejected,
+    SpanRules,
+    SpanView,
+    backend_of,
+    is_request_span,
+    map_span,
+)
 from triscope.schema import REQUESTS
 
 Key = tuple[bytes, bytes]
+CLIENT = 3  # OTLP SpanKind: a gateway's call to a backend (a SERVER span's address is its own)
 
 
 @dataclass
@@ -33,6 +47,8 @@ class MappedBatch:
     first_error: str = ""
     merged: int = 0
     """Non-request parents counted as their request child's row (``all_spans``)."""
+    unreached: int = 0
+    """Failed gateway CLIENT spans with no engine span under them, stored as failed requests."""
 
     def add(self, row: Mapping[str, Any]) -> None:
         for name, values in self.columns.items():  # column lists, not row dicts: a third of the memory
@@ -96,22 +112,30 @@ class SpanMapper:
                 if attrs:
                     self._parents.put(key, attrs)
             found = {key: local.get(key) or self._parents.get(key) for key in claimed}
-            if self.all_spans:
-                for key in claimed:
-                    self._children.put(key, {})
-                merged = {(s.trace_id, s.span_id) for s in others
-                          if (s.trace_id, s.span_id) in claimed or self._children.get((s.trace_id, s.span_id))
-                          is not None}
+            for key in claimed:
+                self._children.put(key, {})
+            merged = {(s.trace_id, s.span_id) for s in others
+                      if (s.trace_id, s.span_id) in claimed or self._children.get((s.trace_id, s.span_id))
+                      is not None}
         for span in requests:
             parent = found.get((span.trace_id, span.parent_span_id)) if any(span.parent_span_id) else None
             self._map_one(replace(span, parent=parent) if parent else span, out)
-        if self.all_spans:
-            for span in others:
-                if (span.trace_id, span.span_id) in merged:
+        for span in others:
+            if (span.trace_id, span.span_id) in merged:
+                if self.all_spans:
                     out.merged += 1
-                else:
-                    self._map_one(span, out)
+            elif self.all_spans:
+                self._map_one(span, out)
+            elif self._unreached(span):
+                out.unreached += 1
+                self._map_one(span, out)
         return out
+
+    def _unreached(self, span: SpanView) -> bool:
+        """A failed call to a backend named on the span itself (not the gateway's own resource)."""
+        return (span.error and span.kind == CLIENT
+                and any(name in span.attributes for name in self.rules.address_attributes)
+                and bool(backend_of(span, self.rules)))
 
     def _map_one(self, span: SpanView, out: MappedBatch) -> None:
         try:

@@ -224,8 +224,8 @@ class OtlpReceiver:
         rules = config.rules
         self.limits = Limits(config.max_spans_per_request, config.max_attribute_length, rules.wanted)
         self.mapper = SpanMapper(rules, config.all_spans, config.link_cache_spans)
-        self.stats = {"spans": 0, "rejected_spans": 0, "merged_spans": 0, "bad_requests": 0, "too_large": 0,
-                      "busy": 0}
+        self.stats = {"spans": 0, "rejected_spans": 0, "merged_spans": 0, "unreached_spans": 0, "bad_requests": 0,
+                      "too_large": 0, "busy": 0}
         self._stats_lock = threading.Lock()
         self._decodes = threading.BoundedSemaphore(config.max_concurrent_decodes)
         self._buffered = 0
@@ -311,6 +311,7 @@ class OtlpReceiver:
         self.count("spans", batch.rows)
         self.count("rejected_spans", batch.rejected)
         self.count("merged_spans", batch.merged)
+        self.count("unreached_spans", batch.unreached)
 
     def start(self) -> None:
         """Bind and serve in a background thread; ConfigError (one line) when the address is unusable."""
