@@ -87,6 +87,9 @@ class QueryConfig(ComponentConfig):
     max_memory_bytes: int = 4 << 30
     max_threads: int = 0
     """Engine threads per query (0 = a quarter of the cores, at least 1): the writer keeps the rest."""
+    thread_nice: int = 10
+    """Linux nice value of the threads running a query (ClickHouse's ``os_thread_priority``): above 0 the
+    writer's inserts go first when both want a core. Needs CAP_SYS_NICE (root); a no-op without it."""
     max_connections: int = 64
 
     def validate(self, where: str) -> None:
@@ -95,6 +98,8 @@ class QueryConfig(ComponentConfig):
                  max_execution_time_s=self.max_execution_time_s, max_memory_bytes=self.max_memory_bytes,
                  max_connections=self.max_connections)
         non_negative(where, max_queued=self.max_queued, max_threads=self.max_threads)
+        if not -20 <= self.thread_nice <= 19:
+            raise ConfigError(f"{where} thread_nice must be a nice value from -20 to 19, got {self.thread_nice}")
         if not self.username or any(c in self.username for c in ":\n\r"):
             raise ConfigError(f"{where} username must be a non-empty name without ':' or newlines")
 
@@ -155,7 +160,8 @@ class QueryService:
                       "SET output_format_arrow_low_cardinality_as_dictionary = 0",  # as a server's default
                       f"SET max_execution_time = {int(self.cfg.max_execution_time_s)}",
                       f"SET max_memory_usage = {int(self.cfg.max_memory_bytes)}",
-                      f"SET max_threads = {self.cfg.max_threads or max(1, (os.cpu_count() or 1) // 4)}"]
+                      f"SET max_threads = {self.cfg.max_threads or max(1, (os.cpu_count() or 1) // 4)}",
+                      f"SET os_thread_priority = {int(self.cfg.thread_nice)}"]
         if self.cfg.readonly:
             statements.append("SET readonly = 2")  # reads, and settings other than readonly
         for sql in statements:
