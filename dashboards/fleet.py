@@ -116,6 +116,17 @@ def board() -> Board:
             f"FROM {SERVING} WHERE $__timeFilter(ts) AND {BACKEND_FILTER} "
             "GROUP BY time, backend ORDER BY time, backend")],
             "requests waiting and running (serving_metrics)", unit="short"),
+        timeseries("Prefix-cache hit rate per backend", [sql_target(
+            "SELECT time, backend, hits / queries AS prefix_cache_hit_ratio FROM ("
+            "SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, "
+            "maxIf(prefix_cache_hits_total, isFinite(prefix_cache_hits_total)) "
+            "- minIf(prefix_cache_hits_total, isFinite(prefix_cache_hits_total)) AS hits, "
+            "maxIf(prefix_cache_queries_total, isFinite(prefix_cache_queries_total)) "
+            "- minIf(prefix_cache_queries_total, isFinite(prefix_cache_queries_total)) AS queries "
+            f"FROM {SERVING} WHERE $__timeFilter(ts) AND {BACKEND_FILTER} "
+            "GROUP BY time, backend) WHERE queries > 0 ORDER BY time, backend")],
+            "share of prompt tokens the engine found in its prefix cache in each interval (vLLM, SGLang)",
+            unit="percentunit"),
         row("Drill down"),
         table("Backends", [sql_target(
             "SELECT toString(backend) AS backend, any(toString(host)) AS host, count() AS requests, "

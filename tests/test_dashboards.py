@@ -86,7 +86,8 @@ def seed(store, seed: int = 3) -> dict[str, list[dict[str, Any]]]:
     serving = [{"ts": T0 + k * 500_000_000, "host": h, "backend": b, "server": "vllm", "model": "m-a",
                 "queue_length": float(k % 4), "running_requests": 2.0, "kv_cache_usage_ratio": 0.1 * k,
                 "requests_total": 10.0 * k, "latency_p50_seconds": 0.1, "latency_p99_seconds": 0.4,
-                "ttft_p99_seconds": 0.05, "preemptions_total": float(k)}
+                "ttft_p99_seconds": 0.05, "preemptions_total": float(k),
+                "prefix_cache_queries_total": 100.0 * k, "prefix_cache_hits_total": 40.0 * k}
                for b, (h, _) in BACKENDS.items() for k in range(8)]
     _ins(store, "serving_metrics", serving)
     io = []
@@ -285,6 +286,13 @@ def test_fleet_gpu_memory_adds_up_mig_instances(store_path: Path) -> None:
     assert got["GPU memory used / total"] == {("mig-node", "0"): pytest.approx(30 / 80),
                                               ("mig-node", "1"): pytest.approx(0.1)}
 
+
+def test_prefix_cache_hit_rate_is_hits_over_lookups_per_interval(seeded) -> None:
+    """The seeded engines find 40 of every 100 looked-up tokens cached: 0.4 in every interval, per backend."""
+    variables = resolve_variables(seeded, BOARDS["fleet"])
+    (key,) = [k for k in run_panels(seeded, BOARDS["fleet"], variables) if k.startswith("Prefix-cache hit rate")]
+    res = run_panels(seeded, BOARDS["fleet"], variables)[key][2]
+    assert res.rows and all(r[2] == pytest.approx(0.4) for r in res.rows), res.rows[:5]
 
 def store_requests(store) -> list[str]:
     return [r[0] for r in store.query(f"SELECT backend FROM {qualified(store, 'requests')}").rows]

@@ -107,6 +107,25 @@ def test_sglang_one_series_per_tp_rank_counts_once() -> None:
     assert _one(second, "queue_time_p99_seconds") == pytest.approx(1 + 1 * (19.8 - 10) / 10)
 
 
+def test_prefix_cache_counters_from_vllm_and_sglang() -> None:
+    """vLLM counts prefix-cache lookups and hits in tokens per engine (the shared 0.33 sample; the external
+    connector's own counters are not the engine's cache); SGLang counts every prompt token as a lookup and
+    the cached ones by source. SGLang values SYNTHETIC, names from its TokenizerMetricsCollector."""
+    vllm = ServingMetricsScraper().rows_from_text(
+        Target(url="http://h:1/metrics"), shared_data("vllm", "vllm_0.33_v1_two_engines.prom").read_text(), 1)
+    assert _one(vllm, "prefix_cache_queries_total") == 2652 + 1235
+    assert _one(vllm, "prefix_cache_hits_total") == 3234 + 395
+    labels = f'model_name="{SGLANG_MODEL}"'
+    sglang = sglang_tp4_dp2() + "\n".join([
+        "# TYPE sglang:prompt_tokens_total counter", f"sglang:prompt_tokens_total{{{labels}}} 4096.0",
+        "# TYPE sglang:cached_tokens_total counter",
+        f'sglang:cached_tokens_total{{{labels},cache_source="device"}} 3000.0',
+        f'sglang:cached_tokens_total{{{labels},cache_source="host"}} 168.0']) + "\n"
+    rows = ServingMetricsScraper().rows_from_text(Target(url="http://h:2/metrics"), sglang, 1)
+    assert _one(rows, "prefix_cache_queries_total") == 4096 and _one(rows, "prefix_cache_hits_total") == 3168
+    llama = ServingMetricsScraper().rows_from_text(Target(url="http://h:3/metrics"), llamacpp(), 1)
+    assert math.isnan(_one(llama, "prefix_cache_queries_total"))  # an engine that does not say: unknown, not 0
+
 def test_sglang_single_scheduler_series_unchanged() -> None:
     """Without --enable-metrics-for-all-schedulers only TP rank 0 reports: the same rows."""
     text = "\n".join(line for line in sglang_tp4_dp2().splitlines()

@@ -92,6 +92,9 @@ ENGINES: dict[str, Engine] = {
         "queue_time": _h("vllm:request_queue_time_seconds"),
         # inter_token_latency_seconds since 0.11; V0 and older V1 named it time_per_output_token_seconds.
         "itl": _h("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+        # Tokens, not requests; V1 before 0.10 named them gpu_prefix_cache_{queries,hits}.
+        "prefix_cache_queries_total": _c("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+        "prefix_cache_hits_total": _c("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
     }),
     "sglang": Engine("sglang", ("sglang:",), {
         "queue_length": _g("sglang:num_queue_reqs"),
@@ -104,6 +107,9 @@ ENGINES: dict[str, Engine] = {
         "ttft": _h("sglang:time_to_first_token_seconds"),
         "queue_time": _h("sglang:queue_time_seconds"),
         "itl": _h("sglang:inter_token_latency_seconds"),
+        # Every prompt token is looked up in the radix cache; cached_tokens sums its sources (device, host, storage).
+        "prefix_cache_queries_total": _c("sglang:prompt_tokens_total"),
+        "prefix_cache_hits_total": _c("sglang:cached_tokens_total"),
     }, model_labels=("model_name", "name")),
     "tgi": Engine("tgi", ("tgi_",), {
         "queue_length": _g("tgi_queue_size"),

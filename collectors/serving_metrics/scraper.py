@@ -46,7 +46,8 @@ GRACE_S = 1.0
 """Waited beyond the fetch deadlines for threads to hand their results back."""
 _REDIRECTS: dict[str, bool | str] = {"none": False, "same-origin": "same-origin", "any": "any"}
 _GAUGES = ("queue_length", "running_requests", "kv_cache_usage_ratio", "requests_total", "preemptions_total",
-           "sleep_state", "waiting_capacity", "waiting_deferred", "swapped_requests")
+           "sleep_state", "waiting_capacity", "waiting_deferred", "swapped_requests", "prefix_cache_queries_total",
+           "prefix_cache_hits_total")
 _QUANTILES = (("latency_p50_seconds", "latency", 0.5), ("latency_p99_seconds", "latency", 0.99),
               ("ttft_p99_seconds", "ttft", 0.99), ("queue_time_p99_seconds", "queue_time", 0.99),
               ("itl_p99_seconds", "itl", 0.99))

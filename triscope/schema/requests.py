@@ -67,6 +67,12 @@ SERVING_METRICS = Table(
                since=3),
         Column("itl_p99_seconds", "Float64", "inter-token latency P99 from histogram deltas since the last scrape",
                since=3),
+        Column("prefix_cache_queries_total", "Float64",
+               "prompt tokens looked up in the engine's prefix cache (counter: vllm:prefix_cache_queries, "
+               "sglang:prompt_tokens); NaN when unknown", since=5),
+        Column("prefix_cache_hits_total", "Float64",
+               "of those, tokens found cached (counter: vllm:prefix_cache_hits, sglang:cached_tokens); "
+               "NaN when unknown", since=5),
     ],
     order_by="backend, ts",
     partition_by="toYYYYMMDD(ts)",
@@ -94,4 +100,5 @@ MIGRATIONS = [
               add_columns(SERVING_METRICS, 3)),
     Migration(4, "scrape health: one row per target and scrape, failed ones included",
               create_tables(SCRAPE_HEALTH, version=4)),
+    Migration(5, "serving metrics: prefix-cache queries and hits", add_columns(SERVING_METRICS, 5)),
 ]
