@@ -10,7 +10,7 @@
    at them, stores every request as an OpenTelemetry span, scrapes their ``/metrics`` with the real
    collector, writes their simulated GPU memory, and prints the heatmap's typical load patterns
    (PNG in ``var/demo/heatmap.png``) and the weight engine's verdict per backend
-   (:mod:`triscope.sim.demo_fleet`; docs/demo.md says what is real and what is simulated).
+   (:mod:`triscope_bed.demo.fleet`; docs/demo.md says what is real and what is simulated).
 
 Re-running replaces the demo runs (same run ids), it never duplicates rows; fleet rows are time
 series and accumulate (each run analyses only its own window and backends).
@@ -142,7 +142,7 @@ def _fleet(store: Any, config: dict[str, Any], args: argparse.Namespace, report:
            console: Any) -> dict[str, Any] | None:
     """The simulated-fleet part; a failure is one line in ``report["errors"]``."""
     from triscope.errors import TriscopeError
-    from triscope.sim.demo_fleet import FleetOptions, run_fleet
+    from triscope_bed.demo.fleet import FleetOptions, run_fleet
 
     options = FleetOptions(seconds=args.fleet_seconds, png=Path(args.fleet_png) if args.fleet_png else None)
     try:
@@ -166,7 +166,7 @@ def _fleet(store: Any, config: dict[str, Any], args: argparse.Namespace, report:
     doc["incidents"] = incidents.to_dict()
     if not args.json:
         from triscope.commands._incidents_view import render_incidents
-        from triscope.sim.demo_report import print_fleet
+        from triscope_bed.demo.report import print_fleet
 
         print_fleet(doc, heatmap)
         render_incidents(incidents)  # why the fleet fell over, as `diagnose --since` says it

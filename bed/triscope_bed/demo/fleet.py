@@ -1,10 +1,10 @@
 """The fleet part of ``triscope demo``: simulated backends, real collectors, real analyzers.
 
-Three :mod:`triscope.sim.backend` engines on 127.0.0.1 (``sim-small`` has half the GPU memory, so
+Three :mod:`triscope_bed.engines.backend` engines on 127.0.0.1 (``sim-small`` has half the GPU memory, so
 its KV pool fills first) take bursty open-loop traffic; every request becomes an OpenTelemetry
 span in ``requests``, the real serving-metrics collector scrapes ``/metrics`` into
 ``serving_metrics`` and the simulated GPU memory goes to ``gpu_samples`` (``source = 'demo-sim'``),
-all through the writer; then :mod:`triscope.sim.demo_analysis` runs the heatmap and replays the
+all through the writer; then :mod:`triscope_bed.demo.analysis` runs the heatmap and replays the
 weight engine. docs/demo.md has the details.
 """
 
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from triscope.schema import GPU_SAMPLES, encode_ts
-from triscope.sim.backend import BackgroundBackends, SimBackend
-from triscope.sim.engine import CLASSES, EngineSpec, RequestClass
 from triscope.store import Store
+from triscope_bed.engines.backend import BackgroundBackends, SimBackend
+from triscope_bed.engines.engine import CLASSES, EngineSpec, RequestClass
 
 GB = 10**9
 MODEL = "sim/vlm-2b"
@@ -203,8 +203,8 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
 
     from triscope.collectors.otel_exporter import TriscopeSpanExporter
     from triscope.collectors.serving_metrics import ServingMetricsConfig, ServingMetricsScraper
-    from triscope.sim.demo_analysis import backend_counts, heatmap_doc, replay_weights
     from triscope.writer import Writer
+    from triscope_bed.demo.analysis import backend_counts, heatmap_doc, replay_weights
 
     def say(text: str) -> None:
         if status is not None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from triscope.analyzers.routing import DEFAULT_CLASSES
 from triscope.schema import GPU_SAMPLES, SERVING_METRICS
-from triscope.sim.demo_fleet import SIM_SOURCE
+from triscope_bed.demo.fleet import SIM_SOURCE
 
 
 def _console() -> Any:

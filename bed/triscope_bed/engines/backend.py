@@ -1,4 +1,4 @@
-"""Simulated vLLM-style backends over HTTP/1.1 (asyncio), one :class:`~triscope.sim.engine.Engine` each.
+"""Simulated vLLM-style backends over HTTP/1.1 (asyncio), one :class:`~triscope_bed.engines.engine.Engine` each.
 
 Routes: ``POST /v1/completions`` (``{"prompt_tokens": N, "max_tokens": M, "request_class": ...}``,
 costs from tokens; the demo), ``GET /v1/infer/<class>`` (costs from the class; the bench),
@@ -7,10 +7,10 @@ costs from tokens; the demo), ``GET /v1/infer/<class>`` (costs from the class; t
 (docs/peers.md): ``GET /server_info``, ``/model_info`` (and their ``/get_*`` aliases) and ``GET /get_load``
 (SGLang's load report, from the engine state); ``GET /sim/calls`` counts how often each was asked.
 
-``python -m triscope.sim.backend --backend b0:18001:40:16:1.0 --backend b1:18002:20:16:0.5``
+``python -m triscope_bed.engines.backend --backend b0:18001:40:16:1.0 --backend b1:18002:20:16:0.5``
 (``name:port:kv_gib:slots:speed``) serves several backends in one process and prints one JSON
 line when all ports listen; :class:`BackgroundBackends` runs them on a thread of the caller.
-``--profile vllm-cpu`` gives every backend a calibrated engine (:mod:`triscope.sim.calibration`:
+``--profile vllm-cpu`` gives every backend a calibrated engine (:mod:`triscope_bed.engines.calibration`:
 per-token costs, batch slowdown, paged KV with preemption; docs/calibration.md).
 """
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from triscope.sim.calibration import PROFILES, SimProfile
-from triscope.sim.engine import CLASSES, GIB, Engine, EngineSpec, Served
+from triscope_bed.engines.calibration import PROFILES, SimProfile
+from triscope_bed.engines.engine import CLASSES, GIB, Engine, EngineSpec, Served
 
 MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024

@@ -2,7 +2,7 @@
 
 ``VLLM_CPU`` is the simulator fitted to the real vLLM-CPU test bed (docs/vllm-testbed.md: the tiny
 Llama, ``--max-num-seqs 8``, a 1,024-token KV cache in 128-token blocks) by
-``bench/calibrate_sim.py fit``; ``python -m triscope.sim.backend --profile vllm-cpu`` serves it.
+``bench/calibrate_sim.py fit``; ``python -m triscope_bed.engines.backend --profile vllm-cpu`` serves it.
 Method, figures and where it misses: docs/calibration.md.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from triscope.sim.engine import GIB, EngineSpec
-from triscope.sim.vllm_load import CLASSES as VLLM_CLASSES
+from triscope_bed.engines.engine import GIB, EngineSpec
+from triscope_bed.engines.vllm_classes import CLASSES as VLLM_CLASSES
 
 SLA_FACTOR = 4.0
 """A class's SLA is this many times its idle latency (the GPU SLAs, 200 ms / 800 ms / 5 s, are 4-5x
@@ -19,7 +19,7 @@ the GPU classes' idle service times), rounded to two significant digits: :func:`
 
 
 def token_sizes() -> dict[str, tuple[int, int]]:
-    """(prompt, output) tokens of each request class of the vLLM-CPU test bed (:mod:`triscope.sim.vllm_load`)."""
+    """(prompt, output) tokens of each request class of the vLLM-CPU test bed (:mod:`.vllm_classes`)."""
     return {name: (c.prompt_tokens, c.output_tokens) for name, c in VLLM_CLASSES.items()}
 
 

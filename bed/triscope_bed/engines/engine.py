@@ -1,7 +1,7 @@
 """The simulated inference engine: a KV pool, vLLM-style FCFS scheduling, and its ``/metrics`` text.
 
 No GPU and no model: a request holds KV bytes and sleeps (asyncio) for its service time. The demo
-and the closed-loop bench serve it over HTTP with :mod:`triscope.sim.backend`; the model is
+and the closed-loop bench serve it over HTTP with :mod:`triscope_bed.engines.backend`; the model is
 described in docs/demo.md and docs/closed_loop.md.
 """
 
@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from triscope.sim.engine_paged import PagedKV
+from triscope_bed.engines.engine_paged import PagedKV
 
 GIB = 1024**3
 MODEL = "sim/llava-onevision-7b"
@@ -100,7 +100,7 @@ class EngineSpec:
     """Fixed time per request before it queues (HTTP, tokenizer), outside the batch; 0: none."""
     paged_kv: bool = False
     """vLLM's step loop: KV grows block by block while decoding, preemption (recompute) when a block
-    is short, a step's prefill delays its decodes (:mod:`triscope.sim.engine_paged`; costs from the
+    is short, a step's prefill delays its decodes (:mod:`triscope_bed.engines.engine_paged`; costs from the
     per-token figures below); False: a request's whole KV is reserved at admission, its service time
     is fixed then, and nothing is ever preempted."""
     kv_block_tokens: int = 16

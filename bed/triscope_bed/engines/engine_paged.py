@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from triscope.sim.engine import Engine, Served
+    from triscope_bed.engines.engine import Engine, Served
 
 MAX_CATCH_UP_S = 0.05
 """A step loop that fell behind (a busy host) runs its late steps back to back, at most this far back."""
@@ -54,7 +54,7 @@ class _Seq:
 
 @dataclass
 class PagedKV:
-    """The paged KV pool and step loop of one :class:`~triscope.sim.engine.Engine` (``spec.paged_kv``)."""
+    """The paged KV pool and step loop of one :class:`~triscope_bed.engines.engine.Engine` (``spec.paged_kv``)."""
 
     engine: Engine
     running: list[_Seq] = field(default_factory=list)
@@ -202,7 +202,7 @@ class PagedKV:
 
     async def serve(self, cls: str, t0: float, tokens: tuple[int, int]) -> Served | str:
         """Queue, run (with preemptions) and finish one request of ``tokens`` = (prompt, output)."""
-        from triscope.sim.engine import Served
+        from triscope_bed.engines.engine import Served
 
         e = self.engine
         prompt, out = max(1, tokens[0]), max(1, tokens[1])

@@ -5,7 +5,7 @@
 :func:`make_tiny_model` makes the model in it (no hub), and :func:`serve` starts N servers,
 waits for ``/health`` and stops them (process group: API server, engine core and worker).
 Every cache, socket and temporary file of a server stays under its work directory.
-Facts, flags and figures: docs/vllm-testbed.md. Requests: :mod:`triscope.sim.vllm_load`.
+Facts, flags and figures: docs/vllm-testbed.md. Requests: :mod:`triscope_bed.workloads.vllm_load`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from triscope.sim.haproxy import free_port
-from triscope.sim.procs import socket_dir
+from triscope_bed.paths import REPO
+from triscope_bed.ports import free_port
+from triscope_bed.procs import socket_dir
 
 VLLM_VERSION = "0.32.0"
-REPO = Path(__file__).resolve().parent.parent
 SETUP_SCRIPT = "tools/setup_vllm_cpu.sh"
 MODEL_SCRIPT = REPO / "tools" / "vllm_tiny_model.py"
 """Run by the vLLM virtualenv's Python (it imports tokenizers and transformers, which triscope does not need)."""
@@ -72,7 +72,7 @@ class VllmInstall:
 
 def rpc_socket_dir(tmp: Path) -> Path:
     """Where vLLM's ZMQ sockets go (``VLLM_RPC_BASE_PATH``): ``tmp``, or a short private directory when
-    vLLM's ``/<uuid4>`` names would not fit under it (:func:`~triscope.sim.procs.socket_dir`)."""
+    vLLM's ``/<uuid4>`` names would not fit under it (:func:`~triscope_bed.procs.socket_dir`)."""
     return socket_dir(tmp, 37, prefix="triscope-rpc-")
 
 

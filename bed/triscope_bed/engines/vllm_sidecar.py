@@ -19,7 +19,7 @@ from typing import Any
 
 from triscope.errors import InputError
 from triscope.prom_text import parse_exposition
-from triscope.sim.haproxy import free_port
+from triscope_bed.ports import free_port
 
 MAX_HEAD_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024

@@ -11,8 +11,8 @@ import time
 import urllib.request
 from typing import Any
 
-from triscope.sim.backend import BackendSpec
-from triscope.sim.procs import stop_process
+from triscope_bed.engines.backend import BackendSpec
+from triscope_bed.procs import stop_process
 
 PYTHON = sys.executable
 
@@ -69,7 +69,7 @@ class SimFleet:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> SimFleet:
-        cmd = [PYTHON, "-m", "triscope.sim.backend", "--batch-slowdown", str(self.batch_slowdown)]
+        cmd = [PYTHON, "-m", "triscope_bed.engines.backend", "--batch-slowdown", str(self.batch_slowdown)]
         for s in self.specs:
             cmd += ["--backend", s.to_arg()]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -103,7 +103,7 @@ class SimFleet:
 
 
 class FeedWorker:
-    """triscope's weight feed in its own process (:mod:`triscope.sim.feed_worker`), scraping the backends."""
+    """triscope's weight feed in its own process (:mod:`triscope_bed.fleet.feed_worker`), scraping the backends."""
 
     def __init__(self, backends: dict[str, str], overrides: dict[str, Any], window_s: float) -> None:
         self.backends = backends
@@ -113,7 +113,7 @@ class FeedWorker:
         self.info: dict[str, Any] = {}
 
     def start(self) -> FeedWorker:
-        cmd = [PYTHON, "-m", "triscope.sim.feed_worker", "--backends", json.dumps(self.backends),
+        cmd = [PYTHON, "-m", "triscope_bed.fleet.feed_worker", "--backends", json.dumps(self.backends),
                "--weights", json.dumps({**BENCH_WEIGHTS, **self.overrides}), "--window-s", str(self.window_s)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.info = read_ready(self.proc, "triscope weight feed")

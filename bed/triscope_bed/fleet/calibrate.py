@@ -6,9 +6,9 @@
 measured latency ratios (least squares, closed form). The idle decode slope is divided by ``1 + s / slots``
 because the sim's decode step applies the slowdown to a lone request too; prefill costs per token.
 
-**validate**: the ``step`` workload (Poisson steps with bursts, :mod:`triscope.sim.workloads`) with
+**validate**: the ``step`` workload (Poisson steps with bursts, :mod:`triscope_bed.workloads.named`) with
 the test bed's token sizes, sent open-loop to the real server and then to a sim backend of the
-profile; both ``/metrics`` sampled every ``sample_s``; :mod:`triscope.sim.calibrate_report` compares.
+profile; both ``/metrics`` sampled every ``sample_s``; :mod:`triscope_bed.fleet.calibrate_report` compares.
 
 CLI: ``bench/calibrate_sim.py`` (``fit``, ``validate``, ``all``); docs/calibration.md.
 """
@@ -33,12 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from triscope.sim.calibration import SimProfile, sla_from_idle, token_sizes
-from triscope.sim.haproxy import free_port
-from triscope.sim.loadgen import Arrival, HttpPool
-from triscope.sim.vllm_cpu import SERVED_MODEL, ServerOptions, VllmInstall, VllmServer, make_tiny_model, serve
-from triscope.sim.vllm_load import TOKEN_ID_RANGE
-from triscope.sim.workloads import build
+from triscope_bed.engines.calibration import SimProfile, sla_from_idle, token_sizes
+from triscope_bed.engines.vllm_classes import TOKEN_ID_RANGE
+from triscope_bed.engines.vllm_cpu import SERVED_MODEL, ServerOptions, VllmInstall, VllmServer, make_tiny_model, serve
+from triscope_bed.ports import free_port
+from triscope_bed.workloads.arrivals import Arrival
+from triscope_bed.workloads.http_pool import HttpPool
+from triscope_bed.workloads.named import build
 
 FIT_SIZES: tuple[tuple[int, int], ...] = (
     (16, 1), (48, 1), (256, 1), (480, 1), (16, 16), (16, 64), (16, 128), (16, 256), (48, 16), (176, 96), (272, 128))
@@ -183,7 +184,8 @@ def _sig(x: float, digits: int = 3) -> float:
 
 
 def profile_source(p: SimProfile) -> str:
-    """The ``VLLM_CPU = SimProfile(...)`` lines to paste into sim/calibration.py (fields at their default left out)."""
+    """The ``VLLM_CPU = SimProfile(...)`` lines to paste into ``triscope_bed/engines/calibration.py`` (fields at
+    their default left out)."""
     lines = []
     for f in dataclasses.fields(SimProfile):
         value = getattr(p, f.name)
@@ -287,9 +289,10 @@ def sim_server(profile: SimProfile, named: bool = False) -> Iterator[int]:
     """A sim backend subprocess of ``profile`` on a free port: ``--profile NAME`` when ``named``, else its JSON."""
     port = free_port()
     spec = f"sim0:{port}:{profile.kv_gib}:{profile.slots}:1.0"
-    argv = ([sys.executable, "-m", "triscope.sim.backend", "--profile", profile.name, "--backend", spec] if named else
-            [sys.executable, "-m", "triscope.sim.calibrate", "serve-json", json.dumps(dataclasses.asdict(profile)),
-             spec])
+    argv = ([sys.executable, "-m", "triscope_bed.engines.backend", "--profile", profile.name, "--backend", spec]
+            if named else
+            [sys.executable, "-m", "triscope_bed.fleet.calibrate", "serve-json",
+             json.dumps(dataclasses.asdict(profile)), spec])
     with tempfile.TemporaryFile() as err:  # a file, not a pipe nobody reads while the load runs
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
         try:
@@ -341,9 +344,10 @@ def vllm_server(workdir: Path, options: ServerOptions | None = None) -> Iterator
 
 
 def _serve_json(argv: list[str]) -> int:
-    """``python -m triscope.sim.calibrate serve-json PROFILE_JSON name:port:kv_gib:slots:speed`` (used by validate)."""
-    from triscope.sim.backend import BackendSpec
-    from triscope.sim.backend import serve as serve_backends
+    """``python -m triscope_bed.fleet.calibrate serve-json PROFILE_JSON name:port:kv_gib:slots:speed``
+    (used by validate)."""
+    from triscope_bed.engines.backend import BackendSpec
+    from triscope_bed.engines.backend import serve as serve_backends
 
     doc = json.loads(argv[0])
     spec = BackendSpec.parse(argv[1])
@@ -353,8 +357,8 @@ def _serve_json(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``bench/calibrate_sim.py``: see :func:`triscope.sim.calibrate_report.main`."""
-    from triscope.sim.calibrate_report import main as report_main
+    """``bench/calibrate_sim.py``: see :func:`triscope_bed.fleet.calibrate_report.main`."""
+    from triscope_bed.fleet.calibrate_report import main as report_main
 
     return report_main(argv)
 

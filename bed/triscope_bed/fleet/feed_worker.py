@@ -3,7 +3,7 @@
 Each engine update scrapes every backend's ``/metrics``, parses it with the serving-metrics
 collector's parser (vLLM's gauges and success counter) and turns the deltas of the simulator's
 per-class latency histogram over ``window_s`` into per-class P99s. ``python -m
-triscope.sim.feed_worker --backends '{"b0": "http://127.0.0.1:18001"}'`` runs the real
+triscope_bed.fleet.feed_worker --backends '{"b0": "http://127.0.0.1:18001"}'`` runs the real
 ``WeightFeed`` (HTTP feed + HAProxy agent) on these inputs and prints one JSON line when ready.
 """
 

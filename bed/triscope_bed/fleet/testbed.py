@@ -1,9 +1,9 @@
 """Test bed v2: every policy on the real vLLM-CPU fleet and on the calibrated simulator, same offered load.
 
 ``bench/testbed.py`` runs :func:`main`. For each fleet (``--fleet sim,vllm``) it starts the backends
-once, then for each policy (``sim/testbed_fronts.py``) restores them (a killed backend restarts), applies
+once, then for each policy (:mod:`.testbed_fronts`) restores them (a killed backend restarts), applies
 the scenario, starts the policy's load balancer, replays the workload's arrivals open loop through it
-from a client process of its own (``sim/workloads.py``; the same arrivals for every policy and both
+from a client process of its own (``bed/triscope_bed/workloads/named.py``; the same arrivals for every policy and both
 fleets; a picker serving in this process shares no interpreter lock with the client) and judges the results
 (``closed_loop_stats.judge``: goodput within the class SLAs, P99 over all offered, errors by kind,
 peak QPS held). It prints the side-by-side table, writes one PNG per fleet and, with ``--json``, the
@@ -26,17 +26,18 @@ from pathlib import Path
 from typing import Any
 
 from triscope.errors import ConfigError
-from triscope.sim.calibration import PROFILES, SimProfile
-from triscope.sim.closed_loop_stats import judge, plot_judgements
-from triscope.sim.loadgen import Arrival, ClientProcess
-from triscope.sim.procs import process_table, tree_cpu_seconds
-from triscope.sim.testbed_fleet import FLEETS, SCENARIOS, Fleet, FleetError, make_fleet
-from triscope.sim.testbed_fronts import POLICIES, FrontOptions, epp_config, front
-from triscope.sim.testbed_record import MetricsRecorder
-from triscope.sim.testbed_repeat import rotated, summarize
-from triscope.sim.testbed_report import print_tables
-from triscope.sim.vllm_load import CLASSES as SIZES
-from triscope.sim.workloads import WORKLOADS, WorkloadError, bucket_seconds, build
+from triscope_bed.engines.calibration import PROFILES, SimProfile
+from triscope_bed.engines.vllm_classes import CLASSES as SIZES
+from triscope_bed.fleet.testbed_fleet import FLEETS, SCENARIOS, Fleet, FleetError, make_fleet
+from triscope_bed.fleet.testbed_fronts import POLICIES, FrontOptions, epp_config, front
+from triscope_bed.fleet.testbed_record import MetricsRecorder
+from triscope_bed.procs import process_table, tree_cpu_seconds
+from triscope_bed.reports.closed_loop_stats import judge, plot_judgements
+from triscope_bed.reports.testbed_repeat import rotated, summarize
+from triscope_bed.reports.testbed_report import print_tables
+from triscope_bed.workloads.arrivals import Arrival
+from triscope_bed.workloads.client_process import ClientProcess
+from triscope_bed.workloads.named import WORKLOADS, WorkloadError, bucket_seconds, build
 
 QPS_PER_BACKEND = 1.0
 """Default mean offered load per backend of the CPU test bed (the step workload's first step; measured
@@ -132,7 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def sized(schedule: list[Arrival]) -> list[Arrival]:
-    """Arrivals without token counts get the CPU test bed's class sizes (``sim/vllm_load.py``)."""
+    """Arrivals without token counts get the CPU test bed's class sizes (:mod:`triscope_bed.engines.vllm_classes`)."""
     return [a if a.prompt_tokens is not None else
             Arrival(a.t, a.cls, a.step, SIZES[a.cls].prompt_tokens, SIZES[a.cls].output_tokens) for a in schedule]
 

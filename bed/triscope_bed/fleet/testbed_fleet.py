@@ -1,6 +1,6 @@
 """The test bed's fleets: real vLLM-CPU servers or calibrated simulated engines, with the scenarios' faults.
 
-Both fleets serve the same vLLM-sized requests (``sim/vllm_load.py`` token sizes) on 127.0.0.1, one
+Both fleets serve the same vLLM-sized requests (:mod:`triscope_bed.engines.vllm_classes`) on 127.0.0.1, one
 process per backend so a backend can be killed. A scenario shapes the fleet (``hetero-memory``:
 every other backend has half the KV cache) or acts on it during a run (``pinned``: a large tenant
 holds part of one backend's KV; ``killed``: one backend is SIGKILLed mid-run and restarted between
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from triscope.prom_text import parse_exposition
-from triscope.sim.backend import BackendSpec
-from triscope.sim.bench_fleet import PYTHON, read_ready
-from triscope.sim.haproxy import free_port
-from triscope.sim.procs import stop_process
-from triscope.sim.vllm_cpu import SERVED_MODEL, ServerOptions, VllmInstall, VllmServer, make_tiny_model
+from triscope_bed.engines.backend import BackendSpec
+from triscope_bed.engines.vllm_cpu import SERVED_MODEL, ServerOptions, VllmInstall, VllmServer, make_tiny_model
+from triscope_bed.fleet.bench_fleet import PYTHON, read_ready
+from triscope_bed.ports import free_port
+from triscope_bed.procs import stop_process
 
 SCENARIOS = ("none", "hetero-memory", "pinned", "killed")
 FLEETS = ("sim", "vllm")
@@ -159,7 +159,8 @@ class Fleet:
 
 @dataclass
 class SimTestFleet(Fleet):
-    """Simulated engines with a calibrated profile (``python -m triscope.sim.backend --profile``), one process each."""
+    """Simulated engines with a calibrated profile (``python -m triscope_bed.engines.backend --profile``), one
+    process each."""
 
     profile: str = "vllm-cpu"
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -169,7 +170,7 @@ class SimTestFleet(Fleet):
 
     def _start_one(self, b: Backend) -> None:
         spec = BackendSpec(b.name, b.port, b.kv_tokens / KV_TOKENS, b.slots, 1.0)
-        proc = subprocess.Popen([PYTHON, "-m", "triscope.sim.backend", "--profile", self.profile,
+        proc = subprocess.Popen([PYTHON, "-m", "triscope_bed.engines.backend", "--profile", self.profile,
                                  "--backend", spec.to_arg()], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         read_ready(proc, f"simulated backend {b.name}")
         self.procs[b.name] = proc

@@ -30,17 +30,17 @@ from typing import Any
 from triscope.analyzers.routing.config import DEFAULT_CLASSES
 from triscope.exporters.epp_service import EppConfig, EppService
 from triscope.exporters.haproxy_pick import TABLE_PATH
-from triscope.sim.bench_fleet import FeedWorker
-from triscope.sim.gateway_log import read_access_log, summarize
-from triscope.sim.haproxy import HAProxy, PickSetup, Server
-from triscope.sim.haproxy_log import brief
-from triscope.sim.haproxy_log import summarize as summarize_requests
-from triscope.sim.peer_gie_epp import GieParams
-from triscope.sim.peer_gie_extproc import EnvoyGateway, GieGateway
-from triscope.sim.peer_sglang import LOAD_POLL_S, SglangRouter
-from triscope.sim.testbed_fleet import Fleet
-from triscope.sim.vllm_sidecar import VllmSidecar
 from triscope.ticker import Ticker
+from triscope_bed.engines.vllm_sidecar import VllmSidecar
+from triscope_bed.fleet.bench_fleet import FeedWorker
+from triscope_bed.fleet.testbed_fleet import Fleet
+from triscope_bed.peers.gateway_log import read_access_log, summarize
+from triscope_bed.peers.gie_epp import GieParams
+from triscope_bed.peers.gie_extproc import EnvoyGateway, GieGateway
+from triscope_bed.peers.haproxy import HAProxy, PickSetup, Server
+from triscope_bed.peers.haproxy_log import brief
+from triscope_bed.peers.haproxy_log import summarize as summarize_requests
+from triscope_bed.peers.sglang import LOAD_POLL_S, SglangRouter
 
 POLICIES = ("haproxy-rr", "haproxy-leastconn", "sglang-p2c", "sglang-cache-aware", "gie-epp", "triscope",
             "triscope-epp", "triscope-epp-levels", "triscope-haproxy", "triscope-haproxy-levels")
@@ -181,8 +181,8 @@ def routed_by_haproxy(hap: HAProxy) -> dict[str, int]:
 
 
 def logged_requests(hap: HAProxy) -> dict[str, Any]:
-    """HAProxy's request log in brief (sim/haproxy_log.py; ``bench/pick_log.py`` reads it in full): the
-    split, the in-flight spread at arrivals and, with the Lua picker, its fit states and the picks it sent
+    """HAProxy's request log in brief (:mod:`triscope_bed.peers.haproxy_log`; ``bench/pick_log.py`` reads it in
+    full): the split, the in-flight spread at arrivals and, with the Lua picker, its fit states and the picks it sent
     where HAProxy had more requests in flight."""
     return brief(summarize_requests(hap.request_log()))
 

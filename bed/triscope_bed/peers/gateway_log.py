@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from triscope.sim.loadgen import percentile
+from triscope_bed.stats import percentile
 
 STAGES = ("pick_ms", "upstream_ms", "answer_ms", "duration_ms")
 SLOW_PICK_MS = 100.0

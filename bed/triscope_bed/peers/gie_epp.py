@@ -2,7 +2,7 @@
 
 GIE (kubernetes-sigs/gateway-api-inference-extension, read at 1748e829) is Go on Kubernetes; this
 module is its scheduling path in pure Python so a bench can put it behind a real Envoy (see
-:mod:`triscope.sim.peer_gie_extproc`). What is reproduced, with GIE's defaults:
+:mod:`triscope_bed.peers.gie_extproc`). What is reproduced, with GIE's defaults:
 
 * data layer: each pod's ``/metrics`` scraped every 50 ms; ``vllm:num_requests_waiting``,
   ``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc`` and the ``block_size`` /

@@ -7,7 +7,7 @@ GIE's default profile. A request the GIE picker refuses gets an immediate respon
 writes it: 429 for a shed (ResourceExhausted), 503 with no endpoints, 400 for a body that is not JSON,
 413 above the body bound. No retries, bounded timeouts, everything on 127.0.0.1.
 
-``python -m triscope.sim.peer_gie_extproc --backend 127.0.0.1:18001 --backend ... [--port P]`` runs
+``python -m triscope_bed.peers.gie_extproc --backend 127.0.0.1:18001 --backend ... [--port P]`` runs
 Envoy and the picker until SIGTERM and prints one ``{"ready": ...}`` line.
 """
 
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Self
 
 from triscope.exporters.extproc import Choice, Chooser, ExtProcServer, envoy_bootstrap, envoy_path
-from triscope.sim.haproxy import free_port, wait_port
-from triscope.sim.peer_gie_epp import Decision, EndpointPicker, GieParams, MetricsScraper, Pod
-from triscope.sim.procs import stop_process
+from triscope_bed.peers.gie_epp import Decision, EndpointPicker, GieParams, MetricsScraper, Pod
+from triscope_bed.ports import free_port, wait_port
+from triscope_bed.procs import stop_process
 
 MAX_BODY_BYTES = 64 * 1024  # the sim backend's own bound
 
@@ -86,7 +86,7 @@ class EnvoyGateway:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.workdir / "envoy.log"
         self.access_log_path = self.workdir / "access.jsonl"
-        """One JSON line per request (``ACCESS_LOG_FORMAT``): :func:`~triscope.sim.gateway_log.summarize`."""
+        """One JSON line per request (``ACCESS_LOG_FORMAT``): :func:`~triscope_bed.peers.gateway_log.summarize`."""
 
     @property
     def url(self) -> str:

@@ -24,31 +24,9 @@ from triscope.exporters.haproxy_pick import (
     pick_rules,
     pick_stats_frontend,
 )
-from triscope.sim.haproxy_log import read_request_log
-from triscope.sim.procs import socket_dir, stop_process
-
-
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (small race, fine for a bench)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1",
-              proc: subprocess.Popen | None = None) -> None:
-    """Block until ``host:port`` accepts TCP connections (fail early if ``proc`` exits)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with status {proc.returncode}")
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s}s") from None
-            time.sleep(0.05)
+from triscope_bed.peers.haproxy_log import read_request_log
+from triscope_bed.ports import free_port, wait_port
+from triscope_bed.procs import socket_dir, stop_process
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""What HAProxy's request log says about a test-bed run (``PICK_LOG_FORMAT`` lines, sim/haproxy.py).
+"""What HAProxy's request log says about a test-bed run (``PICK_LOG_FORMAT`` lines, bed/triscope_bed/peers/haproxy.py).
 
 Per run: where the requests went, HAProxy's time per request (accept to the end of the answer), how
 uneven the backends' requests in flight were at each arrival (from the logged intervals, so any balance
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from triscope.exporters.haproxy_pick import PickLogRecord, parse_pick_log_line
-from triscope.sim.gateway_log import quantiles
+from triscope_bed.peers.gateway_log import quantiles
 
 
 def read_request_log(path: Path) -> list[PickLogRecord]:

@@ -8,8 +8,8 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from triscope.sim.haproxy import free_port, wait_port
-from triscope.sim.procs import stop_process
+from triscope_bed.ports import free_port, wait_port
+from triscope_bed.procs import stop_process
 
 STREAM_MODULE = Path("/usr/lib/nginx/modules/ngx_stream_module.so")
 """Debian's dynamic stream module (package libnginx-mod-stream)."""

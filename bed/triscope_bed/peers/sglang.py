@@ -3,7 +3,7 @@
 ``tools/setup_sglang_router.sh`` installs it in a virtualenv of its own (``$TRISCOPE_SGLANG_ROUTER_VENV``
 or ``var/sglang-router-venv``); :func:`venv_python` finds it and :class:`SglangRouter` runs
 ``python -m sglang_router.launch_router`` on 127.0.0.1 in front of the simulated backends, which serve
-the worker endpoints it calls (:mod:`triscope.sim.backend`). Flags, endpoints and limits: docs/peers.md.
+the worker endpoints it calls (:mod:`triscope_bed.engines.backend`). Flags, endpoints and limits: docs/peers.md.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from triscope.sim.backend import MAX_BODY_BYTES
-from triscope.sim.haproxy import free_port
-from triscope.sim.procs import stop_process
+from triscope_bed.engines.backend import MAX_BODY_BYTES
+from triscope_bed.paths import REPO
+from triscope_bed.ports import free_port
+from triscope_bed.procs import stop_process
 
 ROUTER_VERSION = "0.3.2"
-REPO = Path(__file__).resolve().parent.parent
 SETUP_SCRIPT = "tools/setup_sglang_router.sh"
 POLICIES = ("power_of_two", "cache_aware", "round_robin", "random")
 LOAD_POLL_S = 30.0

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from triscope.sim.backend import BackendSpec
-from triscope.sim.closed_loop_stats import PolicyReport
-from triscope.sim.engine import CLASSES
-from triscope.sim.loadgen import LoadShape
+from triscope_bed.engines.backend import BackendSpec
+from triscope_bed.engines.engine import CLASSES
+from triscope_bed.reports.closed_loop_stats import PolicyReport
+from triscope_bed.workloads.arrivals import LoadShape
 
 
 def _fmt_s(x: float) -> str:

@@ -9,8 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from triscope.sim.engine import CLASSES
-from triscope.sim.loadgen import LoadShape, Result, percentile
+from triscope_bed.engines.engine import CLASSES
+from triscope_bed.stats import percentile
+from triscope_bed.workloads.arrivals import LoadShape
+from triscope_bed.workloads.driver import Result
 
 FeedSample = dict[str, tuple[int, str, float | None]]
 """The feed's verdict per backend at one instant: (LB weight, state, KV usage it saw)."""

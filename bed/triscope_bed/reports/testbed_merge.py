@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from triscope.sim.closed_loop_stats import plot_judgements
-from triscope.sim.testbed_report import print_tables
+from triscope_bed.reports.closed_loop_stats import plot_judgements
+from triscope_bed.reports.testbed_report import print_tables
 
 SAME = ("workload", "scenario", "seed", "params", "profile")
 """What must agree for two documents to have replayed the same arrivals."""

@@ -3,7 +3,7 @@
 ``WORKLOADS[name](seed, backends, **params) -> list[Arrival]``; every builder is deterministic in
 its arguments, so every policy replays the same requests. ``Arrival.step`` is the index of the
 ``bucket_s``-long window the arrival falls in (the load step for ``step``), which is what
-:func:`triscope.sim.closed_loop_stats.judge` groups by. docs/workloads.md describes each one.
+:func:`triscope_bed.reports.closed_loop_stats.judge` groups by. docs/workloads.md describes each one.
 
 The real workload replays the Azure LLM inference trace 2023 (code service; TIMESTAMP,
 ContextTokens, GeneratedTokens; CC-BY-4.0), from Azure/AzurePublicDataset, published with Patel
@@ -23,10 +23,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from triscope.sim.engine import CLASSES
-from triscope.sim.loadgen import Arrival, LoadShape
+from triscope_bed.engines.engine import CLASSES
+from triscope_bed.paths import REPO
+from triscope_bed.workloads.arrivals import Arrival, LoadShape
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "workloads" / "azure_llm_2023_code.csv"
+DEFAULT_TRACE = REPO.parent / "shared" / "data" / "workloads" / "azure_llm_2023_code.csv"
 """``<repo>/../shared/data/workloads/azure_llm_2023_code.csv`` (not in the repository: 8,819 rows)."""
 QPS_PER_BACKEND = 6.0
 """Default mean offered load per backend (4 backends: 24 QPS, the bench's first step)."""
