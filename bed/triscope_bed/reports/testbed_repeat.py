@@ -7,7 +7,7 @@ every policy alike, and this module turns the rounds into figures a claim can st
 mean, standard deviation and range; per pair the ratio of triscope's figure to the peer's in each round,
 their geometric mean and a 95 % confidence interval (Student's t on the log ratios, paired by round);
 and the ceilings no router can pass at that load (offered / the peer's goodput, where it stops holding
-and over the run; the top window / the peer's peak QPS held), against which issue 21's targets are read.
+and over the run; the top window / the peer's peak QPS held), against which the routing targets are read.
 ``bench/testbed_ratios.py`` groups runs of the same arrivals (:func:`group_rounds`) into that verdict.
 """
 
@@ -81,8 +81,8 @@ def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> dict[str, An
 
 
 def peer_break(ours: Mapping[str, Any], peer: Mapping[str, Any]) -> tuple[float, float, float] | None:
-    """(our goodput, the peer's, the offered QPS) in the window where the peer stops holding (issue 21's
-    step): of those with requests it did not hold, the one offered least, as ``peak_qps_held`` is judged
+    """(our goodput, the peer's, the offered QPS) in the window where the peer stops holding (the routing
+    targets' step): of those with requests it did not hold, the one offered least, as ``peak_qps_held`` is judged
     (the earliest on a tie); None when it held every window."""
     unheld = [(float(b["offered_qps"]), k) for k, b in enumerate(peer["buckets"]) if b["requests"] and not b["held"]]
     if not unheld or min(unheld)[1] >= len(ours["buckets"]):
@@ -152,7 +152,7 @@ def best_peer(repeat: Mapping[str, Any], policy: str) -> str | None:
 PANELS = (("goodput_qps", "ceiling_goodput", "goodput, whole run", 1.2),
           ("goodput_at_peer_break", "ceiling_at_peer_break", "goodput where the peer stops holding", 1.2),
           ("peak_qps_held", "ceiling_held", "peak QPS held", 1.3))
-"""(ratio, its ceiling, title, issue 21's target against the best peer) per panel of :func:`plot_verdicts`."""
+"""(ratio, its ceiling, title, the routing target against the best peer) per panel of :func:`plot_verdicts`."""
 
 
 def group_rounds(docs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
