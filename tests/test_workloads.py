@@ -17,7 +17,7 @@ from conftest import free_port
 
 from triscope_bed.engines.engine import CLASSES
 from triscope_bed.fleet.bench_fleet import read_ready
-from triscope_bed.reports.closed_loop_stats import error_kind, judge, plot_judgements
+from triscope_bed.reports.judge import error_kind, judge, plot_judgements
 from triscope_bed.workloads.arrivals import Arrival
 from triscope_bed.workloads.driver import Result, drive
 from triscope_bed.workloads.named import (

@@ -5,7 +5,7 @@ once, then for each policy (:mod:`.testbed_fronts`) restores them (a killed back
 the scenario, starts the policy's load balancer, replays the workload's arrivals open loop through it
 from a client process of its own (``bed/triscope_bed/workloads/named.py``; the same arrivals for every policy and both
 fleets; a picker serving in this process shares no interpreter lock with the client) and judges the results
-(``closed_loop_stats.judge``: goodput within the class SLAs, P99 over all offered, errors by kind,
+(``reports.judge.judge``: goodput within the class SLAs, P99 over all offered, errors by kind,
 peak QPS held). It prints the side-by-side table, writes one PNG per fleet and, with ``--json``, the
 whole document. docs/closed_loop.md has the method and the figures.
 """
@@ -32,7 +32,7 @@ from triscope_bed.fleet.testbed_fleet import FLEETS, SCENARIOS, Fleet, FleetErro
 from triscope_bed.fleet.testbed_fronts import POLICIES, FrontOptions, epp_config, front
 from triscope_bed.fleet.testbed_record import MetricsRecorder
 from triscope_bed.procs import process_table, tree_cpu_seconds
-from triscope_bed.reports.closed_loop_stats import judge, plot_judgements
+from triscope_bed.reports.judge import judge, plot_judgements
 from triscope_bed.reports.testbed_repeat import rotated, summarize
 from triscope_bed.reports.testbed_report import print_tables
 from triscope_bed.workloads.arrivals import Arrival

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from triscope_bed.reports.closed_loop_stats import plot_judgements
+from triscope_bed.reports.judge import plot_judgements
 from triscope_bed.reports.testbed_report import print_tables
 
 SAME = ("workload", "scenario", "seed", "params", "profile")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from triscope_bed.engines.engine import CLASSES
-from triscope_bed.reports.closed_loop_stats import ERROR_KINDS
+from triscope_bed.reports.judge import ERROR_KINDS
 
 SHORT = {"realtime_speech": "speech", "interactive_image_text": "image", "offline_video": "video"}
 

@@ -3,7 +3,7 @@
 ``WORKLOADS[name](seed, backends, **params) -> list[Arrival]``; every builder is deterministic in
 its arguments, so every policy replays the same requests. ``Arrival.step`` is the index of the
 ``bucket_s``-long window the arrival falls in (the load step for ``step``), which is what
-:func:`triscope_bed.reports.closed_loop_stats.judge` groups by. docs/workloads.md describes each one.
+:func:`triscope_bed.reports.judge.judge` groups by. docs/workloads.md describes each one.
 
 The real workload replays the Azure LLM inference trace 2023 (code service; TIMESTAMP,
 ContextTokens, GeneratedTokens; CC-BY-4.0), from Azure/AzurePublicDataset, published with Patel
