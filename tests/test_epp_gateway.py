@@ -28,8 +28,9 @@ from triscope_bed.engines.backend import BackendSpec
 from triscope_bed.engines.engine import GIB
 from triscope_bed.fleet.bench_fleet import SimFleet
 from triscope_bed.peers.gateway_log import read_access_log, summarize
-from triscope_bed.peers.gie_epp import GieParams, MetricsScraper, Pod
+from triscope_bed.peers.gie_epp import GieParams, MetricsScraper
 from triscope_bed.peers.gie_extproc import EnvoyGateway, EppGateway
+from triscope_bed.peers.gie_pods import Pod
 
 pytestmark = pytest.mark.integration
 

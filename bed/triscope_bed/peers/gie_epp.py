@@ -18,8 +18,9 @@ module is its scheduling path in pure Python so a bench can put it behind a real
   match stopping at the first block no pod has, per-pod LRU of ``num_gpu_blocks`` entries (31,250
   when the pod does not report it), the chosen pod recorded after the pick.
 
-Everything here but :class:`MetricsScraper` is free of I/O: tests drive :class:`EndpointPicker`
-with hand-made :class:`PodMetrics`.
+The pods and their metrics are :mod:`triscope_bed.peers.gie_pods`, the prefix index
+:mod:`triscope_bed.peers.gie_prefix`. Everything but :class:`MetricsScraper` is free of I/O: tests
+drive :class:`EndpointPicker` with hand-made ``PodMetrics``.
 """
 
 from __future__ import annotations
@@ -29,16 +30,14 @@ import json
 import random
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import xxhash
-
 from triscope.errors import InputError
 from triscope.http_fetch import fetch
-from triscope.prom_text import keep_families, parse_exposition
 from triscope.ticker import Ticker
+from triscope_bed.peers.gie_pods import Pod, PodMetrics, parse_pod_metrics
+from triscope_bed.peers.gie_prefix import PrefixIndexer, hash_prompt, user_input
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 """GIE names the request's InferenceObjective in this header; the objective carries its priority."""
@@ -74,26 +73,6 @@ class GieParams:
     """InferenceObjective name -> priority (Kubernetes objects in GIE); unknown or absent: 0."""
 
 
-@dataclass(frozen=True)
-class PodMetrics:
-    """One scrape's worth of a pod's metrics; ``updated`` is ``time.monotonic()`` of the scrape."""
-
-    waiting: int = 0
-    running: int = 0
-    kv_usage: float = 0.0
-    block_size: int = 0
-    num_gpu_blocks: int = 0
-    updated: float = float("-inf")
-
-
-@dataclass(frozen=True)
-class Pod:
-    """An endpoint of the pool: a name (GIE's namespaced name) and its ``IP:port``."""
-
-    name: str
-    address: str
-
-
 @dataclass
 class Decision:
     """The picker's answer: a pod, or an HTTP status GIE would answer with (and its body)."""
@@ -105,123 +84,6 @@ class Decision:
     prefix_match: dict[str, int] = field(default_factory=dict)
     total_blocks: int = 0
     saturation: float | None = None
-
-
-FAMILIES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-            "vllm:cache_config_info")
-
-
-def parse_pod_metrics(text: str, now: float) -> PodMetrics:
-    """The values GIE's vLLM mapping reads from a ``/metrics`` page (InputError when none is there)."""
-    series = parse_exposition(keep_families(text, FAMILIES), "metrics")
-
-    def first(name: str) -> tuple[dict[str, str], float] | None:
-        samples = series.get(name)
-        return samples[0] if samples else None
-
-    waiting, running, kv = first("vllm:num_requests_waiting"), first("vllm:num_requests_running"), \
-        first("vllm:kv_cache_usage_perc")
-    if waiting is None and running is None and kv is None:
-        raise InputError("metrics: none of vLLM's queue/running/kv-cache gauges")
-    block_size = num_blocks = 0
-    info = first("vllm:cache_config_info")
-    if info is not None:
-        block_size = _int_label(info[0], "block_size")
-        num_blocks = _int_label(info[0], "num_gpu_blocks")
-    return PodMetrics(int(waiting[1]) if waiting else 0, int(running[1]) if running else 0,
-                      kv[1] if kv else 0.0, block_size, num_blocks, now)
-
-
-def _int_label(labels: dict[str, str], key: str) -> int:
-    try:
-        return int(labels.get(key, "0") or 0)
-    except ValueError:
-        return 0
-
-
-def _go_json(value: object) -> bytes:
-    """Compact JSON as Go's ``json.Marshal`` writes it (no spaces, HTML-safe escapes; map key order aside)."""
-    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    for char, escaped in _GO_ESCAPES:  # these only occur inside strings, so replacing them is safe
-        text = text.replace(char, escaped)
-    return text.encode()
-
-
-_GO_ESCAPES = (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
-
-
-def user_input(body: dict) -> tuple[bytes, str] | None:
-    """The bytes GIE hashes for prefix affinity, and the cache salt: a completion's prompt (a list of
-    strings joined by spaces), a chat's messages as JSON; None for any other body."""
-    salt = str(body.get("cache_salt") or "")
-    if "messages" in body:
-        return _go_json(body["messages"]), salt
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt.encode(), salt
-    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        return " ".join(prompt).encode(), salt
-    return None
-
-
-def hash_prompt(model: str, salt: str, data: bytes, block_chars: int, max_blocks: int) -> list[int]:
-    """Chained xxhash64 of ``data`` in ``block_chars``-byte blocks (a trailing partial block too);
-    nothing under one full block; at most ``max_blocks`` blocks' worth of input."""
-    if block_chars <= 0 or len(data) < block_chars:
-        return []
-    data = data[:block_chars * max_blocks]
-    prev = xxhash.xxh64_intdigest(model.encode() + salt.encode())  # different models, different chains
-    out = []
-    for i in range(0, len(data), block_chars):
-        prev = xxhash.xxh64_intdigest(data[i:i + block_chars] + prev.to_bytes(8, "little"))
-        out.append(prev)
-    return out
-
-
-class PrefixIndexer:
-    """Block hash -> pods that served it, bounded by one LRU per pod (evicting drops the pod)."""
-
-    def __init__(self, default_capacity: int) -> None:
-        self.default_capacity = default_capacity
-        self.hash_to_pods: dict[int, set[str]] = {}
-        self.lru: dict[str, OrderedDict[int, None]] = {}
-        self.capacity: dict[str, int] = {}
-
-    def add(self, hashes: list[int], pod: str, capacity: int = 0) -> None:
-        """Record that ``pod`` now holds ``hashes``; the LRU's size is fixed when it is created."""
-        lru = self.lru.get(pod)
-        if lru is None:
-            lru = self.lru[pod] = OrderedDict()
-            self.capacity[pod] = capacity if capacity > 0 else self.default_capacity
-        cap = self.capacity[pod]
-        for h in hashes:
-            if h in lru:
-                lru.move_to_end(h)
-                continue
-            lru[h] = None
-            if len(lru) > cap:
-                old, _ = lru.popitem(last=False)
-                holders = self.hash_to_pods.get(old)
-                if holders is not None:
-                    holders.discard(pod)
-                    if not holders:
-                        del self.hash_to_pods[old]
-        for h in hashes:
-            self.hash_to_pods.setdefault(h, set()).add(pod)
-
-    def match(self, hashes: list[int]) -> dict[str, int]:
-        """Pod -> blocks matched, walking the blocks in order and stopping at the first no pod has.
-
-        As in GIE a pod is credited for every block it holds up to that point, not only for an
-        unbroken run of its own."""
-        res: dict[str, int] = {}
-        for h in hashes:
-            pods = self.hash_to_pods.get(h)
-            if not pods:
-                break
-            for p in pods:
-                res[p] = res.get(p, 0) + 1
-        return res
 
 
 def saturation(metrics: list[PodMetrics | None], now: float, p: GieParams) -> float:

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Self
 
 from triscope.exporters.extproc import Choice, Chooser, ExtProcServer, envoy_bootstrap, envoy_path
-from triscope_bed.peers.gie_epp import Decision, EndpointPicker, GieParams, MetricsScraper, Pod
+from triscope_bed.peers.gie_epp import Decision, EndpointPicker, GieParams, MetricsScraper
+from triscope_bed.peers.gie_pods import Pod
 from triscope_bed.ports import free_port, wait_port
 from triscope_bed.procs import stop_process
 
