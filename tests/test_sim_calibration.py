@@ -23,18 +23,15 @@ from triscope_bed.engines.calibration import PROFILES, VLLM_CPU, SimProfile, sla
 from triscope_bed.engines.engine import Engine, EngineSpec, Served
 from triscope_bed.fleet.calibrate import (
     FitResult,
-    Run,
-    Workload,
     cache_config,
     fit_linear,
     fit_slowdown,
     make_profile,
     measure_fit,
-    parse_gauges,
     profile_source,
-    sim_server,
 )
 from triscope_bed.fleet.calibrate_report import compare, within
+from triscope_bed.fleet.calibrate_validate import Run, Workload, parse_gauges, sim_server
 
 # ---- fit -----------------------------------------------------------------------------------------------------
 
@@ -341,7 +338,7 @@ def test_short_validation_against_real_vllm(tmp_path_factory: pytest.TempPathFac
     latency alike (2026-12-06: a host 3.3x faster than the fit's, speech 26 ms against 86 ms), so the
     classes are checked against each other and the host factor only for being plausible (1/5 to 5)."""
     from triscope_bed.engines.vllm_cpu import VllmInstall
-    from triscope_bed.fleet.calibrate import validate, vllm_server
+    from triscope_bed.fleet.calibrate_validate import validate, vllm_server
 
     install = VllmInstall.default()
     require(install.missing() is None, str(install.missing()))

@@ -16,16 +16,8 @@ from typing import Any
 
 from triscope_bed.engines.calibration import PROFILES, SimProfile
 from triscope_bed.engines.vllm_cpu import ServerOptions
-from triscope_bed.fleet.calibrate import (
-    FitResult,
-    Run,
-    Workload,
-    make_profile,
-    measure_fit,
-    profile_source,
-    validate,
-    vllm_server,
-)
+from triscope_bed.fleet.calibrate import FitResult, make_profile, measure_fit, profile_source
+from triscope_bed.fleet.calibrate_validate import Run, Workload, validate, vllm_server
 from triscope_bed.stats import percentile
 
 TOLERANCE: dict[str, tuple[float, float]] = {
