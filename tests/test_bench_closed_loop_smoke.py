@@ -1,6 +1,6 @@
 """Smoke test of the closed-loop bench: simulated backends behind real HAProxy, tiny run.
 
-The backends are simulated (triscope.sim) because there is no GPU here; HAProxy, the
+The backends are simulated (the test bed, triscope_bed) because there is no GPU here; HAProxy, the
 agent-check protocol and triscope's weight engine/feed are the real ones. No timing targets.
 """
 

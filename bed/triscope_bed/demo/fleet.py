@@ -281,7 +281,7 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
         fleet.close()
     say("fleet: heatmap and weights")
     out: dict[str, Any] = {
-        "simulated": "backends and their GPU memory are simulated (triscope.sim); collectors, "
+        "simulated": "backends and their GPU memory are simulated (the test bed, triscope_bed); collectors, "
                      "store, heatmap and weight engine are the real ones",
         "window": {"start_ns": t0_ns, "load_end_ns": load_end_ns, "end_ns": end_ns},
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(options).items()},

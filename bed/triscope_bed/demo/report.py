@@ -42,7 +42,7 @@ def print_fleet(doc: dict[str, Any], heatmap: Any) -> None:
     from triscope.commands.heatmap import render
 
     console = _console()
-    console.print("\n[bold]fleet[/] (simulated): 3 vLLM-style backends from triscope.sim on 127.0.0.1; "
+    console.print("\n[bold]fleet[/] (simulated): 3 vLLM-style backends from the test bed on 127.0.0.1; "
                   f"there is no GPU, so their GPU memory rows are [bold]simulated[/] ({GPU_SAMPLES.name}.source = "
                   f"'{SIM_SOURCE}'). Spans, scrapes, the writer, the store, the heatmap and the weight engine are "
                   "the real ones.", highlight=False)
