@@ -169,3 +169,10 @@ def test_the_rules_catch_an_uphill_import(tmp_path: Path) -> None:
     bad.write_text("def f():\n    from triscope.exporters.feed import create\n")
     assert (2, "triscope.exporters.feed") in imported_modules(bad)
     assert "triscope.exporters.feed".startswith(FORBIDDEN["collectors"])
+
+
+def test_the_rules_catch_an_uphill_import_in_the_bed() -> None:
+    """The bed's checker itself: the demo reaching for a peer, or an engine for the load generator, is uphill."""
+    assert bed_layer("triscope_bed.peers.haproxy") not in BED_LAYERS["demo"]
+    assert bed_layer("triscope_bed.workloads.driver") not in BED_LAYERS["engines"]
+    assert bed_layer("triscope_bed.ports") in BED_LAYERS["engines"] and bed_layer("triscope.store") is None
