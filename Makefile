@@ -5,12 +5,14 @@ PIP := $(PY) -m pip
 
 .PHONY: setup demo test lint bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml bed/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# CPU build of torch from local disk first, so no resolver ever pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,bench]'
+	# the test bed (simulated engines, peers, benches, the demo's fleet): a package of its own, not in the product
+	$(PIP) install -q -e ./bed
 	touch $@
 
 setup: $(VENV)/.installed

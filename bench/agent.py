@@ -31,7 +31,7 @@ from typing import Any
 
 from triscope.analyzers.routing import BackendInputs, WeightParams
 from triscope.exporters.feed import WeightFeed
-from triscope.sim.nginx import STREAM_MODULE, Nginx
+from triscope_bed.peers.nginx import STREAM_MODULE, Nginx
 
 
 def _check_loop(port: int, names: list[str], concurrency: int, duration_s: float, seed: int,

@@ -5,7 +5,7 @@
     .venv/bin/python bench/closed_loop.py --steps 8 --step-s 20   # longer
     .venv/bin/python bench/closed_loop.py --json --dump-results out.jsonl
 
-The harness lives in :mod:`triscope.sim.closed_loop` (the smoke test runs it too); docs/closed_loop.md
+The harness lives in :mod:`triscope_bed.fleet.closed_loop` (the smoke test runs it too); docs/closed_loop.md
 describes the policies, the options and the results.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from triscope.sim.closed_loop import main
+from triscope_bed.fleet.closed_loop import main
 
 if __name__ == "__main__":
     sys.exit(main())

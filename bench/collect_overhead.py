@@ -1,7 +1,7 @@
 """Benchmark: NVML sampler CPU cost and gpu_samples write throughput into the embedded store.
 
 1. **Sampler**: :class:`triscope.collectors.nvml.NvmlSampler` over 8 simulated H100s (the
-   module-boundary stand-in ``triscope.sim.nvml_standin``: the real ``pynvml`` structs, errors and
+   module-boundary stand-in ``triscope_bed.engines.nvml_standin``: the real ``pynvml`` structs, errors and
    ctypes field-value arrays, simulated library entry points), ``--samples`` samples with traffic
    between them, default config (processes every 1 s). CPU time per sample and per GPU, and the
    share of one core at 10 Hz. Baseline in the same run: the same NVML calls issued directly,
@@ -29,9 +29,9 @@ from typing import Any
 
 from triscope.collectors.nvml import NvmlSampler
 from triscope.schema import GPU_SAMPLES, encode_ts, qualified
-from triscope.sim.nvml_standin import FakeGpu, advance, standin
 from triscope.store import open_store
 from triscope.writer import Writer
+from triscope_bed.engines.nvml_standin import FakeGpu, advance, standin
 
 GPUS = 8
 HZ = 10.0

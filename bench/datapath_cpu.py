@@ -6,7 +6,7 @@
 scrapes, the weight engine, the pick table's polls), per process.
 
 Two simulated vLLM-CPU backends (cheap: they sleep for their compute), one policy at a time in front
-of them (``sim/testbed_fronts.py``, the same processes as ``bench/testbed.py``), a client in its own
+of them (``bed/triscope_bed/fleet/testbed_fronts.py``, the same processes as ``bench/testbed.py``), a client in its own
 process sending small completions from 8 connections. CPU is read from /proc (psutil) before and
 after: the policy's own processes (HAProxy, Envoy, sglang-router, triscope's feed worker) and this
 process, which hosts the in-process pickers (GIE's and triscope's ext_proc servers and their 50 ms
@@ -27,8 +27,8 @@ from typing import Any
 
 import psutil
 
-from triscope.sim.testbed_fleet import SimTestFleet, backend_layout
-from triscope.sim.testbed_fronts import POLICIES, FrontOptions, front
+from triscope_bed.fleet.testbed_fleet import SimTestFleet, backend_layout
+from triscope_bed.fleet.testbed_fronts import POLICIES, FrontOptions, front
 
 CLIENT = r"""
 import http.client, json, sys, threading, time
@@ -119,7 +119,7 @@ def vllm_scrape_cost(rates_hz: list[float], seconds: float) -> dict[str, dict[st
     idle and while ``/metrics`` is scraped at each rate: what a scraping picker takes from the engine."""
     import urllib.request
 
-    from triscope.sim.vllm_cpu import VllmInstall, make_tiny_model, serve
+    from triscope_bed.engines.vllm_cpu import VllmInstall, make_tiny_model, serve
 
     install = VllmInstall.default()
     if (why := install.missing()) is not None:

@@ -30,10 +30,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from triscope.sim.backend import BackendSpec
-from triscope.sim.bench_fleet import BENCH_WEIGHTS, FeedWorker, SimFleet
-from triscope.sim.haproxy import HAProxy, Server, free_port, wait_port
-from triscope.sim.nginx import Nginx
+from triscope_bed.engines.backend import BackendSpec
+from triscope_bed.fleet.bench_fleet import BENCH_WEIGHTS, FeedWorker, SimFleet
+from triscope_bed.peers.haproxy import HAProxy, Server
+from triscope_bed.peers.nginx import Nginx
+from triscope_bed.ports import free_port, wait_port
 
 _UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
 

@@ -6,7 +6,7 @@ inside HAProxy, why.
 
 ``bench/testbed.py`` logs every request of its HAProxy policies with
 ``triscope.exporters.haproxy_pick.PICK_LOG_FORMAT`` (``work/<fleet>-<policy>/haproxy.log``); what is read
-from each log: ``triscope.sim.haproxy_log.summarize``, per window of ``--window-s`` too.
+from each log: ``triscope_bed.peers.haproxy_log.summarize``, per window of ``--window-s`` too.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from triscope.sim.haproxy_log import read_request_log, summarize
+from triscope_bed.peers.haproxy_log import read_request_log, summarize
 
 
 def main(argv: list[str] | None = None) -> int:

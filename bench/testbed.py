@@ -4,14 +4,14 @@
     .venv/bin/python bench/testbed.py --fleet sim --sim-backends 16 --scenario hetero-memory
     .venv/bin/python bench/testbed.py --workload azure --scenario killed --seed 7 --json
 
-The harness lives in :mod:`triscope.sim.testbed`.
+The harness lives in :mod:`triscope_bed.fleet.testbed`.
 """
 
 from __future__ import annotations
 
 import sys
 
-from triscope.sim.testbed import main
+from triscope_bed.fleet.testbed import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,14 +2,14 @@
 
     .venv/bin/python bench/testbed_merge.py lc.json epp.json=new-defaults gie.json --out var/merged.json
 
-The code lives in :mod:`triscope.sim.testbed_merge` (docs/closed_loop.md).
+The code lives in :mod:`triscope_bed.reports.testbed_merge` (docs/closed_loop.md).
 """
 
 from __future__ import annotations
 
 import sys
 
-from triscope.sim.testbed_merge import main
+from triscope_bed.reports.testbed_merge import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,7 @@ policy: the peer with the best mean goodput; the paired ratios (geometric mean, 
 rounds) of goodput over the run, goodput in the window where that peer stops holding (the 1.2x
 target) and peak QPS held (1.3x), against it and against round-robin; the ceiling of each (offered /
 the peer's figure: what no router could beat at that load); the failed requests per round of each
-(``triscope.sim.testbed_repeat``).
+(``triscope_bed.reports.testbed_repeat``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from triscope.sim.testbed_repeat import plot_verdicts, verdict_rows
+from triscope_bed.reports.testbed_repeat import plot_verdicts, verdict_rows
 
 
 def _ratio(r: dict[str, Any] | None) -> str:

@@ -1,9 +1,10 @@
 """The architecture's rules, checked on the source: imports go downhill, modules stay small.
 
 Rooms (docs/architecture.md): core (``triscope/``: store, schema, writer, config, component
-contract) <- collectors, analyzers <- exporters <- commands / CLI; the simulator serves demo,
-bench and tests and is never imported by the store, schema or writer; product code never
-imports bench or tests.
+contract) <- collectors, analyzers <- exporters <- commands / CLI; product code never imports
+bench or tests. The test bed (``bed/``, ``triscope_bed``) is a package of its own: it may import
+the product, the product imports it only in ``triscope demo`` (lazily), and its own layers go
+downhill too (:data:`BED_LAYERS`).
 """
 
 from __future__ import annotations
@@ -15,20 +16,33 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 ROOMS = {"collectors": "collectors", "analyzers": "analyzers", "exporters": "exporters",
-         "dashboards": "dashboards", "sim": "sim"}
+         "dashboards": "dashboards"}
+BED = REPO / "bed" / "triscope_bed"
+BED_LAYERS: dict[str, set[str]] = {
+    "base": set(),  # procs, ports, paths, stats: the bed's plumbing
+    "engines": {"base"},
+    "workloads": {"base", "engines"},
+    "peers": {"base", "engines", "workloads"},
+    "reports": {"base", "engines", "workloads"},
+    "fleet": {"base", "engines", "workloads", "peers", "reports"},
+    "demo": {"base", "engines"},  # the demo runs simulated engines only, never a peer or a vLLM client
+}
+"""The bed's layers (a subpackage each, ``base`` for its top-level modules) -> the layers it may import."""
+BED_IMPORT_ALLOWED = {"triscope/commands/demo.py"}
+"""The one product module that imports the test bed: ``triscope demo``, lazily, saying how to install it."""
 MAX_LINES = 400
 
 # room -> prefixes of triscope modules it must never import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "collectors": ("triscope.analyzers", "triscope.exporters", "triscope.commands", "triscope.cli",
-                   "triscope.sim", "triscope.dashboards", "triscope.daemon"),
-    "analyzers": ("triscope.exporters", "triscope.commands", "triscope.cli", "triscope.sim",
+                   "triscope_bed", "triscope.dashboards", "triscope.daemon"),
+    "analyzers": ("triscope.exporters", "triscope.commands", "triscope.cli", "triscope_bed",
                   "triscope.dashboards", "triscope.daemon"),
-    "exporters": ("triscope.commands", "triscope.cli", "triscope.sim", "triscope.collectors",
+    "exporters": ("triscope.commands", "triscope.cli", "triscope_bed", "triscope.collectors",
                   "triscope.dashboards", "triscope.daemon"),
-    "dashboards": ("triscope.commands", "triscope.cli", "triscope.sim", "triscope.collectors",
+    "dashboards": ("triscope.commands", "triscope.cli", "triscope_bed", "triscope.collectors",
                    "triscope.exporters", "triscope.daemon"),
-    "core": ("triscope.collectors", "triscope.analyzers", "triscope.exporters", "triscope.sim",
+    "core": ("triscope.collectors", "triscope.analyzers", "triscope.exporters", "triscope_bed",
              "triscope.commands", "triscope.cli", "triscope.dashboards", "triscope.daemon"),
 }
 CORE_MODULES = ("store", "schema", "writer", "spool", "component", "config", "errors", "registry",
@@ -61,6 +75,25 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def bed_files() -> list[tuple[str, Path]]:
+    """(layer, path) of every module of the test bed."""
+    out = []
+    for p in sorted(BED.rglob("*.py")):
+        rel = p.relative_to(BED).parts
+        out.append(("base" if len(rel) == 1 else rel[0], p))
+    return out
+
+
+def bed_layer(module: str) -> str | None:
+    """The layer of a ``triscope_bed`` module (None: not the bed)."""
+    parts = module.split(".")
+    if parts[0] != "triscope_bed":
+        return None
+    if len(parts) > 1 and parts[1] in BED_LAYERS and (BED / parts[1]).is_dir():
+        return parts[1]
+    return "base"
+
+
 def _local_names(folder: str) -> set[str]:
     return {p.stem for p in (REPO / folder).glob("*.py")} | {"bench", "tests", "conftest"}
 
@@ -80,9 +113,41 @@ def test_imports_go_downhill(room: str) -> None:
 def test_product_code_never_imports_bench_or_tests() -> None:
     test_helpers = _local_names("tests") | _local_names("bench")
     wrong = [f"{path.relative_to(REPO)}:{line} imports {module}"
-             for _room, path in product_files() for line, module in imported_modules(path)
+             for _room, path in product_files() + bed_files() for line, module in imported_modules(path)
              if module.split(".")[0] in test_helpers]
     assert not wrong, "\n".join(wrong)
+
+
+def test_product_never_imports_the_test_bed() -> None:
+    wrong = [f"{path.relative_to(REPO)}:{line} imports {module}"
+             for _room, path in product_files() for line, module in imported_modules(path)
+             if module.split(".")[0] == "triscope_bed" and str(path.relative_to(REPO)) not in BED_IMPORT_ALLOWED]
+    assert not wrong, "the product imports the test bed:\n" + "\n".join(wrong)
+    for allowed in BED_IMPORT_ALLOWED:  # and where it does, only inside a function (lazily)
+        tree = ast.parse((REPO / allowed).read_text())
+        eager = [n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                 and any(m.startswith("triscope_bed") for m in ([a.name for a in n.names] if isinstance(n, ast.Import)
+                                                                else [n.module or ""]))]
+        assert not eager, f"{allowed}: the test bed imported at module level, lines {eager}"
+
+
+def test_the_bed_layers_import_downhill() -> None:
+    wrong = []
+    for layer, path in bed_files():
+        for line, module in imported_modules(path):
+            target = bed_layer(module)
+            if target is not None and target != layer and target not in BED_LAYERS[layer]:
+                wrong.append(f"{path.relative_to(REPO)}:{line} ({layer}) imports {module} ({target})")
+    assert not wrong, "the test bed imports uphill:\n" + "\n".join(wrong)
+    layers = {layer for layer, _p in bed_files()}
+    assert layers <= set(BED_LAYERS), f"a bed subpackage without a layer in BED_LAYERS: {layers - set(BED_LAYERS)}"
+
+
+def test_the_bed_uses_absolute_imports() -> None:
+    """Relative imports would slip past the layer check."""
+    wrong = [f"{path.relative_to(REPO)}:{node.lineno}" for _layer, path in bed_files()
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom) and node.level]
+    assert not wrong, "relative imports in the bed: " + ", ".join(wrong)
 
 
 def test_no_sys_path_insert_between_tests_and_bench() -> None:
@@ -92,8 +157,8 @@ def test_no_sys_path_insert_between_tests_and_bench() -> None:
     assert not wrong, "sys.path.insert in: " + ", ".join(wrong)
 
 
-def test_product_modules_stay_under_the_line_budget() -> None:
-    long = [f"{path.relative_to(REPO)}: {n} lines" for _room, path in product_files()
+def test_product_and_bed_modules_stay_under_the_line_budget() -> None:
+    long = [f"{path.relative_to(REPO)}: {n} lines" for _room, path in product_files() + bed_files()
             if (n := len(path.read_text().splitlines())) > MAX_LINES]
     assert not long, f"modules over {MAX_LINES} lines:\n" + "\n".join(long)
 
@@ -104,3 +169,10 @@ def test_the_rules_catch_an_uphill_import(tmp_path: Path) -> None:
     bad.write_text("def f():\n    from triscope.exporters.feed import create\n")
     assert (2, "triscope.exporters.feed") in imported_modules(bad)
     assert "triscope.exporters.feed".startswith(FORBIDDEN["collectors"])
+
+
+def test_the_rules_catch_an_uphill_import_in_the_bed() -> None:
+    """The bed's checker itself: the demo reaching for a peer, or an engine for the load generator, is uphill."""
+    assert bed_layer("triscope_bed.peers.haproxy") not in BED_LAYERS["demo"]
+    assert bed_layer("triscope_bed.workloads.driver") not in BED_LAYERS["engines"]
+    assert bed_layer("triscope_bed.ports") in BED_LAYERS["engines"] and bed_layer("triscope.store") is None

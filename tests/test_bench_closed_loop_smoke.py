@@ -1,6 +1,6 @@
 """Smoke test of the closed-loop bench: simulated backends behind real HAProxy, tiny run.
 
-The backends are simulated (triscope.sim) because there is no GPU here; HAProxy, the
+The backends are simulated (the test bed, triscope_bed) because there is no GPU here; HAProxy, the
 agent-check protocol and triscope's weight engine/feed are the real ones. No timing targets.
 """
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 def test_closed_loop_tiny_run_applies_policies(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     require_binary("haproxy")
-    from triscope.sim import closed_loop
+    from triscope_bed.fleet import closed_loop
 
     dump = tmp_path / "results.jsonl"
     args = closed_loop.parse_args([
@@ -57,7 +57,7 @@ def test_closed_loop_tiny_run_applies_policies(capsys: pytest.CaptureFixture[str
 
 
 def test_admission_options_are_parsed_and_checked() -> None:
-    from triscope.sim import closed_loop
+    from triscope_bed.fleet import closed_loop
 
     assert closed_loop.parse_args([]).class_admission == closed_loop.CLASS_ADMISSION
     assert closed_loop.parse_args(["--class-admission", "none"]).class_admission == {}
@@ -86,7 +86,8 @@ def test_haproxy_applies_pool_caps_queue_timeouts_and_configured_weights(tmp_pat
     """The per-class cap, queue timeout and configured weight read back from a running HAProxy:
     ``slim`` (the server's session limit) of the capped pool only, ``weight`` of every pool."""
     require_binary("haproxy")
-    from triscope.sim.haproxy import HAProxy, Server, free_port
+    from triscope_bed.peers.haproxy import HAProxy, Server
+    from triscope_bed.ports import free_port
 
     servers = [Server("big", free_port(), weight=100), Server("small", free_port(), weight=50, maxconn=7)]
     with pytest.raises(ValueError, match="offline_video"):
@@ -107,7 +108,7 @@ def test_haproxy_applies_pool_caps_queue_timeouts_and_configured_weights(tmp_pat
 
 
 def test_closed_loop_gate_needs_batch_limits() -> None:
-    from triscope.sim import closed_loop
+    from triscope_bed.fleet import closed_loop
 
     with pytest.raises(SystemExit, match="--class-lb-gate needs --class-batch-admission"):
         closed_loop.parse_args(["--class-lb-gate"])

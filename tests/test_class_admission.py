@@ -204,7 +204,7 @@ def test_real_haproxy_class_pools_follow_the_feed(tmp_path: Path) -> None:
     """HAProxy 2.6, one pool per class: the video pool drains ``a`` while the speech pool keeps it;
     when every server is closed to video, video requests get HAProxy's own 503 at once."""
     require_binary("haproxy")
-    from triscope.sim.haproxy import HAProxy, Server
+    from triscope_bed.peers.haproxy import HAProxy, Server
 
     kv = {"a": 0.0, "b": 0.0}
     with backends(list(kv)) as ports, \

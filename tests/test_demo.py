@@ -163,3 +163,15 @@ def test_demo_fleet_error_is_one_line_and_keeps_the_trace_results(tmp_path: Path
     assert len(report["errors"]) == 1 and report["errors"][0].startswith("fleet: ") and "\n" not in report["errors"][0]
     bad = _demo(tmp_path / "store2", "--no-capture", "--fleet-seconds", "0")
     assert bad.returncode != 0 and "--fleet-seconds" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_demo_without_the_test_bed_says_how_to_install_it_in_one_line(tmp_path: Path):
+    """The fleet is the test bed's (a package of its own): without it, one line and a non-zero exit, before any work."""
+    code = ("import sys; sys.modules['triscope_bed'] = None; from triscope.cli import main; "
+            "sys.exit(main(['demo', '--no-capture']))")
+    env = {**os.environ, "TRISCOPE_STORE__PATH": str(tmp_path / "store")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install -e ./bed" in lines[0] and "--no-fleet" in lines[0], done.stderr
+    assert done.stdout == "" and not (tmp_path / "store").exists()

@@ -24,12 +24,13 @@ from triscope.analyzers.routing.live import live_signals
 from triscope.analyzers.routing.picker import HeadroomPicker, PickerParams
 from triscope.exporters.epp import HeadroomChooser
 from triscope.exporters.extproc import UPSTREAM_IDLE_TIMEOUT_S, Choice, ExtProcServer, envoy_path
-from triscope.sim.backend import BackendSpec
-from triscope.sim.bench_fleet import SimFleet
-from triscope.sim.engine import GIB
-from triscope.sim.gateway_log import read_access_log, summarize
-from triscope.sim.peer_gie_epp import GieParams, MetricsScraper, Pod
-from triscope.sim.peer_gie_extproc import EnvoyGateway, EppGateway
+from triscope_bed.engines.backend import BackendSpec
+from triscope_bed.engines.engine import GIB
+from triscope_bed.fleet.bench_fleet import SimFleet
+from triscope_bed.peers.gateway_log import read_access_log, summarize
+from triscope_bed.peers.gie_epp import GieParams, MetricsScraper
+from triscope_bed.peers.gie_extproc import EnvoyGateway, EppGateway
+from triscope_bed.peers.gie_pods import Pod
 
 pytestmark = pytest.mark.integration
 

@@ -22,11 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from run_helpers import RunningDaemon, clean_env, running_daemon
 
 from triscope.exporters.extproc import envoy_bootstrap, envoy_path
-from triscope.sim.backend import BackendSpec
-from triscope.sim.bench_fleet import SimFleet
-from triscope.sim.engine import GIB
-from triscope.sim.haproxy import wait_port
-from triscope.sim.procs import stop_process
+from triscope_bed.engines.backend import BackendSpec
+from triscope_bed.engines.engine import GIB
+from triscope_bed.fleet.bench_fleet import SimFleet
+from triscope_bed.ports import wait_port
+from triscope_bed.procs import stop_process
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The gateway access log's summary (``sim/gateway_log.py``) on written records; the live log is checked
+"""The gateway access log's summary (``triscope_bed.peers.gateway_log``) on written records; the live log is checked
 through real Envoy in tests/test_epp_gateway.py and tests/test_testbed.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from triscope.exporters.extproc import ACCESS_LOG_FORMAT
-from triscope.sim.gateway_log import SLOW_PICK_MS, read_access_log, summarize
+from triscope_bed.peers.gateway_log import SLOW_PICK_MS, read_access_log, summarize
 
 
 def record(start: float, upstream: str | None, pick: float | None, upstream_ms: float | None, code: int = 200,

@@ -53,7 +53,8 @@ def test_max_inflight_config_is_validated() -> None:
 
 def test_haproxy_applies_agent_maxconn(tmp_path: Path) -> None:
     require_binary("haproxy")
-    from triscope.sim.haproxy import HAProxy, Server, free_port
+    from triscope_bed.peers.haproxy import HAProxy, Server
+    from triscope_bed.ports import free_port
 
     kv = {"s0": 0.0, "s1": 0.75}
     p = params({"s0": {"max_inflight": 20}, "s1": {"max_inflight": 20}})

@@ -80,7 +80,7 @@ def _hold(hap, path: str, holds: list[threading.Thread], name: str, expect: int)
 
 def test_gate_counts_every_pool_and_sheds_when_no_backend_is_below_its_limit(tmp_path: Path) -> None:
     require_binary("haproxy")
-    from triscope.sim.haproxy import HAProxy, Server
+    from triscope_bed.peers.haproxy import HAProxy, Server
 
     b0, b1 = _Holder("b0"), _Holder("b1")
     holds: list[threading.Thread] = []
@@ -120,7 +120,7 @@ def test_gate_counts_every_pool_and_sheds_when_no_backend_is_below_its_limit(tmp
 
 
 def test_gate_needs_a_class_pool(tmp_path: Path) -> None:
-    from triscope.sim.haproxy import HAProxy, Server
+    from triscope_bed.peers.haproxy import HAProxy, Server
 
     with pytest.raises(ValueError, match="without a pool: v"):
         HAProxy(tmp_path, [Server("b0", 1)], class_pools=["a"], class_gate={"v": {"b0": 1}})

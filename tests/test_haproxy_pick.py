@@ -40,10 +40,10 @@ from triscope.exporters.haproxy_pick import (
     pick_snippet,
     pick_table,
 )
-from triscope.sim.backend import BackendSpec
-from triscope.sim.bench_fleet import SimFleet
-from triscope.sim.engine import GIB
-from triscope.sim.haproxy import HAProxy, PickSetup, Server
+from triscope_bed.engines.backend import BackendSpec
+from triscope_bed.engines.engine import GIB
+from triscope_bed.fleet.bench_fleet import SimFleet
+from triscope_bed.peers.haproxy import HAProxy, PickSetup, Server
 
 NOW = 1000.0
 

@@ -25,8 +25,8 @@ from conftest import REPO, free_port, require
 from lb_helpers import wait_for
 from run_helpers import clean_env, running_daemon
 
-from triscope.sim.vllm_cpu import ServerOptions, VllmInstall, make_tiny_model, serve
-from triscope.sim.vllm_load import CLASSES, Sent, send
+from triscope_bed.engines.vllm_cpu import ServerOptions, VllmInstall, make_tiny_model, serve
+from triscope_bed.workloads.vllm_load import CLASSES, Sent, send
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -8,7 +8,7 @@ bindings they raise ``pynvml.NVMLError`` (which maps the real error codes to the
 e.g. ``NVMLError_GpuIsLost``), return the real ctypes structs (``c_nvmlMemory_v2_t``,
 ``c_nvmlUtilization_t``, ``c_nvmlFieldValue_t`` arrays with per-entry ``nvmlReturn``/``valueType``/
 ``timestamp``) and friendly objects for processes. The sampler code under test is unchanged.
-The stand-in lives in sim/nvml_standin.py (``triscope.sim.nvml_standin``). The "no NVML library" test uses
+The stand-in is ``triscope_bed.engines.nvml_standin`` (the test bed package, ``bed/``). The "no NVML library" test uses
 the real module against this machine's missing libnvidia-ml.
 """
 
@@ -29,7 +29,7 @@ import pytest
 from triscope.collectors.nvml import NvmlSampler
 from triscope.schema import qualified
 from triscope.schema.gpu import GPU_PROCESS_MEMORY, GPU_SAMPLES
-from triscope.sim.nvml_standin import Clock, FakeGpu, MiB, advance, standin
+from triscope_bed.engines.nvml_standin import Clock, FakeGpu, MiB, advance, standin
 
 
 def sampler(nv: types.ModuleType, **cfg: Any) -> NvmlSampler:

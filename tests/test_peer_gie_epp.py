@@ -14,23 +14,13 @@ from conftest import free_port, require
 from lb_helpers import post_completion
 
 from triscope.errors import InputError
-from triscope.sim.backend import BackendSpec
-from triscope.sim.bench_fleet import SimFleet
-from triscope.sim.engine import GIB, Engine, EngineSpec
-from triscope.sim.peer_gie_epp import (
-    OBJECTIVE_HEADER,
-    EndpointPicker,
-    GieParams,
-    MetricsScraper,
-    Pod,
-    PodMetrics,
-    PrefixIndexer,
-    hash_prompt,
-    parse_pod_metrics,
-    saturation,
-    user_input,
-)
-from triscope.sim.peer_gie_extproc import GieGateway, envoy_path
+from triscope_bed.engines.backend import BackendSpec
+from triscope_bed.engines.engine import GIB, Engine, EngineSpec
+from triscope_bed.fleet.bench_fleet import SimFleet
+from triscope_bed.peers.gie_epp import OBJECTIVE_HEADER, EndpointPicker, GieParams, MetricsScraper, saturation
+from triscope_bed.peers.gie_extproc import GieGateway, envoy_path
+from triscope_bed.peers.gie_pods import Pod, PodMetrics, parse_pod_metrics
+from triscope_bed.peers.gie_prefix import PrefixIndexer, hash_prompt, user_input
 
 NOW = 1000.0
 PODS = [Pod(f"p{i}", f"127.0.0.1:{9000 + i}") for i in range(3)]

@@ -1,4 +1,4 @@
-"""sglang-router 0.3.2 as a real process in front of real simulated backends (``triscope.sim.backend``).
+"""sglang-router 0.3.2 as a real process in front of real simulated backends (``triscope_bed.engines.backend``).
 
 Needs ``tools/setup_sglang_router.sh`` (skips without it; CI installs it). The power_of_two test waits
 for the router's fixed 30 s ``/get_load`` poll, so the module takes about 35 s; its fixture starts
@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 from conftest import free_port, require
 
-from triscope.sim.backend import BackendSpec
-from triscope.sim.bench_fleet import SimFleet, http_json
-from triscope.sim.engine import GIB, MODEL
-from triscope.sim.peer_sglang import (
+from triscope_bed.engines.backend import BackendSpec
+from triscope_bed.engines.engine import GIB, MODEL
+from triscope_bed.fleet.bench_fleet import SimFleet, http_json
+from triscope_bed.peers.sglang import (
     LOAD_POLL_S,
     SETUP_SCRIPT,
     SglangRouter,

@@ -19,22 +19,19 @@ import pytest
 from conftest import free_port, require
 
 from triscope.analyzers.routing.live import live_signals
-from triscope.sim.calibrate import (
+from triscope_bed.engines.calibration import PROFILES, VLLM_CPU, SimProfile, sla_from_idle, token_sizes
+from triscope_bed.engines.engine import Engine, EngineSpec, Served
+from triscope_bed.fleet.calibrate import (
     FitResult,
-    Run,
-    Workload,
     cache_config,
     fit_linear,
     fit_slowdown,
     make_profile,
     measure_fit,
-    parse_gauges,
     profile_source,
-    sim_server,
 )
-from triscope.sim.calibrate_report import compare, within
-from triscope.sim.calibration import PROFILES, VLLM_CPU, SimProfile, sla_from_idle, token_sizes
-from triscope.sim.engine import Engine, EngineSpec, Served
+from triscope_bed.fleet.calibrate_report import compare, within
+from triscope_bed.fleet.calibrate_validate import Run, Workload, parse_gauges, sim_server
 
 # ---- fit -----------------------------------------------------------------------------------------------------
 
@@ -269,7 +266,7 @@ def test_flag_off_keeps_the_whole_kv_reservation_and_the_old_metrics() -> None:
 @pytest.fixture
 def profile_backend() -> Iterator[int]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "triscope.sim.backend", "--profile", "vllm-cpu", "--backend",
+    proc = subprocess.Popen([sys.executable, "-m", "triscope_bed.engines.backend", "--profile", "vllm-cpu", "--backend",
                              f"b0:{port}:1.0:8:1.0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout is not None and b"ready" in proc.stdout.readline()
@@ -297,7 +294,7 @@ def test_backend_cli_serves_the_profile(profile_backend: int) -> None:
 
 
 def test_profile_and_old_options_are_exclusive() -> None:
-    from triscope.sim import backend
+    from triscope_bed.engines import backend
 
     assert backend.main(["--profile", "vllm-cpu", "--batch-slowdown", "1", "--backend", "b0:1"]) == 2
     assert backend.main(["--profile", "vllm-cpu", "--backend", "b0:1:0.05"]) == 2  # under one 128-token block
@@ -340,8 +337,8 @@ def test_short_validation_against_real_vllm(tmp_path_factory: pytest.TempPathFac
     The profile was fitted on one host; a host whose cores run vLLM-CPU faster or slower scales every
     latency alike (2026-12-06: a host 3.3x faster than the fit's, speech 26 ms against 86 ms), so the
     classes are checked against each other and the host factor only for being plausible (1/5 to 5)."""
-    from triscope.sim.calibrate import validate, vllm_server
-    from triscope.sim.vllm_cpu import VllmInstall
+    from triscope_bed.engines.vllm_cpu import VllmInstall
+    from triscope_bed.fleet.calibrate_validate import validate, vllm_server
 
     install = VllmInstall.default()
     require(install.missing() is None, str(install.missing()))

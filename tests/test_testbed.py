@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from conftest import require, require_binary
 
-from triscope.sim.engine import GIB
-from triscope.sim.peer_gie_extproc import envoy_path
-from triscope.sim.peer_sglang import missing_message, venv_python
-from triscope.sim.testbed import main, parse_args, prompt_salt, run
-from triscope.sim.testbed_fleet import SimTestFleet, backend_layout
-from triscope.sim.vllm_cpu import quiet_env, rpc_socket_dir
-from triscope.sim.vllm_sidecar import MAX_BODY_BYTES, VllmSidecar, vllm_load
+from triscope_bed.engines.engine import GIB
+from triscope_bed.engines.vllm_cpu import quiet_env, rpc_socket_dir
+from triscope_bed.engines.vllm_sidecar import MAX_BODY_BYTES, VllmSidecar, vllm_load
+from triscope_bed.fleet.testbed import main, parse_args, prompt_salt, run
+from triscope_bed.fleet.testbed_fleet import SimTestFleet, backend_layout
+from triscope_bed.peers.gie_extproc import envoy_path
+from triscope_bed.peers.sglang import missing_message, venv_python
 
 pytestmark = pytest.mark.integration
 
@@ -188,7 +188,7 @@ def test_pinned_backend_holds_the_tenant_only_during_the_run(tmp_path: Path) -> 
 
 def test_azure_arrivals_fit_the_cpu_engines_context() -> None:
     """The real trace's prompts (median 1,469 tokens) are scaled and cut to the tiny engine's 512-token context."""
-    from triscope.sim.testbed import schedule_for
+    from triscope_bed.fleet.testbed import schedule_for
 
     trace = Path(__file__).parent / "data" / "azure_llm_2023_code_excerpt.csv"
     args = parse_args(["--workload", "azure", "--seed", "3", "--param", f"trace={trace}",

@@ -1,4 +1,4 @@
-"""Joining test bed runs made one policy at a time (sim/testbed_merge.py), on two real runs' documents."""
+"""Joining test bed runs made one policy at a time (``reports.testbed_merge``), on two real runs' documents."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from triscope.sim.testbed_merge import MergeError, main, merge
+from triscope_bed.reports.testbed_merge import MergeError, main, merge
 
 DATA = Path(__file__).parent / "data" / "testbed"
 

@@ -1,4 +1,4 @@
-"""Repeated test bed rounds summed up (``sim/testbed_repeat.py``): orders, spreads, paired ratios and CIs."""
+"""Repeated test bed rounds summed up (``reports.testbed_repeat``): orders, spreads, paired ratios and CIs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from triscope.sim.engine import CLASSES
-from triscope.sim.testbed_repeat import (
+from triscope_bed.engines.engine import CLASSES
+from triscope_bed.reports.testbed_repeat import (
     at_peer_break,
     best_peer,
     paired_ratio,
@@ -23,7 +23,7 @@ from triscope.sim.testbed_repeat import (
     tail_spread,
     verdict_rows,
 )
-from triscope.sim.testbed_report import print_tables
+from triscope_bed.reports.testbed_report import print_tables
 
 _spec = importlib.util.spec_from_file_location("testbed_ratios", Path(__file__).parents[1] / "bench/testbed_ratios.py")
 assert _spec is not None and _spec.loader is not None

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import require, require_binary
 
-from triscope.sim.peer_sglang import missing_message, venv_python
-from triscope.sim.testbed import ENGINE_NICE, parse_args, run
-from triscope.sim.vllm_cpu import VllmInstall
+from triscope_bed.engines.vllm_cpu import VllmInstall
+from triscope_bed.fleet.testbed import ENGINE_NICE, parse_args, run
+from triscope_bed.peers.sglang import missing_message, venv_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -7,7 +7,7 @@ trace goes through ``triscope ingest trace`` and ``triscope diagnose --trace-run
 HAProxy reads the feed's agent port and routes real requests to them. The module fixture
 runs that once (about 1.5-2 min, most of it the two servers starting); each test checks one part
 against what the client measured. Nothing is a double: only the GPU is absent (vLLM runs on the
-CPU) and images / video frames are emulated as prompt tokens (``triscope.sim.vllm_load``).
+CPU) and images / video frames are emulated as prompt tokens (``triscope_bed.workloads.vllm_load``).
 
 Backend identity of span rows is not asserted (how spans map to a backend is being changed): the
 checks hold for any correct mapping (one row per request, its tokens, a latency the client saw).
@@ -33,9 +33,10 @@ from kineto_helpers import complete_events, load_json
 from lb_helpers import wait_for
 from run_helpers import clean_env, running_daemon
 
-from triscope.sim.haproxy import HAProxy, Server
-from triscope.sim.vllm_cpu import SERVED_MODEL, ServerOptions, VllmInstall, VllmServer, make_tiny_model, serve
-from triscope.sim.vllm_load import CLASSES, Burst, Sent, mix, summary
+from triscope_bed.engines.vllm_classes import CLASSES
+from triscope_bed.engines.vllm_cpu import SERVED_MODEL, ServerOptions, VllmInstall, VllmServer, make_tiny_model, serve
+from triscope_bed.peers.haproxy import HAProxy, Server
+from triscope_bed.workloads.vllm_load import Burst, Sent, mix, summary
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 from conftest import free_port
 
-from triscope.sim.bench_fleet import read_ready
-from triscope.sim.closed_loop_stats import error_kind, judge, plot_judgements
-from triscope.sim.engine import CLASSES
-from triscope.sim.loadgen import MAX_PROMPT_CHARS, Arrival, Result, completion_body, drive, synthetic_prompt
-from triscope.sim.workloads import (
+from triscope_bed.engines.engine import CLASSES
+from triscope_bed.fleet.bench_fleet import read_ready
+from triscope_bed.reports.judge import error_kind, judge, plot_judgements
+from triscope_bed.workloads.arrivals import Arrival
+from triscope_bed.workloads.driver import Result, drive
+from triscope_bed.workloads.named import (
     WORKLOADS,
     WorkloadError,
     assign_class,
@@ -29,6 +30,7 @@ from triscope.sim.workloads import (
     mix_at,
     replay,
 )
+from triscope_bed.workloads.prompts import MAX_PROMPT_CHARS, completion_body, synthetic_prompt
 
 EXCERPT = Path(__file__).parent / "data" / "azure_llm_2023_code_excerpt.csv"
 
@@ -207,7 +209,7 @@ def _metric(text: str, name: str) -> float:
 @pytest.mark.integration
 def test_drive_completions_against_sim_backend() -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "triscope.sim.backend", "--backend", f"b0:{port}:40:16"],
+    proc = subprocess.Popen([sys.executable, "-m", "triscope_bed.engines.backend", "--backend", f"b0:{port}:40:16"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         read_ready(proc, "simulated backend")

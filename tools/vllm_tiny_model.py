@@ -1,7 +1,7 @@
 """Make the test bed's tiny Llama model on local disk (no hub): ``python vllm_tiny_model.py OUT_DIR``.
 
 Runs inside the vLLM virtualenv (it needs ``tokenizers`` and ``transformers``, which triscope's own
-environment does not have), started by ``triscope.sim.vllm_cpu.make_tiny_model``. The weights
+environment does not have), started by ``triscope_bed.engines.vllm_cpu.make_tiny_model``. The weights
 are random: the model serves real requests at a real cost, and its words mean nothing.
 """
 

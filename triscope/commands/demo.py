@@ -10,7 +10,11 @@
    at them, stores every request as an OpenTelemetry span, scrapes their ``/metrics`` with the real
    collector, writes their simulated GPU memory, and prints the heatmap's typical load patterns
    (PNG in ``var/demo/heatmap.png``) and the weight engine's verdict per backend
-   (:mod:`triscope.sim.demo_fleet`; docs/demo.md says what is real and what is simulated).
+   (the test bed's :mod:`triscope_bed.demo.fleet`; docs/demo.md says what is real and what is simulated).
+
+The simulated fleet lives in the test bed, a package of its own (``pip install -e ./bed``, which
+``make setup`` runs): the product imports it only here, lazily; without it the demo says so in one
+line and exits 2 before doing anything (``--no-fleet`` runs without it).
 
 Re-running replaces the demo runs (same run ids), it never duplicates rows; fleet rows are time
 series and accumulate (each run analyses only its own window and backends).
@@ -28,6 +32,8 @@ from triscope.commands._common import add_common, config_from, print_json
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "traces"
 FLEET_PNG = Path("var") / "demo" / "heatmap.png"
+BED_MISSING = ("triscope demo: the simulated fleet needs the test bed package triscope-bed, which is not installed: "
+               "run `pip install -e ./bed` in the repository (or `make setup`), or pass --no-fleet")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -88,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     if not 0 < args.fleet_seconds <= 600:
         raise InputError(f"--fleet-seconds must be in (0, 600], got {args.fleet_seconds:g}")
+    if not args.no_fleet and not _bed_installed():
+        print(BED_MISSING, file=sys.stderr)
+        return 2
     config = config_from(args)
     files = _trace_files(args.traces)
     with tempfile.TemporaryDirectory(prefix="triscope-demo-") as tmp:
@@ -142,7 +151,7 @@ def _fleet(store: Any, config: dict[str, Any], args: argparse.Namespace, report:
            console: Any) -> dict[str, Any] | None:
     """The simulated-fleet part; a failure is one line in ``report["errors"]``."""
     from triscope.errors import TriscopeError
-    from triscope.sim.demo_fleet import FleetOptions, run_fleet
+    from triscope_bed.demo.fleet import FleetOptions, run_fleet  # the test bed, checked by run()
 
     options = FleetOptions(seconds=args.fleet_seconds, png=Path(args.fleet_png) if args.fleet_png else None)
     try:
@@ -166,11 +175,23 @@ def _fleet(store: Any, config: dict[str, Any], args: argparse.Namespace, report:
     doc["incidents"] = incidents.to_dict()
     if not args.json:
         from triscope.commands._incidents_view import render_incidents
-        from triscope.sim.demo_report import print_fleet
+        from triscope_bed.demo.report import print_fleet
 
         print_fleet(doc, heatmap)
         render_incidents(incidents)  # why the fleet fell over, as `diagnose --since` says it
     return doc
+
+
+def _bed_installed() -> bool:
+    """Whether the test bed's demo fleet imports (the bed is a package of its own: ``pip install -e ./bed``)."""
+    try:
+        import triscope_bed.demo.fleet
+        import triscope_bed.demo.report  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "triscope_bed":
+            raise  # the bed is there but broken: a bug to show, not a missing install
+        return False
+    return True
 
 
 def _unique_runs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,0 +1,1 @@
+"""The small simulated fleet of ``triscope demo``: three simulated engines, load, spans, metrics, analysis."""
