@@ -9,7 +9,9 @@ Every collector and exporter is a package-level ``create(config, context)`` fact
   writer's ``submit`` (the one write path, see :mod:`triscope.writer`) and the live counters.
 
 The daemon (:mod:`triscope.daemon`) types what it holds with :class:`Collector` and
-:class:`Exporter`; the registry of names usable in ``[run]`` lives in :mod:`triscope.registry`.
+:class:`Exporter`, and the optional features it looks for with :class:`RowsAfterClose`,
+:class:`ReportsGaps`, :class:`ReportsErrors` and :class:`ReportsStats`; the registry of names
+usable in ``[run]`` lives in :mod:`triscope.registry`.
 """
 
 from __future__ import annotations
@@ -21,17 +23,22 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 
 from triscope.errors import ConfigError
+
+if TYPE_CHECKING:  # triscope.schema imports the store, whose config imports this module
+    from triscope.schema.model import Table
 
 log = logging.getLogger(__name__)
 
 Rows = Mapping[str, Sequence[Any]]
 """Column-oriented rows: ``{column: values}``, every sequence the same length."""
 
-Submit = Callable[[str, Rows], int]
-"""Hands rows for one table to the writer (spooled before it returns); returns the row count."""
+Submit = Callable[["Table", Rows], int]
+"""Hands rows for one table of :mod:`triscope.schema` (the ``Table`` object, not its name) to the
+writer, spooled before it returns; returns the row count. A table the schema does not have is an
+:class:`~triscope.errors.InputError`."""
 
 
 @runtime_checkable
@@ -39,10 +46,8 @@ class Collector(Protocol):
     """A source of rows for one or more tables, polled by the daemon every ``interval_s``.
 
     Long-running sources (bpftrace, an OTLP receiver) buffer between calls or submit through
-    ``context.submit`` themselves. A source whose ``close()`` yields last rows (bpftrace's END
-    probe prints the window still open) sets ``ROWS_AFTER_CLOSE = True``: the daemon then calls
-    ``collect()`` once more after ``close()``. A source that knows where its rows fall short may
-    have ``gaps() -> dict[str, int]``: running counts by kind (the daemon's ``/metrics`` shows them).
+    ``context.submit`` themselves. Optional features the daemon looks for, each a protocol below:
+    :class:`RowsAfterClose`, :class:`ReportsGaps`, :class:`ReportsErrors`.
     """
 
     name: str
@@ -51,8 +56,8 @@ class Collector(Protocol):
     def start(self) -> None:
         """Acquire resources (open NVML, spawn a subprocess, bind a port). May raise TriscopeError."""
 
-    def collect(self) -> dict[str, Rows]:
-        """Rows since the last call, keyed by unqualified table name; ``{}`` when there is nothing new.
+    def collect(self) -> Mapping[Table, Rows]:
+        """Rows since the last call, keyed by :mod:`triscope.schema` table; ``{}`` when there is nothing new.
 
         Must not raise for a transient source failure: record it (e.g. a ``state`` column) instead.
         """
@@ -72,8 +77,47 @@ class Exporter(Protocol):
         """Stop serving; safe to call twice."""
 
 
-def _no_submit(table: str, rows: Rows) -> int:
-    raise ConfigError(f"no writer in this context to take rows for {table!r}")
+@runtime_checkable
+class RowsAfterClose(Protocol):
+    """A collector whose ``close()`` yields last rows (bpftrace's END probe prints the window
+    still open): with ``ROWS_AFTER_CLOSE = True`` the daemon calls ``collect()`` once more after
+    ``close()`` and submits what it returns."""
+
+    ROWS_AFTER_CLOSE: bool
+
+
+@runtime_checkable
+class ReportsGaps(Protocol):
+    """A collector that knows where its rows fall short (lost probe events, unparsed lines)."""
+
+    def gaps(self) -> Mapping[str, int]:
+        """Running counts by kind of gap; the daemon's counters (and ``/metrics``) show them."""
+        ...
+
+
+@runtime_checkable
+class ReportsErrors(Protocol):
+    """A collector with many sources (scrape targets) that still returns rows when some fail."""
+
+    def take_errors(self) -> list[str]:
+        """One message per source failure since the last call (the collector logs each once per
+        change of state); the daemon counts them as the collector's errors, the last one shown."""
+        ...
+
+
+@runtime_checkable
+class ReportsStats(Protocol):
+    """An exporter with live counters of its own (the per-request picker's): the daemon's
+    ``stats()`` includes them under ``exporters``, by ``[run] exporters`` name, which is how
+    they reach the ``prometheus`` exporter without one exporter importing another."""
+
+    def stats(self) -> Mapping[str, Any]:
+        """Counters and gauges, JSON-friendly."""
+        ...
+
+
+def _no_submit(table: Table, rows: Rows) -> int:
+    raise ConfigError(f"no writer in this context to take rows for {getattr(table, 'name', table)!r}")
 
 
 def _no_store() -> Any:

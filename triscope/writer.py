@@ -15,19 +15,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from triscope.backlog import Backlog, Queued
 from triscope.component import ComponentConfig, non_negative, positive
 from triscope.errors import ConfigError, InputError, SpoolUnavailable, StoreError
+from triscope.schema import Table, known_tables
 from triscope.spool import TABLE_NAME, OpenBatch, Spool
 from triscope.store.base import Store
 from triscope.store_link import StoreLink, one_line
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,15 @@ class Writer:
 
     ``store`` is a :class:`Store` or a zero-argument callable opening one; a callable is called
     again after a failure, so a server that is down at start is picked up when it comes back.
+    ``tables`` are the tables it takes rows for: :func:`triscope.schema.known_tables` unless given.
     """
 
     def __init__(self, store: Store | Callable[[], Store], spool_dir: str, *,
                  batch_rows: int = _DEFAULT.batch_rows, flush_interval_s: float = _DEFAULT.flush_interval_s,
                  max_memory_rows: int = _DEFAULT.max_memory_rows, spool_max_bytes: int = _DEFAULT.spool_max_bytes,
                  fsync: bool = _DEFAULT.fsync, retry_max_s: float = _DEFAULT.retry_max_s,
-                 dedup_window: int = _DEFAULT.dedup_window) -> None:
+                 dedup_window: int = _DEFAULT.dedup_window, tables: Iterable[Table] | None = None) -> None:
+        self.tables = known_tables() if tables is None else {t.name: t for t in tables}
         self.link = StoreLink(store, float(retry_max_s), int(dedup_window))
         self.spool = Spool(spool_dir, fsync=fsync)
         self.batch_rows = max(1, int(batch_rows))
@@ -113,27 +115,27 @@ class Writer:
             log.info("writer: %d batch(es), %d rows in spool %s to replay", len(self.backlog.items), n, self.spool.dir)
 
     # ---- producer side ------------------------------------------------------------------------
-    def submit(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
-        """Queue rows for ``table`` (unqualified name); durable in the spool when this returns.
+    def submit(self, table: Table, columns: Mapping[str, Sequence[Any]]) -> int:
+        """Queue rows for ``table`` (a :mod:`triscope.schema` table); durable in the spool when this returns.
 
-        Raises InputError (nothing queued) when the table name is bad or the columns differ in
-        length, SpoolUnavailable (nothing queued; keep the rows and retry) when the disk fails.
+        Raises InputError (nothing queued) when ``table`` is not one of the writer's tables or the
+        columns differ in length, SpoolUnavailable (nothing queued; keep the rows and retry) when
+        the disk fails. The spool records the table's name.
         """
-        if not TABLE_NAME.fullmatch(table):
-            raise InputError(f"writer: bad table name {table!r}")
+        self.check_table(table)
         lengths = {len(v) for v in columns.values()}
         if len(lengths) > 1:
-            raise InputError(f"writer: {table}: columns have different lengths {sorted(lengths)}")
+            raise InputError(f"writer: {table.name}: columns have different lengths {sorted(lengths)}")
         n = lengths.pop() if lengths else 0
         if n == 0:
             return 0
         names = tuple(columns)
         with self._lock:
-            key = (table, names)
+            key = (table.name, names)
             try:
                 building = self._building.get(key)
                 if building is None:
-                    building = self._building[key] = _Building(self.spool.open_batch(table), names)
+                    building = self._building[key] = _Building(self.spool.open_batch(table.name), names)
                 self.backlog.spool_bytes += building.batch.append(columns, n)
             except OSError as exc:  # disk full, out of descriptors: nothing taken, the caller keeps the rows
                 self._spool_failed(exc)
@@ -148,6 +150,15 @@ class Writer:
                 self._to_seal.append(building)
                 self._wake.set()
         return n
+
+    def check_table(self, table: object) -> None:
+        """InputError (one line) unless ``table`` is one of the :class:`Table` objects this writer takes."""
+        if not isinstance(table, Table):
+            raise InputError(f"writer: rows must be submitted with a triscope.schema Table, "
+                             f"got {type(table).__name__} {str(table)[:80]!r}")
+        if self.tables.get(table.name) is not table or not TABLE_NAME.fullmatch(table.name):
+            raise InputError(f"writer: {table.name!r} is not a table of triscope.schema "
+                             f"(known: {', '.join(sorted(self.tables))})")
 
     # ---- consumer side ------------------------------------------------------------------------
     def start(self) -> None:

@@ -55,7 +55,7 @@ from triscope.httpserver import (
     serve_in_thread,
     stop,
 )
-from triscope.schema import REQUESTS
+from triscope.schema import REQUESTS, Table
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ class OtlpReceiver:
         if batch.rows:
             with self._request():
                 try:
-                    self.submit(REQUESTS.name, batch.columns)
+                    self.submit(REQUESTS, batch.columns)
                 except SpoolUnavailable as exc:
                     raise HttpError(503, f"cannot spool spans now ({exc}); retry later",
                                     {"Retry-After": "1"}) from None
@@ -326,7 +326,7 @@ class OtlpReceiver:
         self._closing = False
         self._thread = serve_in_thread(self._server, "triscope-otlp", poll_interval=0.05)
 
-    def collect(self) -> dict[str, Any]:
+    def collect(self) -> dict[Table, Any]:
         """Nothing: spans reach the writer as they arrive."""
         return {}
 
