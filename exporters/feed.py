@@ -34,7 +34,7 @@ from triscope.exporters import prometheus_text
 from triscope.exporters.feed_http import json_error, one_line
 from triscope.exporters.feed_process import FeedProcess, agent_table
 from triscope.exporters.feed_server import FeedHTTPServer
-from triscope.exporters.formats import FORMATS, renderer
+from triscope.exporters.formats import FORMATS, WEIGHTS_PATH, polled_paths, renderer
 from triscope.exporters.haproxy_agent import AgentServer
 from triscope.schema import WEIGHTS_HISTORY
 
@@ -44,8 +44,6 @@ JSON_TYPE = "application/json"
 InputsFn = Callable[[], Sequence[BackendInputs]]
 Response = tuple[int, str, bytes]
 MAX_UNKNOWN_REMEMBERED = 10_000
-POLLED_PATHS = ("/v1/weights", "/v1/traefik")
-"""Routes the serving process answers from its table (``serve_process``); it passes others on."""
 
 
 class WeightFeed:
@@ -155,12 +153,13 @@ class WeightFeed:
             self._process.publish(agent_table(result, self._max_inflight), self._polled_responses())
 
     def _polled_responses(self) -> dict[tuple[str, str], tuple[bytes, bytes]]:
-        """The encoded answers of the routes load balancers poll, for the serving process's table."""
+        """The encoded answers of the routes load balancers poll (:func:`~triscope.exporters.formats.polled_paths`),
+        for the serving process's table; it passes other requests on."""
         if self._http is None:
             return {}
         http = self._http
         return {("GET", path): (http.response("GET", path, b"", False), http.response("GET", path, b"", True))
-                for path in POLLED_PATHS}
+                for path in polled_paths()}
 
     def _fall_back(self) -> None:
         """After a failed update: once the last good result is older than ``stale_after_s`` (or there
@@ -199,7 +198,7 @@ class WeightFeed:
         assert self._submit is not None
         columns = history_columns(result)
         try:
-            self.history_rows_submitted += self._submit(WEIGHTS_HISTORY.name, columns)
+            self.history_rows_submitted += self._submit(WEIGHTS_HISTORY, columns)
             self._history_error = ""
         except Exception as exc:
             self.history_rows_dropped += len(columns["ts"])
@@ -272,7 +271,7 @@ class WeightFeed:
         out: dict[str, str] = {}
         if self.http_port >= 0:
             base = f"http://{self.bind}:{self.http_port}"
-            out.update({"weights": f"{base}/v1/weights", "metrics": f"{base}/metrics"})
+            out.update({"weights": f"{base}{WEIGHTS_PATH}", "metrics": f"{base}/metrics"})
             out.update({name: f"{base}{fmt.path}" for name, fmt in FORMATS.items()})
             out["healthz"] = f"{base}/healthz"
         if self.agent_port >= 0:
