@@ -230,6 +230,9 @@ class ComponentConfig:
 
     section: ClassVar[str] = ""
     aliases: ClassVar[dict[str, str]] = {}
+    flattened: ClassVar[dict[str, tuple[str, ...]]] = {}
+    """Fields holding a nested config whose keys are written flat in this section: field -> those keys
+    (``[epp]`` holds the picker's ``PickerParams`` this way)."""
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None, where: str | None = None) -> Self:
@@ -240,7 +243,9 @@ class ComponentConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where} must be a table, got {data!r}")
         hints = typing.get_type_hints(cls)
-        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        flat = {key: name for name, keys in cls.flattened.items() for key in keys}
+        names = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in cls.flattened]
+        nested: dict[str, dict[str, Any]] = {name: {} for name in cls.flattened}
         values: dict[str, Any] = {}
         unknown: list[str] = []
         for key, value in data.items():
@@ -249,6 +254,9 @@ class ComponentConfig:
                 log.warning("%s %s is deprecated; use %s", where, key, name)
                 if name in data:
                     continue  # the current name wins over its alias
+            if name in flat:
+                nested[flat[name]][name] = value
+                continue
             if name not in names:
                 unknown.append(str(key))
                 continue
@@ -259,7 +267,9 @@ class ComponentConfig:
                 raise ConfigError(f"{where} has a bad value for {key}: must be {why}") from None
         if unknown:
             raise ConfigError(f"{where} has unknown keys: {', '.join(sorted(unknown))} "
-                              f"(known: {', '.join(sorted(names))})")
+                              f"(known: {', '.join(sorted([*names, *flat]))})")
+        for name, section in nested.items():
+            values[name] = hints[name].from_mapping(section, where)
         try:
             config = cls(**values)
         except TypeError as exc:
