@@ -642,7 +642,7 @@ def test_history_rows_survive_a_refusing_store(store, tmp_path) -> None:
 
     now = time.time()
     _seed(store, now)
-    p = WeightParams.from_config({"weights": {"history_flush_s": 3600, "feed": {"port": -1, "agent_port": -1}}})
+    p = WeightParams.from_config({"weights": {"feed": {"port": -1, "agent_port": -1}}})
     writer = Writer(opener, str(tmp_path / "spool"), retry_max_s=0.1)
     feed = WeightFeed(p, store=store, submit=writer.submit)
     down["now"] = True

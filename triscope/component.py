@@ -224,8 +224,9 @@ class ComponentConfig:
     """Base of every typed config section.
 
     Subclasses are frozen dataclasses whose fields hold the defaults; ``section`` names the TOML
-    table (``[nvml]``), ``aliases`` maps deprecated key names to current ones (accepted for one
-    release with a warning). :meth:`validate` checks ranges after types are checked.
+    table (``[nvml]``), ``aliases`` maps a renamed key to its current name, or a removed key to
+    ``""`` (either is accepted for one release with a warning; a removed key's value is ignored).
+    :meth:`validate` checks ranges after types are checked.
     """
 
     section: ClassVar[str] = ""
@@ -250,6 +251,9 @@ class ComponentConfig:
         unknown: list[str] = []
         for key, value in data.items():
             name = cls.aliases.get(key, key)
+            if not name:
+                log.warning("%s %s is no longer used and is ignored; remove it", where, key)
+                continue
             if name != key:
                 log.warning("%s %s is deprecated; use %s", where, key, name)
                 if name in data:
