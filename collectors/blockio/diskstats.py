@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from triscope.collectors.blockio.config import BlockioConfig, blockio_config
-from triscope.collectors.blockio.parse import DiskStat, diskstats_delta, parse_diskstats
+from triscope.collectors.blockio.diskstats_parse import DiskStat, diskstats_delta, parse_diskstats
 from triscope.schema import IO_LATENCY, Table, encode_ts
 
 log = logging.getLogger(__name__)
