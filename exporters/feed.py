@@ -24,19 +24,18 @@ from triscope.analyzers.routing import (
     WeightsResult,
     compute_weights,
     forget,
-    history_columns,
     read_inputs,
     with_address,
 )
 from triscope.component import Context, Submit
 from triscope.errors import ConfigError
 from triscope.exporters import prometheus_text
+from triscope.exporters.feed_history import History
 from triscope.exporters.feed_http import json_error, one_line
 from triscope.exporters.feed_process import FeedProcess, agent_table
 from triscope.exporters.feed_server import FeedHTTPServer
 from triscope.exporters.formats import FORMATS, WEIGHTS_PATH, polled_paths, renderer
 from triscope.exporters.haproxy_agent import AgentServer
-from triscope.schema import WEIGHTS_HISTORY
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,8 @@ class WeightFeed:
         self._store: Any = None
         self._owns_store = False
         self.inputs_fn = inputs_fn
-        self._submit = submit
+        self.history = History(submit) if submit is not None else None
+        """Where the history rows of each update go (None: nowhere)."""
         self._state: EngineState | None = None
         self._result: WeightsResult | None = None
         self._weights_body: bytes = b""
@@ -88,9 +88,6 @@ class WeightFeed:
         self.update_errors_total = 0
         self.last_update = 0.0
         self.last_error = ""
-        self.history_rows_submitted = 0
-        self.history_rows_dropped = 0
-        self._history_error = ""
         self._unknown_seen: set[str] = set()
         self.fallback = False
         """True while the published result is the equal-weights fallback of failing updates."""
@@ -129,8 +126,8 @@ class WeightFeed:
                 self.updates_total += 1
                 self.last_update = now
                 self.fallback = False
-            if self.records_history():
-                self._record(result)
+            if self.history is not None and self.records_history():
+                self.history.record(result)
             return result
 
     def _count_unknown(self, names: Sequence[str]) -> None:
@@ -191,20 +188,7 @@ class WeightFeed:
 
     def records_history(self) -> bool:
         """True when updates hand ``weights_history`` rows to the writer."""
-        return self.params.history and self.inputs_fn is None and self._submit is not None
-
-    def _record(self, result: WeightsResult) -> None:
-        """Submit the history rows of ``result``; a refused submit costs those rows, not the update."""
-        assert self._submit is not None
-        columns = history_columns(result)
-        try:
-            self.history_rows_submitted += self._submit(WEIGHTS_HISTORY, columns)
-            self._history_error = ""
-        except Exception as exc:
-            self.history_rows_dropped += len(columns["ts"])
-            if one_line(exc) != self._history_error:
-                log.warning("weights history rows not submitted: %s", one_line(exc))
-            self._history_error = one_line(exc)
+        return self.params.history and self.inputs_fn is None and self.history is not None
 
     def inputs_age_seconds(self) -> float:
         """Age of the oldest backend input at the last update (NaN before one)."""
