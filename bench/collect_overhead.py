@@ -57,7 +57,7 @@ def bench_sampler(samples: int) -> dict[str, float]:
         t0 = time.process_time()
         out = sampler.sample_once(now_ns=T0_NS + i * 100_000_000)
         cpu += time.process_time() - t0
-        rows += len(out[GPU_SAMPLES.name]["ts"])
+        rows += len(out[GPU_SAMPLES]["ts"])
     assert rows == samples * GPUS
     sampler.close()
 
@@ -105,7 +105,7 @@ def columns_like_sampler(n: int, start_ns: int) -> dict[str, list[Any]]:
     sampler.start()
     sampler.sample_once(now_ns=start_ns)
     advance(gpus, nv.clock, 0.1, pcie_tx_bps=2e9, pcie_rx_bps=5e8, nvlink_tx_bps=1e11, nvlink_rx_bps=1e11)
-    one = sampler.sample_once(now_ns=start_ns)[GPU_SAMPLES.name]
+    one = sampler.sample_once(now_ns=start_ns)[GPU_SAMPLES]
     sampler.close()
     reps = -(-n // GPUS)
     cols = {c: (v * reps)[:n] for c, v in one.items()}
@@ -150,7 +150,7 @@ def bench_store(rows: int, batch: int, path: Path, repeat: int = 3) -> dict[str,
         writer = Writer(store, str(spool), batch_rows=batch, fsync=True)
         writer.start()
         for cols in batches:
-            writer.submit(GPU_SAMPLES.name, cols)
+            writer.submit(GPU_SAMPLES, cols)
         assert writer.flush(timeout_s=600)
         writer.close()
 

@@ -90,7 +90,7 @@ class Producer(threading.Thread):
         while not self.stop.is_set():
             ts = self.t + np.arange(n, dtype=np.int64)
             self.t += n
-            self.writer.submit(SERVING_METRICS.name, {"ts": [encode_ts(int(t)) for t in ts], "backend": ["w:1"] * n,
+            self.writer.submit(SERVING_METRICS, {"ts": [encode_ts(int(t)) for t in ts], "backend": ["w:1"] * n,
                                                       "kv_cache_usage_ratio": [0.5] * n})
 
 

@@ -104,7 +104,7 @@ class TriscopeSpanExporter(SpanExporter):
             log.warning("%d span(s) not stored; first: %s", batch.rejected, batch.first_error)
         if batch.rows:
             try:
-                self.rows += self.writer.submit(REQUESTS.name, batch.columns)
+                self.rows += self.writer.submit(REQUESTS, batch.columns)
             except TriscopeError as exc:  # the spool cannot take rows now: the SDK counts the batch as failed
                 log.warning("triscope span exporter: %d span(s) not stored: %s", batch.rows, exc)
                 return SpanExportResult.FAILURE

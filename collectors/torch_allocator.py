@@ -32,7 +32,7 @@ from typing import Any
 
 from triscope.component import ComponentConfig, Context, interval
 from triscope.errors import ConfigError, TriscopeError
-from triscope.schema import ALLOCATOR_SAMPLES, encode_ts
+from triscope.schema import ALLOCATOR_SAMPLES, Table, encode_ts
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class TorchAllocatorCollector:
         return {d: s for d, s in stats.items()
                 if d == current or float(s.get(STAT_KEYS["reserved_bytes"], 0) or 0) > 0}
 
-    def collect(self) -> dict[str, dict[str, list[Any]]]:
+    def collect(self) -> dict[Table, dict[str, list[Any]]]:
         """One row per sampled device; ``{}`` when unavailable or CUDA is not initialised yet."""
         cuda = self._cuda
         if cuda is None:
@@ -146,7 +146,7 @@ class TorchAllocatorCollector:
             log.warning("torch_allocator: %s", self.reason)
             return {}
         self.state = "ok"
-        return {ALLOCATOR_SAMPLES.name: ALLOCATOR_SAMPLES.columns_of(rows)} if rows else {}
+        return {ALLOCATOR_SAMPLES: ALLOCATOR_SAMPLES.columns_of(rows)} if rows else {}
 
     def close(self) -> None:
         self.state = "stopped"

@@ -17,13 +17,14 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from triscope.analyzers.routing import WeightParams
 from triscope.analyzers.routing.gate import ClassGate
 from triscope.analyzers.routing.live import live_signals
-from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, PickerParams
+from triscope.analyzers.routing.picker import EngineView, HeadroomPicker
+from triscope.analyzers.routing.picker_model import PICKER_KEYS, PickerParams
 from triscope.component import ComponentConfig, Context, interval, non_negative, port, positive
 from triscope.errors import ConfigError, InputError, TriscopeError
 from triscope.exporters.epp import Fallback, HeadroomChooser, NeedParams
@@ -44,6 +45,7 @@ class EppConfig(ComponentConfig):
     """``[epp]``: where the picker listens, what it scrapes, how it estimates a request (docs/epp.md)."""
 
     section = "epp"
+    flattened = {"picker": PICKER_KEYS}
     bind: str = "127.0.0.1"
     port: int = 9002
     """ext_proc gRPC port (GIE's EPP port; 0 = ephemeral)."""
@@ -67,27 +69,9 @@ class EppConfig(ComponentConfig):
     """Engine decisions older than this are dropped (neutral weights, no drains)."""
     chars_per_token: float = 4.0
     default_output_tokens: float = 256.0
-    work_unit: str = "requests"
-    unready_after_s: float = 3.0
-    stale_after_s: float = 1.0
-    visible_after_s: float = 0.2
-    kv_reserve_ratio: float = 0.05
-    misfit_penalty: float = 1.0
-    """Extra work, in requests, of a backend the request does not fit (a large value, say 1000: only where
-    it fits while anything does)."""
-    short_penalty: float = 1.0
-    """Extra work, in requests, of a backend the request does not fit that is short of KV by an early signal
-    or runs requests another client sent (a large value, say 1000: none while the request fits elsewhere)."""
-    external_weight: float = 1.0
-    """Work counted per request running or waiting in an engine that this picker did not send."""
-    engine_weights: bool = False
-    """Divide each backend's work by the weight engine's relative weight (false: its drains and class
-    admission only; the weights reflect the load the picker's ledger already counts)."""
-    engine_kv_drains: bool = False
-    """Honour the weight engine's drains for KV cache usage alone (the fit test weighs KV per request; drains
-    for health, memory or sleep always hold)."""
-    early_signals: bool = True
-    """Preemptions and requests waiting for capacity count against a backend's fit before its KV gauge shows it."""
+    picker: PickerParams = field(default_factory=PickerParams)
+    """The picker's knobs (:class:`~triscope.analyzers.routing.picker_model.PickerParams`: ``unready_after_s``,
+    ``work_unit``, ``misfit_penalty``, ...), written flat in ``[epp]`` (:data:`PICKER_KEYS`)."""
     max_body_bytes: int = MAX_BODY_BYTES
     max_streams: int = MAX_STREAMS
     """Requests (gRPC streams) open at once in the process, over every connection."""
@@ -107,21 +91,15 @@ class EppConfig(ComponentConfig):
         if self.table_port != -1:
             port(where, "table_port", self.table_port)
         interval(where, scrape_interval_s=self.scrape_interval_s, scrape_timeout_s=self.scrape_timeout_s,
-                 weights_poll_s=self.weights_poll_s, weights_stale_after_s=self.weights_stale_after_s,
-                 unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s)
+                 weights_poll_s=self.weights_poll_s, weights_stale_after_s=self.weights_stale_after_s)
+        self.picker.validate(where)
         positive(where, chars_per_token=self.chars_per_token)
         if not 0 <= self.scrape_budget <= 1:
             raise ConfigError(f"{where} scrape_budget must be in [0, 1], got {self.scrape_budget}")
-        if not self.scrape_interval_s <= self.max_scrape_interval_s <= self.unready_after_s:
+        if not self.scrape_interval_s <= self.max_scrape_interval_s <= self.picker.unready_after_s:
             raise ConfigError(f"{where} max_scrape_interval_s must be between scrape_interval_s and unready_after_s, "
                               f"got {self.max_scrape_interval_s}")
-        non_negative(where, default_output_tokens=self.default_output_tokens, visible_after_s=self.visible_after_s,
-                     misfit_penalty=self.misfit_penalty, short_penalty=self.short_penalty,
-                     external_weight=self.external_weight)
-        if not 0 <= self.kv_reserve_ratio < 1:
-            raise ConfigError(f"{where} kv_reserve_ratio must be in [0, 1), got {self.kv_reserve_ratio}")
-        if self.work_unit not in ("requests", "tokens"):
-            raise ConfigError(f"{where} work_unit must be 'requests' or 'tokens', got {self.work_unit!r}")
+        non_negative(where, default_output_tokens=self.default_output_tokens)
         if not self.metrics_path.startswith("/"):
             raise ConfigError(f"{where} metrics_path must start with '/', got {self.metrics_path!r}")
         if self.weights_url and not self.weights_url.startswith(("http://", "https://")):
@@ -140,16 +118,8 @@ class EppConfig(ComponentConfig):
 
     def haproxy_pick_settings(self) -> str:
         """The picker's settings as the Lua action inside HAProxy takes them (:func:`.haproxy_pick.pick_settings`)."""
-        return pick_settings(self.picker_params(), self.chars_per_token, self.default_output_tokens,
+        return pick_settings(self.picker, self.chars_per_token, self.default_output_tokens,
                              self.levels_window_s)
-
-    def picker_params(self) -> PickerParams:
-        return PickerParams(unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s,
-                            visible_after_s=self.visible_after_s, kv_reserve_ratio=self.kv_reserve_ratio,
-                            work_unit=self.work_unit, misfit_penalty=self.misfit_penalty,
-                            short_penalty=self.short_penalty, external_weight=self.external_weight,
-                            engine_weights=self.engine_weights, engine_kv_drains=self.engine_kv_drains,
-                            early_signals=self.early_signals)
 
 
 def picker_backends(cfg: EppConfig, weights: WeightParams) -> dict[str, str]:
@@ -202,7 +172,7 @@ class EppService:
         """``seed``: the picker's tie-breaks and the shedding draws, for runs that must repeat (the test bed)."""
         self.cfg = cfg
         self.weights_url = weights_url
-        self.picker = HeadroomPicker(backends, replace(cfg.picker_params(), seed=seed))
+        self.picker = HeadroomPicker(backends, replace(cfg.picker, seed=seed))
         self.chooser = HeadroomChooser(self.picker, NeedParams(cfg.chars_per_token, cfg.default_output_tokens),
                                        ClassGate(cfg.levels_window_s, seed=seed), cfg.fallback)
         self.server = ExtProcServer(self.chooser, cfg.max_body_bytes, cfg.bind, cfg.port, cfg.max_streams,

@@ -24,19 +24,18 @@ from triscope.analyzers.routing import (
     WeightsResult,
     compute_weights,
     forget,
-    history_columns,
     read_inputs,
     with_address,
 )
 from triscope.component import Context, Submit
 from triscope.errors import ConfigError
 from triscope.exporters import prometheus_text
+from triscope.exporters.feed_history import History
 from triscope.exporters.feed_http import json_error, one_line
 from triscope.exporters.feed_process import FeedProcess, agent_table
 from triscope.exporters.feed_server import FeedHTTPServer
-from triscope.exporters.formats import FORMATS, renderer
+from triscope.exporters.formats import FORMATS, WEIGHTS_PATH, polled_paths, renderer
 from triscope.exporters.haproxy_agent import AgentServer
-from triscope.schema import WEIGHTS_HISTORY
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +43,6 @@ JSON_TYPE = "application/json"
 InputsFn = Callable[[], Sequence[BackendInputs]]
 Response = tuple[int, str, bytes]
 MAX_UNKNOWN_REMEMBERED = 10_000
-POLLED_PATHS = ("/v1/weights", "/v1/traefik")
-"""Routes the serving process answers from its table (``serve_process``); it passes others on."""
 
 
 class WeightFeed:
@@ -73,7 +70,8 @@ class WeightFeed:
         self._store: Any = None
         self._owns_store = False
         self.inputs_fn = inputs_fn
-        self._submit = submit
+        self.history = History(submit) if submit is not None else None
+        """Where the history rows of each update go (None: nowhere)."""
         self._state: EngineState | None = None
         self._result: WeightsResult | None = None
         self._weights_body: bytes = b""
@@ -90,9 +88,6 @@ class WeightFeed:
         self.update_errors_total = 0
         self.last_update = 0.0
         self.last_error = ""
-        self.history_rows_submitted = 0
-        self.history_rows_dropped = 0
-        self._history_error = ""
         self._unknown_seen: set[str] = set()
         self.fallback = False
         """True while the published result is the equal-weights fallback of failing updates."""
@@ -131,8 +126,8 @@ class WeightFeed:
                 self.updates_total += 1
                 self.last_update = now
                 self.fallback = False
-            if self.records_history():
-                self._record(result)
+            if self.history is not None and self.records_history():
+                self.history.record(result)
             return result
 
     def _count_unknown(self, names: Sequence[str]) -> None:
@@ -155,12 +150,13 @@ class WeightFeed:
             self._process.publish(agent_table(result, self._max_inflight), self._polled_responses())
 
     def _polled_responses(self) -> dict[tuple[str, str], tuple[bytes, bytes]]:
-        """The encoded answers of the routes load balancers poll, for the serving process's table."""
+        """The encoded answers of the routes load balancers poll (:func:`~triscope.exporters.formats.polled_paths`),
+        for the serving process's table; it passes other requests on."""
         if self._http is None:
             return {}
         http = self._http
         return {("GET", path): (http.response("GET", path, b"", False), http.response("GET", path, b"", True))
-                for path in POLLED_PATHS}
+                for path in polled_paths()}
 
     def _fall_back(self) -> None:
         """After a failed update: once the last good result is older than ``stale_after_s`` (or there
@@ -192,20 +188,7 @@ class WeightFeed:
 
     def records_history(self) -> bool:
         """True when updates hand ``weights_history`` rows to the writer."""
-        return self.params.history and self.inputs_fn is None and self._submit is not None
-
-    def _record(self, result: WeightsResult) -> None:
-        """Submit the history rows of ``result``; a refused submit costs those rows, not the update."""
-        assert self._submit is not None
-        columns = history_columns(result)
-        try:
-            self.history_rows_submitted += self._submit(WEIGHTS_HISTORY.name, columns)
-            self._history_error = ""
-        except Exception as exc:
-            self.history_rows_dropped += len(columns["ts"])
-            if one_line(exc) != self._history_error:
-                log.warning("weights history rows not submitted: %s", one_line(exc))
-            self._history_error = one_line(exc)
+        return self.params.history and self.inputs_fn is None and self.history is not None
 
     def inputs_age_seconds(self) -> float:
         """Age of the oldest backend input at the last update (NaN before one)."""
@@ -272,7 +255,7 @@ class WeightFeed:
         out: dict[str, str] = {}
         if self.http_port >= 0:
             base = f"http://{self.bind}:{self.http_port}"
-            out.update({"weights": f"{base}/v1/weights", "metrics": f"{base}/metrics"})
+            out.update({"weights": f"{base}{WEIGHTS_PATH}", "metrics": f"{base}/metrics"})
             out.update({name: f"{base}{fmt.path}" for name, fmt in FORMATS.items()})
             out["healthz"] = f"{base}/healthz"
         if self.agent_port >= 0:

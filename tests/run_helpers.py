@@ -91,11 +91,11 @@ class LastRowsCollector:
     def start(self) -> None:
         self._pending.append({"ts": "2026-01-01 00:00:00.000000000", "host": "open", "device": "d0", "op": "read"})
 
-    def collect(self) -> dict[str, dict[str, list[Any]]]:
+    def collect(self) -> dict[Any, dict[str, list[Any]]]:
         from triscope.schema import IO_LATENCY
 
         rows, self._pending = self._pending, []
-        return {IO_LATENCY.name: IO_LATENCY.columns_of(rows)} if rows else {}
+        return {IO_LATENCY: IO_LATENCY.columns_of(rows)} if rows else {}
 
     def close(self) -> None:
         self._pending.append({"ts": "2026-01-01 00:00:01.000000000", "host": "closed", "device": "d0", "op": "read"})

@@ -78,6 +78,7 @@ from triscope.collectors.blockio import (
     device_for_path,
     has_tracepoint,
 )
+from triscope.schema import IO_LATENCY
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -297,7 +298,7 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
                 synced, errors = syncs.communicate(timeout=60)
                 assert syncs.returncode == 0 and int(synced) > 100, (synced, errors)
             time.sleep(2.3)  # let the window holding the last reads close
-            rows = collector.collect()["io_latency"]
+            rows = collector.collect()[IO_LATENCY]
             traced = ftrace.stop()
         assert bpf_recursion_misses(collector._proc.pid) is not None, "skipped probe runs are readable here"
         assert collector.asm.raced == 0, "bpftrace's output ran windows late: counts may be short"
@@ -311,7 +312,7 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
             assert collector.asm.map_keys_held < RESTART_AT_MAP_KEYS // 2, collector.asm.key_counts
             assert collector.restarts == 0, collector.missed_probe_runs
         synced_write(tmp_path / "last.bin", 64 << 10)  # in the open window: only END can report it
-    last = collector.collect().get("io_latency", {})
+    last = collector.collect().get(IO_LATENCY, {})
     assert (device, "write") in set(zip(last.get("device", []), last.get("op", []), strict=True)), last
     assert max(last["window_seconds"]) <= interval_s + 1e-6
     job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]["read"]
@@ -374,7 +375,7 @@ def test_skipped_probe_runs_are_counted_and_reported(tmp_path: Path, caplog: pyt
         fio = _start_randread(data, "irq", 3, cpus=on_irq or os.sched_getaffinity(0))
         assert fio.wait(timeout=60) == 0, fio.stderr.read() if fio.stderr else ""
         time.sleep(1.2)
-        rows = collector.collect()["io_latency"]
+        rows = collector.collect()[IO_LATENCY]
         missed = collector.missed_probe_runs - missed_from
     reads = [r for r in _device_reads(rows, device) if r["ios"] > 1000]
     assert len(reads) >= 4, reads
@@ -409,7 +410,7 @@ def test_bpftrace_swap_keeps_windows_exact(tmp_path: Path) -> None:
         assert collector.asm.live_seen and fio.poll() is None, "fio must still read once the new process counts"
         assert fio.wait(timeout=60) == 0, fio.stderr.read() if fio.stderr else ""
         time.sleep(1.2)
-        rows = collector.collect()["io_latency"]
+        rows = collector.collect()[IO_LATENCY]
     assert collector.restarts == 1
     reads = _device_reads(rows, device)
     spans = sorted(((*_kernel_span(r, collector), r) for r in reads), key=lambda span: span[:2])
@@ -459,7 +460,7 @@ def test_bpftrace_output_running_windows_late_is_detected(tmp_path: Path, caplog
             resumed_at = time.monotonic_ns()
             assert fio.wait(timeout=60) == 0, fio.stderr.read() if fio.stderr else ""
             time.sleep(3 * interval_s)
-            rows = collector.collect()["io_latency"]
+            rows = collector.collect()[IO_LATENCY]
     window_ns = collector.asm.window_ns
     flagged = set(collector.asm.raced_windows)
     assert collector.asm.raced == len(flagged) == collector.gaps()["late_windows"]

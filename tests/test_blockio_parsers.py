@@ -11,16 +11,15 @@ import pytest
 from conftest import shared_data
 
 from triscope.collectors.blockio import AHEAD, BUFFERS, EbpfExporterCollector, WindowAssembler
+from triscope.collectors.blockio.diskstats_parse import diskstats_delta, parse_diskstats
 from triscope.collectors.blockio.parse import (
     Bucket,
     bpftrace_text_bucket,
-    diskstats_delta,
     op_from_rwbs,
     parse_bcc_json,
     parse_biolatency_text,
     parse_bpftrace_json,
     parse_bpftrace_text,
-    parse_diskstats,
     parse_ebpf_exporter,
     percentile,
 )

@@ -234,7 +234,7 @@ def test_scrape_real_http_targets_into_the_store(server: tuple[str, dict[str, by
     scraper.start()
     try:
         out = scraper.collect()
-        cols = out["gpu_samples"]
+        cols = out[GPU_SAMPLES]
         rows = [dict(zip(cols, vals, strict=True)) for vals in zip(*cols.values(), strict=True)]
         got = [(r["host"], r["gpu"], r["state"]) for r in rows]
         assert got == [("gpu-node-17", 0, "ok"), ("gpu-node-17", 1, "ok"), ("127.0.0.1", 0, "ok"),
@@ -259,8 +259,8 @@ def test_scrape_real_http_targets_into_the_store(server: tuple[str, dict[str, by
         routes.pop(f"/{SYNTHETIC}")
         caplog.clear()
         with caplog.at_level("WARNING", logger="triscope.collectors.dcgm"):
-            second = scraper.collect()["gpu_samples"]
-            third = scraper.collect()["gpu_samples"]
+            second = scraper.collect()[GPU_SAMPLES]
+            third = scraper.collect()[GPU_SAMPLES]
         rows2 = [dict(zip(second, vals, strict=True)) for vals in zip(*second.values(), strict=True)]
         assert [(r["host"], r["gpu"], r["gpu_uuid"], r["state"]) for r in rows2[:3]] == [
             ("gpu-node-17", 0, "GPU-52e6b438-f2a7-269e-6513-0c5ca6a3a450", "unreachable"),

@@ -212,11 +212,11 @@ def test_federation_of_a_kube_prometheus_style_prometheus(prometheus: tuple[str,
     assert 'exported_pod="vllm-llama-0"' in text and 'pod="nvidia-dcgm-exporter-7xk2p"' in text
     scraper = DcgmScraper({"dcgm": {"urls": [url], "timeout_s": 5.0}})
     try:
-        first = _rows(scraper.collect()[GPU_SAMPLES.name])
+        first = _rows(scraper.collect()[GPU_SAMPLES])
         t1 = time.time_ns()
         time.sleep(1.2)  # Prometheus scrapes every 1 s: the next federation has newer samples
-        second = _rows(scraper.collect()[GPU_SAMPLES.name])
-        third = scraper.collect().get(GPU_SAMPLES.name)  # at once: same samples again, not stored again
+        second = _rows(scraper.collect()[GPU_SAMPLES])
+        third = scraper.collect().get(GPU_SAMPLES)  # at once: same samples again, not stored again
     finally:
         scraper.close()
     want = [("gpu-node-a", 0, "", "", "vllm-llama-0", "inference"), ("gpu-node-a", 1, "", "", "", ""),

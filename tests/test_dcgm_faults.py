@@ -13,6 +13,7 @@ from dcgm_samples import node
 from scrape_helpers import Route, raw_server
 
 from triscope.collectors.dcgm import NO_GPU, DcgmScraper
+from triscope.schema import GPU_SAMPLES
 
 GOOD = node("gpu-node-1", [{"gpu": i, "uuid": f"GPU-{i}", "model": "NVIDIA H200", "DCGM_FI_DEV_FB_USED": 1000 + i,
                             "DCGM_FI_DEV_GPU_UTIL": 50} for i in range(8)])
@@ -20,7 +21,7 @@ OTHER = GOOD.replace("gpu-node-1", "gpu-node-2")
 
 
 def _rows(out: dict[str, Any]) -> list[dict[str, Any]]:
-    cols = out["gpu_samples"]
+    cols = out[GPU_SAMPLES]
     return [dict(zip(cols, vals, strict=True)) for vals in zip(*cols.values(), strict=True)]
 
 

@@ -154,6 +154,18 @@ def test_bad_config_is_one_line(key: str, value: object, message: str) -> None:
     assert "\n" not in str(err.value)
 
 
+def test_the_picker_keys_are_written_flat_and_held_as_picker_params() -> None:
+    cfg = EppConfig.from_config({"epp": {"unready_after_s": 5.0, "work_unit": "tokens", "early_signals": False,
+                                         "max_scrape_interval_s": 4.0}})
+    assert cfg.picker == PickerParams(unready_after_s=5.0, work_unit="tokens", early_signals=False)
+    assert EppConfig().picker == PickerParams()
+    with pytest.raises(ConfigError, match=r"unknown keys: picker, seed \(known: .*unready_after_s") as err:
+        EppConfig.from_config({"epp": {"picker": {"seed": 1}, "seed": 2}})  # flat only, the seed is the picker's
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="bad value for short_penalty: must be a number"):
+        EppConfig.from_config({"epp": {"short_penalty": "big"}})
+
+
 def test_a_port_in_use_is_a_one_line_error() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

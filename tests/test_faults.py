@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import require
 from triscope.collector_loop import CollectorLoop
-from triscope.schema import IO_LATENCY, encode_ts, qualified
+from triscope.schema import IO_LATENCY, Table, encode_ts, qualified
 from triscope.writer import Writer
 
 
@@ -59,12 +59,12 @@ class CountingSource:
     def start(self) -> None:
         pass
 
-    def collect(self) -> dict[str, Any]:
+    def collect(self) -> dict[Table, Any]:
         now = time.time_ns()
         rows = [{"ts": encode_ts(now + i), "host": "fault-test", "device": "sda", "source": "test", "op": "read",
                  "ios": self.produced + i} for i in range(self.rows_per_tick)]
         self.produced += len(rows)
-        return {IO_LATENCY.name: IO_LATENCY.columns_of(rows)}
+        return {IO_LATENCY: IO_LATENCY.columns_of(rows)}
 
     def close(self) -> None:
         pass

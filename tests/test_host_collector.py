@@ -48,7 +48,7 @@ def _windows(collector: HostCollector, n: int) -> list[dict[str, Any]]:
     out = []
     for _ in range(n):
         time.sleep(collector.interval_s)
-        cols = collector.collect()[HOST_SAMPLES.name]
+        cols = collector.collect()[HOST_SAMPLES]
         out += [dict(zip(cols, values, strict=True)) for values in zip(*cols.values(), strict=True)]
     return out
 

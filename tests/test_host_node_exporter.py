@@ -41,7 +41,7 @@ def _start_node_exporter(port: int) -> subprocess.Popen[bytes]:
 
 
 def _host_row(collector: HostCollector) -> dict[str, Any]:
-    cols = collector.collect()[HOST_SAMPLES.name]
+    cols = collector.collect()[HOST_SAMPLES]
     rows = [dict(zip(cols, values, strict=True)) for values in zip(*cols.values(), strict=True)]
     return next(r for r in rows if r["backend"] == "")
 

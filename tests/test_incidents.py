@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from triscope.analyzers.incidents import UNKNOWN, find_incidents
+from triscope.analyzers.incidents import CAUSES, UNKNOWN, Cause, find_incidents
 from triscope.cli import main
 from triscope.schema import HOST_SAMPLES, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
 
@@ -240,3 +240,12 @@ def test_diagnose_draws_a_timeline_per_incident(store: Any, store_path: Any, tmp
     main(["diagnose", "--since", "150s", "--until", "2026-01-01T00:03:00Z", "--png", str(png), "-c", str(config)])
     assert f"incident timelines: {png}" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_every_cause_is_documented_and_no_other_is_named() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "diagnose.md").read_text()
+    assert [c for c in CAUSES if f"| `{c}` |" not in doc] == []
+    with pytest.raises(ValueError, match="not in CAUSES"):
+        Cause("gremlins", 1.0, ())

@@ -66,11 +66,11 @@ def test_sample_maps_every_metric() -> None:
     s = sampler(nv)
     assert s.state == "ok" and len(s.devices) == 2
     first = s.sample_once(now_ns=1_750_000_000_000_000_000)
-    r0 = rows(first["gpu_samples"])[0]
+    r0 = rows(first[GPU_SAMPLES])[0]
     assert math.isnan(r0["pcie_tx_bytes_per_second"]) and math.isnan(r0["sm_occupancy_ratio"])  # no baseline yet
     advance(gpus, nv.clock, 0.1, pcie_tx_bps=2e9, pcie_rx_bps=5e8, nvlink_tx_bps=1024e6, nvlink_rx_bps=2048e6)
     out = s.sample_once(now_ns=1_750_000_000_100_000_000)
-    g0, g1 = rows(out["gpu_samples"])
+    g0, g1 = rows(out[GPU_SAMPLES])
     assert g0["ts"] == "2025-06-15 15:06:40.100000000"
     assert (g0["host"], g0["gpu"], g0["gpu_uuid"], g0["gpu_model"], g0["source"], g0["state"]) == (
         "gpu-node-17", 0, "GPU-52e6b438-f2a7-269e-6513-0c5ca6a3a450", "NVIDIA H100 80GB HBM3", "nvml", "ok")
@@ -92,11 +92,11 @@ def test_sample_maps_every_metric() -> None:
     assert math.isnan(g0["l2_bandwidth_ratio"])
     assert g1["gpu"] == 1 and g1["power_watts"] == pytest.approx(71.204) and g1["memory_used_bytes"] == 0
     # per-process memory on the first sample only (process_interval_s = 1 s of monotonic time)
-    procs = rows(first["gpu_process_memory"])
+    procs = rows(first[GPU_PROCESS_MEMORY])
     assert procs == [{"ts": "2025-06-15 15:06:40.000000000", "host": "gpu-node-17", "gpu": 0, "pid": 4242,
                       "process_name": "python3 -m vllm.entrypoints.openai.api_server",
                       "used_bytes": float(39000 * MiB)}]
-    assert "gpu_process_memory" not in out
+    assert GPU_PROCESS_MEMORY not in out
     # batched: one field-values call per GPU and sample; power came from it, not nvmlDeviceGetPowerUsage
     assert nv.calls["nvmlDeviceGetFieldValues"] == 4
     assert nv.calls.get("nvmlDeviceGetPowerUsage", 0) == 0
@@ -114,7 +114,7 @@ def test_gpu_lost_is_a_state_and_others_keep_sampling(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.WARNING, logger="triscope.collectors.nvml"):
         for _ in range(3):
             advance(gpus, nv.clock, 0.1)
-            out = rows(s.collect()["gpu_samples"])
+            out = rows(s.collect()[GPU_SAMPLES])
             assert [(r["gpu"], r["state"]) for r in out] == [(0, "ok"), (1, "lost")]
             assert out[0]["memory_used_bytes"] == 40000 * MiB
             assert math.isnan(out[1]["memory_used_bytes"]) and out[1]["gpu_uuid"] == gpus[1].uuid
@@ -128,7 +128,7 @@ def test_gpu_lost_is_a_state_and_others_keep_sampling(caplog: pytest.LogCaptureF
     assert nv.calls["nvmlDeviceGetMemoryInfo"] == before + 1  # GPU 0 only
     gpus[1].lost = False
     s.devices[1].retry_at = 0.0
-    out = rows(s.sample_once()["gpu_samples"])
+    out = rows(s.sample_once()[GPU_SAMPLES])
     assert [r["state"] for r in out] == ["ok", "ok"] and s.state == "ok"
 
 
@@ -144,7 +144,7 @@ def test_no_gpu_and_driver_not_loaded_are_states(caplog: pytest.LogCaptureFixtur
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
     nv.state["init_error"] = None  # driver loaded later: the next collect re-initializes
     out = s.collect()
-    assert s.state == "ok" and len(out["gpu_samples"]["ts"]) == 2
+    assert s.state == "ok" and len(out[GPU_SAMPLES]["ts"]) == 2
 
 
 def test_real_module_without_library_is_unavailable(caplog: pytest.LogCaptureFixture) -> None:
@@ -183,7 +183,7 @@ def test_unsupported_metrics_fall_back_or_go_nan() -> None:
     s = sampler(nv)
     s.sample_once()
     advance([gpu], nv.clock, 0.2, pcie_tx_bps=1e6)
-    r = rows(s.sample_once()["gpu_samples"])[0]
+    r = rows(s.sample_once()[GPU_SAMPLES])[0]
     assert r["state"] == "ok"
     assert math.isnan(r["nvlink_tx_bytes_per_second"]) and math.isnan(r["sm_occupancy_ratio"])
     assert math.isnan(r["gpu_util_ratio"]) and math.isnan(r["ecc_corrected_total"])
@@ -205,12 +205,12 @@ def test_transient_error_is_nan_once_and_counter_wrap(caplog: pytest.LogCaptureF
     gpu.failing_once["nvmlDeviceGetTemperatureV"] = real.NVML_ERROR_TIMEOUT
     advance([gpu], nv.clock, 0.1, pcie_tx_bps=100_000)  # 10_000 bytes: wraps the 32-bit counter
     with caplog.at_level(logging.WARNING, logger="triscope.collectors.nvml"):
-        r = rows(s.sample_once()["gpu_samples"])[0]
+        r = rows(s.sample_once()[GPU_SAMPLES])[0]
     assert math.isnan(r["temperature_celsius"]) and r["state"] == "ok"
     assert r["pcie_tx_bytes_per_second"] == pytest.approx(100_000)
     assert len(caplog.records) == 1 and "Timeout" in caplog.records[0].getMessage()
     advance([gpu], nv.clock, 0.1)
-    assert rows(s.sample_once()["gpu_samples"])[0]["temperature_celsius"] == 58
+    assert rows(s.sample_once()[GPU_SAMPLES])[0]["temperature_celsius"] == 58
 
 
 def test_rows_round_trip_through_the_store(store: Any) -> None:
@@ -234,9 +234,10 @@ def test_rows_round_trip_through_the_store(store: Any) -> None:
     assert [r[0] for r in got] == [0, 1]
     # every column of every row comes back as sampled (NaN stays NaN; the JSON result renders it as null,
     # so compare through query_columns, which keeps floats as floats)
-    for table, schema in (("gpu_samples", GPU_SAMPLES), ("gpu_process_memory", GPU_PROCESS_MEMORY)):
-        sent = {c: first[table][c] + second.get(table, {}).get(c, []) for c in schema.column_names()}
-        assert set(first[table]) == set(schema.column_names())
+    for schema in (GPU_SAMPLES, GPU_PROCESS_MEMORY):
+        table = schema.name
+        sent = {c: first[schema][c] + second.get(schema, {}).get(c, []) for c in schema.column_names()}
+        assert set(first[schema]) == set(schema.column_names())
         select = ", ".join("toString(ts) AS ts" if c == "ts" else f"`{c}`" for c in schema.column_names())
         back = store.query_columns(f"SELECT {select} FROM {qualified(store, table)} ORDER BY ts, gpu"
                                    + (", pid" if table == "gpu_process_memory" else ""))

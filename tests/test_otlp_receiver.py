@@ -18,7 +18,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from triscope.collectors.otlp import OtlpReceiver, create, encode_status
 from triscope.component import Context
 from triscope.errors import SpoolUnavailable
-from triscope.schema import qualified
+from triscope.schema import Table, qualified
 from triscope.writer import Writer
 
 T0 = 1_767_225_600_123_456_789  # 2026-01-01T00:00:00.123456789Z
@@ -298,8 +298,8 @@ def test_flush_loop_writes_without_explicit_flush(receiver, store) -> None:
 def test_collect_drains_when_hosted_by_daemon() -> None:
     batch: dict = {}  # what the receiver handed to the daemon's writer before answering 200
 
-    def submit(table: str, columns) -> int:
-        batch[table] = columns
+    def submit(table: Table, columns) -> int:
+        batch[table.name] = columns
         return len(columns["request_id"])
 
     rx = create({"otlp": {"port": 0}}, Context(submit=submit))
@@ -316,7 +316,7 @@ def test_collect_drains_when_hosted_by_daemon() -> None:
 def test_full_buffer_answers_503() -> None:
     taken: list[int] = []
 
-    def submit(table: str, columns) -> int:  # a spool that takes two rows, then its disk is full
+    def submit(table: Table, columns) -> int:  # a spool that takes two rows, then its disk is full
         n = len(columns["request_id"])
         if sum(taken) + n > 2:
             raise SpoolUnavailable("writer: spool not writable: No space left on device")

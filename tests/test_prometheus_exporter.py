@@ -26,7 +26,7 @@ from tests.conftest import free_port, require_binary
 from triscope.component import Context
 from triscope.errors import ConfigError
 from triscope.exporters.prometheus import PrometheusExporter, create, prometheus_config
-from triscope.schema import encode_ts, qualified
+from triscope.schema import IO_LATENCY, encode_ts, qualified
 
 MS = 1_000_000
 LAT_B1 = [0.010 * (i + 1) for i in range(50)]  # 10 ms .. 500 ms
@@ -136,7 +136,7 @@ def test_promtool_finds_nothing_to_lint(store: Any, tmp_path: Path) -> None:
     promtool = require_binary("promtool")
     _seed(store, _t0())
     writer = Writer(store, str(tmp_path / "spool"), flush_interval_s=0.05)
-    writer.submit("io_latency", {"ts": [encode_ts(_t0())], "host": ["h1"], "device": ["nvme0n1"]})
+    writer.submit(IO_LATENCY, {"ts": [encode_ts(_t0())], "host": ["h1"], "device": ["nvme0n1"]})
     assert writer.flush(timeout_s=10)
 
     def stats() -> dict[str, Any]:

@@ -15,7 +15,7 @@ from triscope.collectors.serving_metrics import ServingMetricsScraper, Target, c
 from triscope.component import Context
 from triscope.errors import InputError
 from triscope.prom_text import bucket_delta, histogram_quantile, parse_exposition
-from triscope.schema import qualified
+from triscope.schema import SCRAPE_HEALTH, SERVING_METRICS, qualified
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -79,7 +79,7 @@ def test_real_vllm_like_server_two_scrapes(store) -> None:
         success.labels("0", MODEL, "stop").inc(1000)
         scraper = create({"serving_metrics": {"targets": [f"http://127.0.0.1:{port}/metrics"]}}, Context())
         scraper.start()
-        first = scraper.collect()["serving_metrics"]
+        first = scraper.collect()[SERVING_METRICS]
         assert first["running_requests"] == [8.0] and first["queue_length"] == [3.0]
         assert first["kv_cache_usage_ratio"] == [pytest.approx(0.6)]
         assert math.isnan(first["latency_p50_seconds"][0])
@@ -89,7 +89,7 @@ def test_real_vllm_like_server_two_scrapes(store) -> None:
             e2e.labels(str(i % 2), MODEL).observe(0.7)
             ttft.labels("1", MODEL).observe(0.3)
         success.labels("1", MODEL, "length").inc(100)
-        second = scraper.collect()["serving_metrics"]
+        second = scraper.collect()[SERVING_METRICS]
         # delta buckets {0.1: 0, 0.2: 50, 0.5: 50, 1.0: 100}: p50 = 0.1 + 0.1*50/50, p99 = 0.5 + 0.5*49/50
         assert second["latency_p50_seconds"] == [pytest.approx(0.2)]
         assert second["latency_p99_seconds"] == [pytest.approx(0.99)]
@@ -154,8 +154,8 @@ def test_unreachable_target_is_skipped_not_raised_and_recorded_down() -> None:
     url = f"http://127.0.0.1:{free_port()}/metrics"
     scraper = ServingMetricsScraper({"serving_metrics": {"targets": [url], "timeout_s": 1}})
     out = scraper.collect()
-    assert set(out) == {"scrape_health"}  # no serving rows, but the failure itself is a row
-    health = out["scrape_health"]
+    assert set(out) == {SCRAPE_HEALTH}  # no serving rows, but the failure itself is a row
+    health = out[SCRAPE_HEALTH]
     assert health["up"] == [0] and health["target"] == [url] and health["backend"] == [url.split("/")[2]]
     assert "scrape failed" in health["error"][0] and "\n" not in health["error"][0]
     assert 0 <= health["duration_seconds"][0] < 2
@@ -220,9 +220,9 @@ def test_redirects_same_origin_by_default_never_elsewhere() -> None:
                      "/away": Route(status="302 Found", headers=(("Location", "http://169.254.169.254/latest"),))
                      }) as s:
         scraper = ServingMetricsScraper({"serving_metrics": {"targets": [s.url("/metrics"), s.url("/away")]}})
-        assert scraper.collect()["serving_metrics"]["running_requests"] == [2.0]
+        assert scraper.collect()[SERVING_METRICS]["running_requests"] == [2.0]
         assert "another origin" in scraper.errors[s.url("/away")]
         strict = ServingMetricsScraper({"serving_metrics": {"targets": [s.url("/metrics")], "redirects": "none"}})
-        assert "serving_metrics" not in strict.collect()
+        assert SERVING_METRICS not in strict.collect()
         assert "redirects are not allowed" in strict.errors[s.url("/metrics")]
     assert "/latest" not in s.requests

@@ -13,6 +13,7 @@ from scrape_helpers import Route, raw_server
 from serving_samples import TRITON_TRTLLM, llamacpp, sglang_tp4_dp2
 
 from triscope.collectors.serving_metrics import ServingMetricsScraper
+from triscope.schema import SCRAPE_HEALTH, SERVING_METRICS
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -45,7 +46,7 @@ def test_a_trickling_target_costs_only_itself(round_: int) -> None:
         try:
             for _ in range(2):  # the second tick too: the slow fetch ended at its deadline
                 t0 = time.monotonic()
-                out = scraper.collect()["serving_metrics"]
+                out = scraper.collect()[SERVING_METRICS]
                 took = time.monotonic() - t0
                 assert took < 1.0 + 1.5, took  # one deadline (+ grace), not one per target
                 assert sorted(out["server"]) == ["llamacpp", "sglang", "vllm"]
@@ -61,7 +62,7 @@ def test_many_slow_targets_are_fetched_concurrently() -> None:
     with raw_server(routes) as s:
         scraper = _scraper([s.url(p) for p in routes], timeout_s=0.8)
         t0 = time.monotonic()
-        out = scraper.collect()["serving_metrics"]
+        out = scraper.collect()[SERVING_METRICS]
         took = time.monotonic() - t0
         t1 = time.monotonic()
         scraper.close()
@@ -76,7 +77,7 @@ def test_a_malformed_bucket_is_that_targets_error_only() -> None:
     bad = VLLM.replace('le="0.3"', 'le="abc"')
     with raw_server({"/good": Route(body=VLLM.encode()), "/bad": Route(body=bad.encode())}) as s:
         scraper = _scraper([s.url("/bad"), s.url("/good")])
-        out = scraper.collect()["serving_metrics"]
+        out = scraper.collect()[SERVING_METRICS]
         assert out["running_requests"] == [4.0] and len(out["model"]) == 1
         assert scraper.errors == {s.url("/bad"): f"{s.url('/bad')}: vllm:e2e_request_latency_seconds: "
                                                  "bucket le='abc' is not a number"}
@@ -88,7 +89,7 @@ def test_failures_logged_once_per_state_change_and_counted_every_tick(caplog: py
         scraper = _scraper([s.url("/m")])
         caplog.set_level(logging.WARNING, logger="triscope.collectors.serving_metrics")
         for _ in range(5):
-            assert scraper.collect()["scrape_health"]["up"] == [0]
+            assert scraper.collect()[SCRAPE_HEALTH]["up"] == [0]
         assert scraper.errors_total == 5 and len(scraper.take_errors()) == 5 and scraper.take_errors() == []
         answer["route"] = Route(body=VLLM.encode())
         for _ in range(3):
@@ -171,7 +172,7 @@ def test_a_garbage_target_is_logged_escaped_and_rarely(caplog: pytest.LogCapture
         scraper = _scraper([s.url("/g")])
         caplog.set_level(logging.WARNING, logger="triscope.collectors.serving_metrics")
         for _ in range(10):
-            assert scraper.collect()["scrape_health"]["up"] == [0]
+            assert scraper.collect()[SCRAPE_HEALTH]["up"] == [0]
     assert scraper.errors_total == 10
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines

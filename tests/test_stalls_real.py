@@ -15,7 +15,7 @@ from disk_helpers import DiskstatsSampler
 
 from triscope.analyzers.stalls import diagnose_stalls, trace_span
 from triscope.collectors.kineto.ingest import ingest_trace
-from triscope.schema import encode_ts, qualified
+from triscope.schema import IO_LATENCY, encode_ts, qualified
 
 pytestmark = pytest.mark.slow
 
@@ -178,7 +178,7 @@ def test_bpftrace_collector_rows_make_the_io_verdict(store, tmp_path: Path) -> N
     rows: dict[str, list] = {}
 
     def keep(batch: dict) -> None:
-        for k, v in batch.get("io_latency", {}).items():
+        for k, v in batch.get(IO_LATENCY, {}).items():
             rows.setdefault(k, []).extend(v)
 
     try:

@@ -24,7 +24,7 @@ from triscope.collectors.torch_allocator import (
     sample_values,
 )
 from triscope.errors import ConfigError
-from triscope.schema import qualified
+from triscope.schema import ALLOCATOR_SAMPLES, qualified
 from triscope.writer import Writer
 
 MIB = 1 << 20
@@ -102,7 +102,7 @@ def test_device_selection(devices: Any, expected: list[int]) -> None:
                      memory_stats_dict(5 * MIB, 40 * MIB, 6 * MIB, 2 * MIB)])
     c = TorchAllocatorCollector({"torch_allocator": {"devices": devices, "host": "h"}}, cuda=cuda)
     c.start()
-    rows = c.collect()["allocator_samples"]
+    rows = c.collect()[ALLOCATOR_SAMPLES]
     assert rows["gpu"] == expected and set(rows["host"]) == {"h"} and c.state == "ok"
     if expected == [0, 2]:
         assert rows["fragmentation_ratio"] == [pytest.approx(0.5), pytest.approx(1 - 5 / 40)]
@@ -115,7 +115,7 @@ def test_waits_for_cuda_initialisation_and_survives_errors() -> None:
     c.start()
     assert c.collect() == {} and c.state == "not_initialized"
     cuda.initialized = True
-    assert c.collect()["allocator_samples"]["reserved_bytes"] == [20.0 * MIB]
+    assert c.collect()[ALLOCATOR_SAMPLES]["reserved_bytes"] == [20.0 * MIB]
     cuda.fail = "CUDA error: an illegal memory access was encountered\nmore"
     assert c.collect() == {} and c.state == "error" and c.reason.startswith("CUDA error: an illegal")
     cuda.fail = ""
@@ -165,7 +165,7 @@ def test_install_into_a_callers_writer_leaves_it_open(store: Any, tmp_path: Any)
     handle = install(writer, interval_s=0.02, cuda=FakeCuda([memory_stats_dict(MIB, 2 * MIB, MIB, 0)]))
     _wait_rows(handle, 3)
     handle.close()
-    assert writer.submit("allocator_samples", {c: [v] for c, v in _one_row().items()}) == 1  # still open
+    assert writer.submit(ALLOCATOR_SAMPLES, {c: [v] for c, v in _one_row().items()}) == 1  # still open
     assert writer.close(timeout_s=10)
     count = store.query(f"SELECT count() FROM {qualified(store, 'allocator_samples')}").scalar()
     assert count == handle.rows + 1 and handle.rows >= 3
@@ -213,7 +213,7 @@ def test_allocator_table_v1_upgrades_with_active_bytes(store: Any) -> None:
     assert [r[0] for r in store.query(f"DESCRIBE TABLE {table}").rows] == ALLOCATOR_SAMPLES.column_names()
     collector = TorchAllocatorCollector(None, cuda=FakeCuda([EMPTY]))
     collector.start()
-    COLUMNS = list(collector.collect()["allocator_samples"])  # the columns the collector writes
+    COLUMNS = list(collector.collect()[ALLOCATOR_SAMPLES])  # the columns the collector writes
     assert "active_bytes" in COLUMNS and set(COLUMNS) == set(ALLOCATOR_SAMPLES.column_names())
     assert store.query(f"SELECT host, reserved_bytes, active_bytes FROM {table}").rows == [("old", 2.0 * MIB, 0.0)]
 

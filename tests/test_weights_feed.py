@@ -642,7 +642,7 @@ def test_history_rows_survive_a_refusing_store(store, tmp_path) -> None:
 
     now = time.time()
     _seed(store, now)
-    p = WeightParams.from_config({"weights": {"history_flush_s": 3600, "feed": {"port": -1, "agent_port": -1}}})
+    p = WeightParams.from_config({"weights": {"feed": {"port": -1, "agent_port": -1}}})
     writer = Writer(opener, str(tmp_path / "spool"), retry_max_s=0.1)
     feed = WeightFeed(p, store=store, submit=writer.submit)
     down["now"] = True
@@ -650,7 +650,8 @@ def test_history_rows_survive_a_refusing_store(store, tmp_path) -> None:
     feed.update()
     assert not writer.flush(timeout_s=0.5)  # the store refuses: kept in the spool for the next try
     snap = writer.snapshot()
-    assert snap["rows_pending"] == 4 and snap["rows_written"] == 0 and feed.history_rows_submitted == 4
+    assert snap["rows_pending"] == 4 and snap["rows_written"] == 0
+    assert feed.history is not None and feed.history.rows_submitted == 4
     down["now"] = False
     feed.update()
     time.sleep(0.6)  # past the writer's retry backoff

@@ -15,12 +15,20 @@ import pytest
 from conftest import free_port
 
 from triscope.errors import ConfigError, InputError, StoreError
-from triscope.schema import qualified
+from triscope.schema import GPU_SAMPLES, Column, Table, qualified
 from triscope.spool import read_frames
 from triscope.store.base import Result, Store
 from triscope.writer import Writer
 
-TABLE = "writer_test"
+TABLE = Table("writer_test", [Column("seq", "UInt64"), Column("ts", "DateTime64(9, 'UTC')"),
+                               Column("host", "LowCardinality(String)"), Column("v", "Float64")], order_by="seq")
+MISSING = Table("no_such_table", [Column("a", "Int64")], order_by="a")
+"""A table the writer is told of that the store does not have: its batches are rejected."""
+
+
+def make_writer(store: Any, spool_dir: str, **kwargs: Any) -> Writer:
+    """A writer that takes rows for the test tables."""
+    return Writer(store, spool_dir, tables=[TABLE, MISSING], **kwargs)
 
 
 class FlakyStore(Store):
@@ -78,7 +86,7 @@ def counts(store: Store) -> tuple[int, int, int, int]:
 
 def test_batches_by_rows_and_writes_everything(store: Store, tmp_path: Path) -> None:
     make_table(store)
-    w = Writer(store, str(tmp_path / "spool"), batch_rows=1000, flush_interval_s=60)
+    w = make_writer(store, str(tmp_path / "spool"), batch_rows=1000, flush_interval_s=60)
     w.start()
     for start in range(0, 5500, 500):
         assert w.submit(TABLE, rows(start, 500)) == 500
@@ -91,13 +99,13 @@ def test_batches_by_rows_and_writes_everything(store: Store, tmp_path: Path) -> 
     assert w.close()
     assert [p.name for p in (tmp_path / "spool").iterdir() if p.is_file() and p.name != "LOCK"] == []
     ddl = store.query("SELECT create_table_query FROM system.tables WHERE database = {d:String} "
-                      "AND name = {t:String}", {"d": store.database, "t": TABLE}).scalar()
+                      "AND name = {t:String}", {"d": store.database, "t": TABLE.name}).scalar()
     assert "non_replicated_deduplication_window = 1000" in ddl
 
 
 def test_flushes_by_time(store: Store, tmp_path: Path) -> None:
     make_table(store)
-    w = Writer(store, str(tmp_path / "spool"), batch_rows=1_000_000, flush_interval_s=0.2)
+    w = make_writer(store, str(tmp_path / "spool"), batch_rows=1_000_000, flush_interval_s=0.2)
     w.start()
     w.submit(TABLE, rows(0, 10))
     import time
@@ -111,11 +119,15 @@ def test_flushes_by_time(store: Store, tmp_path: Path) -> None:
 
 def test_bad_input_is_refused_whole(store: Store, tmp_path: Path) -> None:
     make_table(store)
-    w = Writer(store, str(tmp_path / "spool"))
+    w = make_writer(store, str(tmp_path / "spool"))
     with pytest.raises(InputError, match="different lengths"):
         w.submit(TABLE, {"seq": [1, 2], "v": [1.0]})
-    with pytest.raises(InputError, match="bad table name"):
-        w.submit("x; DROP TABLE y", {"seq": [1]})
+    with pytest.raises(InputError, match="must be submitted with a triscope.schema Table, got str 'x; DROP"):
+        w.submit("x; DROP TABLE y", {"seq": [1]})  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="'gpu_samples' is not a table of triscope.schema"):
+        w.submit(GPU_SAMPLES, {"seq": [1]})  # a schema table, but not one this writer was given
+    with pytest.raises(InputError, match="'writer_test' is not a table"):  # a look-alike is not the table
+        w.submit(Table("writer_test", TABLE.columns, order_by="seq"), {"seq": [1]})
     assert w.snapshot()["rows_pending"] == 0
     w.close()
     with pytest.raises(ConfigError, match="unknown keys"):
@@ -127,7 +139,7 @@ def test_store_down_spools_then_replays_exactly_once(store: Store, tmp_path: Pat
     make_table(store)
     flaky = FlakyStore(store)
     flaky.down = True
-    w = Writer(flaky, str(tmp_path / "spool"), batch_rows=2000, flush_interval_s=0.05, retry_max_s=0.2)
+    w = make_writer(flaky, str(tmp_path / "spool"), batch_rows=2000, flush_interval_s=0.05, retry_max_s=0.2)
     w.start()
     with caplog.at_level(logging.WARNING, logger="triscope.writer"):
         for start in range(0, 10_000, 1000):
@@ -153,14 +165,14 @@ def test_unreachable_server_spools_and_next_start_replays(store: Store, tmp_path
     port = free_port()  # closed again when the block ends: nothing listens there
     make_table(store)
     spool = str(tmp_path / "spool")
-    w = Writer(lambda: ServerStore(f"http://127.0.0.1:{port}", connect_timeout_s=0.5), spool,
+    w = make_writer(lambda: ServerStore(f"http://127.0.0.1:{port}", connect_timeout_s=0.5), spool,
                batch_rows=500, flush_interval_s=0.05, retry_max_s=0.2)
     w.start()
     w.submit(TABLE, rows(0, 1200))
     assert not w.flush(timeout_s=1.5)
     assert not w.close(timeout_s=0.5)
     assert "cannot reach ClickHouse" in w.snapshot()["last_error"]
-    again = Writer(store, spool)
+    again = make_writer(store, spool)
     assert again.snapshot()["rows_pending"] == 1200
     again.start()
     assert again.flush(timeout_s=30)
@@ -173,7 +185,7 @@ def test_replay_of_already_inserted_batches_is_deduplicated(store: Store, tmp_pa
     """Crash between insert and spool delete: the replayed batches must not duplicate rows."""
     make_table(store)
     spool = str(tmp_path / "spool")
-    w = Writer(store, spool, batch_rows=3000)
+    w = make_writer(store, spool, batch_rows=3000)
     w.spool.remove = lambda item: None  # type: ignore[method-assign]  # "crash" before every delete
     w.start()
     for start in range(0, 9000, 3000):
@@ -182,14 +194,14 @@ def test_replay_of_already_inserted_batches_is_deduplicated(store: Store, tmp_pa
     w.close()
     assert counts(store) == (9000, 9000, 0, 8999)
     assert len(list(Path(spool).glob("*.batch"))) == 3
-    again = Writer(store, spool)
+    again = make_writer(store, spool)
     again.start()
     assert again.flush(timeout_s=30)
     assert again.snapshot()["rows_replayed"] == 9000  # inserted a second time ...
     assert counts(store) == (9000, 9000, 0, 8999)  # ... and ClickHouse dropped the copies
     again.close()
     # A different batch with the same rows is new data, not a replay: it is kept.
-    third = Writer(store, spool)
+    third = make_writer(store, spool)
     third.submit(TABLE, rows(0, 10))
     third.close()
     assert counts(store)[0] == 9010
@@ -199,7 +211,7 @@ def test_memory_is_bounded_while_down(store: Store, tmp_path: Path) -> None:
     make_table(store)
     flaky = FlakyStore(store)
     flaky.down = True
-    w = Writer(flaky, str(tmp_path / "spool"), batch_rows=1000, max_memory_rows=3000, flush_interval_s=0.05,
+    w = make_writer(flaky, str(tmp_path / "spool"), batch_rows=1000, max_memory_rows=3000, flush_interval_s=0.05,
                retry_max_s=0.2)
     w.start()
     peak = 0
@@ -222,7 +234,7 @@ def test_spool_cap_drops_oldest_and_counts(store: Store, tmp_path: Path,
     make_table(store)
     flaky = FlakyStore(store)
     flaky.down = True
-    w = Writer(flaky, str(tmp_path / "spool"), batch_rows=1000, flush_interval_s=0.05, retry_max_s=0.2,
+    w = make_writer(flaky, str(tmp_path / "spool"), batch_rows=1000, flush_interval_s=0.05, retry_max_s=0.2,
                spool_max_bytes=200_000)
     w.start()
     with caplog.at_level(logging.WARNING, logger="triscope.writer"):
@@ -244,11 +256,11 @@ def test_spool_cap_drops_oldest_and_counts(store: Store, tmp_path: Path,
 def test_rejected_batch_does_not_block_others(store: Store, tmp_path: Path,
                                               caplog: pytest.LogCaptureFixture) -> None:
     make_table(store)
-    w = Writer(store, str(tmp_path / "spool"), batch_rows=100)
+    w = make_writer(store, str(tmp_path / "spool"), batch_rows=100)
     w.start()
     with caplog.at_level(logging.ERROR, logger="triscope.writer"):
         w.submit(TABLE, {"seq": [1], "no_such_column": [2]})
-        w.submit("no_such_table", {"a": [1]})
+        w.submit(MISSING, {"a": [1]})
         w.submit(TABLE, rows(0, 100))
         assert w.flush(timeout_s=30)
     snap = w.snapshot()
@@ -262,14 +274,14 @@ def test_rejected_batch_does_not_block_others(store: Store, tmp_path: Path,
 def test_torn_open_file_is_recovered_to_whole_frames(store: Store, tmp_path: Path) -> None:
     make_table(store)
     spool = tmp_path / "spool"
-    w = Writer(store, str(spool))
+    w = make_writer(store, str(spool))
     w.submit(TABLE, rows(0, 50))
     w.submit(TABLE, rows(50, 50))
     (open_file,) = spool.glob("*.open")
     w.spool.close()  # simulate a crash: nothing sealed, nothing written
     data = open_file.read_bytes()
     open_file.write_bytes(data + data[:37])  # a third frame, torn mid-write
-    again = Writer(store, str(spool))
+    again = make_writer(store, str(spool))
     assert again.snapshot()["rows_pending"] == 100
     again.start()
     assert again.flush(timeout_s=30)
@@ -278,7 +290,7 @@ def test_torn_open_file_is_recovered_to_whole_frames(store: Store, tmp_path: Pat
 
 
 def test_spool_dir_has_one_owner(store: Store, tmp_path: Path) -> None:
-    w = Writer(store, str(tmp_path / "spool"))
+    w = make_writer(store, str(tmp_path / "spool"))
     with pytest.raises(StoreError, match="in use by another"):
-        Writer(store, str(tmp_path / "spool"))
+        make_writer(store, str(tmp_path / "spool"))
     w.close()

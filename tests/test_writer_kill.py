@@ -27,13 +27,16 @@ N = 60_000
 CHILD = r'''
 import json, os, signal, sys, time
 from triscope.store import open_store
+from triscope.schema import Column, Table
 from triscope.writer import Writer
 
 store_dir, spool_dir, total, crash_after = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 store = open_store({"store": {"backend": "embedded", "path": store_dir, "database": "killtest"}})
 store.command("CREATE TABLE IF NOT EXISTS killtest.seqs (seq UInt64, ts DateTime64(9, 'UTC'), "
               "payload String) ENGINE = MergeTree PARTITION BY toYYYYMMDD(ts) ORDER BY seq")
-writer = Writer(store, spool_dir, batch_rows=4000, flush_interval_s=0.05)
+SEQS = Table("seqs", [Column("seq", "UInt64"), Column("ts", "DateTime64(9, 'UTC')"), Column("payload", "String")],
+             order_by="seq")
+writer = Writer(store, spool_dir, batch_rows=4000, flush_interval_s=0.05, tables=[SEQS])
 replay = writer.snapshot()["rows_pending"]
 writer.start()
 assert writer.flush(timeout_s=60)
@@ -49,7 +52,7 @@ if crash_after:
     writer.spool.remove = remove
 for lo in range(start, total, 500):
     seqs = list(range(lo, min(lo + 500, total)))
-    writer.submit("seqs", {"seq": seqs, "ts": [f"2026-12-0{1 + s % 2} 00:00:00.{s:09d}" for s in seqs],
+    writer.submit(SEQS, {"seq": seqs, "ts": [f"2026-12-0{1 + s % 2} 00:00:00.{s:09d}" for s in seqs],
                            "payload": ["x" * (s % 50) for s in seqs]})
     print(f"acked {seqs[-1]}", flush=True)
     time.sleep(0.004)

@@ -43,8 +43,8 @@ def run_sampler(sampler: NvmlSampler, seconds: float) -> tuple[list[dict[str, li
         t0 = time.process_time()
         out = sampler.collect()
         cpu += time.process_time() - t0
-        if GPU_SAMPLES.name in out:
-            batches.append(out[GPU_SAMPLES.name])
+        if GPU_SAMPLES in out:
+            batches.append(out[GPU_SAMPLES])
         nxt += sampler.interval_s
         time.sleep(max(0.0, nxt - time.monotonic()))
     return batches, cpu / max(1, len(batches))
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None, nvml: ModuleType | None = None) -> int:
         if before is None:
             print("nvidia-smi not available: memory cross-check skipped")
             return 0
-        last = sampler.sample_once()[GPU_SAMPLES.name]
+        last = sampler.sample_once()[GPU_SAMPLES]
         after = smi_memory_used() or {}
         nvml_mem = {int(g): (float(u), float(r)) for g, u, r, st in
                     zip(last["gpu"], last["memory_used_bytes"], last["memory_reserved_bytes"], last["state"],

@@ -16,8 +16,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from triscope.component import MAX_INTERVAL_S, Collector, Rows, Submit
+from triscope.component import MAX_INTERVAL_S, Collector, ReportsErrors, ReportsGaps, Rows, Submit
 from triscope.errors import InputError, SpoolUnavailable
+from triscope.schema import Table
 from triscope.store_link import one_line
 from triscope.writer import Writer
 
@@ -38,12 +39,12 @@ class RowCounter:
         self.rows = 0
         self.by_table: dict[str, int] = {}
 
-    def add(self, table: str, n: int) -> None:
+    def add(self, table: Table, n: int) -> None:
         with self._lock:
             self.rows += n
-            self.by_table[table] = self.by_table.get(table, 0) + n
+            self.by_table[table.name] = self.by_table.get(table.name, 0) + n
 
-    def submit(self, table: str, columns: Rows) -> int:
+    def submit(self, table: Table, columns: Rows) -> int:
         """``Context.submit`` for this collector: the writer's, counted."""
         n = self._submit(table, columns)
         self.add(table, n)
@@ -65,7 +66,7 @@ class CollectorLoop(threading.Thread):
         self.errors = 0
         self.last_error = ""
         self.rows_dropped = 0
-        self.pending: list[tuple[str, Rows]] = []
+        self.pending: list[tuple[Table, Rows]] = []
         self.pending_rows = 0
         self._retry_at = 0.0
         self._backoff = 0.0
@@ -86,11 +87,15 @@ class CollectorLoop(threading.Thread):
             out = {}
         # Per-source failures of a collector that still returned rows (one target of many): counted
         # here, logged by the collector once per change of state.
-        for message in getattr(self.collector, "take_errors", list)():
-            self.errors += 1
-            self.last_error = message
+        if isinstance(self.collector, ReportsErrors):
+            for message in self.collector.take_errors():
+                self.errors += 1
+                self.last_error = message
         for table, columns in (out or {}).items():
-            if _length(columns):
+            if not isinstance(table, Table):  # a contract slip: say so once, never hand it on
+                self._error(f"collect() must key rows by triscope.schema Table, got {type(table).__name__} "
+                            f"{str(table)[:80]!r}")
+            elif _length(columns):
                 self.pending.append((table, columns))
                 self.pending_rows += _length(columns)
         return self._hand_over(force=final)
@@ -156,10 +161,10 @@ class CollectorLoop(threading.Thread):
     def counters(self) -> dict[str, Any]:
         """rows, errors, last error, rows waiting for the writer, rows dropped, rows per table, and the
         collector's own count of the gaps it knows of in its rows (``gaps()``, where it has one)."""
-        gaps = getattr(self.collector, "gaps", None)
+        gaps = dict(self.collector.gaps()) if isinstance(self.collector, ReportsGaps) else {}
         return {"rows": self.rows, "errors": self.errors, "last_error": self.last_error,
                 "pending_rows": self.pending_rows, "rows_dropped": self.rows_dropped,
-                "tables": dict(self.counter.by_table), "gaps": dict(gaps()) if callable(gaps) else {}}
+                "tables": dict(self.counter.by_table), "gaps": gaps}
 
 
 __all__: Sequence[str] = ["CollectorLoop", "RowCounter"]

@@ -9,7 +9,9 @@ Every collector and exporter is a package-level ``create(config, context)`` fact
   writer's ``submit`` (the one write path, see :mod:`triscope.writer`) and the live counters.
 
 The daemon (:mod:`triscope.daemon`) types what it holds with :class:`Collector` and
-:class:`Exporter`; the registry of names usable in ``[run]`` lives in :mod:`triscope.registry`.
+:class:`Exporter`, and the optional features it looks for with :class:`RowsAfterClose`,
+:class:`ReportsGaps`, :class:`ReportsErrors` and :class:`ReportsStats`; the registry of names
+usable in ``[run]`` lives in :mod:`triscope.registry`.
 """
 
 from __future__ import annotations
@@ -21,17 +23,22 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, runtime_checkable
 
 from triscope.errors import ConfigError
+
+if TYPE_CHECKING:  # triscope.schema imports the store, whose config imports this module
+    from triscope.schema.model import Table
 
 log = logging.getLogger(__name__)
 
 Rows = Mapping[str, Sequence[Any]]
 """Column-oriented rows: ``{column: values}``, every sequence the same length."""
 
-Submit = Callable[[str, Rows], int]
-"""Hands rows for one table to the writer (spooled before it returns); returns the row count."""
+Submit = Callable[["Table", Rows], int]
+"""Hands rows for one table of :mod:`triscope.schema` (the ``Table`` object, not its name) to the
+writer, spooled before it returns; returns the row count. A table the schema does not have is an
+:class:`~triscope.errors.InputError`."""
 
 
 @runtime_checkable
@@ -39,10 +46,8 @@ class Collector(Protocol):
     """A source of rows for one or more tables, polled by the daemon every ``interval_s``.
 
     Long-running sources (bpftrace, an OTLP receiver) buffer between calls or submit through
-    ``context.submit`` themselves. A source whose ``close()`` yields last rows (bpftrace's END
-    probe prints the window still open) sets ``ROWS_AFTER_CLOSE = True``: the daemon then calls
-    ``collect()`` once more after ``close()``. A source that knows where its rows fall short may
-    have ``gaps() -> dict[str, int]``: running counts by kind (the daemon's ``/metrics`` shows them).
+    ``context.submit`` themselves. Optional features the daemon looks for, each a protocol below:
+    :class:`RowsAfterClose`, :class:`ReportsGaps`, :class:`ReportsErrors`.
     """
 
     name: str
@@ -51,8 +56,8 @@ class Collector(Protocol):
     def start(self) -> None:
         """Acquire resources (open NVML, spawn a subprocess, bind a port). May raise TriscopeError."""
 
-    def collect(self) -> dict[str, Rows]:
-        """Rows since the last call, keyed by unqualified table name; ``{}`` when there is nothing new.
+    def collect(self) -> Mapping[Table, Rows]:
+        """Rows since the last call, keyed by :mod:`triscope.schema` table; ``{}`` when there is nothing new.
 
         Must not raise for a transient source failure: record it (e.g. a ``state`` column) instead.
         """
@@ -72,8 +77,47 @@ class Exporter(Protocol):
         """Stop serving; safe to call twice."""
 
 
-def _no_submit(table: str, rows: Rows) -> int:
-    raise ConfigError(f"no writer in this context to take rows for {table!r}")
+@runtime_checkable
+class RowsAfterClose(Protocol):
+    """A collector whose ``close()`` yields last rows (bpftrace's END probe prints the window
+    still open): with ``ROWS_AFTER_CLOSE = True`` the daemon calls ``collect()`` once more after
+    ``close()`` and submits what it returns."""
+
+    ROWS_AFTER_CLOSE: bool
+
+
+@runtime_checkable
+class ReportsGaps(Protocol):
+    """A collector that knows where its rows fall short (lost probe events, unparsed lines)."""
+
+    def gaps(self) -> Mapping[str, int]:
+        """Running counts by kind of gap; the daemon's counters (and ``/metrics``) show them."""
+        ...
+
+
+@runtime_checkable
+class ReportsErrors(Protocol):
+    """A collector with many sources (scrape targets) that still returns rows when some fail."""
+
+    def take_errors(self) -> list[str]:
+        """One message per source failure since the last call (the collector logs each once per
+        change of state); the daemon counts them as the collector's errors, the last one shown."""
+        ...
+
+
+@runtime_checkable
+class ReportsStats(Protocol):
+    """An exporter with live counters of its own (the per-request picker's): the daemon's
+    ``stats()`` includes them under ``exporters``, by ``[run] exporters`` name, which is how
+    they reach the ``prometheus`` exporter without one exporter importing another."""
+
+    def stats(self) -> Mapping[str, Any]:
+        """Counters and gauges, JSON-friendly."""
+        ...
+
+
+def _no_submit(table: Table, rows: Rows) -> int:
+    raise ConfigError(f"no writer in this context to take rows for {getattr(table, 'name', table)!r}")
 
 
 def _no_store() -> Any:
@@ -180,12 +224,16 @@ class ComponentConfig:
     """Base of every typed config section.
 
     Subclasses are frozen dataclasses whose fields hold the defaults; ``section`` names the TOML
-    table (``[nvml]``), ``aliases`` maps deprecated key names to current ones (accepted for one
-    release with a warning). :meth:`validate` checks ranges after types are checked.
+    table (``[nvml]``), ``aliases`` maps a renamed key to its current name, or a removed key to
+    ``""`` (either is accepted for one release with a warning; a removed key's value is ignored).
+    :meth:`validate` checks ranges after types are checked.
     """
 
     section: ClassVar[str] = ""
     aliases: ClassVar[dict[str, str]] = {}
+    flattened: ClassVar[dict[str, tuple[str, ...]]] = {}
+    """Fields holding a nested config whose keys are written flat in this section: field -> those keys
+    (``[epp]`` holds the picker's ``PickerParams`` this way)."""
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None, where: str | None = None) -> Self:
@@ -196,15 +244,23 @@ class ComponentConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where} must be a table, got {data!r}")
         hints = typing.get_type_hints(cls)
-        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        flat = {key: name for name, keys in cls.flattened.items() for key in keys}
+        names = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in cls.flattened]
+        nested: dict[str, dict[str, Any]] = {name: {} for name in cls.flattened}
         values: dict[str, Any] = {}
         unknown: list[str] = []
         for key, value in data.items():
             name = cls.aliases.get(key, key)
+            if not name:
+                log.warning("%s %s is no longer used and is ignored; remove it", where, key)
+                continue
             if name != key:
                 log.warning("%s %s is deprecated; use %s", where, key, name)
                 if name in data:
                     continue  # the current name wins over its alias
+            if name in flat:
+                nested[flat[name]][name] = value
+                continue
             if name not in names:
                 unknown.append(str(key))
                 continue
@@ -215,7 +271,9 @@ class ComponentConfig:
                 raise ConfigError(f"{where} has a bad value for {key}: must be {why}") from None
         if unknown:
             raise ConfigError(f"{where} has unknown keys: {', '.join(sorted(unknown))} "
-                              f"(known: {', '.join(sorted(names))})")
+                              f"(known: {', '.join(sorted([*names, *flat]))})")
+        for name, section in nested.items():
+            values[name] = hints[name].from_mapping(section, where)
         try:
             config = cls(**values)
         except TypeError as exc:

@@ -20,10 +20,22 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from triscope.collector_loop import CollectorLoop, RowCounter
-from triscope.component import Collector, ComponentConfig, Context, Exporter, Factory, Rows, non_negative, positive
+from triscope.component import (
+    Collector,
+    ComponentConfig,
+    Context,
+    Exporter,
+    Factory,
+    ReportsStats,
+    Rows,
+    RowsAfterClose,
+    non_negative,
+    positive,
+)
 from triscope.conn_budget import BUDGET, raise_fd_limit
 from triscope.errors import ConfigError, SpoolUnavailable, StoreError, TriscopeError
 from triscope.registry import COLLECTORS, EXPORTERS, resolve
+from triscope.schema import Table
 from triscope.store.base import Store
 from triscope.writer import Writer, WriterConfig
 
@@ -87,7 +99,7 @@ class Daemon:
         self.query_endpoint: Any = None
         self.query_store: Store | None = None
 
-    def _submit(self, table: str, columns: Rows) -> int:
+    def _submit(self, table: Table, columns: Rows) -> int:
         if self.writer is None:
             raise SpoolUnavailable("the writer is not open yet")
         return self.writer.submit(table, columns)
@@ -163,9 +175,9 @@ class Daemon:
                 "collectors": {loop.collector.name: loop.counters() for loop in self.loops},
                 "not_started": dict(self.failed),
                 # started exporters are a prefix of the configured ones, in their order
-                "exporters": {spec: stats()
+                "exporters": {spec: dict(exporter.stats())
                               for (spec, _), exporter in zip(self.exporter_factories, self.exporters, strict=False)
-                              if callable(stats := getattr(exporter, "stats", None))}}
+                              if isinstance(exporter, ReportsStats)}}
 
     def wait(self) -> None:
         """Block until :meth:`request_stop` (a signal), logging writer status periodically."""
@@ -203,7 +215,7 @@ class Daemon:
             loop.collect_once(final=True)
             with contextlib.suppress(Exception):
                 loop.collector.close()
-            if getattr(loop.collector, "ROWS_AFTER_CLOSE", False):  # e.g. the window bpftrace's END prints
+            if isinstance(loop.collector, RowsAfterClose) and loop.collector.ROWS_AFTER_CLOSE:
                 loop.collect_once(final=True)
         for exporter in self.exporters:
             with contextlib.suppress(Exception):

@@ -12,22 +12,22 @@ bad data and moves to ``spool/rejected/``. Memory (``max_memory_rows``) and spoo
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from triscope.backlog import Backlog, Queued
 from triscope.component import ComponentConfig, non_negative, positive
 from triscope.errors import ConfigError, InputError, SpoolUnavailable, StoreError
-from triscope.spool import TABLE_NAME, OpenBatch, Spool, SpoolFile
+from triscope.schema import Table, known_tables
+from triscope.spool import TABLE_NAME, OpenBatch, Spool
 from triscope.store.base import Store
 from triscope.store_link import StoreLink, one_line
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -58,15 +58,6 @@ STAT_NAMES = ("rows_submitted", "rows_written", "rows_replayed", "rows_dropped",
               "batches_written", "insert_failures", "spool_failures")
 
 
-@dataclass
-class _Queued:
-    """A sealed batch waiting for the store; ``columns`` is None when only the spool file holds it."""
-
-    file: SpoolFile
-    columns: dict[str, list[Any]] | None
-    replayed: bool = False
-
-
 class _Building:
     """The batch being filled for one (table, column set)."""
 
@@ -80,29 +71,25 @@ class Writer:
 
     ``store`` is a :class:`Store` or a zero-argument callable opening one; a callable is called
     again after a failure, so a server that is down at start is picked up when it comes back.
+    ``tables`` are the tables it takes rows for: :func:`triscope.schema.known_tables` unless given.
     """
 
     def __init__(self, store: Store | Callable[[], Store], spool_dir: str, *,
                  batch_rows: int = _DEFAULT.batch_rows, flush_interval_s: float = _DEFAULT.flush_interval_s,
                  max_memory_rows: int = _DEFAULT.max_memory_rows, spool_max_bytes: int = _DEFAULT.spool_max_bytes,
                  fsync: bool = _DEFAULT.fsync, retry_max_s: float = _DEFAULT.retry_max_s,
-                 dedup_window: int = _DEFAULT.dedup_window) -> None:
+                 dedup_window: int = _DEFAULT.dedup_window, tables: Iterable[Table] | None = None) -> None:
+        self.tables = known_tables() if tables is None else {t.name: t for t in tables}
         self.link = StoreLink(store, float(retry_max_s), int(dedup_window))
         self.spool = Spool(spool_dir, fsync=fsync)
         self.batch_rows = max(1, int(batch_rows))
         self.flush_interval_s = float(flush_interval_s)
-        self.max_memory_rows = max(self.batch_rows, int(max_memory_rows))
-        self.spool_max_bytes = int(spool_max_bytes)
         self.fsync = fsync
         self.stats: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
         self.spool_error = ""  # the last spool (disk) failure, "" once the spool works again
         self._building: dict[tuple[str, tuple[str, ...]], _Building] = {}
         self._to_seal: list[_Building] = []
-        self._queue: collections.deque[_Queued] = collections.deque()
-        self._memory_rows = 0
-        self._spool_bytes = 0
-        self._in_flight: _Queued | None = None
-        self._condemned: _Queued | None = None  # the in-flight batch the spool cap drops if its insert fails
+        self.backlog = Backlog(self.spool, max(self.batch_rows, int(max_memory_rows)), int(spool_max_bytes), self.stats)
         self._lock = threading.Lock()
         self._seal_lock = threading.Lock()
         self._wake = threading.Event()
@@ -121,48 +108,57 @@ class Writer:
     # ---- recovery -----------------------------------------------------------------------------
     def _recover(self) -> None:
         for item in self.spool.recover():
-            self._queue.append(_Queued(item, None, replayed=True))
-            self._spool_bytes += item.size
-        if self._queue:
-            n = sum(q.file.rows for q in self._queue)
-            log.info("writer: %d batch(es), %d rows in spool %s to replay", len(self._queue), n, self.spool.dir)
+            self.backlog.items.append(Queued(item, None, replayed=True))
+            self.backlog.spool_bytes += item.size
+        if self.backlog.items:
+            n = self.backlog.rows()
+            log.info("writer: %d batch(es), %d rows in spool %s to replay", len(self.backlog.items), n, self.spool.dir)
 
     # ---- producer side ------------------------------------------------------------------------
-    def submit(self, table: str, columns: Mapping[str, Sequence[Any]]) -> int:
-        """Queue rows for ``table`` (unqualified name); durable in the spool when this returns.
+    def submit(self, table: Table, columns: Mapping[str, Sequence[Any]]) -> int:
+        """Queue rows for ``table`` (a :mod:`triscope.schema` table); durable in the spool when this returns.
 
-        Raises InputError (nothing queued) when the table name is bad or the columns differ in
-        length, SpoolUnavailable (nothing queued; keep the rows and retry) when the disk fails.
+        Raises InputError (nothing queued) when ``table`` is not one of the writer's tables or the
+        columns differ in length, SpoolUnavailable (nothing queued; keep the rows and retry) when
+        the disk fails. The spool records the table's name.
         """
-        if not TABLE_NAME.fullmatch(table):
-            raise InputError(f"writer: bad table name {table!r}")
+        self.check_table(table)
         lengths = {len(v) for v in columns.values()}
         if len(lengths) > 1:
-            raise InputError(f"writer: {table}: columns have different lengths {sorted(lengths)}")
+            raise InputError(f"writer: {table.name}: columns have different lengths {sorted(lengths)}")
         n = lengths.pop() if lengths else 0
         if n == 0:
             return 0
         names = tuple(columns)
         with self._lock:
-            key = (table, names)
+            key = (table.name, names)
             try:
                 building = self._building.get(key)
                 if building is None:
-                    building = self._building[key] = _Building(self.spool.open_batch(table), names)
-                self._spool_bytes += building.batch.append(columns, n)
+                    building = self._building[key] = _Building(self.spool.open_batch(table.name), names)
+                self.backlog.spool_bytes += building.batch.append(columns, n)
             except OSError as exc:  # disk full, out of descriptors: nothing taken, the caller keeps the rows
                 self._spool_failed(exc)
                 raise SpoolUnavailable(f"writer: spool {self.spool.dir} not writable: {one_line(exc)}") from None
             self.spool_error = ""
             for name in names:
                 building.columns[name].extend(columns[name])
-            self._memory_rows += n
+            self.backlog.memory_rows += n
             self.stats["rows_submitted"] += n
             if building.batch.rows >= self.batch_rows:
                 del self._building[key]
                 self._to_seal.append(building)
                 self._wake.set()
         return n
+
+    def check_table(self, table: object) -> None:
+        """InputError (one line) unless ``table`` is one of the :class:`Table` objects this writer takes."""
+        if not isinstance(table, Table):
+            raise InputError(f"writer: rows must be submitted with a triscope.schema Table, "
+                             f"got {type(table).__name__} {str(table)[:80]!r}")
+        if self.tables.get(table.name) is not table or not TABLE_NAME.fullmatch(table.name):
+            raise InputError(f"writer: {table.name!r} is not a table of triscope.schema "
+                             f"(known: {', '.join(sorted(self.tables))})")
 
     # ---- consumer side ------------------------------------------------------------------------
     def start(self) -> None:
@@ -198,9 +194,9 @@ class Writer:
             if self._building:
                 oldest = min(b.batch.created for b in self._building.values())
                 wait = min(wait, max(0.0, oldest + self.flush_interval_s - time.monotonic()))
-            if self._queue and not self.link.up:
+            if self.backlog.items and not self.link.up:
                 wait = min(wait, max(0.0, self.link.retry_at - time.monotonic()))
-            elif self._queue:
+            elif self.backlog.items:
                 wait = 0.0
         return max(wait, 0.005)
 
@@ -224,80 +220,32 @@ class Writer:
                         self._to_seal[:0] = sealing[i:]
                     raise
                 with self._lock:
-                    self._queue.append(_Queued(item, building.columns))
-                    self._spill_memory()
-                    self._enforce_spool_cap()
-
-    def _spill_memory(self) -> None:
-        """Keep at most max_memory_rows in memory: newest queued batches live only on disk (lock held)."""
-        if self._memory_rows <= self.max_memory_rows:
-            return
-        for queued in reversed(self._queue):
-            if self._memory_rows <= self.max_memory_rows:
-                break
-            if queued.columns is not None and queued is not self._in_flight:
-                queued.columns = None
-                self._memory_rows -= queued.file.rows
-
-    def _enforce_spool_cap(self) -> None:
-        """Delete the oldest batches while the spool is over its byte cap (lock held).
-
-        The batch being inserted cannot be deleted under its insert: when it is among the oldest
-        it is marked instead, dropped if that attempt fails (kept if it succeeds), and its bytes
-        count as freed meanwhile, so no newer batch is deleted in its place.
-        """
-        for victim in list(self._queue):
-            marked = self._condemned.file.size if self._condemned is not None else 0
-            if self._spool_bytes - marked <= self.spool_max_bytes:
-                return
-            if victim is self._condemned:
-                continue
-            if victim is self._in_flight:
-                self._condemned = victim
-                continue
-            self._drop(victim)
-
-    def _drop(self, victim: _Queued) -> None:
-        """Delete a queued batch from the queue and the spool, counting its rows as lost (lock held)."""
-        self._queue.remove(victim)
-        self._forget(victim)
-        self.spool.remove(victim.file)
-        self.stats["rows_dropped"] += victim.file.rows
-        log.warning("writer: spool over %d bytes; dropped oldest batch %s (%d rows of %s), %d rows lost so far",
-                    self.spool_max_bytes, victim.file.batch_id, victim.file.rows, victim.file.table,
-                    self.stats["rows_dropped"])
-
-    def _forget(self, queued: _Queued) -> None:
-        """Account a batch leaving the queue (lock held)."""
-        self._spool_bytes -= queued.file.size
-        if queued.columns is not None:
-            self._memory_rows -= queued.file.rows
-            queued.columns = None
+                    self.backlog.add(Queued(item, building.columns))
 
     def _drain(self) -> None:
         """Insert queued batches oldest first until the queue is empty or the store fails."""
         while not self._stop.is_set() or self._draining_on_close:
             with self._lock:
-                if not self._queue or self.link.waiting():
+                if not self.backlog.items or self.link.waiting():
                     self._idle.notify_all()
                     return
-                queued = self._in_flight = self._queue[0]
+                queued = self.backlog.in_flight = self.backlog.items[0]
             ok = self._write(queued)
             with self._lock:
-                self._in_flight = None
-                condemned, self._condemned = self._condemned is queued, None
+                self.backlog.in_flight = None
+                condemned, self.backlog.condemned = self.backlog.condemned is queued, None
                 if ok is None:  # store down: retry later (unless the spool cap marked this batch)
                     if condemned:
-                        self._drop(queued)
+                        self.backlog.drop(queued)
                     self._idle.notify_all()
                     return
-                if self._queue and self._queue[0] is queued:
-                    self._queue.popleft()
-                self._forget(queued)
+                if self.backlog.items and self.backlog.items[0] is queued:
+                    self.backlog.items.popleft()
+                self.backlog.forget(queued)
 
     _draining_on_close = False
 
-    def _write(self, queued: _Queued) -> bool | None:
+    def _write(self, queued: Queued) -> bool | None:
         """Insert one batch: True written, False rejected (bad data), None store unavailable."""
         item = queued.file
         lost = 0
@@ -336,18 +284,18 @@ class Writer:
         self._seal_due(force=True)
         if self._thread is None:
             self._drain()
-            return not self._queue
+            return not self.backlog.items
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self.link.retry_at = 0.0
         self._wake.set()
         with self._idle:
-            while self._queue or self._in_flight is not None:
+            while self.backlog.items or self.backlog.in_flight is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._idle.wait(min(left, 0.1))
-                if self._queue and self.link.waiting():
+                if self.backlog.items and self.link.waiting():
                     self._wake.set()
         return True
 
@@ -371,14 +319,14 @@ class Writer:
         self._draining_on_close = True
         deadline = time.monotonic() + timeout_s
         try:
-            while self._queue and time.monotonic() < deadline:
+            while self.backlog.items and time.monotonic() < deadline:
                 self.link.retry_at = 0.0
                 self._drain()
-                if self._queue:
+                if self.backlog.items:
                     time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         finally:
             self._draining_on_close = False
-        left = sum(q.file.rows for q in self._queue)
+        left = self.backlog.rows()
         if left:
             log.warning("writer: %d rows stay in spool %s for the next start", left, self.spool.dir)
         self.spool.close()
@@ -388,8 +336,8 @@ class Writer:
     def snapshot(self) -> dict[str, Any]:
         """Counters and gauges for status output and metrics."""
         with self._lock:
-            pending = sum(q.file.rows for q in self._queue) + sum(
+            pending = self.backlog.rows() + sum(
                 b.batch.rows for b in (*self._building.values(), *self._to_seal))
-            return {**self.stats, "rows_pending": pending, "memory_rows": self._memory_rows,
-                    "spool_bytes": self._spool_bytes, "store_up": self.link.up, "last_error": self.link.last_error,
-                    "spool_error": self.spool_error}
+            return {**self.stats, "rows_pending": pending, "memory_rows": self.backlog.memory_rows,
+                    "spool_bytes": self.backlog.spool_bytes, "store_up": self.link.up,
+                    "last_error": self.link.last_error, "spool_error": self.spool_error}

@@ -9,7 +9,8 @@ from typing import Any
 UNKNOWN = "unknown"
 CAUSES = ("backend_down", "load_beyond_capacity", "kv_pressure", "io", "routing_imbalance", "host_cpu",
           "host_memory")
-"""Every cause ``diagnose`` can name (docs/diagnose.md says the rule and data behind each)."""
+"""Every cause ``diagnose`` can name (docs/diagnose.md says the rule and data behind each); a
+:class:`Cause` by any other name is a ValueError."""
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,10 @@ class Cause:
     name: str
     score: float
     evidence: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.name not in CAUSES and self.name != UNKNOWN:
+            raise ValueError(f"cause {self.name!r} is not in CAUSES ({', '.join(CAUSES)})")
 
     def to_dict(self) -> dict[str, Any]:
         return {"cause": self.name, "score": round(self.score, 3), "evidence": list(self.evidence)}

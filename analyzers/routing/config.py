@@ -159,6 +159,7 @@ class WeightsConfig(ComponentConfig):
     """``[weights]``: every tunable of the engine and the feed (docs/weights.md)."""
 
     section = "weights"
+    aliases = {"history_flush_s": ""}  # the writer batches history rows ([writer] flush_interval_s)
     interval_s: float = 1.0
     window_s: float = 10.0
     lookback_s: float = 300.0
@@ -198,8 +199,6 @@ class WeightsConfig(ComponentConfig):
     scale_down_for_s: float = 5.0
     scale_down_cooldown_s: float = 30.0
     history: bool = True
-    history_flush_s: float = 10.0
-    """Accepted for old configs; the writer batches history rows (``[writer] flush_interval_s``)."""
     classes: Mapping[str, RequestClass] = field(default_factory=default_classes)
     backends: Mapping[str, BackendConfig] = field(default_factory=dict)
     feed: FeedConfig = field(default_factory=FeedConfig)

@@ -18,7 +18,7 @@ from triscope.collectors.blockio.assembler import WindowAssembler
 from triscope.collectors.blockio.config import BlockioConfig, blockio_config
 from triscope.collectors.blockio.program import CONTROL_MAGIC_BASE, MAP_KEYS_MAX, bpftrace_program
 from triscope.errors import TriscopeError
-from triscope.schema import IO_LATENCY
+from triscope.schema import IO_LATENCY, Table
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class BpftraceCollector:
             if "RLIMIT_MEMLOCK" not in line:
                 self.stderr = (self.stderr + line)[-4000:]
 
-    def collect(self) -> dict[str, dict[str, list[Any]]]:
+    def collect(self) -> dict[Table, dict[str, list[Any]]]:
         if self._proc is not None and self._proc.poll() is not None and self.stderr:
             log.warning("blockio: bpftrace exited %s: %s", self._proc.returncode,
                         self.stderr.strip().splitlines()[-1])
@@ -148,7 +148,7 @@ class BpftraceCollector:
         self._restart_if_maps_may_fill()
         with self._lock:
             rows = self.asm.drain()
-        return {IO_LATENCY.name: rows} if rows["ts"] else {}
+        return {IO_LATENCY: rows} if rows["ts"] else {}
 
     def gaps(self) -> dict[str, int]:
         """Where the rows fall short: probe runs the kernel skipped (requests not counted) and

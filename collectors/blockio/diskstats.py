@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from triscope.collectors.blockio.config import BlockioConfig, blockio_config
-from triscope.collectors.blockio.parse import DiskStat, diskstats_delta, parse_diskstats
-from triscope.schema import IO_LATENCY, encode_ts
+from triscope.collectors.blockio.diskstats_parse import DiskStat, diskstats_delta, parse_diskstats
+from triscope.schema import IO_LATENCY, Table, encode_ts
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class DiskstatsCollector:
     def start(self) -> None:
         self._prev = self._snap()
 
-    def collect(self) -> dict[str, dict[str, list[Any]]]:
+    def collect(self) -> dict[Table, dict[str, list[Any]]]:
         """Rows of the window since the last read. A failed read (EMFILE, a malformed file) raises: the
         collector loop counts every one and logs each new message once."""
         now = self._snap()
@@ -51,7 +51,7 @@ class DiskstatsCollector:
                  "window_seconds": window, "ios": d.ios, "p50_seconds": math.nan, "p99_seconds": math.nan,
                  "mean_seconds": d.mean_seconds, "queue_depth": d.queue_depth}
                 for d in diskstats_delta(before, after, window) if d.ios or d.queue_depth]
-        return {IO_LATENCY.name: IO_LATENCY.columns_of(rows)} if rows else {}
+        return {IO_LATENCY: IO_LATENCY.columns_of(rows)} if rows else {}
 
     def close(self) -> None:
         self._prev = None

@@ -12,7 +12,7 @@ from triscope.collectors.blockio.assembler import hist_row
 from triscope.collectors.blockio.config import BlockioConfig, blockio_config
 from triscope.collectors.blockio.parse import Bucket, parse_ebpf_exporter
 from triscope.http_fetch import fetch
-from triscope.schema import IO_LATENCY
+from triscope.schema import IO_LATENCY, Table
 
 log = logging.getLogger(__name__)
 FETCH_TIMEOUT_S = 5.0
@@ -53,10 +53,10 @@ class EbpfExporterCollector:
         self._prev = (ts_ns, cur)
         return IO_LATENCY.columns_of(rows)
 
-    def collect(self) -> dict[str, dict[str, list[Any]]]:
+    def collect(self) -> dict[Table, dict[str, list[Any]]]:
         """One scrape's rows; a failure raises (one line) for the collector loop to count and log once."""
         rows = self.rows_from_text(self.fetch(), time.time_ns())
-        return {IO_LATENCY.name: rows} if rows["ts"] else {}
+        return {IO_LATENCY: rows} if rows["ts"] else {}
 
     def close(self) -> None:
         self._prev = None

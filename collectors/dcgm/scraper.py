@@ -22,7 +22,7 @@ from triscope.collectors.dcgm.config import DcgmConfig, TargetSpec
 from triscope.collectors.dcgm.rows import NO_GPU, Gpu, Identity, parse_gpus, rows_from_gpus, state_row
 from triscope.errors import InputError
 from triscope.http_fetch import UnreachableError, fetch
-from triscope.schema import GPU_SAMPLES, encode_ts
+from triscope.schema import GPU_SAMPLES, Table, encode_ts
 from triscope.store_link import one_line
 
 log = logging.getLogger("triscope.collectors.dcgm")
@@ -134,12 +134,12 @@ class DcgmScraper:
             futures[target.url] = target.future
         return futures
 
-    def collect(self) -> dict[str, dict[str, list[Any]]]:
+    def collect(self) -> dict[Table, dict[str, list[Any]]]:
         """Scrape every target once, concurrently; failed targets become state rows (never raises for a target)."""
         with self._lock:
             return self._collect()
 
-    def _collect(self) -> dict[str, dict[str, list[Any]]]:
+    def _collect(self) -> dict[Table, dict[str, list[Any]]]:
         ts_ns = time.time_ns()
         futures = self._submit()
         waves = math.ceil(len(futures) / max(1, min(self.max_parallel, len(self.targets)))) if futures else 0
@@ -159,7 +159,7 @@ class DcgmScraper:
                 rows += self._failed(target, ts_ns, "error", one_line(exc))
             except Exception as exc:  # a target's bad input must never cost the others their rows
                 rows += self._failed(target, ts_ns, "error", f"{target.url}: {type(exc).__name__}: {one_line(exc)}")
-        return {GPU_SAMPLES.name: GPU_SAMPLES.columns_of(rows)} if rows else {}
+        return {GPU_SAMPLES: GPU_SAMPLES.columns_of(rows)} if rows else {}
 
     def close(self) -> None:
         """Stop the fetch threads without waiting for one in flight (each ends by its deadline); safe twice."""

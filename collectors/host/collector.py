@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from triscope.collectors.host import node_exporter, procfs
 from triscope.component import ComponentConfig, Context, config_field, interval
 from triscope.errors import ConfigError, InputError
-from triscope.schema import HOST_SAMPLES, encode_ts
+from triscope.schema import HOST_SAMPLES, Table, encode_ts
 
 LOCAL = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
 RESOLVE_EVERY_S = 30.0
@@ -138,7 +138,7 @@ class HostCollector:
             rows.append(row)
         return rows
 
-    def collect(self) -> dict[str, dict[str, list[Any]]]:
+    def collect(self) -> dict[Table, dict[str, list[Any]]]:
         now = time.monotonic()
         window, self._t = now - self._t, now
         start_ns = time.time_ns() - int(window * 1e9)
@@ -155,7 +155,7 @@ class HostCollector:
         rows.append({"ts": encode_ts(start_ns), "host": self.hostname, "backend": "", "processes": 0,
                      "window_seconds": window, "cpu_seconds": math.nan, "wait_seconds": math.nan,
                      "rss_bytes": math.nan, **shared})
-        return {HOST_SAMPLES.name: HOST_SAMPLES.columns_of(rows)}
+        return {HOST_SAMPLES: HOST_SAMPLES.columns_of(rows)}
 
     def close(self) -> None:
         """Nothing held between windows."""

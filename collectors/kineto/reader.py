@@ -22,7 +22,6 @@ import re
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -33,6 +32,7 @@ from triscope.collectors.kineto.errors import RefusedTraceError
 from triscope.collectors.kineto.events import TraceEvent, event_problem
 from triscope.collectors.kineto.formats import find_array
 from triscope.collectors.kineto.gzip_stream import open_binary
+from triscope.collectors.kineto.header import TraceHeader, document_without_events, early_metadata, tail_candidates
 from triscope.errors import InputError
 
 BLOCK_BYTES = 8 << 20
@@ -45,30 +45,6 @@ MAX_EVENT_BYTES = 64 << 20
 """An event (with the whitespace around it) larger than this, or than ``_MAX_STALL_BLOCKS`` blocks,
 is treated as corruption; longer whitespace runs are dropped while streaming."""
 _block_decoder = msgspec.json.Decoder(list[TraceEvent])
-
-
-@dataclass
-class TraceHeader:
-    """Top-level keys of the trace other than ``traceEvents``, known once reading has finished."""
-
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def base_time_ns(self) -> int:
-        return int(self.metadata.get("baseTimeNanoseconds") or 0)
-
-    @property
-    def rank(self) -> int | None:
-        return self._distributed("rank")
-
-    @property
-    def world_size(self) -> int | None:
-        return self._distributed("world_size")
-
-    def _distributed(self, key: str) -> int | None:
-        info = self.metadata.get("distributedInfo") or {}
-        value = info.get(key) if isinstance(info, dict) else None
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 RawSink = Callable[[bytes], bool]
@@ -181,7 +157,9 @@ class _TraceParser:
     def blocks(self) -> Iterator[list[TraceEvent]]:
         buf, match = find_array(self._read, self.name, self.block_bytes)
         head = buf[: match.start()]
-        self._set_early_metadata(head)
+        early = early_metadata(head)
+        if early is not None:
+            self.header.metadata = early
         self.consumed += match.end()
         buf = buf[match.end():]
         read_error: InputError | None = None
@@ -243,7 +221,7 @@ class _TraceParser:
             raise self._kept(read_error, len(events))
         # Several "]" can close a parseable document (a list-valued key after traceEvents, like
         # deviceProperties): the real end of traceEvents is the one that leaves the most keys after it.
-        candidates = sorted(self._tail_candidates(head, buf), key=lambda c: -len(c[1]))
+        candidates = sorted(tail_candidates(head, buf), key=lambda c: -len(c[1]))
         for array_end, metadata in candidates:
             events = self._decode_array(buf, array_end) if _NON_WS.search(buf, 0, array_end) else []
             if events is not None:
@@ -256,7 +234,7 @@ class _TraceParser:
         tail: Any = None
         if invalid is None and rest.lstrip().startswith(b"]"):
             try:
-                tail = json.loads(head + b'"traceEvents": []' + rest.lstrip()[1:])
+                tail = document_without_events(head, rest.lstrip()[1:])
             except (json.JSONDecodeError, UnicodeDecodeError):
                 tail = None
         if events:
@@ -278,37 +256,6 @@ class _TraceParser:
             return None
         self.consumed -= covered
         return b"".join((events, separator, buf))
-
-    def _tail_candidates(self, head: bytes, buf: bytes) -> Iterator[tuple[int, dict[str, Any]]]:
-        """Possible ``]`` closing traceEvents in the last buffer, last first: those after which
-        the rest of the document parses. Yields (offset of that ``]``, top-level metadata)."""
-        pos = len(buf)
-        for _ in range(64):
-            close = buf.rfind(b"]", 0, pos)
-            if close < 0:
-                return
-            before = buf[:close].rstrip()
-            if not before or before.endswith(b"}"):
-                try:
-                    meta = json.loads(head + b'"traceEvents": []' + buf[close + 1:])
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    meta = None
-                if isinstance(meta, dict):
-                    meta.pop("traceEvents", None)
-                    yield close, meta
-            pos = close
-
-    def _set_early_metadata(self, head: bytes) -> None:
-        """Keys before traceEvents (often distributedInfo with the rank), best effort."""
-        text = head.rstrip()
-        if text.endswith(b","):
-            text = text[:-1]
-        try:
-            meta = json.loads(text + b"}")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return
-        if isinstance(meta, dict):
-            self.header.metadata = meta
 
     @staticmethod
     def _kept(error: InputError, count: int) -> InputError:

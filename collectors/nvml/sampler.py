@@ -12,7 +12,7 @@ from typing import Any
 
 from triscope.collectors.nvml.config import NvmlConfig
 from triscope.collectors.nvml.device import ERR_GPU_IS_LOST, LOST_ERRORS, NAN, Device, ErrorClass, Lost, code, text
-from triscope.schema import GPU_PROCESS_MEMORY, GPU_SAMPLES, encode_ts
+from triscope.schema import GPU_PROCESS_MEMORY, GPU_SAMPLES, Table, encode_ts
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class NvmlSampler:
         log.warning("nvml: GPU %d answers again", dev.index)
         return True
 
-    def sample_once(self, now_ns: int | None = None) -> dict[str, dict[str, list[Any]]]:
+    def sample_once(self, now_ns: int | None = None) -> dict[Table, dict[str, list[Any]]]:
         """One sample of every GPU: ``{"gpu_samples": cols, "gpu_process_memory": cols}`` (no empty tables).
 
         Returns ``{}`` while NVML is unavailable or there is no GPU (init is retried every ``retry_s``)."""
@@ -242,11 +242,11 @@ class NvmlSampler:
         if changed:
             self._refresh_state()
         self.samples += 1
-        out = {GPU_SAMPLES.name: GPU_SAMPLES.columns_of(rows, defaults=_UNMEASURED)}
+        out = {GPU_SAMPLES: GPU_SAMPLES.columns_of(rows, defaults=_UNMEASURED)}
         if procs:
-            out[GPU_PROCESS_MEMORY.name] = GPU_PROCESS_MEMORY.columns_of(procs)
+            out[GPU_PROCESS_MEMORY] = GPU_PROCESS_MEMORY.columns_of(procs)
         return out
 
-    def collect(self) -> dict[str, dict[str, list[Any]]]:
+    def collect(self) -> dict[Table, dict[str, list[Any]]]:
         """Collector protocol: one sample (see :meth:`sample_once`)."""
         return self.sample_once()

@@ -55,7 +55,7 @@ from triscope.httpserver import (
     serve_in_thread,
     stop,
 )
-from triscope.schema import REQUESTS
+from triscope.schema import REQUESTS, Table
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class OtlpConfig(ComponentConfig):
     """``[otlp]``: where to listen, the bearer token, body bounds."""
 
     section = "otlp"
+    aliases = {"buffer_rows": "", "batch_rows": ""}  # spans are spooled on arrival; [writer] batches them
     host: str = DEFAULT_HOST
     port: int = 4318
     token: str = ""
@@ -99,10 +100,6 @@ class OtlpConfig(ComponentConfig):
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     interval_s: float = 1.0
     """How often the daemon polls collect() (which has nothing to return: spans are submitted as they arrive)."""
-    buffer_rows: int = 1_000_000
-    """Unused since spans go to the writer on arrival; accepted so old configs load."""
-    batch_rows: int = 100_000
-    """Unused: the writer batches (``[writer] batch_rows``); accepted so old configs load."""
 
     def validate(self, where: str) -> None:
         port(where, "port", self.port)
@@ -110,7 +107,7 @@ class OtlpConfig(ComponentConfig):
                  max_json_bytes=self.max_json_bytes, max_buffered_bytes=self.max_buffered_bytes,
                  max_concurrent_decodes=self.max_concurrent_decodes, max_spans_per_request=self.max_spans_per_request,
                  max_attribute_length=self.max_attribute_length, link_cache_spans=self.link_cache_spans,
-                 max_connections=self.max_connections, buffer_rows=self.buffer_rows, batch_rows=self.batch_rows)
+                 max_connections=self.max_connections)
         interval(where, interval_s=self.interval_s)
         parse_class_rules(self.class_rules, f"{where} class_rules")
 
@@ -120,9 +117,6 @@ class OtlpConfig(ComponentConfig):
                          model_attributes=tuple(self.model_attributes), models=dict(self.models), model=self.model,
                          max_attribute_length=self.max_attribute_length,
                          class_rules=parse_class_rules(self.class_rules), default_class=self.default_class)
-
-
-_UNUSED = ("buffer_rows", "batch_rows")
 
 
 class _Handler(BoundedHTTPHandler):
@@ -301,7 +295,7 @@ class OtlpReceiver:
         if batch.rows:
             with self._request():
                 try:
-                    self.submit(REQUESTS.name, batch.columns)
+                    self.submit(REQUESTS, batch.columns)
                 except SpoolUnavailable as exc:
                     raise HttpError(503, f"cannot spool spans now ({exc}); retry later",
                                     {"Retry-After": "1"}) from None
@@ -327,7 +321,7 @@ class OtlpReceiver:
         self._closing = False
         self._thread = serve_in_thread(self._server, "triscope-otlp", poll_interval=0.05)
 
-    def collect(self) -> dict[str, Any]:
+    def collect(self) -> dict[Table, Any]:
         """Nothing: spans reach the writer as they arrive."""
         return {}
 
@@ -344,12 +338,7 @@ class OtlpReceiver:
 
 def create(config: dict[str, Any], context: Context) -> OtlpReceiver:
     """``triscope run`` entry point (``[run] collectors = ["otlp"]``): spans go to ``context.submit``."""
-    cfg = OtlpConfig.from_config(config)
-    defaults = OtlpConfig()
-    for key in _UNUSED:
-        if getattr(cfg, key) != getattr(defaults, key):
-            log.warning("[otlp] %s is no longer used: spans are spooled on arrival ([writer] batches them)", key)
-    return OtlpReceiver(cfg, context.submit)
+    return OtlpReceiver(OtlpConfig.from_config(config), context.submit)
 
 
 __all__ = ["TRACES_PATH", "OtlpConfig", "OtlpReceiver", "create"]

@@ -26,7 +26,7 @@ from triscope.collectors.serving_metrics.targets import ServingMetricsConfig, Ta
 from triscope.errors import InputError
 from triscope.http_fetch import fetch
 from triscope.prom_text import bucket_delta, histogram_quantile, parse_exposition
-from triscope.schema import SCRAPE_HEALTH, SERVING_METRICS, encode_ts
+from triscope.schema import SCRAPE_HEALTH, SERVING_METRICS, Table, encode_ts
 from triscope.store_link import one_line
 
 log = logging.getLogger("triscope.collectors.serving_metrics")
@@ -188,14 +188,14 @@ class ServingMetricsScraper:
             futures[target.url] = state.future
         return futures
 
-    def collect(self) -> dict[str, dict[str, list[Any]]]:
+    def collect(self) -> dict[Table, dict[str, list[Any]]]:
         """Scrape every target once, concurrently; a failing target is counted and skipped, never raised."""
         if not self.targets:
             return {}
         with self._lock:
             return self._collect()
 
-    def _collect(self) -> dict[str, dict[str, list[Any]]]:
+    def _collect(self) -> dict[Table, dict[str, list[Any]]]:
         ts_ns = time.time_ns()
         started = time.monotonic()
         futures = self._submit()
@@ -210,9 +210,9 @@ class ServingMetricsScraper:
             health.append({"ts": encode_ts(ts_ns), "host": target.host, "backend": target.backend,
                            "target": target.url, "up": 0 if error else 1, "error": error,
                            "duration_seconds": seconds})
-        out = {SCRAPE_HEALTH.name: SCRAPE_HEALTH.columns_of(health)}
+        out = {SCRAPE_HEALTH: SCRAPE_HEALTH.columns_of(health)}
         if rows:
-            out[SERVING_METRICS.name] = SERVING_METRICS.columns_of(rows)
+            out[SERVING_METRICS] = SERVING_METRICS.columns_of(rows)
         return out
 
     def _scrape_one(self, target: Target, future: Future[_Fetched] | None, ts_ns: int,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from triscope.commands._common import add_common
+from triscope.commands._weights_haproxy import register_haproxy
 
 if TYPE_CHECKING:
     from triscope.writer import Writer
@@ -44,26 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     explain.add_argument("--at", metavar="WHEN", help="its recorded verdict then, from weights_history")
     add_common(explain)
     explain.set_defaults(func=run_explain)
-    gate = sub.add_parser("haproxy-gate", help="print the HAProxy lines of the per-request batch gate "
-                                               "(classes with admit_batch_ratio)")
-    gate.add_argument("--pool", action="append", default=[], metavar="CLASS=BACKEND",
-                      help="the HAProxy backend carrying a class; list every pool over the same servers "
-                           "(their requests in flight add up); default pool_CLASS for every class")
-    gate.add_argument("--server", action="append", default=[], metavar="BACKEND=SERVER",
-                      help="HAProxy server name of a triscope backend (default: the same name)")
-    gate.add_argument("--lua-path", action="store_true", help="print only the Lua file's path")
-    add_common(gate)
-    gate.set_defaults(func=run_haproxy_gate)
-    pick = sub.add_parser("haproxy-pick", help="print the HAProxy lines of triscope's per-request picker "
-                                               "inside HAProxy (its table from [epp] table_port)")
-    pick.add_argument("--backend", default="gpus", help="the HAProxy backend whose servers it picks (default gpus)")
-    pick.add_argument("--table-url", help="where HAProxy polls the pick table (default: [epp] bind and table_port)")
-    pick.add_argument("--poll-ms", type=int, default=50, help="table poll period (default 50 ms)")
-    pick.add_argument("--stats-port", type=int, default=0,
-                      help="also a frontend on 127.0.0.1:PORT answering the picker's counters (/metrics: Prometheus)")
-    pick.add_argument("--lua-path", action="store_true", help="print only the Lua file's path")
-    add_common(pick)
-    pick.set_defaults(func=run_haproxy_pick)
+    register_haproxy(sub)
     parser.set_defaults(func=lambda _args: (parser.print_help(), 2)[1])
 
 
@@ -319,65 +301,3 @@ def _history_writer(config: dict[str, Any]) -> Writer:
                                 lambda: open_store(config))
     writer.start()
     return writer
-
-
-def _pairs(items: list[str], flag: str) -> dict[str, str]:
-    from triscope.errors import InputError
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise InputError(f"{flag} wants NAME=VALUE, not {item!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def run_haproxy_gate(args: argparse.Namespace) -> int:
-    """``triscope weights haproxy-gate``: the config lines of exporters/haproxy_gate.lua."""
-    from triscope.commands._common import print_json
-    from triscope.exporters.haproxy_gate import LUA_PATH, gate_limits, gate_snippet
-
-    if args.lua_path:
-        print(LUA_PATH)
-        return 0
-    _config, params = _params(args)
-    pools = _pairs(args.pool, "--pool") or {name: f"pool_{name}" for name in params.classes}
-    servers = _pairs(args.server, "--server")
-    limits = gate_limits(params, servers)
-    snippet = gate_snippet(limits, pools)
-    if args.json:
-        print_json({"lua_path": str(LUA_PATH), "pools": pools, "limits": limits, "config": snippet})
-    else:
-        sys.stdout.write(snippet)
-    return 0
-
-
-
-def run_haproxy_pick(args: argparse.Namespace) -> int:
-    """``triscope weights haproxy-pick``: the config lines of exporters/haproxy_pick.lua."""
-    from triscope.commands._common import print_json
-    from triscope.errors import InputError
-    from triscope.exporters.epp_service import EppConfig, picker_backends
-    from triscope.exporters.haproxy_pick import LUA_PATH, PICK_LOG_FORMAT, TABLE_PATH, pick_snippet
-
-    if args.lua_path:
-        print(LUA_PATH)
-        return 0
-    config, params = _params(args)
-    cfg = EppConfig.from_config(config)
-    url = args.table_url
-    if not url:
-        if cfg.table_port <= 0:
-            raise InputError("[epp] table_port is not set to a fixed port: set it, or pass --table-url")
-        host = "127.0.0.1" if cfg.bind in ("", "0.0.0.0") else cfg.bind
-        url = f"http://{host}:{cfg.table_port}{TABLE_PATH}"
-    servers = list(picker_backends(cfg, params))
-    settings = cfg.haproxy_pick_settings()
-    snippet = pick_snippet(url, args.backend, servers, settings, args.poll_ms, cfg.fallback, args.stats_port)
-    if args.json:
-        print_json({"lua_path": str(LUA_PATH), "table_url": url, "backend": args.backend, "servers": servers,
-                    "settings": settings, "config": snippet, "log_format": PICK_LOG_FORMAT})
-    else:
-        sys.stdout.write(snippet)
-    return 0

@@ -35,9 +35,9 @@ from triscope.store.base import Store
 
 __all__ = ["ALLOCATOR_SAMPLES", "GPU_PROCESS_MEMORY", "GPU_SAMPLES", "HOST_SAMPLES", "IO_LATENCY", "NCCL_OPS",
            "REQUESTS",
-           "SCRAPE_HEALTH", "SERVING_METRICS", "TABLES", "TRACE_EVENTS", "TRACE_RUNS", "WEIGHTS_HISTORY",
+           "SCRAPE_HEALTH", "SERVING_METRICS", "TRACE_EVENTS", "TRACE_RUNS", "WEIGHTS_HISTORY",
            "Column", "Migration", "Table", "add_columns", "create_table_sql", "create_tables", "default_for",
-           "domains", "encode_ts", "migrate", "qualified", "schema_versions", "table"]
+           "domains", "encode_ts", "known_tables", "migrate", "qualified", "schema_versions"]
 
 _MIGRATIONS_TABLE = Table(
     name="schema_migrations",
@@ -50,20 +50,6 @@ _MIGRATIONS_TABLE = Table(
     order_by="domain, version",
     engine="ReplacingMergeTree",
 )
-
-
-TABLES: dict[str, Table] = {t.name: t for t in (
-    GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES, IO_LATENCY, HOST_SAMPLES, NCCL_OPS, REQUESTS, SERVING_METRICS,
-    SCRAPE_HEALTH, TRACE_RUNS, TRACE_EVENTS, WEIGHTS_HISTORY)}
-"""Every data table by name (``schema_migrations`` is the migrator's own)."""
-
-
-def table(name: str) -> Table:
-    """The schema's table called ``name``; StoreError for a name the schema does not have."""
-    try:
-        return TABLES[name]
-    except KeyError:
-        raise StoreError(f"no table {name!r} in the schema") from None
 
 
 def domains() -> dict[str, ModuleType]:
@@ -79,6 +65,17 @@ def domains() -> dict[str, ModuleType]:
                 raise StoreError(f"schema domain {module.DOMAIN}: versions must be 1..N, got {versions}")
             found[module.DOMAIN] = module
     return found
+
+
+def known_tables() -> dict[str, Table]:
+    """Every data table of every domain, by name: what the writer takes rows for."""
+    if not _KNOWN:
+        _KNOWN.update({t.name: t for module in domains().values() for t in vars(module).values()
+                       if isinstance(t, Table)})
+    return dict(_KNOWN)
+
+
+_KNOWN: dict[str, Table] = {}
 
 
 def schema_versions(store: Store) -> dict[str, int]:

@@ -67,9 +67,10 @@ class Column:
         return f"`{self.name}` {self.type}" + (f" COMMENT '{comment}'" if comment else "")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Table:
-    """A MergeTree-family table."""
+    """A MergeTree-family table. Each is one object, defined once in its domain module: equal
+    and hashed by identity, so it keys the rows a collector returns and is what ``submit`` takes."""
 
     name: str
     columns: Sequence[Column]

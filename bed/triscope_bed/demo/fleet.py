@@ -231,7 +231,7 @@ def run_fleet(store: Store, config: dict[str, Any], options: FleetOptions,
                     submit(table, cols)
 
             def sample_gpus() -> None:
-                submit(GPU_SAMPLES.name, gpu_rows(backends, gpus, encode_ts(time.time_ns())))
+                submit(GPU_SAMPLES, gpu_rows(backends, gpus, encode_ts(time.time_ns())))
 
             exporter = TriscopeSpanExporter(writer)  # spans take the same write path as the scrapes
             provider = TracerProvider(resource=Resource.create({"service.name": "triscope-demo-loadgen"}))
