@@ -18,8 +18,8 @@ EXEMPT = {Path("bench/results"), Path("tests/test_product_speaks_of_product.py")
 
 ORDINAL = r"(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|this|last|previous|earlier|later|next)"
 FORBIDDEN = [
-    (re.compile(r"\b[Ii]ssues? #?\d+"), "an issue number"),
-    (re.compile(rf"\b{ORDINAL} session\b", re.IGNORECASE), "a work session"),
+    (re.compile(r"\b[Ii]ssues?\s+#?\d+"), "an issue number"),
+    (re.compile(rf"\b{ORDINAL}\s+session\b", re.IGNORECASE), "a work session"),
     (re.compile(r"\bsession of 20\d\d", re.IGNORECASE), "a work session"),
     (re.compile(r"\bwork periods?\b", re.IGNORECASE), "a work period"),
 ]
@@ -41,14 +41,13 @@ def _product_files() -> list[Path]:
 
 
 def find_history_talk(text: str) -> list[tuple[int, str]]:
-    """(line number, what) for every line that speaks of issues or work periods."""
-    found = []
-    for number, line in enumerate(text.splitlines(), 1):
-        cleaned = FOREIGN_TRACKER.sub("", line)
-        for pattern, what in FORBIDDEN:
-            if pattern.search(cleaned):
-                found.append((number, what))
-    return found
+    """(line number, what) for every place that speaks of issues or work periods (across a line break too)."""
+    cleaned = FOREIGN_TRACKER.sub(lambda m: " " * len(m.group()), text.replace("\n", " "))
+    found = set()
+    for pattern, what in FORBIDDEN:
+        for m in pattern.finditer(cleaned):
+            found.add((text.count("\n", 0, m.start()) + 1, what))
+    return sorted(found)
 
 
 def test_the_patterns_catch_history_talk_and_spare_citations() -> None:
@@ -56,6 +55,7 @@ def test_the_patterns_catch_history_talk_and_spare_citations() -> None:
     assert find_history_talk("Issue 23 item 5: a slow body") == [(1, "an issue number")]
     assert find_history_talk("since the seventh session of 2026-12-06") != []
     assert find_history_talk("numbered by work period") == [(1, "a work period")]
+    assert find_history_talk("after a step (issue\n19), so") == [(1, "an issue number")]
     assert find_history_talk("users posted in NVIDIA/dcgm-exporter issues #272, #317") == []
     assert find_history_talk("pytest's session fixture; HAProxy sessions; session_id") == []
 

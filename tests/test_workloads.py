@@ -133,7 +133,7 @@ def test_step_flash_and_mix_rates_as_stated() -> None:
 
 
 def test_registry_errors_are_one_line() -> None:
-    assert set(WORKLOADS) == {"step", "azure", "flash-crowd", "mix-shift-video"}
+    assert set(WORKLOADS) == {"step", "azure", "flash-crowd", "mix-shift-video", "mooncake"}
     with pytest.raises(WorkloadError, match="trace file not found: /nonexistent"):
         build("azure", 1, 4, trace="/nonexistent/azure.csv")
     with pytest.raises(WorkloadError, match="unknown workload 'nope'"):

@@ -29,6 +29,10 @@ class Arrival:
     """Prompt length (None: the class's default, :data:`~triscope_bed.engines.engine.CLASSES`)."""
     max_tokens: int | None = None
     """Tokens to generate (None: the class's default)."""
+    blocks: tuple[int, ...] = ()
+    """Ids of the prompt's blocks of ``block_tokens`` tokens (a trace with prefix structure): equal ids, equal
+    text; empty: a prompt that shares nothing."""
+    block_tokens: int = 0
 
     def tokens(self) -> tuple[int, int]:
         """(prompt, max) tokens of the request, the class's defaults filling what the arrival lacks."""

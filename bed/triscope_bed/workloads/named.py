@@ -13,7 +13,6 @@ et al., "Splitwise: Efficient generative LLM inference using phase splitting", I
 from __future__ import annotations
 
 import csv
-import hashlib
 import inspect
 import math
 import random
@@ -23,9 +22,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from triscope_bed.engines.engine import CLASSES
 from triscope_bed.paths import REPO
 from triscope_bed.workloads.arrivals import Arrival, LoadShape
+from triscope_bed.workloads.common import (
+    BUCKET_S,
+    MAX_ROWS,
+    WorkloadError,
+    assign_class,
+    default_mix,
+)
+from triscope_bed.workloads.mooncake import mooncake
 
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "workloads" / "azure_llm_2023_code.csv"
 """``<repo>/../shared/data/workloads/azure_llm_2023_code.csv`` (not in the repository: 8,819 rows)."""
@@ -34,14 +40,6 @@ QPS_PER_BACKEND = 6.0
 STEP_S = 45.0
 """Default step length of the ``step`` workload: covers the 8-42 s after a +30 % step in which
 production services are observed to fail (tests may use shorter steps)."""
-BUCKET_S = 10.0
-"""Default time bucket of the non-step workloads."""
-MAX_ROWS = 1_000_000
-"""Bound on the rows read from a trace file."""
-
-
-class WorkloadError(ValueError):
-    """A workload cannot be built (missing trace file, bad parameter); the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -51,11 +49,6 @@ class TraceRow:
     t: float
     context_tokens: int
     generated_tokens: int
-
-
-def default_mix() -> dict[str, float]:
-    """The simulator's class shares (50 / 35 / 15 %)."""
-    return {c.name: c.share for c in CLASSES.values()}
 
 
 def _parse_time(text: str) -> float:
@@ -90,29 +83,6 @@ def load_trace(path: str | Path | None = None) -> list[TraceRow]:
     if not rows:
         raise WorkloadError(f"{p}: no rows")
     return rows
-
-
-def _unit(seed: int, key: int) -> float:
-    """A uniform number in [0, 1) from (seed, key): the same in every process and every call."""
-    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2.0**64
-
-
-def _pick(mix: dict[str, float], u: float) -> str:
-    """The class whose cumulative share (classes in name order) covers ``u``."""
-    total = sum(mix.values())
-    acc = 0.0
-    names = sorted(mix)
-    for name in names:
-        acc += mix[name] / total
-        if u < acc:
-            return name
-    return names[-1]
-
-
-def assign_class(seed: int, row: int, mix: dict[str, float] | None = None) -> str:
-    """The class of trace row ``row`` (its position in the file) under ``seed``: independent of the window."""
-    return _pick(mix or default_mix(), _unit(seed, row))
 
 
 def replay(rows: list[TraceRow], seed: int, *, start_s: float = 0.0, duration_s: float | None = None,
@@ -244,6 +214,7 @@ WORKLOADS: dict[str, Builder] = {
     "azure": azure,
     "flash-crowd": flash_crowd,
     "mix-shift-video": mix_shift_video,
+    "mooncake": mooncake,
 }
 
 

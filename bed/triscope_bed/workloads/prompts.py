@@ -41,6 +41,28 @@ def synthetic_prompt(idx: int, cls: str, prompt_tokens: int, salt: str = "",
     return (head + words[start:start + want])[:want]
 
 
+def block_text(block_id: int, chars: int) -> str:
+    """The text of prompt block ``block_id``: the same ``chars`` characters wherever the id appears, another
+    id's text from its first characters on (a block of a trace with prefix structure)."""
+    words = _word_pool()
+    start = (block_id * 104_729) % (len(words) - MAX_PROMPT_CHARS)
+    head = f"<{block_id}> "
+    return (head + words[start:start + max(0, chars - len(head))])[:chars]
+
+
+def blocks_prompt(blocks: tuple[int, ...], block_chars: int, total_chars: int, salt: str = "") -> str:
+    """The blocks' texts in order (after ``salt``), cut to ``total_chars`` and :data:`MAX_PROMPT_CHARS`: two
+    prompts whose block ids agree up to block k agree up to block k's last character."""
+    want = min(MAX_PROMPT_CHARS, max(8, total_chars))
+    parts, n = [salt + " "] if salt else [], len(salt) + 1 if salt else 0
+    for b in blocks:
+        if n >= want:
+            break
+        parts.append(block_text(b, block_chars))
+        n += block_chars
+    return "".join(parts)[:want]
+
+
 _POOL: list[str] = []
 
 
@@ -68,8 +90,15 @@ def completion_body(a: Arrival, idx: int, model: str = MODEL, *, salt: str = "",
     generate exactly ``max_tokens``); it may not replace the fields above and is at most 4 KiB.
     """
     prompt, out = a.tokens()
-    doc: dict[str, Any] = {"model": model, "prompt": synthetic_prompt(idx, a.cls, prompt, salt, chars_per_token),
-                           "prompt_tokens": prompt, "max_tokens": out, "request_class": a.cls}
+    if a.blocks:
+        text = blocks_prompt(a.blocks, max(1, round(a.block_tokens * chars_per_token)),
+                             round(prompt * chars_per_token), salt)
+    else:
+        text = synthetic_prompt(idx, a.cls, prompt, salt, chars_per_token)
+    doc: dict[str, Any] = {"model": model, "prompt": text, "prompt_tokens": prompt, "max_tokens": out,
+                           "request_class": a.cls}
+    if a.blocks:  # the simulator's prefix cache reads them; an engine ignores them
+        doc["prefix_blocks"], doc["block_tokens"] = list(a.blocks), a.block_tokens
     if extra:
         clash = doc.keys() & extra.keys()
         if clash or len(json.dumps(extra)) > MAX_EXTRA_BODY_BYTES:
