@@ -9,18 +9,13 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from triscope.errors import one_line as one_line  # re-exported for the feed
 from triscope.exporters.formats import FORMATS
 
 if TYPE_CHECKING:
     from triscope.exporters.feed import Response, WeightFeed
 
 JSON_TYPE = "application/json"
-
-
-def one_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message, else its type's name."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def json_error(message: str) -> bytes:

@@ -20,7 +20,8 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
-from triscope.exporters.feed_http import JSON_TYPE, json_error, one_line, route
+from triscope.errors import one_line
+from triscope.exporters.feed_http import JSON_TYPE, json_error, route
 from triscope.exporters.loop_server import LoopConnection, LoopServer
 from triscope.httpserver import DEFAULT_HEADER_TIMEOUT_S
 

@@ -20,10 +20,9 @@ from typing import Any
 
 from triscope.collectors.dcgm.config import DcgmConfig, TargetSpec
 from triscope.collectors.dcgm.rows import NO_GPU, Gpu, Identity, parse_gpus, rows_from_gpus, state_row
-from triscope.errors import InputError
+from triscope.errors import InputError, one_line
 from triscope.http_fetch import UnreachableError, fetch
 from triscope.schema import GPU_SAMPLES, encode_ts
-from triscope.store_link import one_line
 
 log = logging.getLogger("triscope.collectors.dcgm")
 

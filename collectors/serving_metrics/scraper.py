@@ -23,11 +23,10 @@ from typing import Any
 from triscope.collectors.serving_metrics.aggregate import InstanceSnapshot, aggregate
 from triscope.collectors.serving_metrics.engines import detect_server
 from triscope.collectors.serving_metrics.targets import ServingMetricsConfig, Target
-from triscope.errors import InputError
+from triscope.errors import InputError, one_line
 from triscope.http_fetch import fetch
 from triscope.prom_text import bucket_delta, histogram_quantile, parse_exposition
 from triscope.schema import SCRAPE_HEALTH, SERVING_METRICS, encode_ts
-from triscope.store_link import one_line
 
 log = logging.getLogger("triscope.collectors.serving_metrics")
 
