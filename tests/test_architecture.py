@@ -33,7 +33,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }
 CORE_MODULES = ("store", "schema", "writer", "spool", "component", "config", "errors", "registry",
                 "httpserver", "conn_budget", "prom_text", "http_fetch", "store_link", "collector_loop",
-                "query_endpoint", "query_discovery", "http_body")
+                "query_endpoint", "query_discovery", "http_body", "http_client", "target_pool")
 
 
 def product_files() -> list[tuple[str, Path]]:
