@@ -9,7 +9,7 @@ Each stack runs in a process of its own serving the same 1 KiB JSON document on 
   the query endpoint) as ``http.server`` sends an answer: head and body in two writes, so Nagle's
   algorithm holds the body until the client's delayed ACK (~40 ms on Linux);
 * ``threaded-nodelay``: the same with ``TCP_NODELAY``;
-* ``loop``: the event-loop kit (:class:`triscope.exporters.loop_server.LoopServer` with the feed's
+* ``loop``: the event-loop kit (:class:`triscope.loop_server.LoopServer` with the feed's
   HTTP/1.1 connection, uvloop when installed; the feed, agent, table servers and pick table).
 
 ``wrk`` (2 threads) drives each for ``--duration-s`` after a one-second warm-up, with every

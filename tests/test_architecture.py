@@ -33,7 +33,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }
 CORE_MODULES = ("store", "schema", "writer", "spool", "component", "config", "errors", "registry",
                 "httpserver", "conn_budget", "prom_text", "http_fetch", "store_link", "collector_loop",
-                "query_endpoint", "query_discovery", "http_body", "http_client", "target_pool")
+                "query_endpoint", "query_discovery", "http_body", "http_client", "target_pool",
+                "loop_server", "loop_http")
 
 
 def product_files() -> list[tuple[str, Path]]:

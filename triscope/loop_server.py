@@ -1,5 +1,6 @@
-"""One event loop on its own thread serving a TCP protocol with bounded connections (the feed's HTTP
-server and its HAProxy agent port).
+"""One event loop on its own thread serving a TCP protocol with bounded connections: the server kit of
+the daemon (the feed's HTTP server and its HAProxy agent port, the table servers, the pick table,
+``/metrics``; HTTP on it: :mod:`triscope.loop_http`).
 
 At most ``max_connections`` connections (``max_per_client`` from one address), within the process's
 connection budget (:mod:`triscope.conn_budget`); at a limit a new connection takes the slot of the oldest
@@ -125,7 +126,7 @@ class LoopServer:
         polling on it) is never evicted: it ends by its idle timeout."""
         best: LoopConnection | None = None
         for c in self.open_connections:
-            if c.answered_total or (client is not None and c.client != client):
+            if c.answered_total or c.busy or (client is not None and c.client != client):
                 continue
             if best is None or c.since < best.since:
                 best = c
@@ -144,6 +145,8 @@ class LoopConnection(asyncio.Protocol):
         """When it connected or last got an answer (the start of its wait for a request)."""
         self.answered_total = 0
         """Requests answered on it: a connection that never completed one is evicted first."""
+        self.busy = False
+        """A request of it is being answered (off the loop): it is not evicted meanwhile."""
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

@@ -1,0 +1,195 @@
+"""HTTP/1.1 on the event-loop kit (:mod:`triscope.loop_server`): one request parser for every server of
+the daemon that speaks HTTP on the loop (the weight feed, its table servers, the pick table, ``/metrics``).
+
+Just what these servers need is parsed (request line, ``Content-Length``, ``Transfer-Encoding``,
+``Connection``, and the other headers by lower-case name): request heads over ``MAX_HEAD_BYTES`` get
+431, bodies over the server's ``max_body_bytes`` 413 (nothing read), chunked bodies 411, a malformed
+request line 400; each then closes the connection (the rest of the stream cannot be framed).
+
+A handler that answers from memory answers on the loop (:meth:`HttpConnection.respond`). One that
+blocks (a store query, a collector's scrape) runs on the server's bounded executor
+(:class:`BlockingHttpConnection`): the connection stops reading meanwhile (one request in flight per
+connection, so the executor's queue is bounded by the connection cap) and is not evicted while its
+request runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from triscope.errors import one_line
+from triscope.loop_server import LoopConnection, LoopServer
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 16 * 1024
+JSON_TYPE = "application/json"
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
+           413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+           503: "Service Unavailable"}
+Answer = tuple[int, str, bytes, Iterable[tuple[str, str]]]
+"""(status, content type, body, extra headers) of a blocking handler."""
+
+
+def encode(status: int, ctype: str, body: bytes, close: bool, server: str = "triscope",
+           headers: Iterable[tuple[str, str]] = ()) -> bytes:
+    """One whole HTTP/1.1 answer."""
+    extra = "".join(f"{name}: {value}\r\n" for name, value in headers)
+    head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nServer: {server}\r\n"
+            f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\nCache-Control: no-store\r\n{extra}"
+            + ("Connection: close\r\n" if close else "") + "\r\n")
+    return head.encode("latin-1") + body
+
+
+def json_error(message: str) -> bytes:
+    """``{"error": message}`` on one line."""
+    return json.dumps({"error": message}).encode() + b"\n"
+
+
+class HttpConnection(LoopConnection):
+    """One HTTP/1.1 connection; subclasses answer in :meth:`respond`. The server has ``max_body_bytes``
+    and ``body_limit_key`` (the config key named in a 413)."""
+
+    server: Any
+    method = ""
+    target = ""
+    """The request's target as sent (path and query)."""
+    headers: dict[str, str] = {}
+    """The request's headers by lower-case name (the last of repeated ones)."""
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while self.transport is not None and not self.transport.is_closing() and not self.busy:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buffer) > MAX_HEAD_BYTES:
+                    self._fail(431, "request head too large")
+                return
+            if end > MAX_HEAD_BYTES:
+                self._fail(431, "request head too large")
+                return
+            if not self._one(end):
+                return
+
+    def _one(self, end: int) -> bool:
+        """Answer the request whose head ends at ``end``; False when its body has not fully arrived."""
+        lines = self.buffer[:end].decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            self._fail(400, "malformed request line")
+            return False
+        method, target, version = parts
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length, connection = headers.get("content-length", "0"), headers.get("connection", "").lower()
+        if headers.get("transfer-encoding", "identity").lower() != "identity":
+            self._fail(411, "chunked bodies are not accepted; send Content-Length")
+            return False
+        try:
+            size = int(length)
+        except ValueError:
+            size = -1
+        if size < 0:
+            self._fail(400, f"bad Content-Length {length!r}")
+            return False
+        limit = self.server.max_body_bytes
+        if size > limit:
+            self._fail(413, f"body of {size} bytes exceeds the limit of {limit} ({self.server.body_limit_key})")
+            return False
+        start = end + 4
+        if len(self.buffer) < start + size:
+            return False
+        raw = self.buffer[:start + size]
+        body, self.buffer = self.buffer[start:start + size], self.buffer[start + size:]
+        close = connection == "close" or (version == "HTTP/1.0" and connection != "keep-alive")
+        self.method, self.target, self.headers = method, target, headers
+        return self.respond(method, target.split("?", 1)[0], body, close, raw)
+
+    def respond(self, method: str, path: str, body: bytes, close: bool, raw: bytes) -> bool:
+        """Answer one parsed request (``raw``: its bytes as sent); False when nothing more is to be read now."""
+        raise NotImplementedError
+
+    def answered(self, close: bool) -> bool:
+        """After an answer: close, or wait for the next request; False once closed."""
+        self.answered_total += 1
+        if close:
+            assert self.transport is not None
+            self.transport.close()
+            return False
+        self.since = asyncio.get_running_loop().time()
+        self._arm()
+        return True
+
+    def _fail(self, status: int, message: str) -> None:
+        """An error answer, then close."""
+        assert self.transport is not None
+        self.transport.write(encode(status, JSON_TYPE, json_error(message), True, self.server.server_header))
+        self.transport.close()
+
+
+class BlockingHttpServer(LoopServer):
+    """A loop server whose handler blocks: ``handle(connection, method, path, body) -> Answer`` runs on
+    ``workers`` threads."""
+
+    connection: type[LoopConnection]
+    server_header = "triscope"
+    body_limit_key = "max_body_bytes"
+    max_body_bytes = 1 << 20
+
+    def __init__(self, bind: str, port: int, max_connections: int, max_per_client: int, timeout_s: float,
+                 workers: int = 4) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=self.thread_name)
+        super().__init__(bind, port, max_connections, max_per_client, timeout_s)
+
+    def handle(self, conn: BlockingHttpConnection, method: str, path: str, body: bytes) -> Answer:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        super().close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class BlockingHttpConnection(HttpConnection):
+    """A connection of a :class:`BlockingHttpServer`: each request on the executor, reading paused meanwhile."""
+
+    server: BlockingHttpServer
+
+    def respond(self, method: str, path: str, body: bytes, close: bool, raw: bytes) -> bool:
+        assert self.transport is not None
+        self.busy = True  # not evicted, not expired, no further request read until this one is answered
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.transport.pause_reading()
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self.server.executor, self.server.handle, self, method, path, body)
+        future.add_done_callback(lambda f: self._done(f, method, close))
+        return False
+
+    def _done(self, future: asyncio.Future[Answer], method: str, close: bool) -> None:
+        self.busy = False
+        if future.cancelled() or self.transport is None or self.transport.is_closing():
+            return
+        try:
+            status, ctype, payload, extra = future.result()
+        except Exception as exc:
+            log.warning("%s %s %s failed: %s", self.server.thread_name, method, self.target, one_line(exc))
+            status, ctype, payload, extra = 500, JSON_TYPE, json_error(one_line(exc)), ()
+        answer = encode(status, ctype, payload, close, self.server.server_header, extra)
+        self.transport.write(answer[:len(answer) - len(payload)] if method == "HEAD" else answer)
+        if self.answered(close):
+            self.transport.resume_reading()
+            self.data_received(b"")  # a pipelined request already in the buffer
+
+
+BlockingHttpServer.connection = BlockingHttpConnection
+
+__all__ = ["JSON_TYPE", "MAX_HEAD_BYTES", "Answer", "BlockingHttpConnection", "BlockingHttpServer",
+           "HttpConnection", "encode", "json_error"]
