@@ -146,7 +146,14 @@ class BlockingHttpServer(LoopServer):
     def __init__(self, bind: str, port: int, max_connections: int, max_per_client: int, timeout_s: float,
                  workers: int = 4) -> None:
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=self.thread_name)
-        super().__init__(bind, port, max_connections, max_per_client, timeout_s)
+        try:
+            super().__init__(bind, port, max_connections, max_per_client, timeout_s)
+        except BaseException:  # the address is taken: nothing stays open
+            self.executor.shutdown(wait=False)
+            loop = getattr(self, "_loop", None)
+            if loop is not None:
+                loop.close()
+            raise
 
     def handle(self, conn: BlockingHttpConnection, method: str, path: str, body: bytes) -> Answer:
         raise NotImplementedError
