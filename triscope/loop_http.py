@@ -3,8 +3,9 @@ the daemon that speaks HTTP on the loop (the weight feed, its table servers, the
 
 Just what these servers need is parsed (request line, ``Content-Length``, ``Transfer-Encoding``,
 ``Connection``, and the other headers by lower-case name): request heads over ``MAX_HEAD_BYTES`` get
-431, bodies over the server's ``max_body_bytes`` 413 (nothing read), chunked bodies 411, a malformed
-request line 400; each then closes the connection (the rest of the stream cannot be framed).
+431, bodies over the server's ``max_body_bytes`` 413 (nothing more read), chunked bodies 411 unless the
+server takes them (``accept_chunked``: then read within the same bound), a malformed request line or
+chunk 400; each then closes the connection (the rest of the stream cannot be framed).
 
 A handler that answers from memory answers on the loop (:meth:`HttpConnection.respond`). One that
 blocks (a store query, a collector's scrape) runs on the server's bounded executor
@@ -89,28 +90,68 @@ class HttpConnection(LoopConnection):
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
         length, connection = headers.get("content-length", "0"), headers.get("connection", "").lower()
-        if headers.get("transfer-encoding", "identity").lower() != "identity":
-            self._fail(411, "chunked bodies are not accepted; send Content-Length")
-            return False
-        try:
-            size = int(length)
-        except ValueError:
-            size = -1
-        if size < 0:
-            self._fail(400, f"bad Content-Length {length!r}")
-            return False
         limit = self.server.max_body_bytes
-        if size > limit:
-            self._fail(413, f"body of {size} bytes exceeds the limit of {limit} ({self.server.body_limit_key})")
-            return False
-        start = end + 4
-        if len(self.buffer) < start + size:
-            return False
-        raw = self.buffer[:start + size]
-        body, self.buffer = self.buffer[start:start + size], self.buffer[start + size:]
+        if headers.get("transfer-encoding", "identity").lower() != "identity":
+            if not getattr(self.server, "accept_chunked", False):
+                self._fail(411, "chunked bodies are not accepted; send Content-Length")
+                return False
+            chunked = self._chunked(end + 4, limit)
+            if chunked is None:
+                return False
+            body, stop = chunked
+        else:
+            try:
+                size = int(length)
+            except ValueError:
+                size = -1
+            if size < 0:
+                self._fail(400, f"bad Content-Length {length!r}")
+                return False
+            if size > limit:
+                self._fail(413, f"body of {size} bytes exceeds the limit of {limit} ({self.server.body_limit_key})")
+                return False
+            if len(self.buffer) < end + 4 + size:
+                return False
+            body, stop = self.buffer[end + 4:end + 4 + size], end + 4 + size
+        raw, self.buffer = self.buffer[:stop], self.buffer[stop:]
         close = connection == "close" or (version == "HTTP/1.0" and connection != "keep-alive")
         self.method, self.target, self.headers = method, target, headers
         return self.respond(method, target.split("?", 1)[0], body, close, raw)
+
+    def _chunked(self, pos: int, limit: int) -> tuple[bytes, int] | None:
+        """(body, end of the request in the buffer) of a chunked body from ``pos``; None when it has not
+        all arrived or was refused (413 past ``limit``, 400 a bad chunk; trailers are skipped)."""
+        parts: list[bytes] = []
+        total, buf = 0, self.buffer
+        while True:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0 or eol - pos > 256:
+                if eol - pos > 256 or (eol < 0 and len(buf) - pos > 256):
+                    self._fail(400, f"bad chunk size line {buf[pos:pos + 40]!r}")
+                return None
+            try:
+                size = int(buf[pos:eol].split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                self._fail(400, f"bad chunk size line {buf[pos:eol][:40]!r}")
+                return None
+            if size == 0:
+                if buf[eol + 2:eol + 4] == b"\r\n":
+                    return b"".join(parts), eol + 4
+                trailers = buf.find(b"\r\n\r\n", eol)
+                if trailers < 0 and len(buf) - eol > MAX_HEAD_BYTES:
+                    self._fail(431, "chunked trailers too large")
+                return (b"".join(parts), trailers + 4) if trailers >= 0 else None
+            total += size
+            if total > limit:
+                self._fail(413, f"body exceeds the limit of {limit} ({self.server.body_limit_key})")
+                return None
+            if len(buf) < eol + 4 + size:
+                return None
+            if buf[eol + 2 + size:eol + 4 + size] != b"\r\n":
+                self._fail(400, "body ended inside a chunk")
+                return None
+            parts.append(buf[eol + 2:eol + 2 + size])
+            pos = eol + 4 + size
 
     def respond(self, method: str, path: str, body: bytes, close: bool, raw: bytes) -> bool:
         """Answer one parsed request (``raw``: its bytes as sent); False when nothing more is to be read now."""
@@ -128,9 +169,11 @@ class HttpConnection(LoopConnection):
         return True
 
     def _fail(self, status: int, message: str) -> None:
-        """An error answer, then close."""
+        """An error answer (in the server's shape when it has ``error_answer``), then close."""
         assert self.transport is not None
-        self.transport.write(encode(status, JSON_TYPE, json_error(message), True, self.server.server_header))
+        shape = getattr(self.server, "error_answer", None)
+        ctype, body, extra = shape(status, message) if shape is not None else (JSON_TYPE, json_error(message), ())
+        self.transport.write(encode(status, ctype, body, True, self.server.server_header, extra))
         self.transport.close()
 
 
@@ -142,6 +185,7 @@ class BlockingHttpServer(LoopServer):
     server_header = "triscope"
     body_limit_key = "max_body_bytes"
     max_body_bytes = 1 << 20
+    accept_chunked = False
 
     def __init__(self, bind: str, port: int, max_connections: int, max_per_client: int, timeout_s: float,
                  workers: int = 4) -> None:
@@ -188,7 +232,10 @@ class BlockingHttpConnection(HttpConnection):
             status, ctype, payload, extra = future.result()
         except Exception as exc:
             log.warning("%s %s %s failed: %s", self.server.thread_name, method, self.target, one_line(exc))
-            status, ctype, payload, extra = 500, JSON_TYPE, json_error(one_line(exc)), ()
+            status = 500
+            shape = getattr(self.server, "error_answer", None)
+            ctype, payload, extra = shape(500, one_line(exc)) if shape is not None else (
+                JSON_TYPE, json_error(one_line(exc)), ())
         answer = encode(status, ctype, payload, close, self.server.server_header, extra)
         self.transport.write(answer[:len(answer) - len(payload)] if method == "HEAD" else answer)
         if self.answered(close):
