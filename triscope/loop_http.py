@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -62,6 +63,15 @@ class HttpConnection(LoopConnection):
     """The request's target as sent (path and query)."""
     headers: dict[str, str] = {}
     """The request's headers by lower-case name (the last of repeated ones)."""
+    checked = False
+    """:meth:`check_head` passed for the request whose body is arriving."""
+    close_after = False
+    """Close once the answer is out (a handler that refused a request whose body it did not read)."""
+
+    def check_head(self, method: str, path: str, size: int) -> bool:
+        """Called once a request's head is in, before its body (``size`` bytes) is waited for: False
+        after answering it (and closing) without reading the body. Default: every request goes on."""
+        return True
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -89,6 +99,7 @@ class HttpConnection(LoopConnection):
         for line in lines[1:]:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
+        self.method, self.target, self.headers = method, target, headers
         length, connection = headers.get("content-length", "0"), headers.get("connection", "").lower()
         limit = self.server.max_body_bytes
         if headers.get("transfer-encoding", "identity").lower() != "identity":
@@ -110,12 +121,15 @@ class HttpConnection(LoopConnection):
             if size > limit:
                 self._fail(413, f"body of {size} bytes exceeds the limit of {limit} ({self.server.body_limit_key})")
                 return False
+            if not self.checked and not self.check_head(method, target.split("?", 1)[0], size):
+                return False
+            self.checked = True
             if len(self.buffer) < end + 4 + size:
                 return False
             body, stop = self.buffer[end + 4:end + 4 + size], end + 4 + size
         raw, self.buffer = self.buffer[:stop], self.buffer[stop:]
+        self.checked = False
         close = connection == "close" or (version == "HTTP/1.0" and connection != "keep-alive")
-        self.method, self.target, self.headers = method, target, headers
         return self.respond(method, target.split("?", 1)[0], body, close, raw)
 
     def _chunked(self, pos: int, limit: int) -> tuple[bytes, int] | None:
@@ -172,7 +186,8 @@ class HttpConnection(LoopConnection):
         """An error answer (in the server's shape when it has ``error_answer``), then close."""
         assert self.transport is not None
         shape = getattr(self.server, "error_answer", None)
-        ctype, body, extra = shape(status, message) if shape is not None else (JSON_TYPE, json_error(message), ())
+        ctype, body, extra = shape(self, status, message) if shape is not None else (
+            JSON_TYPE, json_error(message), ())
         self.transport.write(encode(status, ctype, body, True, self.server.server_header, extra))
         self.transport.close()
 
@@ -202,7 +217,19 @@ class BlockingHttpServer(LoopServer):
     def handle(self, conn: BlockingHttpConnection, method: str, path: str, body: bytes) -> Answer:
         raise NotImplementedError
 
-    def close(self) -> None:
+    in_flight = 0
+    """Requests being answered on the executor now."""
+
+    def close(self, drain_s: float = 0.0) -> None:
+        """Stop; with ``drain_s``, first stop accepting and let requests in flight be answered (that long at most)."""
+        if drain_s > 0 and self._thread is not None and self._thread.is_alive():
+            def stop_listening() -> None:
+                if self._server is not None:
+                    self._server.close()
+            self._loop.call_soon_threadsafe(stop_listening)
+            deadline = time.monotonic() + drain_s
+            while self.in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)
         super().close()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -219,6 +246,7 @@ class BlockingHttpConnection(HttpConnection):
             self.timer.cancel()
             self.timer = None
         self.transport.pause_reading()
+        self.server.in_flight += 1
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self.server.executor, self.server.handle, self, method, path, body)
         future.add_done_callback(lambda f: self._done(f, method, close))
@@ -226,6 +254,7 @@ class BlockingHttpConnection(HttpConnection):
 
     def _done(self, future: asyncio.Future[Answer], method: str, close: bool) -> None:
         self.busy = False
+        self.server.in_flight -= 1
         if future.cancelled() or self.transport is None or self.transport.is_closing():
             return
         try:
@@ -234,8 +263,9 @@ class BlockingHttpConnection(HttpConnection):
             log.warning("%s %s %s failed: %s", self.server.thread_name, method, self.target, one_line(exc))
             status = 500
             shape = getattr(self.server, "error_answer", None)
-            ctype, payload, extra = shape(500, one_line(exc)) if shape is not None else (
+            ctype, payload, extra = shape(self, 500, one_line(exc)) if shape is not None else (
                 JSON_TYPE, json_error(one_line(exc)), ())
+        close = close or self.close_after
         answer = encode(status, ctype, payload, close, self.server.server_header, extra)
         self.transport.write(answer[:len(answer) - len(payload)] if method == "HEAD" else answer)
         if self.answered(close):

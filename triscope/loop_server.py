@@ -185,7 +185,8 @@ class LoopConnection(asyncio.Protocol):
         self.server.expired_total += 1
         self.close()
 
-    def _arm(self) -> None:
+    def _arm(self, timeout_s: float | None = None) -> None:
+        """(Re)start the timer: ``timeout_s`` (default the server's) for the request to be complete."""
         if self.timer is not None:
             self.timer.cancel()
-        self.timer = asyncio.get_running_loop().call_later(self.server.timeout_s, self._expire)
+        self.timer = asyncio.get_running_loop().call_later(timeout_s or self.server.timeout_s, self._expire)

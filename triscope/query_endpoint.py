@@ -239,7 +239,8 @@ class _Server(BlockingHttpServer):
         super().__init__(cfg.bind, cfg.port, cfg.max_connections, 0, DEFAULT_HEADER_TIMEOUT_S,
                          workers=cfg.max_concurrent + cfg.max_queued + 1)
 
-    def error_answer(self, status: int, message: str) -> tuple[str, bytes, list[tuple[str, str]]]:
+    def error_answer(self, conn: BlockingHttpConnection, status: int,
+                     message: str) -> tuple[str, bytes, list[tuple[str, str]]]:
         """A refused request (413, 400, ...) in ClickHouse's shape."""
         _, ctype, body, extra = _error(QueryError(status, 241 if status == 413 else 1000, message))
         return ctype, body, list(extra)
