@@ -4,17 +4,17 @@
 
 Each stack runs in a process of its own serving the same 1 KiB JSON document on ``GET /doc``:
 
-* ``threaded``: :class:`triscope.httpserver.BoundedHTTPServer` with a
-  :class:`~triscope.httpserver.BoundedHTTPHandler` (a thread per connection; OTLP, ``/metrics``,
-  the query endpoint) as ``http.server`` sends an answer: head and body in two writes, so Nagle's
-  algorithm holds the body until the client's delayed ACK (~40 ms on Linux);
+* ``threaded``: a thread per connection with ``http.server``'s HTTP/1.1 handler (what OTLP,
+  ``/metrics`` and the query endpoint ran on, bounded, until this measurement put them on the loop;
+  now ``http.server.ThreadingHTTPServer``, the same per-request machinery without the bounds): head
+  and body in two writes, so Nagle's algorithm holds the body until the client's delayed ACK
+  (~40 ms on Linux);
 * ``threaded-nodelay``: the same with ``TCP_NODELAY``;
-* ``loop``: the event-loop kit (:class:`triscope.loop_server.LoopServer` with the feed's
-  HTTP/1.1 connection, uvloop when installed; the feed, agent, table servers and pick table).
+* ``loop``: the server kit (:class:`triscope.loop_server.LoopServer` with the feed's HTTP/1.1
+  connection, uvloop when installed), every server of the daemon now.
 
 ``wrk`` (2 threads) drives each for ``--duration-s`` after a one-second warm-up, with every
-``--connections`` count; both stacks under the same connection cap (1024) and the same process
-budget. Ratios are loop over each threaded variant, from the same run.
+``--connections`` count. Ratios are loop over each threaded variant, from the same run.
 """
 
 from __future__ import annotations
@@ -38,10 +38,14 @@ STACKS = ("threaded", "threaded-nodelay", "loop")
 def serve(stack: str, port_file: Path) -> None:
     """Serve DOC with ``stack`` until killed, writing the port to ``port_file``."""
     if stack.startswith("threaded"):
-        from triscope.httpserver import BoundedHTTPHandler, BoundedHTTPServer
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-        class Handler(BoundedHTTPHandler):
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
             disable_nagle_algorithm = stack == "threaded-nodelay"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
 
             def do_GET(self) -> None:
                 self.send_response(200)
@@ -50,7 +54,8 @@ def serve(stack: str, port_file: Path) -> None:
                 self.end_headers()
                 self.wfile.write(DOC)
 
-        server = BoundedHTTPServer(("127.0.0.1", 0), Handler, max_connections=1024)
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.daemon_threads = True
         port = server.server_address[1]
         port_file.write_text(str(port))
         server.serve_forever(poll_interval=0.2)

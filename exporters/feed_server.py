@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING
 
 from triscope.errors import one_line
 from triscope.exporters.feed_http import JSON_TYPE, json_error, route
-from triscope.httpserver import DEFAULT_HEADER_TIMEOUT_S
 from triscope.loop_http import MAX_HEAD_BYTES as MAX_HEAD_BYTES  # re-exported for the table servers
 from triscope.loop_http import HttpConnection
 from triscope.loop_http import encode as http_encode
-from triscope.loop_server import LoopServer
+from triscope.loop_server import DEFAULT_HEADER_TIMEOUT_S, LoopServer
 
 if TYPE_CHECKING:
     from triscope.exporters.feed import WeightFeed

@@ -39,8 +39,7 @@ import socket
 from collections.abc import Callable, Mapping
 
 from triscope.analyzers.routing import DOWN, DRAIN, WeightsResult
-from triscope.httpserver import DEFAULT_MAX_CONNECTIONS
-from triscope.loop_server import LoopConnection, LoopServer
+from triscope.loop_server import DEFAULT_MAX_CONNECTIONS, LoopConnection, LoopServer
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
              "triscope.commands", "triscope.cli", "triscope.dashboards", "triscope.daemon"),
 }
 CORE_MODULES = ("store", "schema", "writer", "spool", "component", "config", "errors", "registry",
-                "httpserver", "conn_budget", "prom_text", "http_fetch", "store_link", "collector_loop",
+                "conn_budget", "prom_text", "http_fetch", "store_link", "collector_loop",
                 "query_endpoint", "query_discovery", "http_body", "http_client", "target_pool",
                 "loop_server", "loop_http")
 

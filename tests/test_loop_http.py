@@ -87,3 +87,74 @@ def test_bad_requests_are_answered_and_closed(server: _Slow, request_: bytes, st
         data = _read(s, 1)
         assert data.startswith(b"HTTP/1.1 " + status) and b"Connection: close" in data and s.recv(10) == b""
     assert server.calls == []
+
+
+def test_slow_clients_are_bounded_cut_at_their_deadline_and_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    """300 connections from two addresses trickling a header line every 0.3 s: at most max_per_client of
+    each at once, every one cut within the 1 s request deadline (in total, not per read) or evicted for a
+    newer one, a prompt request still answered, and no traceback or warning."""
+    import contextlib
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="triscope")
+    srv = _Slow(max_connections=64)
+    srv.timeout_s, srv.max_per_client = 1.0, 16
+    srv.start()
+    socks: list[tuple[socket.socket, float]] = []
+    cut_after: list[float] = []
+    try:
+        for i in range(300):
+            s = socket.socket()
+            s.bind(("127.0.0.1" if i % 2 else "127.0.0.2", 0))
+            s.connect(("127.0.0.1", srv.port))
+            s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n")
+            s.setblocking(False)
+            socks.append((s, time.monotonic()))
+        with socket.create_connection(("127.0.0.1", srv.port)) as prompt:
+            prompt.sendall(b"GET /now HTTP/1.1\r\nConnection: close\r\n\r\n")
+            assert b"GET /now 0" in _read(prompt, 1)
+        end = time.monotonic() + 3.0
+        while socks and time.monotonic() < end:
+            assert srv.connections <= 2 * srv.max_per_client + 1
+            assert max(srv.per_client.values(), default=0) <= srv.max_per_client
+            kept = []
+            for s, t0 in socks:
+                try:
+                    data = s.recv(100)
+                except BlockingIOError:
+                    with contextlib.suppress(OSError):
+                        s.send(b"X-Slow: 1\r\n")
+                    kept.append((s, t0))
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    cut_after.append(time.monotonic() - t0)
+                s.close()
+            socks = kept
+            time.sleep(0.3)
+        assert not socks, f"{len(socks)} slow connections outlived the request deadline"
+        assert max(cut_after) < 3.0  # 1 s plus scheduling on a loaded machine, never a per-read timeout
+        assert srv.evicted_total + srv.expired_total + srv.refused_total >= 299 and srv.calls == ["/now"]
+    finally:
+        for s, _ in socks:
+            s.close()
+        srv.close()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
+
+
+def test_clients_hanging_up_mid_request_cost_nothing(server: _Slow, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="triscope")
+    for _ in range(5):
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(b"POST / HTTP/1.1\r\nContent-Length: 16\r\n\r\nonly a p")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+        s.close()
+    with socket.create_connection(("127.0.0.1", server.port)) as ok:
+        ok.sendall(b"GET /after HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert b"GET /after 0" in _read(ok, 1)
+    time.sleep(0.2)
+    assert server.connections == 0 and server.calls == ["/after"]
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]

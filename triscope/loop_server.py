@@ -22,7 +22,16 @@ from collections import Counter
 from typing import Self, cast
 
 from triscope.conn_budget import BUDGET
-from triscope.httpserver import default_max_per_client
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+"""A connection's request must be complete this long after it connected or got its last answer."""
+
+
+def default_max_per_client(max_connections: int) -> int:
+    """A quarter of ``max_connections``, at least 16 (at most ``max_connections``)."""
+    return min(max_connections, max(16, max_connections // 4))
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

@@ -37,8 +37,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 from triscope.component import ComponentConfig, non_negative, port, positive
 from triscope.errors import ConfigError, StoreError
-from triscope.httpserver import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_HOST
 from triscope.loop_http import Answer, BlockingHttpConnection, BlockingHttpServer
+from triscope.loop_server import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_HOST
 from triscope.query_discovery import Endpoint, publish, withdraw
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from triscope.collectors.span_mapping import DEFAULT_RULES, SpanRules
 from triscope.component import ComponentConfig, Context, Submit, config_field, interval, port, positive
 from triscope.errors import ConfigError, SpoolUnavailable
 from triscope.http_body import HttpError
-from triscope.httpserver import DEFAULT_HOST, DEFAULT_MAX_CONNECTIONS
+from triscope.loop_server import DEFAULT_HOST, DEFAULT_MAX_CONNECTIONS
 from triscope.schema import REQUESTS
 
 log = logging.getLogger(__name__)

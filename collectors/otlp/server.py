@@ -25,8 +25,8 @@ from triscope.collectors.otlp.decode import (
 from triscope.collectors.otlp.links import MappedBatch
 from triscope.errors import InputError
 from triscope.http_body import HttpError
-from triscope.httpserver import DEFAULT_HEADER_TIMEOUT_S
 from triscope.loop_http import Answer, BlockingHttpConnection, BlockingHttpServer
+from triscope.loop_server import DEFAULT_HEADER_TIMEOUT_S
 
 if TYPE_CHECKING:
     from triscope.collectors.otlp.receiver import OtlpReceiver

@@ -15,8 +15,8 @@ from triscope.component import Context
 from triscope.errors import ConfigError
 from triscope.exporters.prometheus.collector import TriscopeCollector
 from triscope.exporters.prometheus.config import PrometheusConfig
-from triscope.httpserver import DEFAULT_HEADER_TIMEOUT_S
 from triscope.loop_http import Answer, BlockingHttpConnection, BlockingHttpServer
+from triscope.loop_server import DEFAULT_HEADER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
