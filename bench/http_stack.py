@@ -54,8 +54,13 @@ def serve(stack: str, port_file: Path) -> None:
                 self.end_headers()
                 self.wfile.write(DOC)
 
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        server.daemon_threads = True
+        class Quiet(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request: object, client_address: object) -> None:
+                pass  # wrk hangs up at its end
+
+        server = Quiet(("127.0.0.1", 0), Handler)
         port = server.server_address[1]
         port_file.write_text(str(port))
         server.serve_forever(poll_interval=0.2)
