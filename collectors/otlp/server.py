@@ -25,7 +25,7 @@ from triscope.collectors.otlp.decode import (
 from triscope.collectors.otlp.links import MappedBatch
 from triscope.errors import InputError
 from triscope.http_body import HttpError
-from triscope.loop_http import Answer, BlockingHttpConnection, BlockingHttpServer
+from triscope.loop_http import Answer, BlockingHttpConnection, BlockingHttpServer, encode
 from triscope.loop_server import DEFAULT_HEADER_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -119,8 +119,6 @@ class OtlpConnection(BlockingHttpConnection):
         return True
 
     def _encode(self, status: int, ctype: str, body: bytes, extra: list[tuple[str, str]]) -> bytes:
-        from triscope.loop_http import encode
-
         return encode(status, ctype, body, True, self.server.server_header, extra)
 
     def take_reserved(self) -> int:
