@@ -26,10 +26,9 @@ from triscope.analyzers.routing.live import live_signals
 from triscope.analyzers.routing.picker import EngineView, HeadroomPicker
 from triscope.analyzers.routing.picker_model import PICKER_KEYS, PickerParams
 from triscope.component import ComponentConfig, Context, interval, non_negative, port, positive
-from triscope.errors import ConfigError, InputError, TriscopeError
+from triscope.errors import ConfigError, InputError, TriscopeError, one_line
 from triscope.exporters.epp import Fallback, HeadroomChooser, NeedParams
 from triscope.exporters.extproc import MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_STREAMS, ExtProcServer
-from triscope.exporters.feed_http import one_line
 from triscope.exporters.haproxy_pick import PickTableServer, pick_settings
 from triscope.http_fetch import RefusedError, fetch
 from triscope.ticker import Ticker

@@ -6,26 +6,16 @@ Routes: ``GET /v1/weights``, ``GET /metrics``, ``GET /healthz`` and one per LB f
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
+from triscope.errors import one_line as one_line  # re-exported for the feed
 from triscope.exporters.formats import FORMATS
+from triscope.loop_http import JSON_TYPE as JSON_TYPE  # re-exported for the feed's modules
+from triscope.loop_http import json_error as json_error
 
 if TYPE_CHECKING:
     from triscope.exporters.feed import Response, WeightFeed
 
-JSON_TYPE = "application/json"
-
-
-def one_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message, else its type's name."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def json_error(message: str) -> bytes:
-    """``{"error": message}`` on one line."""
-    return json.dumps({"error": message}).encode() + b"\n"
 
 
 def route(feed: WeightFeed, method: str, path: str, body: bytes) -> Response:

@@ -23,7 +23,7 @@ request class (``gpu-a:8000 offline_video``) for per-class HAProxy pools. Answer
 
 A line that has not arrived within :data:`LINE_DEADLINE_S` in all (or after ``read_timeout_s`` of
 silence) is answered as it stands, so a client trickling bytes holds its slot that long at most;
-connection limits and eviction of slow clients: :mod:`.loop_server`. The server runs on one event
+connection limits and eviction of slow clients: :mod:`triscope.loop_server`. The server runs on one event
 loop and answers from encoded replies cached per engine result (a poll is a dictionary lookup until
 the engine publishes again): at fleet scale, 100 load balancers checking 1,000 backends every 100 ms
 is a million checks a second.
@@ -39,8 +39,7 @@ import socket
 from collections.abc import Callable, Mapping
 
 from triscope.analyzers.routing import DOWN, DRAIN, WeightsResult
-from triscope.exporters.loop_server import LoopConnection, LoopServer
-from triscope.httpserver import DEFAULT_MAX_CONNECTIONS
+from triscope.loop_server import DEFAULT_MAX_CONNECTIONS, LoopConnection, LoopServer
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ import asyncio
 import socket
 from collections.abc import Mapping
 
-from triscope.exporters.feed_http import JSON_TYPE, json_error, one_line
+from triscope.errors import one_line
+from triscope.exporters.feed_http import JSON_TYPE, json_error
 from triscope.exporters.feed_server import MAX_HEAD_BYTES, FeedConnection, FeedHTTPServer, encode
 from triscope.exporters.haproxy_agent import UNKNOWN_REPLY, AgentServer, parse_agent_line
 

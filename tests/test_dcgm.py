@@ -230,7 +230,7 @@ def test_scrape_real_http_targets_into_the_store(server: tuple[str, dict[str, by
     urls = [f"{base}/{SYNTHETIC}", f"{base}/{README}", *(f"{base}/{c}" for c in CSVS), f"{base}/garbage", dead,
             f"{base}/big", f"{base}/slow"]
     # 2 s: a 0.5 s timeout once timed out a local file target in a suite run on 2 busy CPUs
-    scraper = create({"dcgm": {"urls": urls, "timeout_s": 2.0, "max_body_bytes": 256 * 1024}}, Context())
+    scraper = create({"dcgm": {"urls": urls, "http": {"timeout_s": 2.0, "max_body_bytes": 256 * 1024}}}, Context())
     scraper.start()
     try:
         out = scraper.collect()
@@ -283,8 +283,10 @@ def test_config_errors_are_one_line() -> None:
         DcgmScraper({"dcgm": {"urls": ["file:///etc/passwd"]}})
     with pytest.raises(ConfigError, match="must be a list"):
         DcgmScraper({"dcgm": {"urls": "http://a:9400/metrics"}})
-    with pytest.raises(ConfigError, match="positive"):
-        DcgmScraper({"dcgm": {"urls": ["http://a:9400/metrics"], "max_body_bytes": 0}})
+    with pytest.raises(ConfigError, match=r"\[dcgm.http\] max_body_bytes must be > 0"):
+        DcgmScraper({"dcgm": {"urls": ["http://a:9400/metrics"], "http": {"max_body_bytes": 0}}})
+    with pytest.raises(ConfigError, match=r"\[dcgm.http\] has unknown keys: timeout \(known: max_body_bytes, "):
+        DcgmScraper({"dcgm": {"urls": ["http://a:9400/metrics"], "http": {"timeout": 1}}})
     with pytest.raises(InputError, match="no DCGM_FI_"):
         rows_from_text("# TYPE up gauge\nup 1\n", "h", T0)
 

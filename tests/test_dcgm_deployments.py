@@ -124,7 +124,7 @@ def test_host_override_and_host_label_per_target() -> None:
     with pytest.raises(ConfigError, match=r"urls entry .*hots.*\(keys: url, host, host_label\)"):
         DcgmScraper({"dcgm": {"urls": [{"url": "http://a:9400/metrics", "hots": "x"}]}})
     with pytest.raises(ConfigError, match="redirects must be one of"):
-        DcgmScraper({"dcgm": {"urls": ["http://a:9400/metrics"], "redirects": "sometimes"}})
+        DcgmScraper({"dcgm": {"urls": ["http://a:9400/metrics"], "http": {"redirects": "sometimes"}}})
 
 
 def test_no_mapped_fields_is_its_own_error() -> None:
@@ -210,7 +210,7 @@ def test_federation_of_a_kube_prometheus_style_prometheus(prometheus: tuple[str,
         text = resp.read().decode()
     # what Prometheus itself made of the exporter's labels (no honor_labels)
     assert 'exported_pod="vllm-llama-0"' in text and 'pod="nvidia-dcgm-exporter-7xk2p"' in text
-    scraper = DcgmScraper({"dcgm": {"urls": [url], "timeout_s": 5.0}})
+    scraper = DcgmScraper({"dcgm": {"urls": [url], "http": {"timeout_s": 5.0}}})
     try:
         first = _rows(scraper.collect()[GPU_SAMPLES])
         t1 = time.time_ns()

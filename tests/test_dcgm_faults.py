@@ -32,7 +32,7 @@ def test_a_trickling_target_costs_only_itself(round_: int) -> None:
               "/slow": Route(body=GOOD.replace("gpu-node-1", "gpu-node-3").encode(), trickle_s=1.0)}
     with raw_server(routes) as s:
         urls = [s.url("/good"), s.url("/slow"), s.url("/other")]
-        scraper = DcgmScraper({"dcgm": {"urls": urls, "timeout_s": 1.0}})
+        scraper = DcgmScraper({"dcgm": {"urls": urls, "http": {"timeout_s": 1.0}}})
         try:
             for tick in range(2):  # the second tick too: the slow fetch ended at its deadline
                 t0 = time.monotonic()
@@ -56,7 +56,7 @@ def test_redirects_only_when_configured() -> None:
               "/metrics/": Route(body=GOOD.encode())}
     with raw_server(routes) as s:
         refused = DcgmScraper({"dcgm": {"urls": [s.url("/metrics")]}})
-        followed = DcgmScraper({"dcgm": {"urls": [s.url("/metrics")], "redirects": "same-origin"}})
+        followed = DcgmScraper({"dcgm": {"urls": [s.url("/metrics")], "http": {"redirects": "same-origin"}}})
         try:
             (row,) = _rows(refused.collect())
             assert (row["state"], row["gpu"]) == ("error", NO_GPU)
@@ -80,7 +80,7 @@ def test_daemon_stops_promptly_with_a_trickling_target(store_path: Path, tmp_pat
             "store": {"backend": "embedded", "path": str(store_path), "database": database},
             "run": {"collectors": ["dcgm"], "status_interval_s": 0},
             "writer": {"spool_dir": str(tmp_path / "spool"), "flush_interval_s": 0.2},
-            "dcgm": {"interval_s": 0.3, "timeout_s": 1.0, "urls": [s.url("/slow"), s.url("/good")]},
+            "dcgm": {"interval_s": 0.3, "http": {"timeout_s": 1.0}, "urls": [s.url("/slow"), s.url("/good")]},
         }
         daemon = Daemon(config)
         daemon.start()

@@ -152,7 +152,7 @@ def test_unknown_metrics_and_parse_error_message() -> None:
 
 def test_unreachable_target_is_skipped_not_raised_and_recorded_down() -> None:
     url = f"http://127.0.0.1:{free_port()}/metrics"
-    scraper = ServingMetricsScraper({"serving_metrics": {"targets": [url], "timeout_s": 1}})
+    scraper = ServingMetricsScraper({"serving_metrics": {"targets": [url], "http": {"timeout_s": 1}}})
     out = scraper.collect()
     assert set(out) == {SCRAPE_HEALTH}  # no serving rows, but the failure itself is a row
     health = out[SCRAPE_HEALTH]
@@ -164,10 +164,10 @@ def test_unreachable_target_is_skipped_not_raised_and_recorded_down() -> None:
 
 def test_scrape_interval_shorter_than_its_timeout_is_warned(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="triscope.collectors.serving_metrics")
-    ServingMetricsScraper({"serving_metrics": {"targets": ["http://h:1/m"], "interval_s": 2, "timeout_s": 3}})
+    ServingMetricsScraper({"serving_metrics": {"targets": ["http://h:1/m"], "interval_s": 2, "http": {"timeout_s": 3}}})
     assert "timeout_s 3 exceeds interval_s 2" in caplog.text
     caplog.clear()
-    ServingMetricsScraper({"serving_metrics": {"targets": ["http://h:1/m"], "interval_s": 3, "timeout_s": 3}})
+    ServingMetricsScraper({"serving_metrics": {"targets": ["http://h:1/m"], "interval_s": 3, "http": {"timeout_s": 3}}})
     assert caplog.text == ""
 
 
@@ -196,8 +196,10 @@ def test_config_mistakes_are_one_line(section: dict, message: str) -> None:
 
 
 @pytest.mark.parametrize(("section", "message"), [
-    ({"redirects": "sometimes"}, r"\[serving_metrics\] redirects must be one of none, same-origin, any"),
-    ({"max_parallel": 0}, r"\[serving_metrics\] max_parallel must be > 0"),
+    ({"http": {"redirects": "sometimes"}}, r"\[serving_metrics.http\] redirects must be one of none, same-origin, any"),
+    ({"http": {"max_parallel": 0}}, r"\[serving_metrics.http\] max_parallel must be > 0"),
+    ({"http": {"max_body": 1}}, r"\[serving_metrics.http\] has unknown keys: max_body \(known: max_body_bytes, "),
+    ({"http": 3}, r"\[serving_metrics.http\] must be a table, got 3"),
     ({"max_models_per_target": -1}, r"\[serving_metrics\] max_models_per_target must be > 0"),
     ({"targets": [{"url": "http://h:1/metrics", "server": "tritonn"}]},
      "unknown server 'tritonn'; use one of vllm, sglang, tgi, triton, llamacpp"),
@@ -222,7 +224,8 @@ def test_redirects_same_origin_by_default_never_elsewhere() -> None:
         scraper = ServingMetricsScraper({"serving_metrics": {"targets": [s.url("/metrics"), s.url("/away")]}})
         assert scraper.collect()[SERVING_METRICS]["running_requests"] == [2.0]
         assert "another origin" in scraper.errors[s.url("/away")]
-        strict = ServingMetricsScraper({"serving_metrics": {"targets": [s.url("/metrics")], "redirects": "none"}})
+        strict = ServingMetricsScraper({"serving_metrics": {"targets": [s.url("/metrics")],
+                                                            "http": {"redirects": "none"}}})
         assert SERVING_METRICS not in strict.collect()
         assert "redirects are not allowed" in strict.errors[s.url("/metrics")]
     assert "/latest" not in s.requests

@@ -30,8 +30,8 @@ vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 2.0
 """vLLM V1 names (vllm/v1/metrics/loggers.py); SYNTHETIC values."""
 
 
-def _scraper(urls: list[str], **extra: object) -> ServingMetricsScraper:
-    return ServingMetricsScraper({"serving_metrics": {"targets": urls, **extra}})
+def _scraper(urls: list[str], http: dict | None = None, **extra: object) -> ServingMetricsScraper:
+    return ServingMetricsScraper({"serving_metrics": {"targets": urls, "http": http or {}, **extra}})
 
 
 @pytest.mark.parametrize("round_", range(3))
@@ -42,7 +42,7 @@ def test_a_trickling_target_costs_only_itself(round_: int) -> None:
               "/slow": Route(body=TRITON_TRTLLM.encode(), trickle_s=1.0)}
     with raw_server(routes) as s:
         urls = [s.url(p) for p in ("/good-vllm", "/slow", "/good-sglang", "/good-llamacpp")]
-        scraper = _scraper(urls, timeout_s=1.0)
+        scraper = _scraper(urls, {"timeout_s": 1.0})
         try:
             for _ in range(2):  # the second tick too: the slow fetch ended at its deadline
                 t0 = time.monotonic()
@@ -60,7 +60,7 @@ def test_many_slow_targets_are_fetched_concurrently() -> None:
     routes = {f"/slow{i}": Route(body=VLLM.encode(), trickle_s=0.5) for i in range(6)}
     routes["/good"] = Route(body=VLLM.encode())
     with raw_server(routes) as s:
-        scraper = _scraper([s.url(p) for p in routes], timeout_s=0.8)
+        scraper = _scraper([s.url(p) for p in routes], {"timeout_s": 0.8})
         t0 = time.monotonic()
         out = scraper.collect()[SERVING_METRICS]
         took = time.monotonic() - t0
@@ -137,7 +137,7 @@ def test_daemon_counts_target_errors_and_stops_promptly(store_path: Path, tmp_pa
             "store": {"backend": "embedded", "path": str(store_path), "database": database},
             "run": {"collectors": ["serving_metrics"], "status_interval_s": 0},
             "writer": {"spool_dir": str(tmp_path / "spool"), "flush_interval_s": 0.2},
-            "serving_metrics": {"interval_s": 0.3, "timeout_s": 1.0,
+            "serving_metrics": {"interval_s": 0.3, "http": {"timeout_s": 1.0},
                                 "targets": [s.url("/slow"), s.url("/good")]},
         }
         daemon = Daemon(config)

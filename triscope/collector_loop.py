@@ -17,9 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from triscope.component import MAX_INTERVAL_S, Collector, ReportsErrors, ReportsGaps, Rows, Submit
-from triscope.errors import InputError, SpoolUnavailable
+from triscope.errors import InputError, SpoolUnavailable, one_line
 from triscope.schema import Table
-from triscope.store_link import one_line
 from triscope.writer import Writer
 
 log = logging.getLogger(__name__)

@@ -249,6 +249,7 @@ class ComponentConfig:
         nested: dict[str, dict[str, Any]] = {name: {} for name in cls.flattened}
         values: dict[str, Any] = {}
         unknown: list[str] = []
+        data = cls._moved(data, where)
         for key, value in data.items():
             name = cls.aliases.get(key, key)
             if not name:
@@ -263,6 +264,11 @@ class ComponentConfig:
                 continue
             if name not in names:
                 unknown.append(str(key))
+                continue
+            sub = hints[name]
+            if isinstance(sub, type) and issubclass(sub, ComponentConfig):  # a sub-table: its own errors
+                inner = f"{where[:-1]}.{name}]" if where.endswith("]") else f"{where}.{name}"
+                values[name] = sub.from_mapping(value, inner)
                 continue
             try:
                 values[name] = _coerce(value, hints[name], name)
@@ -280,6 +286,23 @@ class ComponentConfig:
             raise ConfigError(f"{where}: {exc}") from None
         config.validate(where)
         return config
+
+    @classmethod
+    def _moved(cls, data: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+        """``data`` with keys aliased into a sub-table (``aliases = {"timeout_s": "http.timeout_s"}``)
+        moved there; a key already in the sub-table wins over its old name."""
+        moved = {key: name for key, name in cls.aliases.items() if "." in name and key in data}
+        if not moved:
+            return data
+        out = {k: v for k, v in data.items() if k not in moved}
+        for key, name in moved.items():
+            table, _, sub = name.partition(".")
+            inner = out.get(table, {})
+            if not isinstance(inner, Mapping):
+                continue  # reported as a bad sub-table below
+            log.warning("%s %s is deprecated; use [%s.%s] %s", where, key, where.strip("[]"), table, sub)
+            out[table] = {sub: data[key], **inner}
+        return out
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None) -> Self:

@@ -20,3 +20,11 @@ class ConfigError(TriscopeError):
 class SpoolUnavailable(TriscopeError):
     """The writer's spool cannot take rows now (disk full, out of file descriptors); nothing was
     queued: keep the rows and submit them again later."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when the message is empty): every
+    log line and error column that quotes an exception uses this, so a multi-line message (a chDB or
+    HTTP traceback text) never spreads over several lines."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

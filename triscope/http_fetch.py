@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from urllib.parse import urljoin, urlsplit
 
-from triscope.errors import InputError
+from triscope.errors import InputError, one_line
 
 MAX_REDIRECTS = 5
 REDIRECT_POLICIES = ("none", "same-origin", "any")
@@ -109,9 +109,9 @@ def _origin(url: str) -> tuple[str, str, int | None]:
     return parts.scheme, (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "reason", None) or exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+def _reason_line(exc: BaseException) -> str:
+    reason = getattr(exc, "reason", None)  # an OSError wrapped by urllib: the reason is the message
+    return one_line(reason) if isinstance(reason, BaseException) else (str(reason) if reason else one_line(exc))
 
 
 class _Attempt:
@@ -157,7 +157,7 @@ class _Attempt:
             if self.fired or isinstance(exc, TimeoutError) or time.monotonic() >= self.deadline:
                 raise TimeoutError() from None
             kind = RefusedError if isinstance(exc, ConnectionRefusedError) else UnreachableError
-            raise kind(f"{self.url}: scrape failed: {_one_line(exc)}") from None
+            raise kind(f"{self.url}: scrape failed: {_reason_line(exc)}") from None
         finally:
             _WATCHDOG.disarm(key)
             self.conn.close()

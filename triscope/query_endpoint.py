@@ -14,7 +14,8 @@ to the discovery file only the store's owner can read), read-only unless ``reado
 statement kind is checked and the engine's ``readonly = 2`` holds on the query connections, never on the
 writer's), ``max_query_bytes``, ``max_concurrent`` queries on their own connections (``max_queued``
 more wait, then 503), ``max_execution_time_s`` and ``max_memory_bytes`` per query, which a query can
-neither raise in its text nor in its parameters, and the HTTP server's connection bounds.
+neither raise in its text nor in its parameters, and the server kit's connection bounds (the daemon's
+event loop, :mod:`triscope.loop_http`; each query runs on a worker thread).
 """
 
 from __future__ import annotations
@@ -36,15 +37,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 from triscope.component import ComponentConfig, non_negative, port, positive
 from triscope.errors import ConfigError, StoreError
-from triscope.httpserver import (
-    DEFAULT_HOST,
-    BoundedHTTPHandler,
-    BoundedHTTPServer,
-    HttpError,
-    read_body,
-    serve_in_thread,
-    stop,
-)
+from triscope.loop_http import Answer, BlockingHttpConnection, BlockingHttpServer
+from triscope.loop_server import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_HOST
 from triscope.query_discovery import Endpoint, publish, withdraw
 
 log = logging.getLogger(__name__)
@@ -204,74 +198,75 @@ class QueryService:
                 "refused_total": self.refused_total, "running_or_waiting": self.waiting}
 
 
-class _Handler(BoundedHTTPHandler):
-    server_version = "triscope-query"
-    endpoint: QueryEndpoint  # set on the subclass made per endpoint
-
-    def do_GET(self) -> None:
-        path = urlsplit(self.path).path
-        if path in ("/ping", "/") and "query=" not in self.path:
-            self._send(200, b"Ok.\n", "text/plain; charset=UTF-8")
-            return
-        self._answer(b"")
-
-    def do_POST(self) -> None:
+def _authorize(endpoint: QueryEndpoint, args: dict[str, str], headers: dict[str, str]) -> None:
+    """QueryError 401 unless the request names the endpoint's user and token (headers by lower-case name)."""
+    user = headers.get("x-clickhouse-user") or args.get("user", "")
+    key = headers.get("x-clickhouse-key") or args.get("password", "")
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("basic "):
         try:
-            body = read_body(self, self.endpoint.cfg.max_query_bytes, chunked=True)  # @clickhouse/client chunks
-        except HttpError as exc:
-            self._error(QueryError(exc.status, 1000 if exc.status != 413 else 241, str(exc)))
-            return
-        self._answer(body)
+            user, _, key = base64.b64decode(auth[6:].strip()).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            user, key = "", ""
+    if not (hmac.compare_digest(user.encode(), endpoint.username.encode())
+            and hmac.compare_digest(key.encode(), endpoint.token.encode())):
+        raise QueryError(401, 516, f"{user or 'default'}: Authentication failed: password is incorrect, "
+                                   "or there is no user with such name")
 
-    def _answer(self, body: bytes) -> None:
+
+def _headers(body: bytes, extra: dict[str, str]) -> list[tuple[str, str]]:
+    summary = json.dumps({"read_rows": "0", "read_bytes": "0", "written_rows": "0", "written_bytes": "0",
+                          "result_rows": "0", "result_bytes": str(len(body))})
+    return [("X-ClickHouse-Server-Display-Name", "triscope"), ("X-ClickHouse-Timezone", "UTC"),
+            ("X-ClickHouse-Summary", summary), *extra.items()]
+
+
+def _error(exc: QueryError, query_id: str = "") -> Answer:
+    text = f"Code: {exc.code}. DB::Exception: {exc}. (triscope query endpoint)\n".encode()
+    extra = {"X-ClickHouse-Exception-Code": str(exc.code)}
+    if query_id:
+        extra["X-ClickHouse-Query-Id"] = query_id
+    return exc.status, "text/plain; charset=UTF-8", text, _headers(text, extra)
+
+
+class _Server(BlockingHttpServer):
+    """ClickHouse's HTTP interface on the server kit: each request on a worker thread."""
+
+    thread_name = "triscope-query"
+    server_header = "triscope-query"
+    body_limit_key = "[query] max_query_bytes"
+    accept_chunked = True  # @clickhouse/client chunks its bodies
+
+    def __init__(self, endpoint: QueryEndpoint) -> None:
+        cfg = endpoint.cfg
+        self.endpoint = endpoint
+        self.max_body_bytes = cfg.max_query_bytes
+        # one worker per query that may run or wait: past them QueryService answers 503 at once
+        super().__init__(cfg.bind, cfg.port, cfg.max_connections, 0, DEFAULT_HEADER_TIMEOUT_S,
+                         workers=cfg.max_concurrent + cfg.max_queued + 1)
+
+    def error_answer(self, conn: BlockingHttpConnection, status: int,
+                     message: str) -> tuple[str, bytes, list[tuple[str, str]]]:
+        """A refused request (413, 400, ...) in ClickHouse's shape."""
+        _, ctype, body, extra = _error(QueryError(status, 241 if status == 413 else 1000, message))
+        return ctype, body, list(extra)
+
+    def handle(self, conn: BlockingHttpConnection, method: str, path: str, body: bytes) -> Answer:
+        if method == "GET" and path in ("/ping", "/") and "query=" not in conn.target:
+            return 200, "text/plain; charset=UTF-8", b"Ok.\n", _headers(b"Ok.\n", {})
+        if method not in ("GET", "POST"):
+            return _error(QueryError(405, 1000, f"{method} is not served; use GET or POST"))
         query_id = ""
         try:
-            args = dict(parse_qsl(urlsplit(self.path).query, keep_blank_values=True))
+            args = dict(parse_qsl(urlsplit(conn.target).query, keep_blank_values=True))
             query_id = args.get("query_id") or str(uuid.uuid4())
-            self._authorize(args)
-            sql, fmt, params = self.endpoint.request(args, dict(self.headers.items()), body)
+            _authorize(self.endpoint, args, conn.headers)
+            sql, fmt, params = self.endpoint.request(args, conn.headers, body)
             data = self.endpoint.service.run(sql, fmt, params)
         except QueryError as exc:
-            self._error(exc, query_id)
-            return
-        self._send(200, data, _content_type(fmt), {"X-ClickHouse-Format": _format_of(sql, fmt),
-                                                   "X-ClickHouse-Query-Id": query_id})
-
-    def _authorize(self, args: dict[str, str]) -> None:
-        user = self.headers.get("X-ClickHouse-User") or args.get("user", "")
-        key = self.headers.get("X-ClickHouse-Key") or args.get("password", "")
-        auth = self.headers.get("Authorization", "")
-        if auth.lower().startswith("basic "):
-            try:
-                user, _, key = base64.b64decode(auth[6:].strip()).decode().partition(":")
-            except (ValueError, UnicodeDecodeError):
-                user, key = "", ""
-        cfg = self.endpoint
-        if not (hmac.compare_digest(user.encode(), cfg.username.encode())
-                and hmac.compare_digest(key.encode(), cfg.token.encode())):
-            raise QueryError(401, 516, f"{user or 'default'}: Authentication failed: password is incorrect, "
-                                       "or there is no user with such name")
-
-    def _error(self, exc: QueryError, query_id: str = "") -> None:
-        text = f"Code: {exc.code}. DB::Exception: {exc}. (triscope query endpoint)\n".encode()
-        headers = {"X-ClickHouse-Exception-Code": str(exc.code)}
-        if query_id:
-            headers["X-ClickHouse-Query-Id"] = query_id
-        self._send(exc.status, text, "text/plain; charset=UTF-8", headers)
-
-    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("X-ClickHouse-Server-Display-Name", "triscope")
-        self.send_header("X-ClickHouse-Timezone", "UTC")
-        self.send_header("X-ClickHouse-Summary", json.dumps({"read_rows": "0", "read_bytes": "0",
-                                                             "written_rows": "0", "written_bytes": "0",
-                                                             "result_rows": "0", "result_bytes": str(len(body))}))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(body)
+            return _error(exc, query_id)
+        return 200, _content_type(fmt), data, _headers(data, {"X-ClickHouse-Format": _format_of(sql, fmt),
+                                                              "X-ClickHouse-Query-Id": query_id})
 
 
 def _format_of(sql: str, fmt: str) -> str:
@@ -296,8 +291,7 @@ class QueryEndpoint:
         self.username = cfg.username
         self.token = cfg.password or secrets.token_urlsafe(24)
         self.service = QueryService(store, cfg)
-        self._server: BoundedHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._server: _Server | None = None
 
     def request(self, args: dict[str, str], headers: dict[str, str], body: bytes) -> tuple[str, str, dict[str, str]]:
         """(SQL with its settings, output format, query parameters) of one request; QueryError when refused."""
@@ -330,15 +324,12 @@ class QueryEndpoint:
         return with_settings(sql, settings), fmt, params
 
     def start(self) -> QueryEndpoint:
-        handler = type("QueryHandler", (_Handler,), {"endpoint": self})
         try:
-            self._server = BoundedHTTPServer((self.cfg.bind, self.cfg.port), handler,
-                                             max_connections=self.cfg.max_connections, name="triscope-query",
-                                             deadline_s=self.cfg.max_execution_time_s + 30.0)
+            self._server = _Server(self)
         except OSError as exc:
             raise ConfigError(f"cannot bind the query endpoint to {self.cfg.bind}:{self.cfg.port}: "
                               f"{exc.strerror or exc}") from None
-        self._thread = serve_in_thread(self._server, "triscope-query")
+        self._server.start()
         path = getattr(self.store, "path", "")
         if path:
             publish(Endpoint(os.getpid(), self.cfg.bind, self.port, path,
@@ -349,7 +340,7 @@ class QueryEndpoint:
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1]) if self._server is not None else -1
+        return self._server.port if self._server is not None else -1
 
     @property
     def url(self) -> str:
@@ -360,7 +351,7 @@ class QueryEndpoint:
         if path:
             withdraw(path)
         if self._server is not None:
-            stop(self._server, self._thread)
+            self._server.close()
             self._server = None
         self.service.close()
 

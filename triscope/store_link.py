@@ -13,16 +13,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from triscope.errors import one_line
 from triscope.schema import qualified
 from triscope.store.base import Store
 
 log = logging.getLogger(__name__)
-
-
-def one_line(exc: BaseException) -> str:
-    """The first line of an exception's message (its type when empty)."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 class StoreLink:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 from triscope.collectors.blockio.program import MAP_KEYS_MAX
-from triscope.component import ComponentConfig, interval, positive
+from triscope.component import ComponentConfig, interval
 from triscope.errors import ConfigError, InputError
+from triscope.http_client import HttpClientConfig
 
 
 class BlockioConfigError(ConfigError, InputError):
@@ -16,16 +17,27 @@ class BlockioConfigError(ConfigError, InputError):
 
 
 @dataclass(frozen=True)
+class BlockioHttp(HttpClientConfig):
+    """``[blockio.http]``: how ebpf_exporter's page is fetched (one target, on the collector's own thread)."""
+
+    section = "blockio.http"
+    timeout_s: float = 5.0
+    redirects: str = "none"
+    max_parallel: int = 1
+
+
+@dataclass(frozen=True)
 class BlockioConfig(ComponentConfig):
-    """``[blockio]``; ``url`` and ``max_body_bytes`` are for ebpf_exporter, ``format`` and
+    """``[blockio]``; ``url`` and ``[blockio.http]`` are for ebpf_exporter, ``format`` and
     ``restart_at_map_keys`` for bpftrace (see docs/blockio.md)."""
 
     section = "blockio"
+    aliases = {"max_body_bytes": "http.max_body_bytes"}
     interval_s: float = 1.0
     format: str = "json"
     url: str = "http://127.0.0.1:9435/metrics"
     host: str = ""
-    max_body_bytes: int = 16 << 20
+    http: BlockioHttp = field(default_factory=BlockioHttp)
     restart_at_map_keys: int = 3072
     """Entries one request-start map may hold before the bpftrace process is replaced (of MAP_KEYS_MAX)."""
 
@@ -41,7 +53,6 @@ class BlockioConfig(ComponentConfig):
     def validate(self, where: str) -> None:
         try:
             interval(where, interval_s=self.interval_s)
-            positive(where, max_body_bytes=self.max_body_bytes)
         except ConfigError as exc:
             raise BlockioConfigError(str(exc)) from None
         if self.format not in ("text", "json"):

@@ -11,11 +11,9 @@ from typing import Any
 from triscope.collectors.blockio.assembler import hist_row
 from triscope.collectors.blockio.config import BlockioConfig, blockio_config
 from triscope.collectors.blockio.parse import Bucket, parse_ebpf_exporter
-from triscope.http_fetch import fetch
 from triscope.schema import IO_LATENCY, Table
 
 log = logging.getLogger(__name__)
-FETCH_TIMEOUT_S = 5.0
 
 
 class EbpfExporterCollector:
@@ -27,7 +25,7 @@ class EbpfExporterCollector:
         cfg = blockio_config(config)
         self.interval_s = cfg.interval_s
         self.url = cfg.url
-        self.max_body_bytes = cfg.max_body_bytes
+        self.http = cfg.http
         self.host = cfg.host or socket.gethostname()
         self._prev: tuple[int, dict[tuple[str, str], list[Bucket]]] | None = None
 
@@ -35,9 +33,9 @@ class EbpfExporterCollector:
         """Nothing held: each collect() is one GET."""
 
     def fetch(self) -> str:
-        """The exposition within 5 s in total and ``max_body_bytes``; InputError (one line) otherwise."""
-        return fetch(self.url, timeout_s=FETCH_TIMEOUT_S, max_bytes=self.max_body_bytes).decode("utf-8",
-                                                                                               errors="replace")
+        """The exposition within ``[blockio.http]`` timeout_s (5 s) in total and max_body_bytes; InputError
+        (one line) otherwise."""
+        return self.http.get(self.url).decode("utf-8", errors="replace")
 
     def rows_from_text(self, text: str, ts_ns: int) -> dict[str, list[Any]]:
         """Rows (every io_latency column) for the window since the previous scrape; none on the first one."""

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from triscope.errors import InputError
+from triscope.prom_text import parse_exposition
 
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 
@@ -286,19 +287,13 @@ def parse_ebpf_exporter(text: str, metric: str = "ebpf_exporter_bio_latency_seco
     """Cumulative ``<metric>_bucket{device,operation,le}`` series -> per-bucket Hists (microseconds).
 
     Bucket ``i`` spans ``(le[i-1], le[i]]``; the ``+Inf`` bucket is open-ended."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     cum: dict[tuple[str, str], dict[float, float]] = {}
-    try:
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name != metric + "_bucket":
-                    continue
-                key = (s.labels.get("device", ""), s.labels.get("operation", "all"))
-                cum.setdefault(key, {})[float(s.labels["le"])] = float(s.value)
-    except (ValueError, TypeError, IndexError, KeyError) as exc:
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise InputError(f"ebpf_exporter: not Prometheus text format: {first}") from None
+    for labels, value in parse_exposition(text, "ebpf_exporter").get(metric + "_bucket", []):
+        key = (labels.get("device", ""), labels.get("operation", "all"))
+        try:
+            cum.setdefault(key, {})[float(labels["le"])] = value
+        except (KeyError, ValueError):
+            raise InputError(f"ebpf_exporter: not a histogram bucket: {metric}_bucket{labels}") from None
     return [Hist(dev, op, cumulative_to_buckets(c)) for (dev, op), c in sorted(cum.items())]
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from triscope.component import ComponentConfig, config_field, interval, positive
+from triscope.component import ComponentConfig, config_field, interval
 from triscope.errors import ConfigError
-from triscope.http_fetch import REDIRECT_POLICIES
+from triscope.http_client import HTTP_ALIASES, HttpClientConfig
 
 
 @dataclass(frozen=True)
@@ -26,22 +26,28 @@ class TargetSpec:
 
 
 @dataclass(frozen=True)
+class DcgmHttp(HttpClientConfig):
+    """``[dcgm.http]``: ~30 series x 8 GPUs is ~100 KiB, so anything far larger is not an exporter
+    (raise ``max_body_bytes`` for /federate); a 3xx is the target's error unless allowed."""
+
+    section = "dcgm.http"
+    timeout_s: float = 2.0
+    max_body_bytes: int = 8 << 20
+    redirects: str = "none"
+
+
+@dataclass(frozen=True)
 class DcgmConfig(ComponentConfig):
     """``[dcgm]`` (docs/gpu-collectors.md)."""
 
     section = "dcgm"
+    aliases = HTTP_ALIASES
     urls: list[str | dict[str, str]] = config_field([])
     """Targets: a URL (``"http://gpu-node-17:9400/metrics"``) or a table ``{url, host, host_label}``."""
     interval_s: float = 5.0
     """No faster than dcgm-exporter refreshes (its -c, 30 s by default)."""
-    timeout_s: float = 2.0
-    """Total deadline of one fetch (connect, headers and body), not per socket read."""
-    max_body_bytes: int = 8 << 20
-    """~30 series x 8 GPUs is ~100 KiB; anything far larger is not an exporter (raise it for /federate)."""
-    redirects: str = "none"
-    """``none`` (a 3xx is the target's error), ``same-origin`` or ``any``."""
-    max_parallel: int = 16
-    """Fetch threads; a collect takes at most ceil(targets / max_parallel) x timeout_s."""
+    http: DcgmHttp = field(default_factory=DcgmHttp)
+    """``[dcgm.http]``: timeout_s (2.0, total per fetch), max_body_bytes (8 MiB), redirects, max_parallel."""
     exporter_pods: list[str] = config_field(["*dcgm-exporter*"])
     """Globs of the exporter's own pod names: a ``pod`` label matching one is not a workload."""
 
@@ -49,13 +55,7 @@ class DcgmConfig(ComponentConfig):
         if not self.urls:
             raise ConfigError(f"{where} urls is empty; name the dcgm-exporter endpoints, e.g. "
                               '["http://gpu-node-17:9400/metrics"]')
-        if not (self.interval_s > 0 and self.timeout_s > 0 and self.max_body_bytes > 0):
-            raise ConfigError(f"{where} interval_s, timeout_s and max_body_bytes must be positive")
         interval(where, interval_s=self.interval_s)
-        positive(where, max_parallel=self.max_parallel)
-        if self.redirects not in REDIRECT_POLICIES:
-            raise ConfigError(f"{where} redirects must be one of {', '.join(REDIRECT_POLICIES)}, "
-                              f"got {self.redirects!r}")
         self.targets(where)
 
     def targets(self, where: str = "[dcgm]") -> list[TargetSpec]:
@@ -73,4 +73,4 @@ class DcgmConfig(ComponentConfig):
         return out
 
 
-__all__ = ["DcgmConfig", "TargetSpec"]
+__all__ = ["DcgmConfig", "DcgmHttp", "TargetSpec"]

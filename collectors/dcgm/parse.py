@@ -1,17 +1,18 @@
 """dcgm-exporter text: the DCGM series triscope maps, blank values, and a tolerant line parser.
 
-The parser reads Prometheus text as dcgm-exporter writes it and as a Prometheus ``/federate``
-endpoint re-exports it (sorted labels, a millisecond timestamp per sample). A malformed line is
-counted and skipped, never fatal. Metric names match case-insensitively (some relabelling setups
-lower-case them); labels are kept as they are.
+The parser (:func:`triscope.prom_text.scan`) reads Prometheus text as dcgm-exporter writes it and
+as a Prometheus ``/federate`` endpoint re-exports it (sorted labels, a millisecond timestamp per
+sample). A malformed line is counted and skipped, never fatal. Metric names match
+case-insensitively (some relabelling setups lower-case them); labels are kept as they are.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from triscope.prom_text import Parsed, scan
 
 MiB = float(1 << 20)
 
@@ -75,76 +76,9 @@ FIELDS: dict[str, Field] = {
 """DCGM series -> gpu_samples column. Not mapped on purpose: NVLINK_BANDWIDTH_TOTAL (tx+rx in one
 counter), energy, XID, remapped rows, tensor/fp pipes."""
 
-_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)(?:[ \t]+(-?\d+))?[ \t]*\r?")
-_LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"[ \t]*(,|$)')
-_UNESCAPE = re.compile(r"\\(.)")
-
-
-def _labels(body: str) -> dict[str, str] | None:
-    out: dict[str, str] = {}
-    pos, n = 0, len(body.rstrip())
-    while pos < n:
-        m = _LABEL.match(body, pos)
-        if m is None:
-            return None
-        value = m.group(2)
-        if "\\" in value:
-            value = _UNESCAPE.sub(lambda e: "\n" if e.group(1) == "n" else e.group(1), value)
-        out[m.group(1)] = value
-        pos = m.end()
-        if not m.group(3):
-            break
-    return out if pos >= n else None
-
-
-@dataclass
-class Parsed:
-    """DCGM samples of one exposition and the lines that were not Prometheus text."""
-
-    samples: list[tuple[str, dict[str, str], float]] = field(default_factory=list)
-    stamps_ms: list[int | None] = field(default_factory=list)
-    """The sample timestamp of each of ``samples`` (a federation endpoint writes one), else None."""
-    bad_lines: int = 0
-    first_bad: str = ""
-    unmapped: dict[str, int] = field(default_factory=dict)
-    """``DCGM_FI_*`` families present but not asked for -> sample count (for the 'no mapped fields' error)."""
-
-
 def parse_exposition(text: str, names: Iterable[str] | None = None) -> Parsed:
     """Samples of the series in ``names`` (default: :data:`FIELDS`); malformed lines are counted, not fatal."""
-    wanted = set(FIELDS if names is None else names)
-    out = Parsed()
-    for lineno, line in enumerate(text.split("\n"), 1):
-        if not line or line[0] == "#" or line.isspace():
-            continue
-        m = _SAMPLE.fullmatch(line)
-        value: float | None = None
-        labels: dict[str, str] | None = {}
-        name = ""
-        if m is not None:
-            name = m.group(1)
-            if name not in wanted:
-                upper = name.upper()
-                if upper in wanted:
-                    name = upper
-                else:  # another family, or a DCGM one we do not map: not parsed further
-                    if upper.startswith("DCGM_FI_"):
-                        out.unmapped[upper] = out.unmapped.get(upper, 0) + 1
-                    continue
-            if m.group(2):
-                labels = _labels(m.group(2))
-            try:
-                value = float(m.group(3))
-            except ValueError:
-                value = None
-        if m is None or labels is None or value is None:
-            out.bad_lines += 1
-            if not out.first_bad:
-                out.first_bad = f"line {lineno}: {line.strip()[:80]!r}"
-            continue
-        out.samples.append((name, labels, value))
-        out.stamps_ms.append(int(m.group(4)) if m.group(4) else None)
-    return out
+    return scan(text, FIELDS if names is None else set(names), fold_case=True, count_prefix="DCGM_FI_")
 
 
 __all__ = ["FIELDS", "Field", "MiB", "Parsed", "is_blank", "parse_exposition"]

@@ -10,26 +10,22 @@ there, is counted (:meth:`DcgmScraper.take_errors`) and logged once per change o
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from triscope.collectors.dcgm.config import DcgmConfig, TargetSpec
 from triscope.collectors.dcgm.rows import NO_GPU, Gpu, Identity, parse_gpus, rows_from_gpus, state_row
-from triscope.errors import InputError
-from triscope.http_fetch import UnreachableError, fetch
+from triscope.errors import InputError, one_line
+from triscope.http_fetch import UnreachableError
 from triscope.schema import GPU_SAMPLES, Table, encode_ts
-from triscope.store_link import one_line
+from triscope.target_pool import TargetPool
 
 log = logging.getLogger("triscope.collectors.dcgm")
 
-GRACE_S = 1.0
-"""Waited beyond the fetch deadlines for threads to hand their results back."""
-_REDIRECTS: dict[str, bool | str] = {"none": False, "same-origin": "same-origin", "any": "any"}
 Fetcher = Callable[[str, float, int], str]
 """``fetcher(url, timeout_s, max_body_bytes) -> text``: raises InputError / UnreachableError."""
 
@@ -44,7 +40,6 @@ class Target:
     stamps: dict[tuple[str, int, str], int] = field(default_factory=dict)
     """Sample time (ms) of each GPU's last stored row, when the source stamps samples (/federate)."""
     last_error: str = ""
-    future: Future[str] | None = None
 
     @property
     def url(self) -> str:
@@ -65,12 +60,11 @@ class DcgmScraper:
         pods = tuple(cfg.exporter_pods)
         self.targets = [Target(s, Identity(s.url_host, s.host, s.host_label, pods)) for s in cfg.targets()]
         self.interval_s = cfg.interval_s
-        self.timeout_s = cfg.timeout_s
-        self.max_body_bytes = cfg.max_body_bytes
-        self.redirects = _REDIRECTS[cfg.redirects]
-        self.max_parallel = cfg.max_parallel
+        self.http = cfg.http
+        self.timeout_s = cfg.http.timeout_s
+        self.max_body_bytes = cfg.http.max_body_bytes
         self.fetcher: Fetcher = fetcher or self._fetch
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: TargetPool[str] = TargetPool("dcgm", cfg.http.max_parallel, cfg.http.timeout_s)
         self._new_errors: list[str] = []
         self._lock = threading.Lock()  # the daemon's last collect may overlap the loop's
 
@@ -81,7 +75,7 @@ class DcgmScraper:
         """GET within ``timeout_s`` in total; errors name the config key a user would change."""
         t0 = time.monotonic()
         try:
-            body = fetch(url, timeout_s=timeout_s, max_bytes=max_body_bytes, allow_redirects=self.redirects)
+            body = self.http.replace(timeout_s=timeout_s, max_body_bytes=max_body_bytes).get(url)
         except UnreachableError:
             if time.monotonic() - t0 >= timeout_s:
                 raise UnreachableError(f"{url}: scrape failed: timed out after {timeout_s:g} s "
@@ -122,18 +116,6 @@ class DcgmScraper:
         target.stamps = {g.key: g.stamp_ms for g in gpus if g.stamp_ms is not None}
         return rows_from_gpus(fresh, ts_ns, warning)
 
-    def _submit(self) -> dict[str, Future[str]]:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=max(1, min(self.max_parallel, len(self.targets))),
-                                            thread_name_prefix="dcgm")
-        futures = {}
-        for target in self.targets:
-            if target.future is not None and not target.future.done():
-                continue  # still fetching since the last collect: reported below, not fetched twice
-            target.future = self._pool.submit(self.fetcher, target.url, self.timeout_s, self.max_body_bytes)
-            futures[target.url] = target.future
-        return futures
-
     def collect(self) -> dict[Table, dict[str, list[Any]]]:
         """Scrape every target once, concurrently; failed targets become state rows (never raises for a target)."""
         with self._lock:
@@ -141,9 +123,9 @@ class DcgmScraper:
 
     def _collect(self) -> dict[Table, dict[str, list[Any]]]:
         ts_ns = time.time_ns()
-        futures = self._submit()
-        waves = math.ceil(len(futures) / max(1, min(self.max_parallel, len(self.targets)))) if futures else 0
-        wait(list(futures.values()), timeout=waves * self.timeout_s + GRACE_S)
+        # a target still fetching since the last collect is reported below, not fetched twice
+        futures = self._pool.run({t.url: partial(self.fetcher, t.url, self.timeout_s, self.max_body_bytes)
+                                  for t in self.targets})
         rows: list[dict[str, Any]] = []
         for target in self.targets:
             future = futures.get(target.url)
@@ -163,9 +145,7 @@ class DcgmScraper:
 
     def close(self) -> None:
         """Stop the fetch threads without waiting for one in flight (each ends by its deadline); safe twice."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._pool.close()
 
 
 __all__ = ["DcgmScraper", "Target"]

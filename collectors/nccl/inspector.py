@@ -16,6 +16,7 @@ from typing import Any
 
 from triscope.collectors.nccl.common import NAN, Parsed, bus_factor, canonical_collective, new_row
 from triscope.errors import InputError
+from triscope.prom_text import scan
 from triscope.schema import encode_ts
 
 MAX_LINE_BYTES = 1 << 20
@@ -91,8 +92,6 @@ def parse_jsonl(lines: Iterable[bytes | str], source: str, run_id: str) -> Parse
     return out
 
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+(-?\d+))?\s*$')
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
 _METRICS = {
     "nccl_bus_bandwidth_gbs": ("busbw", False), "nccl_collective_exec_time_microseconds": ("time", False),
     "nccl_algorithm_bandwidth_gbs": ("algbw", False),
@@ -100,37 +99,17 @@ _METRICS = {
 }
 
 
-def _labels(text: str) -> dict[str, str] | None:
-    labels: dict[str, str] = {}
-    pos = 0
-    while pos < len(text):
-        m = _LABEL.match(text, pos)
-        if not m:
-            return None
-        labels[m.group(1)] = re.sub(r"\\(.)", lambda e: "\n" if e.group(1) == "n" else e.group(1), m.group(2))
-        pos = m.end()
-    return labels
-
-
 def parse_prometheus(lines: Iterable[str], source: str, run_id: str, ts_ns: int) -> Parsed:
     """Parse the Inspector's Prometheus text: one row per (series labels), joining time and bandwidth."""
     out = Parsed()
     series: dict[tuple[tuple[str, str], ...], dict[str, Any]] = {}
-    for number, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        labels = _labels(m.group(2) or "") if m else None
-        if not m or labels is None:
-            out.errors.append(f"{source}:{number}: not a Prometheus sample")
-            continue
-        if m.group(1) not in _METRICS:
-            continue
-        what, p2p = _METRICS[m.group(1)]
+    page = scan("\n".join(line.strip() for line in lines), _METRICS)
+    out.errors += [f"{source}:{number}: not a Prometheus sample" for number in page.bad_numbers]
+    for name, labels, value in page.samples:
+        what, p2p = _METRICS[name]
         key = tuple(sorted(labels.items()))
         entry = series.setdefault(key, {"labels": labels, "p2p": p2p})
-        entry[what] = _float(m.group(3))
+        entry[what] = value
     for entry in series.values():
         labels = entry["labels"]
         name = labels.get("p2p_operation") if entry["p2p"] else labels.get("collective", "")

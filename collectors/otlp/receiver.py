@@ -16,50 +16,31 @@ cannot be stored (bad ids, a time the store cannot hold) are reported back with 
   400 malformed, 401 bad or missing bearer token, 404/405 wrong path or method, 411 no length,
   413 too large, 415 unknown content type, 503 (``Retry-After``) when busy or the spool cannot take rows.
 
-The server is a :class:`triscope.httpserver.BoundedHTTPServer` on 127.0.0.1:4318 by default.
+The server (:mod:`.server`) runs on the daemon's server kit, on 127.0.0.1:4318 by default.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from triscope.collectors.otlp.decode import (
-    JSON,
-    PROTOBUF,
-    RPC_CODE,
-    Limits,
-    TooManySpans,
-    decode_spans,
-    encode_response,
-    encode_status,
-    gunzip_bounded,
-)
+from triscope.collectors.otlp.decode import Limits
 from triscope.collectors.otlp.links import MappedBatch, SpanMapper
+from triscope.collectors.otlp.server import TRACES_PATH, OtlpServer
 from triscope.collectors.request_classes import parse_class_rules
 from triscope.collectors.span_mapping import DEFAULT_RULES, SpanRules
 from triscope.component import ComponentConfig, Context, Submit, config_field, interval, port, positive
-from triscope.errors import ConfigError, InputError, SpoolUnavailable
-from triscope.httpserver import (
-    DEFAULT_HOST,
-    DEFAULT_MAX_CONNECTIONS,
-    BoundedHTTPHandler,
-    BoundedHTTPServer,
-    HttpError,
-    read_body,
-    serve_in_thread,
-    stop,
-)
+from triscope.errors import ConfigError, SpoolUnavailable
+from triscope.http_body import HttpError
+from triscope.loop_server import DEFAULT_HOST, DEFAULT_MAX_CONNECTIONS
 from triscope.schema import REQUESTS, Table
 
 log = logging.getLogger(__name__)
 
-TRACES_PATH = "/v1/traces"
 DECODE_WAIT_S = 2.0
 """How long a request waits for a decode slot before 503: decoding is CPU-bound, a longer queue only adds memory."""
 
@@ -119,91 +100,7 @@ class OtlpConfig(ComponentConfig):
                          class_rules=parse_class_rules(self.class_rules), default_class=self.default_class)
 
 
-class _Handler(BoundedHTTPHandler):
-    server_version = "triscope-otlp"
-    receiver: OtlpReceiver  # set on the subclass made per receiver
-
-    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _content_type(self) -> str:
-        return (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
-
-    def _fail(self, err: HttpError) -> None:
-        kind = self._content_type()
-        if kind in (PROTOBUF, JSON):
-            body = encode_status(RPC_CODE.get(err.status, 2), str(err), kind)
-        else:
-            kind, body = "text/plain; charset=utf-8", (str(err) + "\n").encode()
-        self._send(err.status, body, kind, err.headers)
-
-    def do_POST(self) -> None:
-        try:
-            self._post()
-        except HttpError as err:
-            self.close_connection = True  # the body may be unread (refused before reading): never reuse the socket
-            self._fail(err)
-
-    def _reject_method(self) -> None:
-        self.close_connection = True
-        self._fail(HttpError(405, f"method {self.command} not allowed; POST {TRACES_PATH}", {"Allow": "POST"}))
-
-    do_GET = do_PUT = do_DELETE = do_PATCH = _reject_method
-
-    def _refuse(self, status: int, message: str, headers: dict[str, str] | None = None) -> HttpError:
-        self.close_connection = True  # the body is not read
-        return HttpError(status, message, headers)
-
-    def _post(self) -> None:
-        rx = self.receiver
-        if self.path.split("?")[0] != TRACES_PATH:
-            raise self._refuse(404, f"unknown path {self.path}; traces go to POST {TRACES_PATH}")
-        if rx.config.token:
-            given = self.headers.get("Authorization") or ""
-            if not hmac.compare_digest(given.encode(), f"Bearer {rx.config.token}".encode()):
-                raise self._refuse(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
-        kind = self._content_type()
-        if kind not in (PROTOBUF, JSON):
-            raise self._refuse(415, f"unsupported Content-Type {kind or '(none)'}; use {PROTOBUF} or {JSON}")
-        try:
-            length = max(0, int(self.headers.get("Content-Length") or 0))
-        except ValueError:
-            length = 0  # read_body answers it
-        with rx.buffered(min(length, rx.config.max_body_bytes)):
-            body = read_body(self, rx.config.max_body_bytes, required=True)
-            with rx.decoding():
-                batch = self._decode(body, kind)
-            del body
-        rx.store(batch)
-        message = f"{batch.rejected} span(s) rejected; first: {batch.first_error}" if batch.rejected else ""
-        self._send(200, encode_response(batch.rejected, message, kind), kind)
-
-    def _decode(self, body: bytes | bytearray, kind: str) -> MappedBatch:
-        rx = self.receiver
-        encoding = (self.headers.get("Content-Encoding") or "identity").strip().lower()
-        limit = rx.config.max_decompressed_bytes if kind == PROTOBUF else rx.config.max_json_bytes
-        try:
-            if encoding == "gzip":
-                body = gunzip_bounded(body, limit)
-            elif encoding != "identity":
-                raise HttpError(415, f"unsupported Content-Encoding {encoding}; use gzip or none")
-            if len(body) > limit:
-                raise HttpError(413, f"{'JSON ' if kind == JSON else ''}body exceeds {limit} bytes")
-            views = decode_spans(body, kind, rx.limits)
-            del body  # JSON is parsed by now; the protobuf walk holds its own reference
-            return rx.mapper.map(views)
-        except (OverflowError, TooManySpans) as exc:
-            rx.count("too_large")
-            raise HttpError(413, str(exc)) from None
-        except InputError as exc:
-            rx.count("bad_requests")
-            raise HttpError(400, str(exc)) from None
+_UNUSED = ("buffer_rows", "batch_rows")
 
 
 class OtlpReceiver:
@@ -223,9 +120,8 @@ class OtlpReceiver:
         self._stats_lock = threading.Lock()
         self._decodes = threading.BoundedSemaphore(config.max_concurrent_decodes)
         self._buffered = 0
-        self._buffer_lock = threading.Lock()
-        self._server: BoundedHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self.reserve_lock = threading.Lock()
+        self._server: OtlpServer | None = None
         self._inflight = 0
         self._closing = False
         self._idle = threading.Condition()
@@ -235,8 +131,7 @@ class OtlpReceiver:
         """The bound (host, port); the port is the real one when configured as 0."""
         if self._server is None:
             return self.config.host, self.config.port
-        host, bound = self._server.server_address[:2]
-        return str(host), int(bound)
+        return self.config.host, self._server.port
 
     @property
     def url(self) -> str:
@@ -265,20 +160,27 @@ class OtlpReceiver:
         self.count("busy")
         return HttpError(503, f"receiver busy ({what}); retry later", {"Retry-After": "1"})
 
-    @contextlib.contextmanager
-    def buffered(self, size: int) -> Iterator[None]:
-        """Reserves ``size`` body bytes of ``max_buffered_bytes``; 503 + Retry-After when they are taken
-        (the body is then not read, so the connection closes)."""
-        with self._buffer_lock:
+    def reserve(self, size: int) -> None:
+        """Reserves ``size`` body bytes of ``max_buffered_bytes`` before the body is read; HttpError 503 +
+        Retry-After when they are taken (the body is then not read, so the connection closes)."""
+        with self.reserve_lock:
             if self._buffered and self._buffered + size > self.config.max_buffered_bytes:
                 raise self._busy(f"{self._buffered} body bytes held, max_buffered_bytes "
                                  f"{self.config.max_buffered_bytes}")
             self._buffered += size
+
+    def unreserve(self, size: int) -> None:
+        with self.reserve_lock:
+            self._buffered -= size
+
+    @contextlib.contextmanager
+    def buffered(self, size: int) -> Iterator[None]:
+        """:meth:`reserve` for a block."""
+        self.reserve(size)
         try:
             yield
         finally:
-            with self._buffer_lock:
-                self._buffered -= size
+            self.unreserve(size)
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
@@ -312,14 +214,12 @@ class OtlpReceiver:
         if self._server is not None:
             return
         host, bound = self.config.host, self.config.port
-        handler = type("OtlpHandler", (_Handler,), {"receiver": self})
         try:
-            self._server = BoundedHTTPServer((host, bound), handler, max_connections=self.config.max_connections,
-                                             name="otlp")
+            self._server = OtlpServer(self)
         except OSError as exc:
             raise ConfigError(f"cannot bind OTLP receiver to {host}:{bound}: {exc.strerror or exc}") from None
         self._closing = False
-        self._thread = serve_in_thread(self._server, "triscope-otlp", poll_interval=0.05)
+        self._server.start()
 
     def collect(self) -> dict[Table, Any]:
         """Nothing: spans reach the writer as they arrive."""
@@ -330,8 +230,8 @@ class OtlpReceiver:
         with self._idle:
             self._closing = True
         if self._server is not None:
-            stop(self._server, self._thread)
-            self._server, self._thread = None, None
+            self._server.close(drain_s=timeout_s)  # requests being decoded or stored get their answer
+            self._server = None
         with self._idle:
             self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout_s)
 

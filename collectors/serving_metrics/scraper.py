@@ -16,18 +16,19 @@ import math
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from triscope.collectors.serving_metrics.aggregate import InstanceSnapshot, aggregate
 from triscope.collectors.serving_metrics.engines import detect_server
 from triscope.collectors.serving_metrics.targets import ServingMetricsConfig, Target
-from triscope.errors import InputError
-from triscope.http_fetch import fetch
+from triscope.errors import InputError, one_line
+from triscope.http_client import HttpClientConfig
 from triscope.prom_text import bucket_delta, histogram_quantile, parse_exposition
 from triscope.schema import SCRAPE_HEALTH, SERVING_METRICS, Table, encode_ts
-from triscope.store_link import one_line
+from triscope.target_pool import TargetPool
 
 log = logging.getLogger("triscope.collectors.serving_metrics")
 
@@ -42,9 +43,6 @@ def printable(text: str) -> str:
     return out[:MAX_MESSAGE] + ("..." if len(text) > MAX_MESSAGE else "")
 
 
-GRACE_S = 1.0
-"""Waited beyond the fetch deadlines for threads to hand their results back."""
-_REDIRECTS: dict[str, bool | str] = {"none": False, "same-origin": "same-origin", "any": "any"}
 _GAUGES = ("queue_length", "running_requests", "kv_cache_usage_ratio", "requests_total", "preemptions_total",
            "sleep_state", "waiting_capacity", "waiting_deferred", "swapped_requests", "prefix_cache_queries_total",
            "prefix_cache_hits_total")
@@ -62,10 +60,10 @@ class _Fetched:
     seconds: float
 
 
-def _timed_fetch(url: str, timeout_s: float, max_bytes: int, allow_redirects: bool | str) -> _Fetched:
+def _timed_fetch(url: str, http: HttpClientConfig) -> _Fetched:
     started = time.monotonic()
     try:
-        body = fetch(url, timeout_s=timeout_s, max_bytes=max_bytes, allow_redirects=allow_redirects)
+        body = http.get(url)
     except InputError as exc:
         return _Fetched(None, str(exc).splitlines()[0], time.monotonic() - started)
     except Exception as exc:  # any failure of one target is that target's error only
@@ -79,7 +77,6 @@ class _State:
 
     error: str = ""
     logged_at: float = -math.inf
-    future: Future[_Fetched] | None = None
     previous: dict[str, InstanceSnapshot] = field(default_factory=dict)
 
 
@@ -92,17 +89,15 @@ class ServingMetricsScraper:
         cfg = config if isinstance(config, ServingMetricsConfig) else ServingMetricsConfig.from_config(config)
         self.targets = cfg.target_list()
         self.interval_s = cfg.interval_s
-        if cfg.timeout_s > cfg.interval_s and self.targets:  # a scrape still in flight skips ticks
+        self.http = cfg.http
+        if self.http.timeout_s > cfg.interval_s and self.targets:  # a scrape still in flight skips ticks
             log.warning("serving_metrics: timeout_s %g exceeds interval_s %g: a target that stops answering is "
-                        "scraped every %g s, not every %g s", cfg.timeout_s, cfg.interval_s, cfg.timeout_s,
-                        cfg.interval_s)
-        self.timeout_s = cfg.timeout_s
-        self.max_body_bytes = cfg.max_body_bytes
-        self.redirects = _REDIRECTS[cfg.redirects]
-        self.max_parallel = cfg.max_parallel
+                        "scraped every %g s, not every %g s", self.http.timeout_s, cfg.interval_s,
+                        self.http.timeout_s, cfg.interval_s)
+        self.timeout_s = self.http.timeout_s
         self.max_models = cfg.max_models_per_target
         self._state: dict[str, _State] = {t.url: _State() for t in self.targets}
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: TargetPool[_Fetched] = TargetPool("serving-metrics", self.http.max_parallel, self.timeout_s)
         self._new_errors: list[str] = []
         self.errors: dict[str, str] = {}
         """url -> the one-line error of each target failing now."""
@@ -115,9 +110,7 @@ class ServingMetricsScraper:
 
     def fetch(self, target: Target) -> str:
         """GET the exposition text within ``timeout_s`` in total; InputError (one line) on any failure."""
-        body = fetch(target.url, timeout_s=self.timeout_s, max_bytes=self.max_body_bytes,
-                     allow_redirects=self.redirects)
-        return body.decode("utf-8", errors="replace")
+        return self.http.get(target.url).decode("utf-8", errors="replace")
 
     def rows_from_text(self, target: Target, text: str, ts_ns: int) -> dict[str, list[Any]]:
         """Rows (``serving_metrics`` columns) of one scrape, updating the histogram baseline of this target."""
@@ -173,21 +166,6 @@ class ServingMetricsScraper:
         state.error = ""
         self.errors.pop(target.url, None)
 
-    def _submit(self) -> dict[str, Future[_Fetched]]:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=max(1, min(self.max_parallel, len(self.targets))),
-                                            thread_name_prefix="serving-metrics")
-        futures = {}
-        for target in self.targets:
-            state = self._state.setdefault(target.url, _State())
-            if state.future is not None and not state.future.done():
-                self._fail(target, f"{target.url}: the previous scrape has not finished")
-                continue
-            state.future = self._pool.submit(_timed_fetch, target.url, self.timeout_s, self.max_body_bytes,
-                                             self.redirects)
-            futures[target.url] = state.future
-        return futures
-
     def collect(self) -> dict[Table, dict[str, list[Any]]]:
         """Scrape every target once, concurrently; a failing target is counted and skipped, never raised."""
         if not self.targets:
@@ -198,9 +176,7 @@ class ServingMetricsScraper:
     def _collect(self) -> dict[Table, dict[str, list[Any]]]:
         ts_ns = time.time_ns()
         started = time.monotonic()
-        futures = self._submit()
-        waves = math.ceil(len(futures) / max(1, min(self.max_parallel, len(self.targets)))) if futures else 0
-        wait(list(futures.values()), timeout=waves * self.timeout_s + GRACE_S)
+        futures = self._pool.run({t.url: partial(_timed_fetch, t.url, self.http) for t in self.targets})
         rows: list[dict[str, Any]] = []
         health: list[dict[str, Any]] = []
         for target in self.targets:
@@ -218,8 +194,10 @@ class ServingMetricsScraper:
     def _scrape_one(self, target: Target, future: Future[_Fetched] | None, ts_ns: int,
                     rows: list[dict[str, Any]]) -> tuple[str, float]:
         """Parse one target's answer into ``rows``; (its error or "", the fetch's seconds or NaN)."""
-        if future is None:
-            return self.errors.get(target.url, f"{target.url}: the previous scrape has not finished"), math.nan
+        if future is None:  # still fetching since an earlier collect: not fetched twice
+            message = f"{target.url}: the previous scrape has not finished"
+            self._fail(target, message)
+            return message, math.nan
         if not future.done():
             message = f"{target.url}: no answer within {self.timeout_s:g} s"
             self._fail(target, message)
@@ -248,9 +226,7 @@ class ServingMetricsScraper:
 
     def close(self) -> None:
         """Stop the scrape threads without waiting for a fetch in flight (each ends by its deadline)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._pool.close()
 
 
 __all__ = ["ServingMetricsScraper"]

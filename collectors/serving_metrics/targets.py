@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from triscope.collectors.serving_metrics.engines import ENGINES
 from triscope.component import ComponentConfig, config_field, interval, positive
 from triscope.errors import ConfigError
-from triscope.http_fetch import REDIRECT_POLICIES
+from triscope.http_client import HTTP_ALIASES, HttpClientConfig
 
 
 @dataclass
@@ -34,30 +34,28 @@ class Target:
 
 
 @dataclass(frozen=True)
+class ServingMetricsHttp(HttpClientConfig):
+    """``[serving_metrics.http]``: the client defaults (3 s total per fetch, 16 MiB, same-origin redirects)."""
+
+    section = "serving_metrics.http"
+
+
+@dataclass(frozen=True)
 class ServingMetricsConfig(ComponentConfig):
     """``[serving_metrics]``: the ``/metrics`` URLs to scrape (a URL, or a table of :class:`Target` fields)."""
 
     section = "serving_metrics"
+    aliases = HTTP_ALIASES
     targets: list[str | dict[str, str]] = config_field([])
     interval_s: float = 5.0
-    timeout_s: float = 3.0
-    """Total deadline of one fetch (connect, headers and body), not per socket read."""
-    max_body_bytes: int = 16 * 1024 * 1024
-    redirects: str = "same-origin"
-    """``none``, ``same-origin`` (same scheme, host and port) or ``any`` (any http(s) URL)."""
-    max_parallel: int = 16
-    """Scrape threads; targets beyond it wait for a free thread (a collect takes at most
-    ceil(targets / max_parallel) x timeout_s)."""
+    http: ServingMetricsHttp = field(default_factory=ServingMetricsHttp)
+    """``[serving_metrics.http]``: timeout_s, max_body_bytes, redirects, max_parallel (scrape threads)."""
     max_models_per_target: int = 64
     """Rows (and histogram baselines) kept per target and scrape; more models are dropped and counted as an error."""
 
     def validate(self, where: str) -> None:
         interval(where, interval_s=self.interval_s)
-        positive(where, timeout_s=self.timeout_s, max_body_bytes=self.max_body_bytes, max_parallel=self.max_parallel,
-                 max_models_per_target=self.max_models_per_target)
-        if self.redirects not in REDIRECT_POLICIES:
-            raise ConfigError(f"{where} redirects must be one of {', '.join(REDIRECT_POLICIES)}, "
-                              f"got {self.redirects!r}")
+        positive(where, max_models_per_target=self.max_models_per_target)
         self.target_list(where)
 
     def target_list(self, where: str = "[serving_metrics]") -> list[Target]:
@@ -71,4 +69,4 @@ class ServingMetricsConfig(ComponentConfig):
         return out
 
 
-__all__ = ["ServingMetricsConfig", "Target"]
+__all__ = ["ServingMetricsConfig", "ServingMetricsHttp", "Target"]

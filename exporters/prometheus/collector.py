@@ -21,6 +21,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from triscope.errors import one_line
 from triscope.exporters.prometheus.config import PrometheusConfig
 from triscope.exporters.prometheus.picker import picker_families
 from triscope.exporters.prometheus.queries import QUERIES, STALLS, Derived
@@ -85,7 +86,7 @@ class TriscopeCollector:
 
     def _warn(self, what: str, exc: BaseException) -> None:
         """Log a failure once per new message (a store that stays down is not one line per scrape)."""
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = one_line(exc)
         if self._last_warning.get(what) != text:
             log.warning("prometheus exporter: %s: %s", what, text)
         self._last_warning[what] = text

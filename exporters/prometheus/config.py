@@ -8,7 +8,7 @@ from typing import Any
 
 from triscope.component import ComponentConfig, non_negative, positive
 from triscope.errors import ConfigError
-from triscope.httpserver import DEFAULT_HOST, DEFAULT_MAX_CONNECTIONS
+from triscope.loop_server import DEFAULT_HOST, DEFAULT_MAX_CONNECTIONS
 
 
 @dataclass(frozen=True)

@@ -1,44 +1,50 @@
-"""The ``/metrics`` HTTP endpoint: a bounded WSGI server around the collector, and its factory."""
+"""The ``/metrics`` HTTP endpoint: the collector served on the daemon's server kit, and its factory."""
 
 from __future__ import annotations
 
+import gzip
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from triscope.component import Context
 from triscope.errors import ConfigError
 from triscope.exporters.prometheus.collector import TriscopeCollector
 from triscope.exporters.prometheus.config import PrometheusConfig
-from triscope.httpserver import BoundedRequestMixIn, BoundedServerMixIn, serve_in_thread, stop
+from triscope.loop_http import Answer, BlockingHttpConnection, BlockingHttpServer
+from triscope.loop_server import DEFAULT_HEADER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
-
-class _Server(BoundedServerMixIn, WSGIServer):
-    name = "prometheus"
-
-
-class _QuietHandler(BoundedRequestMixIn, WSGIRequestHandler):  # a scrape in progress is not a slow client
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("prometheus exporter: " + format, *args)
+WORKERS = 2
+"""Scrapes rendered at once (each may query the store when its cache has expired)."""
 
 
-def _only_metrics(app: Callable[..., Any]) -> Callable[..., Any]:
-    """GET/HEAD /metrics (and /) go to ``app``; anything else is 404/405 with no body read."""
-    def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
-        if environ.get("PATH_INFO", "/") not in ("/metrics", "/"):
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"not found; metrics are at /metrics\n"]
-        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
-            start_response("405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET, HEAD")])
-            return [b"method not allowed\n"]
-        return app(environ, start_response)
-    return wrapped
+class _Server(BlockingHttpServer):
+    """GET/HEAD ``/metrics`` (and ``/``) render the registry off the loop; anything else is 404/405."""
+
+    thread_name = "prometheus-http"
+    body_limit_key = "nothing: /metrics takes no body"
+    max_body_bytes = 64 * 1024
+
+    def __init__(self, registry: CollectorRegistry, bind: str, port: int, max_connections: int) -> None:
+        self.registry = registry
+        super().__init__(bind, port, max_connections, 0, DEFAULT_HEADER_TIMEOUT_S, workers=WORKERS)
+
+    def handle(self, conn: BlockingHttpConnection, method: str, path: str, body: bytes) -> Answer:
+        if path not in ("/metrics", "/"):
+            return 404, "text/plain", b"not found; metrics are at /metrics\n", ()
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain", b"method not allowed\n", (("Allow", "GET, HEAD"),)
+        encoder, ctype = choose_encoder(conn.headers.get("accept", ""))
+        payload = encoder(self.registry)
+        if "gzip" in conn.headers.get("accept-encoding", ""):
+            return 200, ctype, gzip.compress(payload, 1), (("Content-Encoding", "gzip"),)
+        return 200, ctype, payload, ()
 
 
 class PrometheusExporter:
@@ -54,14 +60,14 @@ class PrometheusExporter:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         self._server: _Server | None = None
-        self._threads: list[threading.Thread] = []
+        self._poll_thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     @property
     def port(self) -> int:
         """The bound port (useful with ``port = 0``)."""
         assert self._server is not None, "start() first"
-        return int(self._server.server_address[1])
+        return self._server.port
 
     @property
     def url(self) -> str:
@@ -71,15 +77,13 @@ class PrometheusExporter:
     def start(self) -> None:
         """Bind ``listen:port`` and serve; ConfigError (one line) when the address is unusable."""
         try:
-            self._server = _Server((self.cfg.listen, self.cfg.port), _QuietHandler,
-                                   max_connections=self.cfg.max_connections)
+            self._server = _Server(self.registry, self.cfg.listen, self.cfg.port, self.cfg.max_connections)
         except OSError as exc:
             raise ConfigError(f"[prometheus] cannot listen on {self.cfg.listen}:{self.cfg.port}: "
                               f"{exc.strerror or exc}") from None
-        self._server.set_app(_only_metrics(make_wsgi_app(self.registry)))
-        poll = threading.Thread(target=self._poll, name="prometheus-poll", daemon=True)
-        poll.start()
-        self._threads = [serve_in_thread(self._server, "prometheus-http"), poll]
+        self._server.start()
+        self._poll_thread = threading.Thread(target=self._poll, name="prometheus-poll", daemon=True)
+        self._poll_thread.start()
         log.info("prometheus exporter on %s", self.url)
 
     def _poll(self) -> None:
@@ -90,11 +94,11 @@ class PrometheusExporter:
         """Stop serving and release the store; safe to call twice."""
         self._stop.set()
         if self._server is not None:
-            stop(self._server, self._threads[0] if self._threads else None)
+            self._server.close()
             self._server = None
-        for t in self._threads:
-            t.join(timeout=5)
-        self._threads = []
+        if self._poll_thread is not None:
+            self._poll_thread.join(timeout=5)
+            self._poll_thread = None
         self.collector.close()
 
 

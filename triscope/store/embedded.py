@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from triscope.errors import ConfigError, StoreError
+from triscope.errors import ConfigError, StoreError, one_line
 from triscope.store.base import Result, Store
 
 _process_path: str | None = None
@@ -144,7 +144,7 @@ class EmbeddedStore(Store):
                 # LowCardinality columns come out of Arrow queries as dictionaries (see _column_to_numpy)
                 conn.query("SET output_format_arrow_low_cardinality_as_dictionary = 1", "CSV")
             except Exception as exc:  # chDB raises bare RuntimeError subclasses
-                raise StoreError(f"cannot open embedded store {self.path}: {_one_line(exc)}") from None
+                raise StoreError(f"cannot open embedded store {self.path}: {one_line(exc)}") from None
             self._local.conn = conn
             with self._conn_lock:
                 self._connections.append(conn)
@@ -157,7 +157,7 @@ class EmbeddedStore(Store):
         except StoreError:
             raise
         except Exception as exc:
-            raise StoreError(f"query failed: {_one_line(exc)}") from None
+            raise StoreError(f"query failed: {one_line(exc)}") from None
 
     def command(self, sql: str, params: Mapping[str, Any] | None = None) -> None:
         self._run(sql, "CSV", params)
@@ -294,6 +294,3 @@ _SAFE_STRUCTURE = re.compile(r"[A-Za-z0-9_ ,()]+")
 _JSON_SETTINGS = {"input_format_json_read_objects_as_strings": 1}
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

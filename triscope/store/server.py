@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from triscope.errors import StoreError
+from triscope.errors import StoreError, one_line
 from triscope.store.base import Result, Store
 
 
@@ -52,7 +52,7 @@ class ServerStore(Store):
             try:
                 client = self._connect(database=database or self.database, **self._kwargs)
             except Exception as exc:
-                raise StoreError(f"cannot reach ClickHouse at {self.url}: {_one_line(exc)}") from None
+                raise StoreError(f"cannot reach ClickHouse at {self.url}: {one_line(exc)}") from None
             if database is None:
                 self._local.client = client
         return client
@@ -63,7 +63,7 @@ class ServerStore(Store):
         except StoreError:
             raise
         except Exception as exc:
-            raise StoreError(f"query failed: {_one_line(exc)}") from None
+            raise StoreError(f"query failed: {one_line(exc)}") from None
 
     def query(self, sql: str, params: Mapping[str, Any] | None = None) -> Result:
         try:
@@ -71,14 +71,14 @@ class ServerStore(Store):
         except StoreError:
             raise
         except Exception as exc:
-            raise StoreError(f"query failed: {_one_line(exc)}") from None
+            raise StoreError(f"query failed: {one_line(exc)}") from None
         return Result(list(res.column_names), [tuple(r) for r in res.result_rows])
 
     def query_columns(self, sql: str, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         try:
             table = self._client().query_arrow(sql, parameters=dict(params or {}))
         except Exception as exc:
-            raise StoreError(f"query failed: {_one_line(exc)}") from None
+            raise StoreError(f"query failed: {one_line(exc)}") from None
         return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
 
     def insert(self, table: str, columns: Mapping[str, Sequence[Any]],
@@ -92,7 +92,7 @@ class ServerStore(Store):
             self._client().insert(table, data, column_names=names, column_oriented=True,
                                  settings=dict(settings or {}))
         except Exception as exc:
-            raise StoreError(f"insert into {table} failed: {_one_line(exc)}") from None
+            raise StoreError(f"insert into {table} failed: {one_line(exc)}") from None
         return n
 
     def insert_from_json(self, insert_sql: str, structure: str, data: bytes,
@@ -103,7 +103,7 @@ class ServerStore(Store):
             self._client().command(f"{sql} FORMAT JSONEachRow", parameters=dict(params or {}), data=data,
                                    settings=settings)
         except Exception as exc:
-            raise StoreError(f"insert failed: {_one_line(exc)}") from None
+            raise StoreError(f"insert failed: {one_line(exc)}") from None
 
     def close(self) -> None:
         client = getattr(self._local, "client", None)
@@ -112,6 +112,3 @@ class ServerStore(Store):
         self._local = threading.local()
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

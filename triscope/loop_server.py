@@ -1,5 +1,6 @@
-"""One event loop on its own thread serving a TCP protocol with bounded connections (the feed's HTTP
-server and its HAProxy agent port).
+"""One event loop on its own thread serving a TCP protocol with bounded connections: the server kit of
+the daemon (the feed's HTTP server and its HAProxy agent port, the table servers, the pick table,
+``/metrics``; HTTP on it: :mod:`triscope.loop_http`).
 
 At most ``max_connections`` connections (``max_per_client`` from one address), within the process's
 connection budget (:mod:`triscope.conn_budget`); at a limit a new connection takes the slot of the oldest
@@ -21,7 +22,16 @@ from collections import Counter
 from typing import Self, cast
 
 from triscope.conn_budget import BUDGET
-from triscope.httpserver import default_max_per_client
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+"""A connection's request must be complete this long after it connected or got its last answer."""
+
+
+def default_max_per_client(max_connections: int) -> int:
+    """A quarter of ``max_connections``, at least 16 (at most ``max_connections``)."""
+    return min(max_connections, max(16, max_connections // 4))
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -125,7 +135,7 @@ class LoopServer:
         polling on it) is never evicted: it ends by its idle timeout."""
         best: LoopConnection | None = None
         for c in self.open_connections:
-            if c.answered_total or (client is not None and c.client != client):
+            if c.answered_total or c.busy or (client is not None and c.client != client):
                 continue
             if best is None or c.since < best.since:
                 best = c
@@ -144,6 +154,8 @@ class LoopConnection(asyncio.Protocol):
         """When it connected or last got an answer (the start of its wait for a request)."""
         self.answered_total = 0
         """Requests answered on it: a connection that never completed one is evicted first."""
+        self.busy = False
+        """A request of it is being answered (off the loop): it is not evicted meanwhile."""
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -182,7 +194,8 @@ class LoopConnection(asyncio.Protocol):
         self.server.expired_total += 1
         self.close()
 
-    def _arm(self) -> None:
+    def _arm(self, timeout_s: float | None = None) -> None:
+        """(Re)start the timer: ``timeout_s`` (default the server's) for the request to be complete."""
         if self.timer is not None:
             self.timer.cancel()
-        self.timer = asyncio.get_running_loop().call_later(self.server.timeout_s, self._expire)
+        self.timer = asyncio.get_running_loop().call_later(timeout_s or self.server.timeout_s, self._expire)
