@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from triscope.http_fetch import fetch
-from triscope.prom_text import keep_families, parse_exposition
+from triscope.prom_text import parse_exposition
 
 # node-exporter family -> the key procfs.psi_totals() uses for the same total.
 PSI_FAMILIES = {
@@ -39,7 +39,7 @@ class NodeReading:
 def parse_node_page(text: str, source: str = "node-exporter") -> NodeReading:
     """The PSI totals, OOM kills and node name of a node-exporter page (InputError when it is not one)."""
     wanted = [*PSI_FAMILIES, OOM_FAMILY, UNAME_FAMILY]
-    series = parse_exposition(keep_families(text, wanted), source)
+    series = parse_exposition(text, source, wanted)
     reading = NodeReading()
     for family, key in PSI_FAMILIES.items():
         samples = series.get(family)
