@@ -194,8 +194,12 @@ def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[s
             times.append(time.perf_counter() - t0)
         direct.append(statistics.median(times))
     ratios = [s_ / d for s_, d in zip(served, direct, strict=True)]
+    extra = {"direct_median_ms": round(1000 * statistics.median(direct), 2),
+             "served_median_ms": round(1000 * statistics.median(served), 2),
+             "overhead_median_ms": round(1000 * statistics.median(s_ - d for s_, d in zip(served, direct,
+                                                                                          strict=True)), 2)}
     return {"queries": len(queries), "median_ratio": round(statistics.median(ratios), 3),
-            "p90_ratio": round(float(np.quantile(ratios, 0.9)), 3)}
+            "p90_ratio": round(float(np.quantile(ratios, 0.9)), 3), **extra}
 
 
 def main(argv: list[str] | None = None) -> int:
