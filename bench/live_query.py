@@ -35,7 +35,7 @@ import numpy as np
 from triscope.dashboards.boards import all_boards
 from triscope.dashboards.macros import ALL, Context, Var, expand
 from triscope.query_endpoint import QueryConfig, QueryEndpoint
-from triscope.schema import REQUESTS, SERVING_METRICS, encode_ts, migrate, qualified
+from triscope.schema import REQUESTS, SERVING_METRICS, migrate, qualified
 from triscope.store.embedded import EmbeddedStore
 from triscope.store.server import ServerStore
 from triscope.writer import Writer
@@ -94,8 +94,11 @@ class Producer(threading.Thread):
         while not self.stop.is_set():
             ts = self.t + np.arange(n, dtype=np.int64)
             self.t += n
-            self.writer.submit(SERVING_METRICS, {"ts": [encode_ts(int(t)) for t in ts], "backend": ["w:1"] * n,
-                                                      "kv_cache_usage_ratio": [0.5] * n})
+            # encode_ts's text, vectorized: a per-row Python call would make this producer, not the writer,
+            # the bottleneck (63 ms of one core per batch against 15 ms)
+            stamps = np.char.replace(np.datetime_as_string(ts.astype("datetime64[ns]"), unit="ns"), "T", " ")
+            self.writer.submit(SERVING_METRICS, {"ts": stamps.tolist(), "backend": ["w:1"] * n,
+                                                 "kv_cache_usage_ratio": [0.5] * n})
 
 
 def _client(url: str, database: str, username: str, token: str, queries: list[str], seconds: float,
