@@ -61,24 +61,31 @@ class Engine:
         return f"127.0.0.1:{self.port}"
 
 
-# The simulated engine's launcher: SIGUSR1 starts a child that grows its memory (a process in the engine's
-# process tree, as a leaking tokenizer worker would be), SIGUSR2 ends it; then the simulator's own main.
+# The simulated engine's launcher: SIGUSR1 makes the engine itself grow its memory (a leak in the engine
+# process: 32 MiB every 0.25 s, touched so it is resident, up to GROW_MIB), SIGUSR2 frees it; then the
+# simulator's own main.
+GROW_MIB = int(os.environ.get("TRISCOPE_BENCH_GROW_MIB", "1024"))
 _SIM_LAUNCHER = r"""
-import signal, subprocess, sys
-kids = []
+import signal, sys, threading, time
+held, growing = [], threading.Event()
+def leak():
+    while growing.is_set() and len(held) < int(sys.argv[1]) // 32:
+        b = bytearray(32 << 20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        held.append(b)
+        time.sleep(0.25)
 def grow(*_):
-    kids.append(subprocess.Popen([sys.executable, "-c", sys.argv[1]]))
+    growing.set()
+    threading.Thread(target=leak, daemon=True).start()
 def shrink(*_):
-    for k in kids:
-        k.kill()
-        k.wait()
-    kids.clear()
+    growing.clear()
+    held.clear()
 signal.signal(signal.SIGUSR1, grow)
 signal.signal(signal.SIGUSR2, shrink)
 from triscope.sim.backend import main
 sys.exit(main(sys.argv[2:]))
 """
-GROW_MIB = int(os.environ.get("TRISCOPE_BENCH_GROW_MIB", "1024"))
 _ALLOCATOR = f"""
 import time
 held = []
@@ -141,7 +148,7 @@ class SimFleet(Fleet):
 
     def _start_one(self, e: Engine) -> None:
         spec = f"{e.name}:{e.port}:{KV_TOKENS / 1024}:{SLOTS}:1.0"
-        proc = subprocess.Popen([sys.executable, "-c", _SIM_LAUNCHER, _ALLOCATOR, "--profile", self.profile,
+        proc = subprocess.Popen([sys.executable, "-c", _SIM_LAUNCHER, str(GROW_MIB), "--profile", self.profile,
                                  "--backend", spec], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         read_ready(proc, f"simulated engine {e.name}")
         self.procs[e.name] = proc
@@ -187,12 +194,23 @@ class SimFleet(Fleet):
             conn.close()
 
     def grow_memory(self, e: Engine) -> Recover:
+        """The engine process itself leaks, inside a memory cgroup of its own."""
         (pid,) = self.pids(e)
-        os.kill(pid, signal.SIGUSR1)
+
+        def start() -> Recover:
+            os.kill(pid, signal.SIGUSR1)
+
+            def stop() -> None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR2)
+            return stop
+
+        end = cgroup_memory_growth([pid], e.name, start)
 
         def recover() -> None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGUSR2)
+            end()
+            if not self.alive(e):  # the OOM killer took it: a fresh engine, as its supervisor would start
+                self.restart(e)
         return recover
 
 
@@ -262,8 +280,25 @@ class VllmFleet(Fleet):
         return sent.ok, getattr(sent, "error", "") or ""
 
     def grow_memory(self, e: Engine) -> Recover:
-        """vLLM's process tree is its own: the allocator joins the engine's memory cgroup instead."""
-        return cgroup_memory_growth(self.pids(e), e.name)
+        """vLLM's process tree is its own: an allocator joins the engine's memory cgroup instead."""
+        holder: list[subprocess.Popen[bytes]] = []
+
+        def start() -> Recover:
+            alloc = subprocess.Popen([sys.executable, "-c", _ALLOCATOR])
+            holder.append(alloc)
+
+            def stop() -> None:
+                alloc.kill()
+                alloc.wait()
+            return stop
+
+        end = cgroup_memory_growth(self.pids(e), e.name, start, lambda: [p.pid for p in holder])
+
+        def recover() -> None:
+            end()
+            if not self.alive(e):
+                self.restart(e)
+        return recover
 
 
 def _tree(pid: int) -> list[int]:
@@ -291,10 +326,12 @@ def _memcg(pid: int) -> Path | None:
     return None
 
 
-def cgroup_memory_growth(top_pids: list[int], name: str) -> Recover:
-    """The engine's process tree moved into a memory cgroup of its own (v1; its charge moves with it) and an
-    allocator process started in it that grows by ``GROW_MIB``: the engine's cgroup grows as one leaking
-    worker would make it. Needs root and cgroup v1's memory controller; without them only the allocator runs."""
+def cgroup_memory_growth(top_pids: list[int], name: str, start: Callable[[], Recover],
+                         joiners: Callable[[], list[int]] = list) -> Recover:
+    """The engine's process tree moved into a memory cgroup of its own (cgroup v1) whose limit is its usage
+    (the charge moved with it where the kernel allows) plus half of ``GROW_MIB``, then ``start()`` makes it grow by ``GROW_MIB`` (the
+    processes of ``joiners()`` join the cgroup): the cgroup runs out, as a container over its memory limit
+    does, and the kernel reclaims and OOM-kills in it. Without root or cgroup v1 only the growth happens."""
     pids = [p for top in top_pids for p in _tree(top)]
     home = _memcg(pids[0]) if pids else None
     cg = home / f"triscope-bench-{name}" if home is not None else None
@@ -302,23 +339,28 @@ def cgroup_memory_growth(top_pids: list[int], name: str) -> Recover:
     if cg is not None:
         with contextlib.suppress(OSError):
             cg.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):  # (newer kernels refuse it: the charge stays behind, the limit holds)
             (cg / "memory.move_charge_at_immigrate").write_text("3")
-            for p in pids:
-                with contextlib.suppress(OSError):
-                    (cg / "cgroup.procs").write_text(str(p))
-                    moved.append(p)
-    alloc = subprocess.Popen([sys.executable, "-c", _ALLOCATOR])
+        for p in pids:
+            with contextlib.suppress(OSError):
+                (cg / "cgroup.procs").write_text(str(p))
+                moved.append(p)
+        with contextlib.suppress(OSError, ValueError):
+            usage = int((cg / "memory.usage_in_bytes").read_text())
+            (cg / "memory.limit_in_bytes").write_text(str(usage + (GROW_MIB << 20) // 2))
+    stop = start()
     if cg is not None and moved:
-        with contextlib.suppress(OSError):
-            (cg / "cgroup.procs").write_text(str(alloc.pid))
+        for p in joiners():
+            with contextlib.suppress(OSError):
+                (cg / "cgroup.procs").write_text(str(p))
 
     def recover() -> None:
-        alloc.kill()
-        alloc.wait()
+        stop()
         if cg is not None and home is not None:
-            for p in moved:
-                with contextlib.suppress(OSError):
-                    (home / "cgroup.procs").write_text(str(p))
+            with contextlib.suppress(OSError):
+                for p in (cg / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        (home / "cgroup.procs").write_text(p)
             with contextlib.suppress(OSError):
                 cg.rmdir()
     return recover
@@ -619,7 +661,8 @@ for _f in (
           doc="70 % of one engine's requests become 420-token prompts (its request rate unchanged)"),
     Fault("cpu_hog", "host_cpu", "one", _cpu_hog, doc="2 busy processes at nice -10 pinned to the engine's core"),
     Fault("memory_growth", "host_memory", "one", _memory,
-          doc=f"a process in the engine's tree (sim) or memory cgroup (vLLM) grows by {GROW_MIB} MiB"),
+          doc=f"the engine (sim) or a process in its memory cgroup (vLLM) grows by {GROW_MIB} MiB; the cgroup's "
+              "limit is its usage + half of that"),
     Fault("io_hog", "io", "fleet", _io_hog, needs_breach=True, collectors=("blockio_diskstats",),
           doc="fio randrw 4k, direct IO, 4 jobs x iodepth 32, on the work directory's disk"),
     Fault("sigkill", "backend_down", "one", _sigkill, doc="the engine SIGKILLed (restarted at recovery)"),

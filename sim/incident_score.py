@@ -164,7 +164,7 @@ def client_breaches(sent: Iterable[Sent], lo: float, hi: float, sla_s: Mapping[s
     cells: dict[tuple[str, int], list[Sent]] = {}
     for s in sent:
         if lo <= s.start_s < hi:
-            cells.setdefault((s.backend, int((s.start_s - lo) // window_s)), []).append(s)
+            cells.setdefault((s.backend, int(s.start_s // window_s)), []).append(s)  # diagnose's epoch windows
     out = set()
     for (backend, _), reqs in cells.items():
         failed = sum(1 for r in reqs if not r.ok)
