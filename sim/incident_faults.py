@@ -329,9 +329,10 @@ def _memcg(pid: int) -> Path | None:
 def cgroup_memory_growth(top_pids: list[int], name: str, start: Callable[[], Recover],
                          joiners: Callable[[], list[int]] = list) -> Recover:
     """The engine's process tree moved into a memory cgroup of its own (cgroup v1) whose limit is its usage
-    (the charge moved with it where the kernel allows) plus half of ``GROW_MIB``, then ``start()`` makes it grow by ``GROW_MIB`` (the
-    processes of ``joiners()`` join the cgroup): the cgroup runs out, as a container over its memory limit
-    does, and the kernel reclaims and OOM-kills in it. Without root or cgroup v1 only the growth happens."""
+    (the charge moved with it where the kernel allows) plus half of ``GROW_MIB``, then ``start()`` makes it
+    grow by ``GROW_MIB`` (the processes of ``joiners()`` join the cgroup): the cgroup runs out, as a container
+    over its memory limit does, and the kernel reclaims and OOM-kills in it. Without root or cgroup v1 only
+    the growth happens."""
     pids = [p for top in top_pids for p in _tree(top)]
     home = _memcg(pids[0]) if pids else None
     cg = home / f"triscope-bench-{name}" if home is not None else None
