@@ -236,9 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             collectors += [c for c in FAULTS[name].collectors if c not in collectors]
         slas = sla_ms(args.fleet, scale)
-        # vLLM's own spans carry no request class: they are the default class, judged by the loosest SLA
+        # vLLM's own spans carry no request class: they are the default class, judged by the loosest SLA (and
+        # the client's own measurement of a breach judges every request by it too)
         default_class = "interactive_image_text" if args.fleet == "sim" else max(slas, key=lambda c: slas[c])
         cfg = write_config(work, fleet, ports, collectors, slas, default_class)
+        client_sla = slas if fleet.spans_from_client else dict.fromkeys(slas, slas[default_class])
         otlp_url = f"http://127.0.0.1:{ports['otlp']}/v1/traces"
         say(f"{args.fleet} fleet of {n}, {rate} req/s per backend, SLAs {slas} ms, collectors {collectors}")
         fleet.start(otlp_url)
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, rnd in items:
             if daemon.poll() is not None:
                 raise RuntimeError(f"triscope run exited {daemon.returncode}; see {work / 'daemon.log'}")
-            inj, doc = run_one(FAULTS[name], rnd, bed, cfg, args, rng, slas)
+            inj, doc = run_one(FAULTS[name], rnd, bed, cfg, args, rng, client_sla)
             s = score_injection(inj, doc, addresses, WINDOW_S)
             docs.append({"fault": name, "round": rnd, "injection": asdict(inj), "diagnose": doc})
             scores.append(s)
