@@ -6,9 +6,10 @@ blockio_diskstats when the IO fault runs), as a user would run it. Each fault of
 ``--rounds`` times in a shuffled order (the seed is printed with the command that reruns it): a calm lead-in,
 the injection at a recorded time with its ground truth (cause, backends), a hold, the recovery and a gap so
 incidents do not merge. During the hold ``triscope diagnose --since ... --json`` is asked every ``--poll-s``
-(the first answer listing the incident is the report delay); after the gap it is asked over the
-stretch's range and the incident overlapping the injection is scored: cause right, backends right, onset
-minus effect time. Prints the confusion matrix and per-fault figures; writes ``incidents.json`` and
+(the first answer listing the incident gives the breach-to-report delay); after the gap it is asked over
+the stretch's range and the incident overlapping the injection is scored: cause right, backends right,
+onset minus the effect (the first window in which the load generator saw the SLA broken). Prints the
+confusion matrix and per-fault figures; writes ``incidents.json`` and
 ``incidents.png`` (the matrix as a heatmap) to ``--out-dir``.
 
     python bench/incidents.py --fleet sim --backends 8 --rounds 3 --calm-minutes 10 \
@@ -46,7 +47,7 @@ from triscope.sim.incident_score import (
     FLEET,
     Injection,
     Score,
-    client_breaches,
+    client_breach_starts,
     draw_png,
     report_text,
     score_injection,
@@ -169,13 +170,16 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
     time.sleep(args.gap_s)
     with bed.load.lock:
         sent = list(bed.load.sent)
-    breached = client_breaches(sent, injected - WINDOW_S if fault.expected_cause else from_s,
-                               recovered + WINDOW_S, {c: ms / 1000 for c, ms in slas.items()}, WINDOW_S)
+    starts = client_breach_starts(sent, injected - WINDOW_S if fault.expected_cause else from_s,
+                                  recovered + WINDOW_S, {c: ms / 1000 for c, ms in slas.items()}, WINDOW_S)
+    # the effect: the first window the client saw breached (on an expected backend where there is one)
+    mine = [t for b, t in starts.items() if b in expected or expected == [FLEET]] or list(starts.values())
+    effect = max(injected - WINDOW_S, min(mine)) if mine else injected
     until = time.time()
     time.sleep(2 * args.flush_s)  # the last windows reach the store
     doc = diagnose(cfg, until - from_s, until)
-    inj = Injection(fault.name, rnd, fault.expected_cause, expected, injected, injected, recovered, until, from_s,
-                    fault.needs_breach, first_report, breached)
+    inj = Injection(fault.name, rnd, fault.expected_cause, expected, injected, effect, recovered, until, from_s,
+                    fault.needs_breach, first_report, sorted(starts))
     return inj, doc
 
 

@@ -38,7 +38,8 @@ class Injection:
     """Backend addresses, or ``[FLEET]``."""
     injected_s: float
     effect_s: float
-    """When the fault took effect (the injection, or later where the fault says so)."""
+    """When the fault took effect: the start of the first window in which the client saw a breach (the
+    injection where it saw none)."""
     recovered_s: float
     until_s: float
     """The end of the stretch this injection owns (recovery plus the gap before the next one)."""
@@ -161,22 +162,28 @@ def client_breaches(sent: Iterable[Sent], lo: float, hi: float, sla_s: Mapping[s
     """Backends whose requests started in [lo, hi) broke their SLA in some window, as the client measured them:
     a class's P99 over its SLA (at least ``min_requests``), or at least ``min_requests`` failed and
     ``error_ratio`` of all (the rule ``diagnose`` applies to spans, docs/diagnose.md)."""
+    return sorted(client_breach_starts(sent, lo, hi, sla_s, window_s, min_requests, error_ratio))
+
+
+def client_breach_starts(sent: Iterable[Sent], lo: float, hi: float, sla_s: Mapping[str, float],
+                         window_s: float = 5.0, min_requests: int = 3, error_ratio: float = 0.05) -> dict[str, float]:
+    """:func:`client_breaches` with the start of each backend's first breached window (``diagnose``'s epoch
+    windows): when the fault's effect reached the users."""
     cells: dict[tuple[str, int], list[Sent]] = {}
     for s in sent:
         if lo <= s.start_s < hi:
             cells.setdefault((s.backend, int(s.start_s // window_s)), []).append(s)  # diagnose's epoch windows
-    out = set()
-    for (backend, _), reqs in cells.items():
+    out: dict[str, float] = {}
+    for (backend, k), reqs in sorted(cells.items()):
         failed = sum(1 for r in reqs if not r.ok)
-        if failed >= min_requests and failed / len(reqs) >= error_ratio:
-            out.add(backend)
-            continue
+        hit = failed >= min_requests and failed / len(reqs) >= error_ratio
         for cls in {r.request_class for r in reqs}:
             lat = sorted(r.latency_s for r in reqs if r.ok and r.request_class == cls)
             sla = sla_s.get(cls)
-            if sla and len(lat) >= min_requests and _p99(lat) > sla:
-                out.add(backend)
-    return sorted(out)
+            hit = hit or bool(sla and len(lat) >= min_requests and _p99(lat) > sla)
+        if hit and backend not in out:
+            out[backend] = k * window_s
+    return out
 
 
 def _p99(sorted_values: list[float]) -> float:
@@ -327,6 +334,6 @@ def draw_png(doc: Mapping[str, Any], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-__all__ = ["CALM", "FLEET", "NO_INCIDENT", "Injection", "Score", "Sent", "client_breaches", "confusion", "draw_png",
-           "expand", "incidents_of",
-           "matrix_text", "report_text", "score_injection", "summarise"]
+__all__ = ["CALM", "FLEET", "NO_INCIDENT", "Injection", "Score", "Sent", "client_breach_starts", "client_breaches",
+           "confusion", "draw_png", "expand", "incidents_of", "matrix_text", "report_text", "score_injection",
+           "summarise"]

@@ -21,6 +21,7 @@ from triscope.sim.incident_score import (
     NO_INCIDENT,
     Injection,
     Sent,
+    client_breach_starts,
     client_breaches,
     draw_png,
     matrix_text,
@@ -108,6 +109,8 @@ def test_client_breaches_follow_diagnose_s_rule() -> None:
     sent += [Sent(T + 0.1 * i, C, "realtime_speech", 0.2, i % 4 != 0) for i in range(20)]
     assert client_breaches(sent, T, T + 10, sla) == [B, C]
     assert client_breaches(sent[:20], T, T + 10, sla) == []
+    late = [Sent(T + 6 + 0.1 * i, A, "realtime_speech", 0.9, True) for i in range(10)]  # from the second window
+    assert client_breach_starts(sent[:20] + late, T, T + 10, sla) == {A: T + 5}
 
 
 def test_summary_matrix_and_png(tmp_path: Path) -> None:
