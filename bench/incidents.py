@@ -153,19 +153,21 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
     recover = fault.inject(bed, victim)
     first_report = math.nan
     hold_end = injected + args.hold_s
-    while time.time() < hold_end:
-        if fault.expected_cause is not None and args.poll_s > 0 and not math.isfinite(first_report):
-            try:
-                doc = diagnose(cfg, time.time() - from_s + 1)
-                if overlapping(doc, injected - WINDOW_S):
-                    first_report = time.time()
-                    say(f"  reported after {first_report - injected:.1f} s")
-            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
-                say(f"  diagnose during the hold failed: {exc}")
-            time.sleep(max(0.0, min(args.poll_s, hold_end - time.time())))
-        else:
-            time.sleep(max(0.0, min(1.0, hold_end - time.time())))
-    recover()
+    try:
+        while time.time() < hold_end:
+            if fault.expected_cause is not None and args.poll_s > 0 and not math.isfinite(first_report):
+                try:
+                    doc = diagnose(cfg, time.time() - from_s + 1)
+                    if overlapping(doc, injected - WINDOW_S):
+                        first_report = time.time()
+                        say(f"  reported {first_report - injected:.1f} s after the injection")
+                except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+                    say(f"  diagnose during the hold failed: {exc}")
+                time.sleep(max(0.0, min(args.poll_s, hold_end - time.time())))
+            else:
+                time.sleep(max(0.0, min(1.0, hold_end - time.time())))
+    finally:
+        recover()
     recovered = time.time()
     time.sleep(args.gap_s)
     with bed.load.lock:

@@ -95,7 +95,7 @@ for _ in range({GROW_MIB} // 32):  # 32 MiB every 0.25 s, touched so it is resid
         b[i] = 1
     held.append(b)
     time.sleep(0.25)
-time.sleep(3600)
+time.sleep(900)
 """
 
 
@@ -551,7 +551,9 @@ def _long_prompts(bed: Bed, victim: Engine | None) -> Recover:
     return recover
 
 
-HOG = "import time\nend = time.time() + 3600\nwhile time.time() < end:\n    pass\n"
+SAFETY_S = 900
+"""Hogs and allocators end by themselves after this, should the bench die before it recovers them."""
+HOG = f"import time\nend = time.time() + {SAFETY_S}\nwhile time.time() < end:\n    pass\n"
 
 
 def _cpu_hog(bed: Bed, victim: Engine | None) -> Recover:
@@ -602,7 +604,7 @@ def _io_hog(bed: Bed, _victim: Engine | None) -> Recover:
     target.mkdir(exist_ok=True)
     proc = subprocess.Popen(["fio", "--name=hog", f"--directory={target}", "--rw=randrw", "--bs=4k", "--direct=1",
                              "--ioengine=libaio", "--iodepth=32", "--numjobs=4", "--size=256m", "--time_based",
-                             "--runtime=3600", "--group_reporting"], stdout=subprocess.DEVNULL,
+                             f"--runtime={SAFETY_S}", "--group_reporting"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
     def recover() -> None:
