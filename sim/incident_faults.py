@@ -380,8 +380,8 @@ class Tally:
 
 class LoadGen:
     """Open-loop load: Poisson arrivals at ``rate`` x ``factor`` requests/s over the fleet, classes from
-    :data:`MIX`, backends uniformly at random, or ``skew`` of it to one backend. ``tenants`` add closed-loop
-    streams of long prompts to one backend. With ``tracer`` each request's span (a gateway's CLIENT span
+    :data:`MIX`, backends uniformly at random, or ``skew`` of it to one backend; ``long_to`` turns a share of
+    one backend's requests into long prompts. With ``tracer`` each request's span (a gateway's CLIENT span
     naming the backend, ``triscope.request_class``, failure status) goes to the daemon."""
 
     def __init__(self, fleet: Fleet, rate: float, seed: int, tracer: Any = None, workers: int = 96) -> None:
@@ -396,7 +396,6 @@ class LoadGen:
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="load")
         self.tally = Tally()
         self.lock = threading.Lock()
-        self.tenants: list[threading.Event] = []
         self.thread = threading.Thread(target=self._run, daemon=True, name="load-arrivals")
 
     def start(self) -> LoadGen:
@@ -405,7 +404,6 @@ class LoadGen:
 
     def stop(self) -> None:
         self.stop_event.set()
-        self.end_tenants()
         self.thread.join(timeout=10)
         self.pool.shutdown(wait=True, cancel_futures=True)
 
@@ -456,23 +454,6 @@ class LoadGen:
             if not ok:
                 span.set_status(Status(StatusCode.ERROR, err[:200]))
             span.end(end_time=end)
-
-    def add_tenants(self, e: Engine, n: int, cls: RequestClass = LONG_PROMPT) -> None:
-        """``n`` closed-loop streams of ``cls`` requests to ``e`` (a tenant's long documents), spans and all."""
-        for k in range(n):
-            stop = threading.Event()
-            self.tenants.append(stop)
-
-            def loop(stop: threading.Event = stop, k: int = k) -> None:
-                rng = random.Random(k)
-                while not stop.is_set() and not self.stop_event.is_set():
-                    self._one(e, cls, rng)
-            threading.Thread(target=loop, daemon=True, name=f"tenant-{k}").start()
-
-    def end_tenants(self) -> None:
-        for stop in self.tenants:
-            stop.set()
-        self.tenants.clear()
 
 
 def client_tracer(otlp_url: str) -> tuple[Any, Callable[[], None]]:
