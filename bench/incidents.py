@@ -130,6 +130,20 @@ def wait_ping(port: int, timeout_s: float, proc: subprocess.Popen[str]) -> None:
     raise RuntimeError("the daemon's query endpoint never answered")
 
 
+def calm_figures(load: LoadGen, since: float, sla_ms: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per class, the client's P99 since ``since`` against its SLA: a base load for which it is near or over
+    the SLA is no calm (lower ``--rate`` or raise ``--sla-scale``)."""
+    with load.lock:
+        sent = [s for s in load.sent if s.start_s >= since and s.ok]
+    out = {}
+    for cls, ms in sla_ms.items():
+        lat = sorted(s.latency_s for s in sent if s.request_class == cls)
+        if lat:
+            out[cls] = {"p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3), "sla_s": ms / 1000,
+                        "requests": len(lat)}
+    return out
+
+
 def plan(faults: list[str], rounds: int, calm_stretches: int, rng: random.Random) -> list[tuple[str, int]]:
     items = [(f, r) for r in range(rounds) for f in faults] + [("calm", rounds + k) for k in range(calm_stretches)]
     rng.shuffle(items)
@@ -272,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(load.stop)
         bed = Bed(fleet, load, work, rng)
         say(f"warm-up {args.warmup_s:.0f} s")
+        warm_from = time.time()
         time.sleep(args.warmup_s)
+        calm = calm_figures(load, warm_from + min(5.0, args.warmup_s / 2), client_sla)
+        say("calm load, client P99 / SLA per class: " + ", ".join(f"{c} {v['p99_s']:.2f} / {v['sla_s']:.2f} s"
+                                                                 for c, v in calm.items()))
         addresses = [e.address for e in fleet.engines]
         scores: list[Score] = []
         docs: list[dict[str, Any]] = []
@@ -302,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     result = summarise(scores, calm_s / 60)
     result["run"] = {"fleet": args.fleet, "backends": n, "seed": seed, "rerun": f"python bench/incidents.py "
                      f"{shlex.join(rerun)}", "rate_per_backend": rate, "sla_ms": slas, "faults": names,
-                     "rounds": args.rounds, "lead_s": args.lead_s, "hold_s": args.hold_s, "gap_s": args.gap_s,
+                     "rounds": args.rounds, "calm_warmup": calm, "lead_s": args.lead_s, "hold_s": args.hold_s,
+                     "gap_s": args.gap_s,
                      "load": tally, "fault_docs": {n_: FAULTS[n_].doc for n_ in names}}
     print(report_text(result), file=sys.stderr if args.json else sys.stdout)
     if args.out_dir is not None:
