@@ -18,8 +18,8 @@ confusion matrix and per-fault figures; writes ``incidents.json`` and
         --out-dir bench/results/incidents-vllm
     python bench/incidents.py --list          # the registered faults
 
-Faults live in ``sim/incident_faults.py`` (:data:`FAULTS`, :func:`register`); scoring in
-``sim/incident_score.py``.
+Faults live in ``sim/incident_faults.py`` (:data:`FAULTS`, :func:`register`), the fleets in
+``sim/incident_fleet.py``, the load in ``sim/incident_load.py``, the scoring in ``sim/incident_score.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from triscope.sim.haproxy import free_port
-from triscope.sim.incident_faults import FAULTS, Bed, Fault, LoadGen, client_tracer, make_fleet, sla_ms
+from triscope.sim.incident_faults import FAULTS, Bed, Fault
+from triscope.sim.incident_fleet import make_fleet, sla_ms
+from triscope.sim.incident_load import LoadGen, client_tracer
 from triscope.sim.incident_score import (
     FLEET,
     Injection,
