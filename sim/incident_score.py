@@ -100,12 +100,12 @@ def expand(backends: Sequence[str], fleet: Sequence[str]) -> list[str]:
 def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str], window_s: float = 5.0) -> Score:
     """Judge one injection from the diagnose document covering its stretch.
 
-    The incident scored is the first that overlaps [effect - window, recovered + 2 windows) (a breach
-    window starts up to one window before the effect; a fault's tail drains after recovery). Incidents in
+    The incident scored is the first that overlaps [injection - window, recovered + 2 windows) (a breach
+    window starts up to one window before the injection; a fault's tail drains after recovery). Incidents in
     the stretch outside that are counted in ``other_incidents``.
     """
     expected = sorted(expand(inj.expected_backends, fleet))
-    lo, hi = inj.effect_s - window_s, inj.recovered_s + 2 * window_s
+    lo, hi = min(inj.injected_s, inj.effect_s) - window_s, inj.recovered_s + 2 * window_s
     stretch_lo = inj.from_s if math.isfinite(inj.from_s) else inj.injected_s
     inside = [i for i in incidents_of(doc) if _overlaps(i, stretch_lo, inj.until_s)]
     if inj.expected_cause is None:
