@@ -63,8 +63,9 @@ class Score:
     expected_cause: str
     diagnosed_cause: str
     outcome: str
-    """``right`` / ``wrong`` (an incident, wrong cause or backends) / ``missed`` / ``no breach`` / ``false``
-    (an incident in a calm stretch) / ``calm`` (a calm stretch with none)."""
+    """``right`` / ``wrong`` (an incident, wrong cause or backends) / ``missed`` (the client saw a breach, no
+    incident) / ``no breach`` / ``false`` (an incident in a calm stretch the client saw no breach in) /
+    ``calm breached`` (one the client saw too: the bed was not calm) / ``calm`` (a calm stretch with none)."""
     cause_right: bool | None
     backends_right: bool | None
     expected_backends: list[str]
@@ -121,7 +122,10 @@ def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str]
                          backends_right=None, diagnosed_backends=[], onset_error_s=None, report_delay_s=None)
         first = min(inside, key=lambda i: float(i["start_s"]))
         base["other_incidents"] = len(inside) - 1
-        return Score(**base, expected_cause=CALM, diagnosed_cause=str(first["cause"]["cause"]), outcome="false",
+        # the client saw the SLA broken too: a real breach of a bed that was not calm, not a false report
+        real = bool(inj.client_breached)
+        return Score(**base, expected_cause=CALM, diagnosed_cause=str(first["cause"]["cause"]),
+                     outcome="calm breached" if real else "false",
                      cause_right=False, backends_right=False, diagnosed_backends=sorted(first["backends"]),
                      onset_error_s=None, report_delay_s=None, score=float(first["cause"].get("score", math.nan)),
                      evidence=list(first["cause"].get("evidence", [])))
@@ -240,6 +244,7 @@ def summarise(scores: Sequence[Score], calm_minutes: float = 0.0, target: float 
     onsets = [float(s.onset_error_s) for s in judged if s.onset_error_s is not None]
     both = _share([s.outcome == "right" for s in judged])
     false_in_calm = sum(1 + s.other_incidents for s in calm if s.outcome == "false")
+    breached_calm = sum(1 for s in calm if s.outcome == "calm breached")
     overall = {
         "injected": len([s for s in scores if s.expected_cause != CALM]),
         "breached_and_judged": len(judged),
@@ -253,6 +258,7 @@ def summarise(scores: Sequence[Score], calm_minutes: float = 0.0, target: float 
         "calm_stretches": len(calm),
         "calm_minutes": round(calm_minutes, 2),
         "false_incidents_in_calm": false_in_calm,
+        "calm_stretches_breached": breached_calm,
         "incidents_outside_injections": sum(s.other_incidents for s in scores if s.expected_cause != CALM),
         "target": target,
         "meets_target": bool(both is not None and both >= target and false_in_calm == 0
@@ -302,7 +308,8 @@ def report_text(doc: Mapping[str, Any]) -> str:
                   f"{o['breached_and_judged']} breached incidents (cause {pct(o['cause_right'])}, backends "
                   f"{pct(o['backends_right'])}); {o['no_breach']} injections did not breach; onset within 5 s "
                   f"{pct(o['onset_within_5s'])}; false incidents in {o['calm_minutes']} calm minutes: "
-                  f"{o['false_incidents_in_calm']}; target met: {'yes' if o['meets_target'] else 'no'}"]
+                  f"{o['false_incidents_in_calm']} (and {o['calm_stretches_breached']} calm stretches the client "
+                  f"saw breached); target met: {'yes' if o['meets_target'] else 'no'}"]
     return "\n".join(lines)
 
 

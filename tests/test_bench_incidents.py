@@ -100,6 +100,10 @@ def test_incidents_outside_the_injection_are_counted_and_calm_stretches_judged()
     assert (calm.outcome, calm.expected_cause, calm.diagnosed_cause) == ("calm", CALM, NO_INCIDENT)
     false = score_injection(_inj("calm", None, []), _doc((T - 10, T, [A], "host_cpu")), FLEET3)
     assert (false.outcome, false.diagnosed_cause) == ("false", "host_cpu")
+    real = score_injection(_inj("calm", None, [], client_breached=[A]), _doc((T - 10, T, [A], "host_cpu")), FLEET3)
+    assert real.outcome == "calm breached"
+    doc = summarise([false, real], calm_minutes=2)["overall"]
+    assert (doc["false_incidents_in_calm"], doc["calm_stretches_breached"]) == (1, 1)
 
 
 def test_client_breaches_follow_diagnose_s_rule() -> None:
