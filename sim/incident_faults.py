@@ -76,10 +76,11 @@ def _load_step(factor: float) -> Callable[[Bed, Engine | None], Recover]:
 
 
 def _long_prompts(bed: Bed, victim: Engine | None) -> Recover:
-    """Most of one engine's requests turn into long prompts (a tenant with long documents whose sessions stick
-    to it): the same request rate, several times the tokens."""
+    """A tenant with long documents whose sessions stick to one engine: 70 % of its requests turn into long
+    prompts and the tenant adds 40 % to its requests (1.4x its fair share, inside an LB's usual spread and
+    under ``imbalance``): several times the tokens at about the same request rate."""
     assert victim is not None
-    bed.load.long_to = (victim.address, 0.7)
+    bed.load.long_to = (victim.address, 0.7, 0.4)
 
     def recover() -> None:
         bed.load.long_to = None
@@ -196,7 +197,7 @@ for _f in (
     Fault("load_x3", "load_beyond_capacity", "fleet", _load_step(3.0), needs_breach=True,
           doc="the load generator's rate x3"),
     Fault("long_prompts", "kv_pressure", "one", _long_prompts,
-          doc="70 % of one engine's requests become 420-token prompts (its request rate unchanged)"),
+          doc="70 % of one engine's requests become 420-token prompts, +40 % more of them (1.4x its share)"),
     Fault("cpu_hog", "host_cpu", "one", _cpu_hog, doc="2 busy processes at nice -10 pinned to the engine's core"),
     Fault("memory_growth", "host_memory", "one", _memory,
           doc=f"the engine (sim) or a process in its memory cgroup (vLLM) grows by {GROW_MIB} MiB; the cgroup's "

@@ -40,8 +40,9 @@ class LoadGen:
         self.fleet, self.rate, self.tracer = fleet, rate, tracer
         self.factor = 1.0
         self.skew: tuple[str, float] | None = None
-        self.long_to: tuple[str, float] | None = None
-        """(backend, share): that share of the requests routed to the backend are :data:`LONG_PROMPT`."""
+        self.long_to: tuple[str, float, float] | None = None
+        """(backend, share, extra): that share of the requests routed to the backend are :data:`LONG_PROMPT`,
+        and long prompts are added to it at ``extra`` times its fair share of the rate."""
         self.sent: list[Sent] = []
         self.rng = random.Random(seed)
         self.stop_event = threading.Event()
@@ -72,14 +73,19 @@ class LoadGen:
         names, weights = list(MIX), list(MIX.values())
         nxt = time.monotonic()
         while not self.stop_event.is_set():
-            nxt += self.rng.expovariate(self.rate * self.factor)
+            long_to, base = self.long_to, self.rate * self.factor
+            extra = base / len(self.fleet.engines) * long_to[2] if long_to is not None else 0.0
+            nxt += self.rng.expovariate(base + extra)
             delay = nxt - time.monotonic()
             if delay > 0:
                 self.stop_event.wait(delay)
             cls = CLASSES[self.rng.choices(names, weights)[0]]
-            e = self._pick()
-            if self.long_to is not None and e.address == self.long_to[0] and self.rng.random() < self.long_to[1]:
-                cls = LONG_PROMPT
+            if long_to is not None and self.rng.random() < extra / (base + extra):
+                e, cls = self.fleet.by_address(long_to[0]), LONG_PROMPT  # the tenant's own requests
+            else:
+                e = self._pick()
+                if long_to is not None and e.address == long_to[0] and self.rng.random() < long_to[1]:
+                    cls = LONG_PROMPT
             self.pool.submit(self._one, e, cls, random.Random(self.rng.random()))
 
     def _one(self, e: Engine, cls: RequestClass, rng: random.Random) -> None:

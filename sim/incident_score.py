@@ -140,7 +140,11 @@ def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str]
     got = sorted(inc["backends"])
     cause_right, backends_right = cause == inj.expected_cause, got == expected
     onset = float(inc["start_s"]) - inj.effect_s
-    delay = inj.first_report_s - inj.effect_s if math.isfinite(inj.first_report_s) else None
+    # an incident already open at the injection was reported before it: no delay of this fault's to measure
+    fresh = float(inc["start_s"]) >= inj.injected_s - window_s
+    delay = inj.first_report_s - inj.effect_s if math.isfinite(inj.first_report_s) and fresh else None
+    if not fresh:
+        base["notes"].append("the incident was open before the injection")
     return Score(**base, expected_cause=inj.expected_cause, diagnosed_cause=cause,
                  outcome="right" if cause_right and backends_right else "wrong", cause_right=cause_right,
                  backends_right=backends_right, diagnosed_backends=got, onset_error_s=round(onset, 2),

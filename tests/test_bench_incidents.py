@@ -96,6 +96,9 @@ def test_incidents_outside_the_injection_are_counted_and_calm_stretches_judged()
     doc = _doc((T - 25, T - 15, [A], "host_cpu"), (T + 5, T + 20, [B], "backend_down"), (T + 90, T + 95, [A], "io"))
     s = score_injection(_inj("sigstop", "backend_down", [B]), doc, FLEET3)
     assert s.outcome == "right" and s.other_incidents == 1
+    already = score_injection(_inj("sigkill", "backend_down", [B], first_report_s=T + 2),
+                              _doc((T - 20, T + 30, [B], "backend_down")), FLEET3)
+    assert already.onset_error_s == -20 and already.report_delay_s is None and already.notes
     calm = score_injection(_inj("calm", None, []), _doc(), FLEET3)
     assert (calm.outcome, calm.expected_cause, calm.diagnosed_cause) == ("calm", CALM, NO_INCIDENT)
     false = score_injection(_inj("calm", None, []), _doc((T - 10, T, [A], "host_cpu")), FLEET3)
