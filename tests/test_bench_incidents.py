@@ -1,0 +1,164 @@
+"""``bench/incidents.py``: the fault registry and the scoring on synthetic ``diagnose --json`` documents (pure),
+and one short live run on the simulated fleet (``triscope run`` collecting, one engine SIGKILLed) that must
+produce a scored document. The live run checks the bench works, not the diagnosis's hit rate (that is the
+bench's own output, docs/diagnose.md "How it is judged")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+
+from triscope_bed.fleet.incident_faults import FAULTS, Fault, register
+from triscope_bed.reports.incident_score import (
+    CALM,
+    FLEET,
+    NO_INCIDENT,
+    Injection,
+    Sent,
+    client_breach_starts,
+    client_breaches,
+    draw_png,
+    matrix_text,
+    report_text,
+    score_injection,
+    summarise,
+)
+
+A, B, C = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
+FLEET3 = [A, B, C]
+CAUSES = {"backend_down", "load_beyond_capacity", "kv_pressure", "io", "routing_imbalance", "host_cpu", "host_memory"}
+T = 1_800_000_000.0
+
+
+def _doc(*incidents: tuple[float, float, list[str], str]) -> dict[str, Any]:
+    return {"incidents": {"incidents": [
+        {"start_s": s, "end_s": e, "backends": b, "cause": {"cause": c, "score": 0.9, "evidence": [f"{c} seen"]},
+         "runners_up": [{"cause": "unknown", "score": 0.1}]} for s, e, b, c in incidents]}}
+
+
+def _inj(fault: str, cause: str | None, backends: list[str], **kw: Any) -> Injection:
+    base = {"injected_s": T, "effect_s": T, "recovered_s": T + 30, "until_s": T + 55, "from_s": T - 30}
+    base.update(kw)
+    return Injection(fault, 0, cause, backends, **base)
+
+
+def test_the_registry_names_every_fault_of_the_issue_with_a_cause_diagnose_knows() -> None:
+    assert {"calm", "load_up_50", "load_x3", "long_prompts", "cpu_hog", "memory_growth", "io_hog", "sigkill",
+            "sigstop", "lb_skew"} <= set(FAULTS)
+    for f in FAULTS.values():
+        assert f.expected_cause is None or f.expected_cause in CAUSES, f
+        assert f.hits in ("one", "fleet", "none") and f.doc
+    assert FAULTS["calm"].expected_cause is None and FAULTS["sigstop"].expected_cause == "backend_down"
+
+
+def test_a_new_fault_plugs_in() -> None:
+    fault = Fault("test_only_noop", "io", "fleet", lambda bed, victim: lambda: None, doc="nothing")
+    try:
+        assert register(fault) is fault and FAULTS["test_only_noop"] is fault
+    finally:
+        FAULTS.pop("test_only_noop")
+
+
+def test_right_cause_and_backend_with_onset_and_report_delay() -> None:
+    inj = _inj("sigkill", "backend_down", [B], first_report_s=T + 7)
+    s = score_injection(inj, _doc((T - 5 + 10 - 5, T + 40, [B], "backend_down")), FLEET3)
+    assert (s.outcome, s.cause_right, s.backends_right) == ("right", True, True)
+    assert s.onset_error_s == 0.0 and s.report_delay_s == 7.0 and s.evidence == ["backend_down seen"]
+
+
+def test_the_fleet_s_backends_and_a_wrong_set_or_cause() -> None:
+    load = _inj("load_x3", "load_beyond_capacity", [FLEET])
+    assert score_injection(load, _doc((T + 5, T + 35, [A, B, C], "load_beyond_capacity")), FLEET3).outcome == "right"
+    s = score_injection(load, _doc((T + 5, T + 35, [A, B], "load_beyond_capacity")), FLEET3)
+    assert (s.outcome, s.cause_right, s.backends_right) == ("wrong", True, False)
+    s = score_injection(_inj("lb_skew", "routing_imbalance", [C]), _doc((T, T + 30, [C], "kv_pressure")), FLEET3)
+    assert (s.outcome, s.diagnosed_cause, s.backends_right) == ("wrong", "kv_pressure", True)
+
+
+def test_no_incident_is_a_miss_only_when_the_client_saw_a_breach() -> None:
+    missed = score_injection(_inj("cpu_hog", "host_cpu", [A], client_breached=[A]), _doc(), FLEET3)
+    calm_fault = score_injection(_inj("cpu_hog", "host_cpu", [A], client_breached=[]), _doc(), FLEET3)
+    assert (missed.outcome, missed.cause_right, missed.diagnosed_cause) == ("missed", False, NO_INCIDENT)
+    assert (calm_fault.outcome, calm_fault.cause_right) == ("no breach", None)
+    unmeasured = score_injection(_inj("load_up_50", "load_beyond_capacity", [FLEET], needs_breach=True), _doc(),
+                                 FLEET3)
+    assert unmeasured.outcome == "no breach"
+
+
+def test_incidents_outside_the_injection_are_counted_and_calm_stretches_judged() -> None:
+    # one in the lead-in (before the effect), the injection's own, one in another stretch
+    doc = _doc((T - 25, T - 15, [A], "host_cpu"), (T + 5, T + 20, [B], "backend_down"), (T + 90, T + 95, [A], "io"))
+    s = score_injection(_inj("sigstop", "backend_down", [B]), doc, FLEET3)
+    assert s.outcome == "right" and s.other_incidents == 1
+    already = score_injection(_inj("sigkill", "backend_down", [B], first_report_s=T + 2),
+                              _doc((T - 20, T + 30, [B], "backend_down")), FLEET3)
+    assert already.onset_error_s == -20 and already.report_delay_s is None and already.notes
+    calm = score_injection(_inj("calm", None, []), _doc(), FLEET3)
+    assert (calm.outcome, calm.expected_cause, calm.diagnosed_cause) == ("calm", CALM, NO_INCIDENT)
+    false = score_injection(_inj("calm", None, []), _doc((T - 10, T, [A], "host_cpu")), FLEET3)
+    assert (false.outcome, false.diagnosed_cause) == ("false", "host_cpu")
+    real = score_injection(_inj("calm", None, [], client_breached=[A]), _doc((T - 10, T, [A], "host_cpu")), FLEET3)
+    assert real.outcome == "calm breached"
+    doc = summarise([false, real], calm_minutes=2)["overall"]
+    assert (doc["false_incidents_in_calm"], doc["calm_stretches_breached"]) == (1, 1)
+
+
+def test_client_breaches_follow_diagnose_s_rule() -> None:
+    sla = {"realtime_speech": 0.5}
+    sent = [Sent(T + 0.1 * i, A, "realtime_speech", 0.2, True) for i in range(20)]
+    sent += [Sent(T + 0.1 * i, B, "realtime_speech", 0.9 if i == 5 else 0.2, True) for i in range(20)]
+    sent += [Sent(T + 0.1 * i, C, "realtime_speech", 0.2, i % 4 != 0) for i in range(20)]
+    assert client_breaches(sent, T, T + 10, sla) == [B, C]
+    assert client_breaches(sent[:20], T, T + 10, sla) == []
+    late = [Sent(T + 6 + 0.1 * i, A, "realtime_speech", 0.9, True) for i in range(10)]  # from the second window
+    assert client_breach_starts(sent[:20] + late, T, T + 10, sla) == {A: T + 5}
+
+
+def test_summary_matrix_and_png(tmp_path: Path) -> None:
+    scores = [
+        score_injection(_inj("sigkill", "backend_down", [A]), _doc((T, T + 20, [A], "backend_down")), FLEET3),
+        score_injection(_inj("lb_skew", "routing_imbalance", [B]), _doc((T, T + 20, [B], "kv_pressure")), FLEET3),
+        score_injection(_inj("load_up_50", "load_beyond_capacity", [FLEET], client_breached=[]), _doc(), FLEET3),
+        score_injection(_inj("calm", None, []), _doc(), FLEET3),
+    ]
+    doc = summarise(scores, calm_minutes=1.4)
+    o = doc["overall"]
+    assert (o["injected"], o["breached_and_judged"], o["no_breach"]) == (3, 2, 1)
+    assert o["cause_and_backends_right"] == 0.5 and o["backends_right"] == 1.0 and not o["meets_target"]
+    assert o["false_incidents_in_calm"] == 0 and o["calm_minutes"] == 1.4
+    assert doc["confusion"] == {"backend_down": {"backend_down": 1}, "routing_imbalance": {"kv_pressure": 1},
+                                CALM: {NO_INCIDENT: 1}}
+    assert doc["confusion_columns"] == ["backend_down", "routing_imbalance", "kv_pressure", NO_INCIDENT]
+    assert doc["faults"]["load_up_50"]["outcomes"] == {"no breach": 1}
+    assert "routing_imbalance" in matrix_text(doc["confusion"]) and "target met: no" in report_text(doc)
+    json.dumps(doc)
+    draw_png(doc, tmp_path / "m.png")
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_short_live_run_on_the_simulated_fleet_is_scored(tmp_path: Path) -> None:
+    """Two simulated engines, ``triscope run`` collecting, one SIGKILLed for 10 s: a scored document, its
+    JSON and PNG (about 45 s)."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "bench/incidents.py", "--fleet", "sim", "--backends", "2", "--faults",
+                           "sigkill", "--rounds", "1", "--lead-s", "10", "--hold-s", "10", "--gap-s", "8",
+                           "--warmup-s", "5", "--poll-s", "0", "--seed", "7", "--out-dir", str(out),
+                           "--work-dir", str(tmp_path / "work"), "--json"],
+                          capture_output=True, text=True, cwd=REPO, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    (score,) = doc["scores"]
+    assert score["fault"] == "sigkill" and score["expected_cause"] == "backend_down"
+    assert score["outcome"] in ("right", "wrong", "missed", "no breach") and len(score["expected_backends"]) == 1
+    assert doc["run"]["seed"] == 7 and "--seed 7" in doc["run"]["rerun"] and doc["run"]["load"]["sent"] > 20
+    assert "seed 7; rerun: python bench/incidents.py" in proc.stderr
+    assert json.loads((out / "incidents.json").read_text())["overall"]["injected"] == 1
+    assert (out / "incidents.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
