@@ -30,6 +30,7 @@ from triscope.errors import ConfigError, InputError, TriscopeError, one_line
 from triscope.exporters.epp import Fallback, HeadroomChooser, NeedParams
 from triscope.exporters.extproc import MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_STREAMS, ExtProcServer
 from triscope.exporters.haproxy_pick import PickTableServer, pick_settings
+from triscope.http_client import HttpClientConfig
 from triscope.http_fetch import RefusedError, fetch
 from triscope.ticker import Ticker
 
@@ -40,11 +41,23 @@ MAX_WEIGHTS_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
+class EppHttp(HttpClientConfig):
+    """``[epp.http]``: the picker's scrapes of each backend's ``/metrics`` (and its poll of the feed's
+    ``/v1/weights``): a short deadline, since a late answer is a stale one."""
+
+    section = "epp.http"
+    timeout_s: float = 1.0
+    max_body_bytes: int = MAX_METRICS_BYTES
+    redirects: str = "none"
+
+
+@dataclass(frozen=True)
 class EppConfig(ComponentConfig):
     """``[epp]``: where the picker listens, what it scrapes, how it estimates a request (docs/epp.md)."""
 
     section = "epp"
     flattened = {"picker": PICKER_KEYS}
+    aliases = {"scrape_timeout_s": "http.timeout_s"}
     bind: str = "127.0.0.1"
     port: int = 9002
     """ext_proc gRPC port (GIE's EPP port; 0 = ephemeral)."""
@@ -59,7 +72,8 @@ class EppConfig(ComponentConfig):
     (a running mean) is scraped every ``d / scrape_budget``, between ``scrape_interval_s`` and
     ``max_scrape_interval_s``; 0: always ``scrape_interval_s``."""
     max_scrape_interval_s: float = 1.0
-    scrape_timeout_s: float = 1.0
+    http: EppHttp = field(default_factory=EppHttp)
+    """``[epp.http]``: the scrapes' total deadline (``timeout_s`` 1.0), body bound and redirects."""
     weights_url: str = ""
     """The feed's ``/v1/weights``; empty: this process's ``[weights.feed]`` when ``[run] exporters`` has
     ``weights_feed``, else none (the picker then uses live scrapes only)."""
@@ -89,7 +103,7 @@ class EppConfig(ComponentConfig):
         port(where, "port", self.port)
         if self.table_port != -1:
             port(where, "table_port", self.table_port)
-        interval(where, scrape_interval_s=self.scrape_interval_s, scrape_timeout_s=self.scrape_timeout_s,
+        interval(where, scrape_interval_s=self.scrape_interval_s,
                  weights_poll_s=self.weights_poll_s, weights_stale_after_s=self.weights_stale_after_s)
         self.picker.validate(where)
         positive(where, chars_per_token=self.chars_per_token)
@@ -220,7 +234,7 @@ class EppService:
 
     def close(self) -> None:
         for ticker in self._tickers:
-            ticker.stop(self.cfg.scrape_timeout_s + 1.0)
+            ticker.stop(self.cfg.http.timeout_s + 1.0)
         if self.table_server is not None:
             self.table_server.close()
         self.server.stop()
@@ -250,7 +264,7 @@ class EppService:
         pace = self.paces[name]
         try:
             try:
-                text = fetch(url, timeout_s=self.cfg.scrape_timeout_s, max_bytes=MAX_METRICS_BYTES)
+                text = self.cfg.http.get(url)
             finally:
                 answered = time.monotonic()
                 self._scrapers[name].period_s = pace.after(answered - sent)
@@ -269,7 +283,7 @@ class EppService:
     def _poll_weights(self) -> None:
         now = time.monotonic()
         try:
-            body = fetch(self.weights_url, timeout_s=self.cfg.scrape_timeout_s, max_bytes=MAX_WEIGHTS_BYTES)
+            body = fetch(self.weights_url, timeout_s=self.cfg.http.timeout_s, max_bytes=MAX_WEIGHTS_BYTES)
             try:
                 view = EngineView.from_document(json.loads(body))
             except (ValueError, AttributeError, TypeError) as exc:

@@ -250,3 +250,14 @@ def test_a_slow_metrics_page_is_scraped_less_often() -> None:
             assert row["fresh"] and row["healthy"]  # fresh for two of its own periods
         finally:
             service.close()
+
+
+def test_the_scrape_client_is_epp_http_and_the_old_key_still_reads(caplog: pytest.LogCaptureFixture) -> None:
+    """The picker's scrapes use the one scraper client config (``[epp.http]``); ``[epp] scrape_timeout_s``
+    from an older config lands there with a warning."""
+    cfg = EppConfig.from_config({"epp": {"http": {"timeout_s": 0.4, "max_body_bytes": 1000}}})
+    assert cfg.http.timeout_s == 0.4 and cfg.http.max_body_bytes == 1000 and cfg.http.redirects == "none"
+    old = EppConfig.from_config({"epp": {"scrape_timeout_s": 0.7}})
+    assert old.http.timeout_s == 0.7 and any("scrape_timeout_s" in m for m in caplog.messages)
+    with pytest.raises(ConfigError, match=r"\[epp.http\] has unknown keys: timeout"):
+        EppConfig.from_config({"epp": {"http": {"timeout": 1}}})
