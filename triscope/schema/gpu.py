@@ -51,6 +51,7 @@ GPU_SAMPLES = Table(
     ],
     order_by="host, gpu, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
 )
 
 
@@ -60,6 +61,7 @@ GPU_PROCESS_MEMORY = Table(
              Column("process_name", "LowCardinality(String)"), Column("used_bytes", "Float64")],
     order_by="host, gpu, ts, pid",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
 )
 
 ALLOCATOR_SAMPLES = Table(
@@ -77,6 +79,7 @@ ALLOCATOR_SAMPLES = Table(
     ],
     order_by="host, gpu, pid, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
 )
 
 

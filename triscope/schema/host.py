@@ -25,6 +25,7 @@ HOST_SAMPLES = Table(
     ],
     order_by="host, backend, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
 )
 
 MIGRATIONS = [Migration(1, "host samples", create_tables(HOST_SAMPLES))]

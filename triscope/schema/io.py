@@ -21,6 +21,7 @@ IO_LATENCY = Table(
     ],
     order_by="host, device, op, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
 )
 
 MIGRATIONS = [Migration(1, "io latency", create_tables(IO_LATENCY))]

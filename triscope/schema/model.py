@@ -61,10 +61,15 @@ class Column:
     comment: str = ""
     since: int = 1
     """The domain's schema version whose migration added this column."""
+    codec: str = ""
+    """Compression codec chain, e.g. ``DoubleDelta, ZSTD(1)`` (rendered ``CODEC(...)``); '' = the
+    server's default (LZ4). Chosen by measurement (bench/fleet_day.py, docs/scaling.md)."""
 
-    def ddl(self) -> str:
+    def ddl(self, codec: bool = True) -> str:
+        """The column's definition; ``codec=False`` leaves the codec out (a Distributed table stores nothing)."""
         comment = self.comment.replace("\\", "\\\\").replace("'", "\\'")
-        return f"`{self.name}` {self.type}" + (f" COMMENT '{comment}'" if comment else "")
+        sql = f"`{self.name}` {self.type}" + (f" COMMENT '{comment}'" if comment else "")
+        return sql + (f" CODEC({self.codec})" if codec and self.codec else "")
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,9 @@ class Table:
     ttl: str = ""
     comment: str = ""
     settings: dict[str, str] = field(default_factory=dict)
+    retention: str = ""
+    """Which ``[store]`` retention applies: ``raw`` (``raw_ttl_days``), ``rollup`` (``rollup_ttl_days``)
+    or '' (kept until deleted: per-run files such as traces). The TTL is on ``toDateTime(ts)``."""
 
     def column_names(self) -> list[str]:
         """Current columns, in order."""
@@ -156,9 +164,34 @@ def add_column_sql(table: str, column: Column, database: str, cluster: str = "")
     if not cluster:
         return [f"ALTER TABLE {database}.{table} ADD COLUMN IF NOT EXISTS {column.ddl()}"]
     return [
-        f"ALTER TABLE {database}.{name} ON CLUSTER `{cluster}` ADD COLUMN IF NOT EXISTS {column.ddl()}"
-        for name in (f"{table}_local", table)
+        f"ALTER TABLE {database}.{table}_local ON CLUSTER `{cluster}` ADD COLUMN IF NOT EXISTS {column.ddl()}",
+        f"ALTER TABLE {database}.{table} ON CLUSTER `{cluster}` ADD COLUMN IF NOT EXISTS {column.ddl(codec=False)}",
     ]
+
+
+def modify_codec_sql(table: str, column: Column, database: str, cluster: str = "") -> list[str]:
+    """DDL setting ``column``'s codec on the table that stores it (``T_local`` ON CLUSTER in cluster
+    mode: a Distributed table stores nothing). Parts written before keep their codec until merged."""
+    codec = f"CODEC({column.codec})" if column.codec else "CODEC(Default)"
+    if not cluster:
+        return [f"ALTER TABLE {database}.{table} MODIFY COLUMN `{column.name}` {column.type} {codec}"]
+    return [f"ALTER TABLE {database}.{table}_local ON CLUSTER `{cluster}` "
+            f"MODIFY COLUMN `{column.name}` {column.type} {codec}"]
+
+
+def ttl_expression(days: int) -> str:
+    """The TTL clause of a time-series table kept ``days`` days."""
+    return f"toDateTime(ts) + toIntervalDay({int(days)})"
+
+
+def retention_sql(table: Table, database: str, cluster: str, days: int) -> list[str]:
+    """DDL setting ``table``'s TTL to ``days`` days (0 = keep: the TTL is removed). Rows past it go
+    at merges; ``ttl_only_drop_parts`` drops whole daily partitions instead of rewriting parts."""
+    name = f"{database}.{table.name}_local ON CLUSTER `{cluster}`" if cluster else f"{database}.{table.name}"
+    if days <= 0:
+        return [f"ALTER TABLE {name} REMOVE TTL"]
+    return [f"ALTER TABLE {name} MODIFY SETTING ttl_only_drop_parts = 1",
+            f"ALTER TABLE {name} MODIFY TTL {ttl_expression(days)} SETTINGS materialize_ttl_after_modify = 0"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +211,14 @@ def create_tables(*tables: Table, version: int = 1) -> Callable[[str, str], list
     return render
 
 
+def set_codecs(*tables: Table) -> Callable[[str, str], list[str]]:
+    """Migration body moving every column of ``tables`` that declares a codec to it (idempotent)."""
+    def render(database: str, cluster: str) -> list[str]:
+        return [sql for t in tables for c in t.columns if c.codec
+                for sql in modify_codec_sql(t.name, c, database, cluster)]
+    return render
+
+
 def add_columns(table: Table, version: int) -> Callable[[str, str], list[str]]:
     """Migration body (step ``version`` of the domain) adding the columns of ``table`` marked
     ``since=version``."""
@@ -188,3 +229,28 @@ def add_columns(table: Table, version: int) -> Callable[[str, str], list[str]]:
     def render(database: str, cluster: str) -> list[str]:
         return [sql for c in columns for sql in add_column_sql(table.name, c, database, cluster)]
     return render
+
+
+def apply_retention(store: Store, tables: Iterable[Table], days: Mapping[str, int]) -> list[str]:
+    """Bring every table's TTL to ``days[table.retention]`` (``[store] raw_ttl_days`` /
+    ``rollup_ttl_days``; 0 = keep), touching only tables whose TTL differs; returns the DDL run."""
+    targets = [t for t in tables if t.retention in days]
+    if not targets:
+        return []
+    suffix = "_local" if store.cluster else ""
+    res = store.query("SELECT name, create_table_query FROM system.tables WHERE database = {db:String}",
+                      {"db": store.database})
+    current = {name: sql for name, sql in res.rows}
+    ran: list[str] = []
+    for t in targets:
+        ddl = current.get(t.name + suffix)
+        if ddl is None:
+            continue
+        want = days[t.retention]
+        has_ttl = " TTL " in ddl
+        if (want > 0 and f"TTL {ttl_expression(want)}" in ddl) or (want <= 0 and not has_ttl):
+            continue
+        for sql in retention_sql(t, store.database, store.cluster, want):
+            store.command(sql)
+            ran.append(sql)
+    return ran

@@ -36,6 +36,7 @@ REQUESTS = Table(
     ],
     order_by="backend, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
 )
 
 SERVING_METRICS = Table(
@@ -70,6 +71,7 @@ SERVING_METRICS = Table(
     ],
     order_by="backend, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
 )
 
 SCRAPE_HEALTH = Table(
@@ -85,6 +87,7 @@ SCRAPE_HEALTH = Table(
     ],
     order_by="backend, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
 )
 
 MIGRATIONS = [

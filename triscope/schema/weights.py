@@ -27,6 +27,7 @@ WEIGHTS_HISTORY = Table(
     ],
     order_by="backend, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
 )
 
 MIGRATIONS = [Migration(1, "weights history", create_tables(WEIGHTS_HISTORY))]
