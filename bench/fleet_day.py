@@ -186,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.try_codecs:
             result["codec_trials"] = fleet_day_codecs.trial(store, TABLES)
         if args.panels:
-            result["panels"] = fleet_day_panels.measure(store, args.panels, f)
+            result["panels"] = fleet_day_panels.panels(store, args.panels)
+            result["weight_update"] = fleet_day_panels.weight_update(store, args.panels)
+            for key, cmd in (("diagnose", ["diagnose", "--since", "1h"]), ("heatmap", ["heatmap", "--since", "1h"])):
+                result[key] = fleet_day_panels.cli(path, store.database, cmd, 3)
     finally:
         store.close()
         if not args.path:

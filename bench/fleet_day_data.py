@@ -123,8 +123,8 @@ def serving_chunks(f: Fleet, chunk_s: int) -> Iterator[dict[str, Any]]:
         ts = f.t0 + t + offset + rng.normal(0, 2e-3, (k, n))
         load = _load(rng, f.t0 + t, phase, wave)
         finished = rng.poisson(load * 12)
-        total = total + np.cumsum(finished, axis=0)
-        preempt = preempt + np.cumsum(rng.random((k, n)) < load * 0.002, axis=0)
+        total = total[-1:] + np.cumsum(finished, axis=0)
+        preempt = preempt[-1:] + np.cumsum(rng.random((k, n)) < load * 0.002, axis=0)
         running = np.rint(load * 180)
         queue = np.rint(np.maximum(0, (load - 0.7) * 200 + rng.normal(0, 3, (k, n))))
         none = finished == 0
