@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -113,3 +114,34 @@ def test_retention_settings_are_typed_and_checked():
     with pytest.raises(ConfigError):
         StoreConfig.from_config({"store": {"raw_ttl_days": "7"}})
 
+
+def _codecs(store, table):
+    return dict(store.query("SELECT name, compression_codec FROM system.columns WHERE database = {d:String} "
+                            "AND table = {t:String}", {"d": store.database, "t": table}).rows)
+
+
+def test_codec_migration_moves_a_store_created_before_codecs(store):
+    """A store whose columns have the default codec (created before the step) gets every declared codec
+    from the domain's codec migration; the rows and column comments stay."""
+    from triscope.schema import GPU_SAMPLES, encode_ts, migrate
+    from triscope.schema import gpu as gpu_schema
+
+    table = qualified(store, GPU_SAMPLES)
+    for c in GPU_SAMPLES.columns:
+        for sql in modify_codec_sql(GPU_SAMPLES.name, Column(c.name, c.type), store.database):
+            store.command(sql)
+    assert set(_codecs(store, "gpu_samples").values()) == {"CODEC(Default)"}
+    store.insert(table, GPU_SAMPLES.columns_of([{"ts": encode_ts(time.time_ns()), "host": "h",
+                                                  "gpu": 1, "power_watts": 512.5}]))
+    step = gpu_schema.MIGRATIONS[-1].version
+    store.command(f"ALTER TABLE {qualified(store, 'schema_migrations')} DELETE WHERE domain = 'gpu' "
+                  f"AND version = {step} SETTINGS mutations_sync = 2")
+    assert migrate(store)["gpu"] == step
+    found = _codecs(store, "gpu_samples")
+    for c in GPU_SAMPLES.columns:
+        assert all(part.split("(")[0] in found[c.name] for part in c.codec.split(", ")), (c.name, found[c.name])
+    assert found["ts"] == "CODEC(Delta(8), ZSTD(1))"
+    assert store.query(f"SELECT power_watts FROM {table}").scalar() == 512.5
+    comment = store.query("SELECT comment FROM system.columns WHERE database = {d:String} AND table = 'gpu_samples' "
+                          "AND name = 'gpu'", {"d": store.database}).scalar()
+    assert comment == "device index on the host"

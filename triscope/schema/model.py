@@ -8,6 +8,7 @@ over it, sharded by ``rand()``; reads and inserts go through ``T``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -87,6 +88,13 @@ class Table:
     retention: str = ""
     """Which ``[store]`` retention applies: ``raw`` (``raw_ttl_days``), ``rollup`` (``rollup_ttl_days``)
     or '' (kept until deleted: per-run files such as traces). The TTL is on ``toDateTime(ts)``."""
+    codec: str = ""
+    """The codec of every column that declares none (e.g. ``ZSTD(1)``); '' = the server's default."""
+
+    def __post_init__(self) -> None:
+        if self.codec:  # the table's codec becomes each undeclared column's, so every renderer sees it
+            object.__setattr__(self, "columns", [c if c.codec else dataclasses.replace(c, codec=self.codec)
+                                                 for c in self.columns])
 
     def column_names(self) -> list[str]:
         """Current columns, in order."""
