@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", action="store_true", help="every column at the default codec (LZ4) first")
     ap.add_argument("--try-codecs", action="store_true", help="measure candidate codecs per column on a copy")
     ap.add_argument("--panels", type=int, default=5, help="runs per board panel query (0: skip the panels)")
+    ap.add_argument("--cli-runs", type=int, default=1, help="runs of heatmap / diagnose --since 1h (0: skip)")
     ap.add_argument("--columns", action="store_true", help="print every column's bytes per value")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args(argv)
@@ -188,15 +189,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.panels:
             result["panels"] = fleet_day_panels.panels(store, args.panels)
             result["weight_update"] = fleet_day_panels.weight_update(store, args.panels)
-            for key, cmd in (("diagnose", ["diagnose", "--since", "1h"]), ("heatmap", ["heatmap", "--since", "1h"])):
-                result[key] = fleet_day_panels.cli(path, store.database, cmd, 3)
-    finally:
+        if args.cli_runs:
+            for key, cmd in (("heatmap", ["heatmap", "--since", "1h"]), ("diagnose", ["diagnose", "--since", "1h"])):
+                result[key] = fleet_day_panels.cli(path, store.database, cmd, args.cli_runs)
+    finally:  # what was measured is written even when a later step fails or is interrupted
         store.close()
         if not args.path:
             shutil.rmtree(path, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1, default=float)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1, default=float)
     return 0
 
 
