@@ -5,7 +5,16 @@ a float that a source could not measure is NaN (aggregate with ``...If(x, isFini
 units are in the column names (``_bytes``, ``_seconds``, ``_ratio`` in 0..1, ``_hz``, ``_watts``).
 """
 
-from triscope.schema.model import Column, Migration, Table, add_columns, create_tables, set_codecs
+from triscope.schema.model import (
+    Column,
+    Migration,
+    Rollup,
+    Table,
+    add_columns,
+    create_rollups,
+    create_tables,
+    set_codecs,
+)
 
 DOMAIN = "gpu"
 
@@ -86,6 +95,14 @@ ALLOCATOR_SAMPLES = Table(
 )
 
 
+GPU_GAUGES = ("memory_used_bytes", "memory_total_bytes", "gpu_util_ratio", "memory_util_ratio", "sm_active_ratio",
+              "sm_occupancy_ratio", "dram_active_ratio", "power_watts", "temperature_celsius")
+"""The gauges the boards average over hours; the rollups keep their sum, count, min and max."""
+GPU_KEYS = ("host", "gpu", "mig_instance", "source")
+GPU_SAMPLES_10S = Rollup(GPU_SAMPLES, 10, GPU_KEYS, GPU_GAUGES)
+GPU_SAMPLES_1M = Rollup(GPU_SAMPLES, 60, GPU_KEYS, GPU_GAUGES)
+
+
 MIGRATIONS = [
     Migration(1, "gpu samples, process memory, allocator",
               create_tables(GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES, version=1)),
@@ -94,4 +111,6 @@ MIGRATIONS = [
     Migration(4, "gpu samples: MIG instance and profile (dcgm)", add_columns(GPU_SAMPLES, 4)),
     Migration(5, "gpu samples, process memory, allocator: per-column codecs (Delta timestamps, ZSTD, Gorilla rates)",
               set_codecs(GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES)),
+    Migration(6, "gpu samples: 10 s and 1 min rollups (materialized views, backfilled)",
+              create_rollups(GPU_SAMPLES_10S, GPU_SAMPLES_1M)),
 ]

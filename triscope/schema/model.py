@@ -262,3 +262,69 @@ def apply_retention(store: Store, tables: Iterable[Table], days: Mapping[str, in
             store.command(sql)
             ran.append(sql)
     return ran
+
+
+@dataclass(frozen=True)
+class Rollup:
+    """A time rollup of ``source``: per ``bucket_s`` and key, each gauge's sum and count of finite
+    values, min and max (an AggregatingMergeTree of SimpleAggregateFunctions, filled by a
+    materialized view on every insert into ``source``). ``avg = sum / count`` over any interval that
+    is a multiple of ``bucket_s`` equals the raw table's ``avgIf(g, isFinite(g))``; min / max are
+    +inf / -inf where a bucket had no finite value."""
+
+    source: Table
+    bucket_s: int
+    keys: Sequence[str]
+    gauges: Sequence[str]
+
+    @cached_property
+    def table(self) -> Table:
+        types = {c.name: c.type for c in self.source.columns}
+        cols = [Column("ts", "DateTime('UTC')", f"start of the {self.bucket_s} s bucket", codec="Delta, ZSTD(1)")]
+        cols += [Column(k, types[k]) for k in self.keys]
+        for g in self.gauges:
+            cols += [Column(f"{g}_sum", "SimpleAggregateFunction(sum, Float64)", f"sum of finite {g}"),
+                     Column(f"{g}_count", "SimpleAggregateFunction(sum, UInt64)", f"finite {g} values"),
+                     Column(f"{g}_min", "SimpleAggregateFunction(min, Float64)"),
+                     Column(f"{g}_max", "SimpleAggregateFunction(max, Float64)")]
+        return Table(name=f"{self.source.name}_{self.label}", columns=cols,
+                     order_by=", ".join([*self.keys, "ts"]), partition_by="toYYYYMMDD(ts)",
+                     engine="AggregatingMergeTree", retention="rollup", codec="ZSTD(1)",
+                     comment=f"{self.source.name} per {self.label}: sum, count, min, max of each gauge")
+
+    @property
+    def label(self) -> str:
+        return f"{self.bucket_s}s" if self.bucket_s < 60 else f"{self.bucket_s // 60}m"
+
+    def select(self, source: str) -> str:
+        """The rollup's rows from the raw rows of ``source`` (a qualified table name)."""
+        parts = [f"toStartOfInterval(toDateTime(ts, 'UTC'), toIntervalSecond({self.bucket_s})) AS ts",
+                 *[f"`{k}`" for k in self.keys]]
+        for g in self.gauges:
+            parts += [f"sumIf(toFloat64(`{g}`), isFinite(`{g}`)) AS `{g}_sum`",
+                      f"toUInt64(countIf(isFinite(`{g}`))) AS `{g}_count`",
+                      f"min(if(isFinite(`{g}`), toFloat64(`{g}`), inf)) AS `{g}_min`",
+                      f"max(if(isFinite(`{g}`), toFloat64(`{g}`), -inf)) AS `{g}_max`"]
+        keys = ", ".join(["ts", *[f"`{k}`" for k in self.keys]])
+        return f"SELECT {', '.join(parts)} FROM {source} GROUP BY {keys}"
+
+
+def create_rollup_sql(rollup: Rollup, database: str, cluster: str = "") -> list[str]:
+    """The rollup table (local + Distributed in cluster mode), its materialized view (ON CLUSTER on
+    each node's local tables: every shard rolls up the rows it holds, readers aggregate across
+    shards) and a backfill from the rows already stored."""
+    target, source = rollup.table.name, rollup.source.name
+    suffix, on = ("_local", f" ON CLUSTER `{cluster}`") if cluster else ("", "")
+    return [
+        *create_table_sql(rollup.table, database, cluster),
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS {database}.{target}_mv{on} TO {database}.{target}{suffix} "
+        f"AS {rollup.select(f'{database}.{source}{suffix}')}",
+        f"INSERT INTO {database}.{target} {rollup.select(f'{database}.{source}')}",
+    ]
+
+
+def create_rollups(*rollups: Rollup) -> Callable[[str, str], list[str]]:
+    """Migration body creating ``rollups`` (tables, views, backfill)."""
+    def render(database: str, cluster: str) -> list[str]:
+        return [sql for r in rollups for sql in create_rollup_sql(r, database, cluster)]
+    return render

@@ -1,6 +1,15 @@
 """Request spans (OTLP / in-process exporter) and serving-engine metrics (vLLM, SGLang, TGI)."""
 
-from triscope.schema.model import Column, Migration, Table, add_columns, create_tables, set_codecs
+from triscope.schema.model import (
+    Column,
+    Migration,
+    Rollup,
+    Table,
+    add_columns,
+    create_rollups,
+    create_tables,
+    set_codecs,
+)
 
 DOMAIN = "requests"
 
@@ -93,6 +102,13 @@ SCRAPE_HEALTH = Table(
     codec="ZSTD(1)",
 )
 
+SERVING_GAUGES = ("queue_length", "running_requests", "kv_cache_usage_ratio", "waiting_capacity",
+                  "latency_p50_seconds", "latency_p99_seconds", "ttft_p99_seconds", "itl_p99_seconds")
+SERVING_KEYS = ("backend", "host", "model")
+SERVING_METRICS_10S = Rollup(SERVING_METRICS, 10, SERVING_KEYS, SERVING_GAUGES)
+SERVING_METRICS_1M = Rollup(SERVING_METRICS, 60, SERVING_KEYS, SERVING_GAUGES)
+
+
 MIGRATIONS = [
     Migration(1, "requests and serving metrics", create_tables(REQUESTS, SERVING_METRICS, version=1)),
     Migration(2, "requests: service name and gen_ai operation", add_columns(REQUESTS, 2)),
@@ -102,4 +118,6 @@ MIGRATIONS = [
               create_tables(SCRAPE_HEALTH, version=4)),
     Migration(5, "requests, serving metrics, scrape health: per-column codecs (Delta timestamps, ZSTD, T64 tokens)",
               set_codecs(REQUESTS, SERVING_METRICS, SCRAPE_HEALTH)),
+    Migration(6, "serving metrics: 10 s and 1 min rollups (materialized views, backfilled)",
+              create_rollups(SERVING_METRICS_10S, SERVING_METRICS_1M)),
 ]
