@@ -189,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         print_sizes(result["sizes"], args.columns or args.try_codecs)
         if args.try_codecs:
             result["codec_trials"] = fleet_day_codecs.trial(store, TABLES)
+        # right after the build: the engine reads the last seconds of inputs, which age while panels run
+        result["weight_update"] = fleet_day_panels.weight_update(store, max(args.panels, 3))
         if args.panels:
             result["panels"] = fleet_day_panels.panels(store, args.panels)
-            result["weight_update"] = fleet_day_panels.weight_update(store, args.panels)
         if args.cli_runs:
             for key, cmd in (("heatmap", ["heatmap", "--since", "1h"]), ("diagnose", ["diagnose", "--since", "1h"])):
                 result[key] = fleet_day_panels.cli(path, store.database, cmd, args.cli_runs)
