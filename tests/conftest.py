@@ -23,6 +23,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# Fixtures write fixed dates (2026-01-01...): stores opened from the environment (CLI runs and their
+# subprocesses) keep every row instead of the default 7-day TTL.
+os.environ.setdefault("TRISCOPE_STORE__RAW_TTL_DAYS", "0")
+os.environ.setdefault("TRISCOPE_STORE__ROLLUP_TTL_DAYS", "0")
 SHARED_DATA = REPO.parent / "shared" / "data"
 TEST_DATA = Path(__file__).resolve().parent / "data"
 REQUIRE_ALL = os.environ.get("TRISCOPE_REQUIRE_ALL") == "1"
@@ -88,7 +92,9 @@ def fresh_database(store_path: Path, database: str) -> Iterator:
     database is dropped and the store closed on exit."""
     from triscope.store import open_store
 
-    s = open_store({"store": {"backend": "embedded", "path": str(store_path), "database": database}})
+    # fixtures write fixed dates (2026-01-01...): keep every row instead of the default 7-day TTL
+    s = open_store({"store": {"backend": "embedded", "path": str(store_path), "database": database,
+                              "raw_ttl_days": 0, "rollup_ttl_days": 0}})
     try:
         yield s
     finally:

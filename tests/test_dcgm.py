@@ -302,6 +302,8 @@ def test_daemon_registry_loads_it() -> None:
 def test_gpu_schema_v1_store_upgrades_to_v2(store: Any) -> None:
     """A store created before migration 2 gets the new columns; its old rows read '' there."""
     table = qualified(store, "gpu_samples")
+    for view in ("gpu_samples_10s_mv", "gpu_samples_1m_mv"):  # a v1 store had no rollups
+        store.command(f"DROP VIEW IF EXISTS {store.database}.{view}")
     store.command(f"DROP TABLE {table}")
     for sql in create_table_sql(GPU_SAMPLES, store.database, version=1):
         store.command(sql)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -136,9 +137,17 @@ def window_metrics(unit: Unit, iv: list[Interval], io_rows: list[tuple[Any, ...]
         _trace_shares(unit, ws, we, out)
     if io_rows:
         rows = [(int(a), int(b), str(device), _num(p99), _num(qd)) for _h, device, _op, a, b, p99, qd in io_rows]
+        # Only rows starting in (window start - longest row, window end) can overlap a window: found by
+        # bisection over the starts, then checked in the rows' own order (ties go to the earlier row).
+        by_start = sorted(range(len(rows)), key=lambda j: rows[j][0])
+        starts = [rows[j][0] for j in by_start]
+        longest = max(b - a for a, b, *_ in rows)
         for i in range(n):
             cands = []
-            for a, b, device, p99, qd in rows:
+            lo = bisect.bisect_right(starts, int(ws[i]) - longest - 1)
+            hi = bisect.bisect_left(starts, int(we[i]))
+            for j in sorted(by_start[lo:hi]):
+                a, b, device, p99, qd = rows[j]
                 if a < we[i] and b > ws[i]:
                     ok = p99 > cfg.io_read_p99_min_seconds and qd > cfg.io_queue_depth_min
                     cands.append((ok, p99 if math.isfinite(p99) else -1.0, p99, qd, device))

@@ -5,11 +5,20 @@ a float that a source could not measure is NaN (aggregate with ``...If(x, isFini
 units are in the column names (``_bytes``, ``_seconds``, ``_ratio`` in 0..1, ``_hz``, ``_watts``).
 """
 
-from triscope.schema.model import Column, Migration, Table, add_columns, create_tables
+from triscope.schema.model import (
+    Column,
+    Migration,
+    Rollup,
+    Table,
+    add_columns,
+    create_rollups,
+    create_tables,
+    set_codecs,
+)
 
 DOMAIN = "gpu"
 
-TS = Column("ts", "DateTime64(9, 'UTC')")
+TS = Column("ts", "DateTime64(9, 'UTC')", codec="Delta, ZSTD(1)")
 HOST = Column("host", "LowCardinality(String)")
 
 GPU_SAMPLES = Table(
@@ -32,13 +41,13 @@ GPU_SAMPLES = Table(
         Column("sm_clock_hz", "Float64"),
         Column("power_watts", "Float32"),
         Column("temperature_celsius", "Float32"),
-        Column("clock_event_reasons", "UInt64", "NVML clock event (throttle) reason bitmask"),
-        Column("pcie_tx_bytes_per_second", "Float64"),
-        Column("pcie_rx_bytes_per_second", "Float64"),
-        Column("nvlink_tx_bytes_per_second", "Float64"),
-        Column("nvlink_rx_bytes_per_second", "Float64"),
-        Column("ecc_corrected_total", "Float64"),
-        Column("ecc_uncorrected_total", "Float64"),
+        Column("clock_event_reasons", "UInt64", "NVML clock event (throttle) reason bitmask", codec="T64, ZSTD(1)"),
+        Column("pcie_tx_bytes_per_second", "Float64", codec="Gorilla, ZSTD(1)"),
+        Column("pcie_rx_bytes_per_second", "Float64", codec="Gorilla, ZSTD(1)"),
+        Column("nvlink_tx_bytes_per_second", "Float64", codec="Gorilla, ZSTD(1)"),
+        Column("nvlink_rx_bytes_per_second", "Float64", codec="Gorilla, ZSTD(1)"),
+        Column("ecc_corrected_total", "Float64", codec="Gorilla, ZSTD(1)"),
+        Column("ecc_uncorrected_total", "Float64", codec="Gorilla, ZSTD(1)"),
         Column("state", "LowCardinality(String)", "ok, lost, unavailable"),
         Column("pod", "LowCardinality(String)", "Kubernetes pod using the GPU (dcgm-exporter -k), comma-joined",
                since=2),
@@ -51,15 +60,19 @@ GPU_SAMPLES = Table(
     ],
     order_by="host, gpu, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
+    codec="ZSTD(1)",
 )
 
 
 GPU_PROCESS_MEMORY = Table(
     name="gpu_process_memory",
-    columns=[TS, HOST, Column("gpu", "UInt16"), Column("pid", "UInt32"),
+    columns=[TS, HOST, Column("gpu", "UInt16"), Column("pid", "UInt32", codec="T64, ZSTD(1)"),
              Column("process_name", "LowCardinality(String)"), Column("used_bytes", "Float64")],
     order_by="host, gpu, ts, pid",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
+    codec="ZSTD(1)",
 )
 
 ALLOCATOR_SAMPLES = Table(
@@ -69,15 +82,25 @@ ALLOCATOR_SAMPLES = Table(
         Column("allocated_bytes", "Float64"),
         Column("reserved_bytes", "Float64"),
         Column("inactive_split_bytes", "Float64"),
-        Column("alloc_retries_total", "UInt64"),
-        Column("ooms_total", "UInt64"),
+        Column("alloc_retries_total", "UInt64", codec="T64, ZSTD(1)"),
+        Column("ooms_total", "UInt64", codec="T64, ZSTD(1)"),
         Column("fragmentation_ratio", "Float32", "1 - allocated/reserved"),
         Column("active_bytes", "Float64",
                "torch allocator active blocks: allocated, or freed but awaiting stream events", since=3),
     ],
     order_by="host, gpu, pid, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
+    codec="ZSTD(1)",
 )
+
+
+GPU_GAUGES = ("memory_used_bytes", "memory_total_bytes", "gpu_util_ratio", "memory_util_ratio", "sm_active_ratio",
+              "sm_occupancy_ratio", "dram_active_ratio", "power_watts", "temperature_celsius")
+"""The gauges the boards average over hours; the rollups keep their sum, count, min and max."""
+GPU_KEYS = ("host", "gpu", "mig_instance", "source")
+GPU_SAMPLES_10S = Rollup(GPU_SAMPLES, 10, GPU_KEYS, GPU_GAUGES)
+GPU_SAMPLES_1M = Rollup(GPU_SAMPLES, 60, GPU_KEYS, GPU_GAUGES)
 
 
 MIGRATIONS = [
@@ -86,4 +109,8 @@ MIGRATIONS = [
     Migration(2, "gpu samples: kubernetes pod labels and error text", add_columns(GPU_SAMPLES, 2)),
     Migration(3, "allocator samples: active bytes", add_columns(ALLOCATOR_SAMPLES, 3)),
     Migration(4, "gpu samples: MIG instance and profile (dcgm)", add_columns(GPU_SAMPLES, 4)),
+    Migration(5, "gpu samples, process memory, allocator: per-column codecs (Delta timestamps, ZSTD, Gorilla rates)",
+              set_codecs(GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES)),
+    Migration(6, "gpu samples: 10 s and 1 min rollups (materialized views, backfilled)",
+              create_rollups(GPU_SAMPLES_10S, GPU_SAMPLES_1M)),
 ]

@@ -1,17 +1,18 @@
 """Host signals of the serving engines: per-engine CPU run and run-queue wait, RSS; host PSI and OOM kills."""
 
-from triscope.schema.model import Column, Migration, Table, create_tables
+from triscope.schema.model import Column, Migration, Table, create_tables, set_codecs
 
 DOMAIN = "host"
 
 HOST_SAMPLES = Table(
     name="host_samples",
     columns=[
-        Column("ts", "DateTime64(9, 'UTC')", "window start"),
+        Column("ts", "DateTime64(9, 'UTC')", "window start", codec="Delta, ZSTD(1)"),
         Column("host", "LowCardinality(String)"),
         Column("backend", "LowCardinality(String)",
                "the engine's address (its serving_metrics backend); '' = host-wide"),
-        Column("processes", "UInt32", "the engine's processes (the one listening and its descendants)"),
+        Column("processes", "UInt32", "the engine's processes (the one listening and its descendants)",
+               codec="T64, ZSTD(1)"),
         Column("window_seconds", "Float64"),
         Column("cpu_seconds", "Float64", "CPU time its processes ran in the window (/proc/PID/schedstat)"),
         Column("wait_seconds", "Float64", "time its threads waited runnable on a run queue in the window"),
@@ -25,6 +26,11 @@ HOST_SAMPLES = Table(
     ],
     order_by="host, backend, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
+    codec="ZSTD(1)",
 )
 
-MIGRATIONS = [Migration(1, "host samples", create_tables(HOST_SAMPLES))]
+MIGRATIONS = [
+    Migration(1, "host samples", create_tables(HOST_SAMPLES)),
+    Migration(2, "host samples: per-column codecs", set_codecs(HOST_SAMPLES)),
+]

@@ -8,6 +8,7 @@ over it, sharded by ``rand()``; reads and inserts go through ``T``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,10 +62,15 @@ class Column:
     comment: str = ""
     since: int = 1
     """The domain's schema version whose migration added this column."""
+    codec: str = ""
+    """Compression codec chain, e.g. ``DoubleDelta, ZSTD(1)`` (rendered ``CODEC(...)``); '' = the
+    server's default (LZ4). Chosen by measurement (bench/fleet_day.py, docs/scaling.md)."""
 
-    def ddl(self) -> str:
+    def ddl(self, codec: bool = True) -> str:
+        """The column's definition; ``codec=False`` leaves the codec out (a Distributed table stores nothing)."""
         comment = self.comment.replace("\\", "\\\\").replace("'", "\\'")
-        return f"`{self.name}` {self.type}" + (f" COMMENT '{comment}'" if comment else "")
+        sql = f"`{self.name}` {self.type}" + (f" COMMENT '{comment}'" if comment else "")
+        return sql + (f" CODEC({self.codec})" if codec and self.codec else "")
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,6 +86,16 @@ class Table:
     ttl: str = ""
     comment: str = ""
     settings: dict[str, str] = field(default_factory=dict)
+    retention: str = ""
+    """Which ``[store]`` retention applies: ``raw`` (``raw_ttl_days``), ``rollup`` (``rollup_ttl_days``)
+    or '' (kept until deleted: per-run files such as traces). The TTL is on ``toDateTime(ts)``."""
+    codec: str = ""
+    """The codec of every column that declares none (e.g. ``ZSTD(1)``); '' = the server's default."""
+
+    def __post_init__(self) -> None:
+        if self.codec:  # the table's codec becomes each undeclared column's, so every renderer sees it
+            object.__setattr__(self, "columns", [c if c.codec else dataclasses.replace(c, codec=self.codec)
+                                                 for c in self.columns])
 
     def column_names(self) -> list[str]:
         """Current columns, in order."""
@@ -157,9 +173,34 @@ def add_column_sql(table: str, column: Column, database: str, cluster: str = "")
     if not cluster:
         return [f"ALTER TABLE {database}.{table} ADD COLUMN IF NOT EXISTS {column.ddl()}"]
     return [
-        f"ALTER TABLE {database}.{name} ON CLUSTER `{cluster}` ADD COLUMN IF NOT EXISTS {column.ddl()}"
-        for name in (f"{table}_local", table)
+        f"ALTER TABLE {database}.{table}_local ON CLUSTER `{cluster}` ADD COLUMN IF NOT EXISTS {column.ddl()}",
+        f"ALTER TABLE {database}.{table} ON CLUSTER `{cluster}` ADD COLUMN IF NOT EXISTS {column.ddl(codec=False)}",
     ]
+
+
+def modify_codec_sql(table: str, column: Column, database: str, cluster: str = "") -> list[str]:
+    """DDL setting ``column``'s codec on the table that stores it (``T_local`` ON CLUSTER in cluster
+    mode: a Distributed table stores nothing). Parts written before keep their codec until merged."""
+    codec = f"CODEC({column.codec})" if column.codec else "CODEC(Default)"
+    if not cluster:
+        return [f"ALTER TABLE {database}.{table} MODIFY COLUMN `{column.name}` {column.type} {codec}"]
+    return [f"ALTER TABLE {database}.{table}_local ON CLUSTER `{cluster}` "
+            f"MODIFY COLUMN `{column.name}` {column.type} {codec}"]
+
+
+def ttl_expression(days: int) -> str:
+    """The TTL clause of a time-series table kept ``days`` days."""
+    return f"toDateTime(ts) + toIntervalDay({int(days)})"
+
+
+def retention_sql(table: Table, database: str, cluster: str, days: int) -> list[str]:
+    """DDL setting ``table``'s TTL to ``days`` days (0 = keep: the TTL is removed). Rows past it go
+    at merges; ``ttl_only_drop_parts`` drops whole daily partitions instead of rewriting parts."""
+    name = f"{database}.{table.name}_local ON CLUSTER `{cluster}`" if cluster else f"{database}.{table.name}"
+    if days <= 0:
+        return [f"ALTER TABLE {name} REMOVE TTL"]
+    return [f"ALTER TABLE {name} MODIFY SETTING ttl_only_drop_parts = 1",
+            f"ALTER TABLE {name} MODIFY TTL {ttl_expression(days)} SETTINGS materialize_ttl_after_modify = 0"]
 
 
 @dataclass(frozen=True)
@@ -179,6 +220,14 @@ def create_tables(*tables: Table, version: int = 1) -> Callable[[str, str], list
     return render
 
 
+def set_codecs(*tables: Table) -> Callable[[str, str], list[str]]:
+    """Migration body moving every column of ``tables`` that declares a codec to it (idempotent)."""
+    def render(database: str, cluster: str) -> list[str]:
+        return [sql for t in tables for c in t.columns if c.codec
+                for sql in modify_codec_sql(t.name, c, database, cluster)]
+    return render
+
+
 def add_columns(table: Table, version: int) -> Callable[[str, str], list[str]]:
     """Migration body (step ``version`` of the domain) adding the columns of ``table`` marked
     ``since=version``."""
@@ -188,4 +237,95 @@ def add_columns(table: Table, version: int) -> Callable[[str, str], list[str]]:
 
     def render(database: str, cluster: str) -> list[str]:
         return [sql for c in columns for sql in add_column_sql(table.name, c, database, cluster)]
+    return render
+
+
+def apply_retention(store: Store, tables: Iterable[Table], days: Mapping[str, int]) -> list[str]:
+    """Bring every table's TTL to ``days[table.retention]`` (``[store] raw_ttl_days`` /
+    ``rollup_ttl_days``; 0 = keep), touching only tables whose TTL differs; returns the DDL run."""
+    targets = [t for t in tables if t.retention in days]
+    if not targets:
+        return []
+    suffix = "_local" if store.cluster else ""
+    res = store.query("SELECT name, create_table_query FROM system.tables WHERE database = {db:String}",
+                      {"db": store.database})
+    current = {name: sql for name, sql in res.rows}
+    ran: list[str] = []
+    for t in targets:
+        ddl = current.get(t.name + suffix)
+        if ddl is None:
+            continue
+        want = days[t.retention]
+        has_ttl = " TTL " in ddl
+        if (want > 0 and f"TTL {ttl_expression(want)}" in ddl) or (want <= 0 and not has_ttl):
+            continue
+        for sql in retention_sql(t, store.database, store.cluster, want):
+            store.command(sql)
+            ran.append(sql)
+    return ran
+
+
+@dataclass(frozen=True)
+class Rollup:
+    """A time rollup of ``source``: per ``bucket_s`` and key, each gauge's sum and count of finite
+    values, min and max (an AggregatingMergeTree of SimpleAggregateFunctions, filled by a
+    materialized view on every insert into ``source``). ``avg = sum / count`` over any interval that
+    is a multiple of ``bucket_s`` equals the raw table's ``avgIf(g, isFinite(g))``; min / max are
+    +inf / -inf where a bucket had no finite value."""
+
+    source: Table
+    bucket_s: int
+    keys: Sequence[str]
+    gauges: Sequence[str]
+
+    @cached_property
+    def table(self) -> Table:
+        types = {c.name: c.type for c in self.source.columns}
+        cols = [Column("ts", "DateTime('UTC')", f"start of the {self.bucket_s} s bucket", codec="Delta, ZSTD(1)")]
+        cols += [Column(k, types[k]) for k in self.keys]
+        for g in self.gauges:
+            cols += [Column(f"{g}_sum", "SimpleAggregateFunction(sum, Float64)", f"sum of finite {g}"),
+                     Column(f"{g}_count", "SimpleAggregateFunction(sum, UInt64)", f"finite {g} values"),
+                     Column(f"{g}_min", "SimpleAggregateFunction(min, Float64)"),
+                     Column(f"{g}_max", "SimpleAggregateFunction(max, Float64)")]
+        return Table(name=f"{self.source.name}_{self.label}", columns=cols,
+                     order_by=", ".join([*self.keys, "ts"]), partition_by="toYYYYMMDD(ts)",
+                     engine="AggregatingMergeTree", retention="rollup", codec="ZSTD(1)",
+                     comment=f"{self.source.name} per {self.label}: sum, count, min, max of each gauge")
+
+    @property
+    def label(self) -> str:
+        return f"{self.bucket_s}s" if self.bucket_s < 60 else f"{self.bucket_s // 60}m"
+
+    def select(self, source: str) -> str:
+        """The rollup's rows from the raw rows of ``source`` (a qualified table name)."""
+        parts = [f"toStartOfInterval(toDateTime(ts, 'UTC'), toIntervalSecond({self.bucket_s})) AS ts",
+                 *[f"`{k}`" for k in self.keys]]
+        for g in self.gauges:
+            parts += [f"sumIf(toFloat64(`{g}`), isFinite(`{g}`)) AS `{g}_sum`",
+                      f"toUInt64(countIf(isFinite(`{g}`))) AS `{g}_count`",
+                      f"min(if(isFinite(`{g}`), toFloat64(`{g}`), inf)) AS `{g}_min`",
+                      f"max(if(isFinite(`{g}`), toFloat64(`{g}`), -inf)) AS `{g}_max`"]
+        keys = ", ".join(["ts", *[f"`{k}`" for k in self.keys]])
+        return f"SELECT {', '.join(parts)} FROM {source} GROUP BY {keys}"
+
+
+def create_rollup_sql(rollup: Rollup, database: str, cluster: str = "") -> list[str]:
+    """The rollup table (local + Distributed in cluster mode), its materialized view (ON CLUSTER on
+    each node's local tables: every shard rolls up the rows it holds, readers aggregate across
+    shards) and a backfill from the rows already stored."""
+    target, source = rollup.table.name, rollup.source.name
+    suffix, on = ("_local", f" ON CLUSTER `{cluster}`") if cluster else ("", "")
+    return [
+        *create_table_sql(rollup.table, database, cluster),
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS {database}.{target}_mv{on} TO {database}.{target}{suffix} "
+        f"AS {rollup.select(f'{database}.{source}{suffix}')}",
+        f"INSERT INTO {database}.{target} {rollup.select(f'{database}.{source}')}",
+    ]
+
+
+def create_rollups(*rollups: Rollup) -> Callable[[str, str], list[str]]:
+    """Migration body creating ``rollups`` (tables, views, backfill)."""
+    def render(database: str, cluster: str) -> list[str]:
+        return [sql for r in rollups for sql in create_rollup_sql(r, database, cluster)]
     return render

@@ -1,13 +1,22 @@
 """Request spans (OTLP / in-process exporter) and serving-engine metrics (vLLM, SGLang, TGI)."""
 
-from triscope.schema.model import Column, Migration, Table, add_columns, create_tables
+from triscope.schema.model import (
+    Column,
+    Migration,
+    Rollup,
+    Table,
+    add_columns,
+    create_rollups,
+    create_tables,
+    set_codecs,
+)
 
 DOMAIN = "requests"
 
 REQUESTS = Table(
     name="requests",
     columns=[
-        Column("ts", "DateTime64(9, 'UTC')", "span start"),
+        Column("ts", "DateTime64(9, 'UTC')", "span start", codec="Delta, ZSTD(1)"),
         Column("host", "LowCardinality(String)"),
         Column("backend", "LowCardinality(String)",
                "serving instance: address:port from span attributes (never service.instance.id)"),
@@ -22,13 +31,13 @@ REQUESTS = Table(
         Column("span_id", "String"),
         Column("span_name", "LowCardinality(String)"),
         Column("latency_seconds", "Float64", "end-to-end"),
-        Column("ttft_seconds", "Float64", "time to first token"),
-        Column("queue_seconds", "Float64", "time in queue"),
-        Column("prefill_seconds", "Float64"),
+        Column("ttft_seconds", "Float64", "time to first token", codec="Gorilla, ZSTD(1)"),
+        Column("queue_seconds", "Float64", "time in queue", codec="Gorilla, ZSTD(1)"),
+        Column("prefill_seconds", "Float64", codec="Gorilla, ZSTD(1)"),
         Column("decode_seconds", "Float64"),
-        Column("prompt_tokens", "UInt32"),
-        Column("completion_tokens", "UInt32"),
-        Column("image_pixels", "UInt64", "width*height of the input image(s), 0 when none"),
+        Column("prompt_tokens", "UInt32", codec="T64, ZSTD(1)"),
+        Column("completion_tokens", "UInt32", codec="T64, ZSTD(1)"),
+        Column("image_pixels", "UInt64", "width*height of the input image(s), 0 when none", codec="T64, ZSTD(1)"),
         Column("input_resolution", "LowCardinality(String)", "e.g. 1024x768"),
         Column("status", "LowCardinality(String)", "ok or error"),
         Column("service_name", "LowCardinality(String)", "resource service.name", since=2),
@@ -36,12 +45,14 @@ REQUESTS = Table(
     ],
     order_by="backend, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
+    codec="ZSTD(1)",
 )
 
 SERVING_METRICS = Table(
     name="serving_metrics",
     columns=[
-        Column("ts", "DateTime64(9, 'UTC')"),
+        Column("ts", "DateTime64(9, 'UTC')", codec="Delta, ZSTD(1)"),
         Column("host", "LowCardinality(String)"),
         Column("backend", "LowCardinality(String)", "the scraped instance"),
         Column("server", "LowCardinality(String)", "vllm, sglang, tgi, triton, llamacpp"),
@@ -49,12 +60,12 @@ SERVING_METRICS = Table(
         Column("queue_length", "Float64", "requests waiting"),
         Column("running_requests", "Float64"),
         Column("kv_cache_usage_ratio", "Float64", "0..1"),
-        Column("requests_total", "Float64", "finished requests counter"),
+        Column("requests_total", "Float64", "finished requests counter", codec="Gorilla, ZSTD(1)"),
         Column("latency_p50_seconds", "Float64", "from histogram deltas since the last scrape"),
         Column("latency_p99_seconds", "Float64"),
         Column("ttft_p99_seconds", "Float64"),
         Column("preemptions_total", "Float64", "engine preemptions counter (vllm:num_preemptions); NaN when unknown",
-               since=3),
+               since=3, codec="Gorilla, ZSTD(1)"),
         Column("sleep_state", "Float64", "vllm:engine_sleep_state: 0 awake, > 0 sleeping (level); NaN when unknown",
                since=3),
         Column("waiting_capacity", "Float64",
@@ -76,12 +87,14 @@ SERVING_METRICS = Table(
     ],
     order_by="backend, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
+    codec="ZSTD(1)",
 )
 
 SCRAPE_HEALTH = Table(
     name="scrape_health",
     columns=[
-        Column("ts", "DateTime64(9, 'UTC')", "when the scrape started", since=4),
+        Column("ts", "DateTime64(9, 'UTC')", "when the scrape started", since=4, codec="Delta, ZSTD(1)"),
         Column("host", "LowCardinality(String)", since=4),
         Column("backend", "LowCardinality(String)", "the scraped instance, as in serving_metrics.backend", since=4),
         Column("target", "String", "the scraped URL", since=4),
@@ -91,7 +104,16 @@ SCRAPE_HEALTH = Table(
     ],
     order_by="backend, ts",
     partition_by="toYYYYMMDD(ts)",
+    retention="raw",
+    codec="ZSTD(1)",
 )
+
+SERVING_GAUGES = ("queue_length", "running_requests", "kv_cache_usage_ratio", "waiting_capacity",
+                  "latency_p50_seconds", "latency_p99_seconds", "ttft_p99_seconds", "itl_p99_seconds")
+SERVING_KEYS = ("backend", "host", "model")
+SERVING_METRICS_10S = Rollup(SERVING_METRICS, 10, SERVING_KEYS, SERVING_GAUGES)
+SERVING_METRICS_1M = Rollup(SERVING_METRICS, 60, SERVING_KEYS, SERVING_GAUGES)
+
 
 MIGRATIONS = [
     Migration(1, "requests and serving metrics", create_tables(REQUESTS, SERVING_METRICS, version=1)),
@@ -101,4 +123,8 @@ MIGRATIONS = [
     Migration(4, "scrape health: one row per target and scrape, failed ones included",
               create_tables(SCRAPE_HEALTH, version=4)),
     Migration(5, "serving metrics: prefix-cache queries and hits", add_columns(SERVING_METRICS, 5)),
+    Migration(6, "requests, serving metrics, scrape health: per-column codecs (Delta timestamps, ZSTD, T64 tokens)",
+              set_codecs(REQUESTS, SERVING_METRICS, SCRAPE_HEALTH)),
+    Migration(7, "serving metrics: 10 s and 1 min rollups (materialized views, backfilled)",
+              create_rollups(SERVING_METRICS_10S, SERVING_METRICS_1M)),
 ]

@@ -30,6 +30,10 @@ class StoreConfig(ComponentConfig):
     password: str = ""
     cluster: str = ""
     """Cluster name: ON CLUSTER DDL, ReplicatedMergeTree + Distributed tables."""
+    raw_ttl_days: int = 7
+    """Days the raw time-series tables keep rows (samples, scrapes, spans, IO, weights); 0 = keep."""
+    rollup_ttl_days: int = 90
+    """Days the 10 s / 1 min rollup tables keep rows; 0 = keep."""
 
     def validate(self, where: str) -> None:
         if self.backend not in ("embedded", "server"):
@@ -38,6 +42,9 @@ class StoreConfig(ComponentConfig):
             raise ConfigError(f"{where} path must not be empty")
         if self.backend == "server" and not self.url:
             raise ConfigError("store.backend = 'server' needs store.url (e.g. http://127.0.0.1:8123)")
+        for key in ("raw_ttl_days", "rollup_ttl_days"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{where} {key} must be >= 0 (0 = keep), got {getattr(self, key)}")
         if not _IDENTIFIER.fullmatch(self.database):
             raise ConfigError(f"{where} database must be a plain identifier, got {self.database!r}")
 
@@ -62,9 +69,14 @@ def open_store(config: Mapping[str, Any], migrate: bool = True) -> Store:
         store = ServerStore(cfg.url, database=cfg.database, username=cfg.username,
                             password=cfg.password, cluster=cfg.cluster)
     if migrate:
+        from triscope.schema import domains
         from triscope.schema import migrate as run_migrations
+        from triscope.schema.model import Rollup, Table, apply_retention
 
         run_migrations(store)
+        tables = [t.table if isinstance(t, Rollup) else t for m in domains().values() for t in vars(m).values()
+                  if isinstance(t, (Table, Rollup))]
+        apply_retention(store, tables, {"raw": cfg.raw_ttl_days, "rollup": cfg.rollup_ttl_days})
     return store
 
 
