@@ -17,13 +17,14 @@ import math
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from triscope.collectors.host import node_exporter, procfs
 from triscope.component import ComponentConfig, Context, config_field, interval
 from triscope.errors import ConfigError, InputError
+from triscope.http_client import HttpClientConfig
 from triscope.schema import HOST_SAMPLES, Table, encode_ts
 
 LOCAL = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
@@ -33,20 +34,28 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class HostHttp(HttpClientConfig):
+    """``[host.http]``: the node-exporter scrape (a busy host's page is 60-500 kB)."""
+
+    section = "host.http"
+    timeout_s: float = 2.0
+    redirects: str = "same-origin"
+
+
+@dataclass(frozen=True)
 class HostConfig(ComponentConfig):
     section = "host"
     interval_s: float = 1.0
     engines: list[str | dict[str, Any]] = config_field([])
     host: str = ""
     node_exporter: str = ""
-    node_exporter_timeout_s: float = 2.0
+    http: HostHttp = field(default_factory=HostHttp)
+    """``[host.http]``: the node-exporter scrape's client (timeout_s 2.0, at most interval_s)."""
 
     def validate(self, where: str) -> None:
         interval(where, interval_s=self.interval_s)
         if self.node_exporter and urlsplit(self.node_exporter).scheme not in ("http", "https"):
             raise ConfigError(f"{where} node_exporter {self.node_exporter!r}: not an http(s) URL")
-        if not self.node_exporter_timeout_s > 0:
-            raise ConfigError(f"{where} node_exporter_timeout_s must be > 0")
         for e in self.engines:
             if isinstance(e, dict) and (set(e) - {"backend", "pid"} or not isinstance(e.get("backend"), str)):
                 raise ConfigError(f"{where} engines entry {e!r}: a table takes backend = \"host:port\" and pid")
@@ -71,7 +80,7 @@ class HostCollector:
         self._host_named = bool(cfg.host)
         self.engines = [self._engine(e) for e in (cfg.engines or _targets(config or {}))]
         self.node_exporter = cfg.node_exporter
-        self.node_timeout_s = min(cfg.node_exporter_timeout_s, max(0.1, cfg.interval_s))
+        self.node_http = cfg.http.replace(timeout_s=min(cfg.http.timeout_s, max(0.1, cfg.interval_s)))
         self.node_errors = 0
         self._node_down = False
         self._psi: dict[str, float] = {}
@@ -97,7 +106,7 @@ class HostCollector:
         if not self.node_exporter:
             return procfs.psi_totals(), procfs.oom_kills()
         try:
-            reading = node_exporter.scrape(self.node_exporter, self.node_timeout_s)
+            reading = node_exporter.scrape(self.node_exporter, self.node_http)
         except InputError as exc:
             self.node_errors += 1
             if not self._node_down:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from triscope.http_fetch import fetch
+from triscope.http_client import HttpClientConfig
 from triscope.prom_text import parse_exposition
 
 # node-exporter family -> the key procfs.psi_totals() uses for the same total.
@@ -25,7 +25,6 @@ PSI_FAMILIES = {
 }
 OOM_FAMILY = "node_vmstat_oom_kill"
 UNAME_FAMILY = "node_uname_info"
-MAX_BODY_BYTES = 16 * 1024 * 1024  # a busy host's full page is ~60-500 kB; a bound, not a tuning knob
 
 
 @dataclass
@@ -52,9 +51,9 @@ def parse_node_page(text: str, source: str = "node-exporter") -> NodeReading:
     return reading
 
 
-def scrape(url: str, timeout_s: float) -> NodeReading:
-    """GET and parse ``url`` within ``timeout_s`` in total; InputError (one line) on any failure."""
-    body = fetch(url, timeout_s=timeout_s, max_bytes=MAX_BODY_BYTES, allow_redirects="same-origin")
+def scrape(url: str, http: HttpClientConfig) -> NodeReading:
+    """GET (the scraper client ``http``) and parse ``url``; InputError (one line) on any failure."""
+    body = http.get(url)
     return parse_node_page(body.decode("utf-8", "replace"), url)
 
 
