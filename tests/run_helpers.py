@@ -15,9 +15,14 @@ from pathlib import Path
 from typing import Any
 
 
+KEPT = ("TRISCOPE_REQUIRE_ALL", "TRISCOPE_STORE__RAW_TTL_DAYS", "TRISCOPE_STORE__ROLLUP_TTL_DAYS")
+"""Kept by :func:`clean_env`: CI's strictness, and the retention conftest sets so that stores written with the
+fixtures' fixed dates (2026-01-01...) keep their rows in a daemon too."""
+
+
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without ``TRISCOPE_*`` settings (``TRISCOPE_REQUIRE_ALL`` kept), plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRISCOPE_") or k == "TRISCOPE_REQUIRE_ALL"}
+    """This environment without ``TRISCOPE_*`` settings (those of :data:`KEPT` kept), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRISCOPE_") or k in KEPT}
     env.update(extra)
     return env
 
