@@ -143,7 +143,8 @@ def test_rows_a_collector_yields_on_close_are_written(store_path: Path, tmp_path
     from triscope.daemon import Daemon
     from triscope.store import open_store
 
-    config = {"store": {"backend": "embedded", "path": str(store_path), "database": "lastrows"},
+    config = {"store": {"backend": "embedded", "path": str(store_path), "database": "lastrows",
+                        "raw_ttl_days": 0, "rollup_ttl_days": 0},  # the collector's rows are dated 2026-01-01
               "run": {"collectors": ["run_helpers:create_last_rows"], "status_interval_s": 0},
               "writer": {"spool_dir": str(tmp_path / "spool"), "flush_interval_s": 0.1}}
     daemon = Daemon(config)
