@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 KEPT = ("TRISCOPE_REQUIRE_ALL", "TRISCOPE_STORE__RAW_TTL_DAYS", "TRISCOPE_STORE__ROLLUP_TTL_DAYS")
 """Kept by :func:`clean_env`: CI's strictness, and the retention conftest sets so that stores written with the
 fixtures' fixed dates (2026-01-01...) keep their rows in a daemon too."""
