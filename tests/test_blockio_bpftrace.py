@@ -321,9 +321,7 @@ def test_bpftrace_matches_ftrace_diskstats_and_fio(fmt: str, interval_s: float, 
     reads = _device_reads(rows, device)
     assert reads and {r["source"] for r in reads} == {"bpftrace"} and {r["host"] for r in reads} == {"bt"}
     seen = sum(r["ios"] for r in reads)
-    # 1.5 %: with four fsync loops beside fio on 2 busy cores one run counted 0.986 of fio's reads less
-    # its 226 missed probe runs (reads fio issued just before the traced window opened or after it closed)
-    assert seen >= 0.985 * fio_ios - collector.missed_probe_runs, (seen, fio_ios, collector.missed_probe_runs)
+    assert seen >= 0.99 * fio_ios - collector.missed_probe_runs, (seen, fio_ios, collector.missed_probe_runs)
 
     busy = [r for r in reads if r["ios"] >= 5000 * interval_s]
     assert len(busy) >= 3, reads
