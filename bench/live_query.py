@@ -163,16 +163,22 @@ def _served_medians(url: str, database: str, username: str, token: str, queries:
     """Per query, the median of ``rounds`` runs through the endpoint, from a process of its own (a client's
     parsing must not share the endpoint's interpreter, as Grafana or the CLI do not)."""
     remote = ServerStore(url, database=database, username=username, password=token, create_database=False)
+    medians = _medians(remote, queries, rounds)
+    remote.close()
+    out.put(medians)
+
+
+def _medians(store: Any, queries: list[str], rounds: int) -> list[float]:
+    """Per query, the median seconds of ``rounds`` runs on ``store`` (direct or through the endpoint)."""
     medians = []
     for sql in queries:
         times = []
         for _ in range(rounds):
             t0 = time.perf_counter()
-            remote.query(sql)
+            store.query(sql)
             times.append(time.perf_counter() - t0)
         medians.append(statistics.median(times))
-    remote.close()
-    out.put(medians)
+    return medians
 
 
 def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[str], rounds: int = 5
@@ -188,14 +194,7 @@ def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[s
     proc.start()
     served = results.get(timeout=600)
     proc.join(timeout=60)
-    direct = []
-    for sql in queries:
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            store.query(sql)
-            times.append(time.perf_counter() - t0)
-        direct.append(statistics.median(times))
+    direct = _medians(store, queries, rounds)
     ratios = [s_ / d for s_, d in zip(served, direct, strict=True)]
     extra = {"direct_median_ms": round(1000 * statistics.median(direct), 2),
              "served_median_ms": round(1000 * statistics.median(served), 2),
