@@ -33,6 +33,7 @@ from typing import Any
 from triscope.component import ComponentConfig, Context, interval
 from triscope.errors import ConfigError, TriscopeError
 from triscope.schema import ALLOCATOR_SAMPLES, Table, encode_ts
+from triscope.tick_clock import TickClock
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class TorchAllocatorCollector:
     def __init__(self, config: Mapping[str, Any] | TorchAllocatorConfig | None = None, cuda: Any = None) -> None:
         cfg = config if isinstance(config, TorchAllocatorConfig) else TorchAllocatorConfig.from_config(config)
         self.interval_s = cfg.interval_s
+        self._clock = TickClock(cfg.interval_s)
         self.devices = cfg.devices
         self.host = cfg.host or socket.gethostname()
         self.pid = os.getpid()
@@ -138,7 +140,7 @@ class TorchAllocatorCollector:
             self.state = "not_initialized"
             return {}
         try:
-            ts = encode_ts(time.time_ns())
+            ts = encode_ts(self._clock.now_ns())
             rows = [{"ts": ts, "host": self.host, "gpu": device, "pid": self.pid, **sample_values(stats)}
                     for device, stats in self._device_stats(cuda).items()]
         except RuntimeError as exc:  # a CUDA error (device lost): report it, keep sampling

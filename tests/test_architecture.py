@@ -50,7 +50,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 CORE_MODULES = ("store", "schema", "writer", "spool", "component", "config", "errors", "registry",
                 "conn_budget", "prom_text", "http_fetch", "store_link", "collector_loop",
                 "query_endpoint", "query_discovery", "http_body", "http_client", "target_pool",
-                "loop_server", "loop_http", "ticker", "console", "backlog")
+                "loop_server", "loop_http", "ticker", "tick_clock", "console", "backlog")
 """Modules and packages of ``triscope/`` in the core room: what every room may import."""
 DAEMON_MODULES = ("daemon",)
 """``triscope run``: the core and the components the registry names, never a room above by import."""

@@ -23,6 +23,7 @@ from triscope.errors import InputError, one_line
 from triscope.http_fetch import UnreachableError
 from triscope.schema import GPU_SAMPLES, Table, encode_ts
 from triscope.target_pool import TargetPool
+from triscope.tick_clock import TickClock
 
 log = logging.getLogger("triscope.collectors.dcgm")
 
@@ -60,6 +61,7 @@ class DcgmScraper:
         pods = tuple(cfg.exporter_pods)
         self.targets = [Target(s, Identity(s.url_host, s.host, s.host_label, pods)) for s in cfg.targets()]
         self.interval_s = cfg.interval_s
+        self._clock = TickClock(cfg.interval_s)
         self.http = cfg.http
         self.timeout_s = cfg.http.timeout_s
         self.max_body_bytes = cfg.http.max_body_bytes
@@ -122,7 +124,7 @@ class DcgmScraper:
             return self._collect()
 
     def _collect(self) -> dict[Table, dict[str, list[Any]]]:
-        ts_ns = time.time_ns()
+        ts_ns = self._clock.now_ns()
         # a target still fetching since the last collect is reported below, not fetched twice
         futures = self._pool.run({t.url: partial(self.fetcher, t.url, self.timeout_s, self.max_body_bytes)
                                   for t in self.targets})

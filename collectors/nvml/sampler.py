@@ -13,6 +13,7 @@ from typing import Any
 from triscope.collectors.nvml.config import NvmlConfig
 from triscope.collectors.nvml.device import ERR_GPU_IS_LOST, LOST_ERRORS, NAN, Device, ErrorClass, Lost, code, text
 from triscope.schema import GPU_PROCESS_MEMORY, GPU_SAMPLES, Table, encode_ts
+from triscope.tick_clock import TickClock
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class NvmlSampler:
     def __init__(self, config: Mapping[str, Any] | NvmlConfig | None = None, nvml: ModuleType | None = None) -> None:
         cfg = config if isinstance(config, NvmlConfig) else NvmlConfig.from_config(config)
         self.interval_s = cfg.interval_s
+        self._clock = TickClock(cfg.interval_s)  # stamps on the tick grid: they compress to ~nothing
         self.host = cfg.host or socket.gethostname()
         self.only = list(cfg.devices)
         self.process_interval_s = cfg.process_interval_s
@@ -214,7 +216,7 @@ class NvmlSampler:
                 self.start()
             if not self.devices:
                 return {}
-        now_ns = time.time_ns() if now_ns is None else now_ns
+        now_ns = self._clock.now_ns() if now_ns is None else now_ns
         ts = encode_ts(now_ns)
         rows: list[dict[str, Any]] = []
         procs: list[dict[str, Any]] | None = None

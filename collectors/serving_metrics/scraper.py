@@ -29,6 +29,7 @@ from triscope.http_client import HttpClientConfig
 from triscope.prom_text import bucket_delta, histogram_quantile, parse_exposition
 from triscope.schema import SCRAPE_HEALTH, SERVING_METRICS, Table, encode_ts
 from triscope.target_pool import TargetPool
+from triscope.tick_clock import TickClock
 
 log = logging.getLogger("triscope.collectors.serving_metrics")
 
@@ -89,6 +90,7 @@ class ServingMetricsScraper:
         cfg = config if isinstance(config, ServingMetricsConfig) else ServingMetricsConfig.from_config(config)
         self.targets = cfg.target_list()
         self.interval_s = cfg.interval_s
+        self._clock = TickClock(cfg.interval_s)
         self.http = cfg.http
         if self.http.timeout_s > cfg.interval_s and self.targets:  # a scrape still in flight skips ticks
             log.warning("serving_metrics: timeout_s %g exceeds interval_s %g: a target that stops answering is "
@@ -174,7 +176,7 @@ class ServingMetricsScraper:
             return self._collect()
 
     def _collect(self) -> dict[Table, dict[str, list[Any]]]:
-        ts_ns = time.time_ns()
+        ts_ns = self._clock.now_ns()
         started = time.monotonic()
         futures = self._pool.run({t.url: partial(_timed_fetch, t.url, self.http) for t in self.targets})
         rows: list[dict[str, Any]] = []
