@@ -6,10 +6,12 @@ Values follow the collectors' sources, at their precision, not constant columns:
   (diurnal cycle, slow waves, noise) drives NVML's integer utilisation percent, power in milliwatts,
   integer degrees, SM clock steps in MHz under throttle, MiB-granular memory that moves with the KV
   cache, GPM/DCGM activity ratios (full-precision floats), PCIe/NVLink rates from counter deltas over
-  the measured interval (full-precision floats); every GPU of a host shares its tick's ``time_ns()``
-  (the sampler reads all devices per tick, with wake-up jitter), as the NVML stand-in's clock does.
+  the measured interval (full-precision floats); every GPU of a host shares its tick's stamp (the
+  sampler reads all devices per tick), ``time_ns()`` with wake-up jitter snapped to the tick grid by the
+  collectors' :class:`~triscope.tick_clock.TickClock` (the same code, vectorised here).
 - ``serving_metrics``: one scrape per backend per second (vLLM gauges, counters, histogram-delta
-  percentiles that are NaN when nothing finished), backends offset and jittered.
+  percentiles that are NaN when nothing finished), backends offset, stamped like the GPU samples (the
+  scraper takes its stamp when its tick wakes, before any fetch).
 - ``requests``: spans at the fleet's request rate, random ids, log-normal latencies.
 - ``io_latency``: per host, two devices, read/write windows of 1 s. ``weights_history``: one row per
   backend per engine update (1 s).
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from triscope.tick_clock import tolerance_ns
 
 MiB = 1 << 20
 GPUS_PER_HOST = 8
@@ -39,6 +43,36 @@ class Fleet:
     @property
     def hosts(self) -> int:
         return max(1, self.gpus // GPUS_PER_HOST)
+
+
+def snap_grid(raw_ns: np.ndarray, period_s: float, last_ns: np.ndarray) -> np.ndarray:
+    """``TickClock`` over each column of ``raw_ns`` (ticks x series, int64 ns), continuing from
+    ``last_ns`` (one per series, 0 = none yet; updated in place): a stamp within tolerance of the previous
+    stamp plus one period goes onto that grid point, another starts a new grid."""
+    period = round(period_s * 1e9)
+    tol = tolerance_ns(period)
+    out = raw_ns.copy()
+    for j in range(raw_ns.shape[1]):
+        col, i, prev = raw_ns[:, j], 0, int(last_ns[j])
+        while i < len(col):
+            if prev == 0:
+                prev, i = int(col[i]), i + 1
+                continue
+            grid = prev + period * np.arange(1, len(col) - i + 1, dtype=np.int64)
+            bad = np.flatnonzero(np.abs(col[i:] - grid) > tol)
+            end = len(col) if bad.size == 0 else i + int(bad[0])
+            out[i:end, j] = grid[:end - i]
+            if end < len(col):  # off the grid: kept as measured, a new grid from it
+                prev, i = int(col[end]), end + 1
+            else:
+                prev, i = int(grid[end - i - 1]), end
+        last_ns[j] = prev
+    return out
+
+
+def stamps(ns: np.ndarray) -> list[str]:
+    """Epoch nanoseconds as the DateTime64(9) text the collectors hand the writer (exact to the ns)."""
+    return np.datetime_as_string(ns.ravel().astype("datetime64[ns]"), unit="ns").tolist()
 
 
 def _names(prefix: str, n: int) -> np.ndarray:
@@ -68,11 +102,15 @@ def gpu_chunks(f: Fleet, hz: float, source: str, hosts: range, chunk_s: int) -> 
     per_chunk = max(1, int(chunk_s * hz))
     pods = np.array([f"vllm-{h:04d}-{g}" for h in hosts for g in range(8)], dtype=object)
     temp = np.full((1, n), 45.0)
+    host_offset_ns = np.rint(rng.uniform(0, 1 / hz, len(hosts)) * 1e9).astype(np.int64)
+    last = np.zeros(len(hosts), dtype=np.int64)
     for start in range(0, ticks_total, per_chunk):
         k = min(per_chunk, ticks_total - start)
         t_rel = (start + np.arange(k))[:, None] / hz
         jitter = rng.normal(0, 150e-6, (k, len(hosts))).clip(-1e-3, 5e-3)
-        ts = (f.t0 + t_rel + np.repeat(jitter, 8, axis=1) + np.repeat(rng.uniform(0, 1 / hz, len(hosts)), 8)[None, :])
+        tick_ns = (round(f.t0 * 1e9) + (start + np.arange(k, dtype=np.int64))[:, None] * round(1e9 / hz)
+                   + host_offset_ns[None, :] + np.rint(jitter * 1e9).astype(np.int64))
+        ts = np.repeat(snap_grid(tick_ns, 1 / hz, last), GPUS_PER_HOST, axis=1)
         load = _load(rng, f.t0 + t_rel, phase, wave)
         util = np.rint(load * 100)
         throttle = load > 0.93
@@ -89,7 +127,7 @@ def gpu_chunks(f: Fleet, hz: float, source: str, hosts: range, chunk_s: int) -> 
             sm_active = np.round(sm_active, 6)
         rows = k * n
         flat: dict[str, Any] = {
-            "ts": ts.ravel(), "host": np.tile(host_names, k), "gpu": np.tile(gpu_idx, k),
+            "ts": stamps(ts), "host": np.tile(host_names, k), "gpu": np.tile(gpu_idx, k),
             "gpu_uuid": np.tile(uuids, k), "gpu_model": ["NVIDIA H100 80GB HBM3"] * rows, "source": [source] * rows,
             "memory_used_bytes": mem.ravel().astype(float), "memory_total_bytes": [81559.0 * MiB] * rows,
             "memory_reserved_bytes": [553.0 * MiB] * rows,
@@ -117,10 +155,14 @@ def serving_chunks(f: Fleet, chunk_s: int) -> Iterator[dict[str, Any]]:
     phase, wave = rng.uniform(0, 1, (1, n)), rng.uniform(600, 3600, (1, n))
     total = np.rint(rng.uniform(0, 1e5, (1, n)))
     preempt = np.zeros((1, n))
+    last = np.zeros(n, dtype=np.int64)
     for start in range(0, f.seconds, chunk_s):
         k = min(chunk_s, f.seconds - start)
         t = (start + np.arange(k))[:, None].astype(float)
-        ts = f.t0 + t + offset + rng.normal(0, 2e-3, (k, n))
+        tick_ns = (round(f.t0 * 1e9) + (start + np.arange(k, dtype=np.int64))[:, None] * 10**9
+                   + np.rint(offset * 1e9).astype(np.int64) + np.rint(rng.normal(0, 150e-6, (k, n)).clip(-1e-3, 5e-3)
+                                                                  * 1e9).astype(np.int64))
+        ts = snap_grid(tick_ns, 1.0, last)
         load = _load(rng, f.t0 + t, phase, wave)
         finished = rng.poisson(load * 12)
         total = total[-1:] + np.cumsum(finished, axis=0)
@@ -132,7 +174,7 @@ def serving_chunks(f: Fleet, chunk_s: int) -> Iterator[dict[str, Any]]:
         p99 = np.where(none, np.nan, p50 * rng.uniform(1.5, 3, (k, n)))
         rows = k * n
         yield {
-            "ts": ts.ravel(), "host": np.tile(np.array([f"gpu-node-{i // 8:04d}" for i in range(n)], dtype=object), k),
+            "ts": stamps(ts), "host": np.tile(np.array([f"gpu-node-{i // 8:04d}" for i in range(n)], dtype=object), k),
             "backend": np.tile(backends, k), "server": ["vllm"] * rows, "model": ["meta-llama/Llama-3.1-8B"] * rows,
             "queue_length": queue.ravel(), "running_requests": running.ravel(),
             # vLLM: 1 - free / total KV blocks, so a multiple of 1 / blocks

@@ -24,7 +24,10 @@ from triscope.dashboards.model import (
     table,
     timeseries,
 )
+from triscope.dashboards.rollup_sql import gauge_averages
 from triscope.schema import GPU_SAMPLES, REQUESTS, SERVING_METRICS
+from triscope.schema.gpu import GPU_SAMPLES_1M, GPU_SAMPLES_10S
+from triscope.schema.requests import SERVING_METRICS_1M, SERVING_METRICS_10S
 
 UID = "triscope-fleet"
 HEATMAP_UID = "triscope-heatmap"
@@ -34,11 +37,12 @@ WEIGHTS_UID = "triscope-weights"
 REQ = t(REQUESTS)
 GPU = t(GPU_SAMPLES)
 # One value per GPU, or per MIG instance (dcgm), and interval; the panels add a GPU's instances up.
-_PER_INSTANCE = ("SELECT $__timeInterval(ts) AS time, toString(host) AS host, toString(gpu) AS gpu, mig_instance, "
-                 "avgIf(memory_used_bytes, isFinite(memory_used_bytes)) AS used, "
-                 "avgIf(memory_total_bytes, isFinite(memory_total_bytes)) AS total "
-                 f"FROM {GPU} WHERE $__timeFilter(ts) AND {GPU_FILTER} GROUP BY time, host, gpu, mig_instance")
+# Read from the rollup that fits the panel's interval (dashboards/rollup_sql.py).
+_PER_INSTANCE = gauge_averages([GPU_SAMPLES_10S, GPU_SAMPLES_1M],
+                               {"host": "toString(host)", "gpu": "toString(gpu)", "mig_instance": "mig_instance"},
+                               {"used": "memory_used_bytes", "total": "memory_total_bytes"}, GPU_FILTER)
 SERVING = t(SERVING_METRICS)
+_SERVING_ROLLUPS = [SERVING_METRICS_10S, SERVING_METRICS_1M]
 _LAT = "isFinite(latency_seconds)"
 _RANGE_S = "greatest(1, toUnixTimestamp($__toTime) - toUnixTimestamp($__fromTime))"
 
@@ -101,20 +105,18 @@ def board() -> Board:
             thresholds=[(None, "green"), (0.92, "orange"), (0.97, "red")], links=[_STALLS_GPU]),
         row("Serving engines (vLLM / SGLang / TGI scrapes)"),
         timeseries("KV-cache usage per backend", [sql_target(
-            "SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, "
-            "avgIf(kv_cache_usage_ratio, isFinite(kv_cache_usage_ratio)) AS kv_cache_usage_ratio "
-            f"FROM {SERVING} WHERE $__timeFilter(ts) AND {BACKEND_FILTER} "
-            "GROUP BY time, backend ORDER BY time, backend")],
+            "SELECT * FROM (" + gauge_averages(_SERVING_ROLLUPS, {"backend": "toString(backend)"},
+                                               {"kv_cache_usage_ratio": "kv_cache_usage_ratio"}, BACKEND_FILTER)
+            + ") ORDER BY time, backend")],
             "scale up at >= 85% for 2 s, down at <= 40% for 5 s", unit="percentunit",
             thresholds=[(None, "green"), (0.40, "blue"), (0.85, "red")],
             links=[link("Weights of ${__field.labels.backend}", WEIGHTS_UID,
                         {"backend": "${__field.labels.backend}"})]),
         timeseries("Queue length per backend", [sql_target(
-            "SELECT $__timeInterval(ts) AS time, toString(backend) AS backend, "
-            "avgIf(queue_length, isFinite(queue_length)) AS queue_length, "
-            "avgIf(running_requests, isFinite(running_requests)) AS running_requests "
-            f"FROM {SERVING} WHERE $__timeFilter(ts) AND {BACKEND_FILTER} "
-            "GROUP BY time, backend ORDER BY time, backend")],
+            "SELECT * FROM (" + gauge_averages(_SERVING_ROLLUPS, {"backend": "toString(backend)"},
+                                               {"queue_length": "queue_length", "running_requests": "running_requests"},
+                                               BACKEND_FILTER)
+            + ") ORDER BY time, backend")],
             "requests waiting and running (serving_metrics)", unit="short"),
         timeseries("Prefix-cache hit rate per backend", [sql_target(
             "SELECT time, backend, hits / queries AS prefix_cache_hit_ratio FROM ("

@@ -623,7 +623,7 @@ def test_build_command_writes_and_checks(tmp_path: Path) -> None:
 
 
 def _same(value: Any) -> Any:
-    """A cell as both stores can agree on: numbers rounded, times as epoch seconds, the rest as text."""
+    """A cell as both stores can agree on: floats to 7 significant digits, times as epoch seconds, the rest as text."""
     import datetime as dt
 
     if isinstance(value, (list, tuple)):
@@ -632,8 +632,8 @@ def _same(value: Any) -> Any:
         return "nan"
     if isinstance(value, dt.datetime):
         return round(value.replace(tzinfo=value.tzinfo or dt.UTC).timestamp(), 6)
-    if isinstance(value, bool | int | float):
-        return round(float(value), 9)
+    if isinstance(value, bool | int | float):  # Float32 columns read back as their exact binary value over Native
+        return float(f"{float(value):.7g}")
     text = str(value)
     try:
         return round(float(text), 9)

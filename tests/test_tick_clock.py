@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from scrape_helpers import Route, raw_server
 from test_serving_metrics_faults import VLLM
@@ -14,6 +18,7 @@ from triscope.schema import SCRAPE_HEALTH, SERVING_METRICS, encode_ts
 from triscope.tick_clock import snap_series, tolerance_ns
 
 MS = 1_000_000
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_tolerance_is_one_percent_of_the_period_at_most_2_ms() -> None:
@@ -63,3 +68,20 @@ def test_a_real_scrape_writes_its_tick_clocks_stamps(monkeypatch: pytest.MonkeyP
     expected = snap_series([t0 + i * 200 * MS + j * 1000 for i, j in enumerate(jitter_us)], 0.2)
     assert [g[0] for g in got] == [g[1] for g in got] == [encode_ts(ns) for ns in expected]
     assert expected[4] == t0 + 4 * 200 * MS and expected[5] == t0 + 5 * 200 * MS + 3_500_000
+
+
+def test_the_fleet_day_bench_stamps_as_the_collectors_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/fleet_day.py's vectorised snapping equals TickClock's, across chunk boundaries, so its
+    byte counts are those of what the collectors write."""
+    spec = importlib.util.spec_from_file_location("fleet_day_data", REPO / "bench" / "fleet_day_data.py")
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    rng = np.random.default_rng(3)
+    raw = 10**18 + np.arange(60)[:, None] * 100 * MS + np.rint(rng.normal(0, 600e3, (60, 4))).astype(np.int64)
+    last = np.zeros(4, dtype=np.int64)
+    got = np.vstack([bench.snap_grid(raw[:25], 0.1, last), bench.snap_grid(raw[25:], 0.1, last)])
+    for j in range(4):
+        assert got[:, j].tolist() == snap_series(raw[:, j].tolist(), 0.1)
+    assert 0 < (got == raw).mean() < 1  # some stamps moved, some (beyond 1 ms) kept

@@ -14,12 +14,15 @@ from triscope.schema.model import (
     create_rollups,
     create_tables,
     set_codecs,
+    set_types,
 )
 
 DOMAIN = "gpu"
 
 TS = Column("ts", "DateTime64(9, 'UTC')", codec="Delta, ZSTD(1)")
 HOST = Column("host", "LowCardinality(String)")
+RATE_NOTE = ("counter delta over the measured interval; Float32 keeps 7 significant digits, finer than a rate "
+             "over a jittered interval, at half the bytes of a Float64 (docs/scaling.md)")
 
 GPU_SAMPLES = Table(
     name="gpu_samples",
@@ -42,10 +45,10 @@ GPU_SAMPLES = Table(
         Column("power_watts", "Float32"),
         Column("temperature_celsius", "Float32"),
         Column("clock_event_reasons", "UInt64", "NVML clock event (throttle) reason bitmask", codec="T64, ZSTD(1)"),
-        Column("pcie_tx_bytes_per_second", "Float64", codec="Gorilla, ZSTD(1)"),
-        Column("pcie_rx_bytes_per_second", "Float64", codec="Gorilla, ZSTD(1)"),
-        Column("nvlink_tx_bytes_per_second", "Float64", codec="Gorilla, ZSTD(1)"),
-        Column("nvlink_rx_bytes_per_second", "Float64", codec="Gorilla, ZSTD(1)"),
+        Column("pcie_tx_bytes_per_second", "Float32", RATE_NOTE),
+        Column("pcie_rx_bytes_per_second", "Float32", RATE_NOTE),
+        Column("nvlink_tx_bytes_per_second", "Float32", RATE_NOTE),
+        Column("nvlink_rx_bytes_per_second", "Float32", RATE_NOTE),
         Column("ecc_corrected_total", "Float64", codec="Gorilla, ZSTD(1)"),
         Column("ecc_uncorrected_total", "Float64", codec="Gorilla, ZSTD(1)"),
         Column("state", "LowCardinality(String)", "ok, lost, unavailable"),
@@ -113,4 +116,7 @@ MIGRATIONS = [
               set_codecs(GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES)),
     Migration(6, "gpu samples: 10 s and 1 min rollups (materialized views, backfilled)",
               create_rollups(GPU_SAMPLES_10S, GPU_SAMPLES_1M)),
+    Migration(7, "gpu samples: PCIe and NVLink rates as Float32",
+              set_types(GPU_SAMPLES, *(f"{link}_{way}_bytes_per_second" for link in ("pcie", "nvlink")
+                                        for way in ("tx", "rx")))),
 ]

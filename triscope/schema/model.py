@@ -220,6 +220,29 @@ def create_tables(*tables: Table, version: int = 1) -> Callable[[str, str], list
     return render
 
 
+def modify_type_sql(table: str, column: Column, database: str, cluster: str = "") -> list[str]:
+    """DDL moving ``column`` to its declared type and codec: the stored parts are rewritten (a
+    mutation); in cluster mode the local tables ON CLUSTER and the Distributed table's type too."""
+    codec = f" CODEC({column.codec})" if column.codec else ""
+    if not cluster:
+        return [f"ALTER TABLE {database}.{table} MODIFY COLUMN `{column.name}` {column.type}{codec}"]
+    return [f"ALTER TABLE {database}.{table}_local ON CLUSTER `{cluster}` "
+            f"MODIFY COLUMN `{column.name}` {column.type}{codec}",
+            f"ALTER TABLE {database}.{table} ON CLUSTER `{cluster}` MODIFY COLUMN `{column.name}` {column.type}"]
+
+
+def set_types(table: Table, *names: str) -> Callable[[str, str], list[str]]:
+    """Migration body moving the columns ``names`` of ``table`` to their declared types (idempotent)."""
+    by_name = {c.name: c for c in table.columns}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ValueError(f"{table.name}: no column {missing}")
+
+    def render(database: str, cluster: str) -> list[str]:
+        return [sql for n in names for sql in modify_type_sql(table.name, by_name[n], database, cluster)]
+    return render
+
+
 def set_codecs(*tables: Table) -> Callable[[str, str], list[str]]:
     """Migration body moving every column of ``tables`` that declares a codec to it (idempotent)."""
     def render(database: str, cluster: str) -> list[str]:

@@ -9,6 +9,7 @@ from triscope.schema.model import (
     create_rollups,
     create_tables,
     set_codecs,
+    set_types,
 )
 
 DOMAIN = "requests"
@@ -49,6 +50,9 @@ REQUESTS = Table(
     codec="ZSTD(1)",
 )
 
+QUANTILE_NOTE = ("interpolated within a histogram bucket, so far coarser than Float32's 7 significant digits "
+                 "(half the bytes of a Float64, docs/scaling.md)")
+
 SERVING_METRICS = Table(
     name="serving_metrics",
     columns=[
@@ -59,11 +63,11 @@ SERVING_METRICS = Table(
         Column("model", "LowCardinality(String)"),
         Column("queue_length", "Float64", "requests waiting"),
         Column("running_requests", "Float64"),
-        Column("kv_cache_usage_ratio", "Float64", "0..1"),
+        Column("kv_cache_usage_ratio", "Float32", "0..1 (a multiple of 1 / KV blocks: Float32 holds it to 6e-8)"),
         Column("requests_total", "Float64", "finished requests counter", codec="Gorilla, ZSTD(1)"),
-        Column("latency_p50_seconds", "Float64", "from histogram deltas since the last scrape"),
-        Column("latency_p99_seconds", "Float64"),
-        Column("ttft_p99_seconds", "Float64"),
+        Column("latency_p50_seconds", "Float32", "from histogram deltas since the last scrape; " + QUANTILE_NOTE),
+        Column("latency_p99_seconds", "Float32", QUANTILE_NOTE),
+        Column("ttft_p99_seconds", "Float32", QUANTILE_NOTE),
         Column("preemptions_total", "Float64", "engine preemptions counter (vllm:num_preemptions); NaN when unknown",
                since=3, codec="Gorilla, ZSTD(1)"),
         Column("sleep_state", "Float64", "vllm:engine_sleep_state: 0 awake, > 0 sleeping (level); NaN when unknown",
@@ -74,9 +78,9 @@ SERVING_METRICS = Table(
         Column("waiting_deferred", "Float64",
                "requests deferred by the scheduler (vllm:num_requests_waiting_by_reason{reason=deferred})", since=3),
         Column("swapped_requests", "Float64", "V0 vllm:num_requests_swapped; NaN when unknown", since=3),
-        Column("queue_time_p99_seconds", "Float64", "from the queue-time histogram's deltas since the last scrape",
+        Column("queue_time_p99_seconds", "Float32", "from the queue-time histogram's deltas since the last scrape",
                since=3),
-        Column("itl_p99_seconds", "Float64", "inter-token latency P99 from histogram deltas since the last scrape",
+        Column("itl_p99_seconds", "Float32", "inter-token latency P99 from histogram deltas since the last scrape",
                since=3),
         Column("prefix_cache_queries_total", "Float64",
                "prompt tokens looked up in the engine's prefix cache (counter: vllm:prefix_cache_queries, "
@@ -127,4 +131,7 @@ MIGRATIONS = [
               set_codecs(REQUESTS, SERVING_METRICS, SCRAPE_HEALTH)),
     Migration(7, "serving metrics: 10 s and 1 min rollups (materialized views, backfilled)",
               create_rollups(SERVING_METRICS_10S, SERVING_METRICS_1M)),
+    Migration(8, "serving metrics: KV usage and histogram quantiles as Float32",
+              set_types(SERVING_METRICS, "kv_cache_usage_ratio", "latency_p50_seconds", "latency_p99_seconds",
+                        "ttft_p99_seconds", "queue_time_p99_seconds", "itl_p99_seconds")),
 ]
