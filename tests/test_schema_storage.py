@@ -18,6 +18,7 @@ from triscope.schema.model import (
     modify_codec_sql,
     retention_sql,
     set_codecs,
+    set_types,
 )
 from triscope.store import StoreConfig
 
@@ -147,3 +148,35 @@ def test_codec_migration_moves_a_store_created_before_codecs(store):
     comment = store.query("SELECT comment FROM system.columns WHERE database = {d:String} AND table = 'gpu_samples' "
                           "AND name = 'gpu'", {"d": store.database}).scalar()
     assert comment == "device index on the host"
+
+
+def test_type_change_ddl_single_node_and_cluster():
+    rate = Column("rate", "Float32", codec="ZSTD(1)")
+    table = Table("rates_check", [TS, rate], order_by="ts")
+    assert set_types(table, "rate")("db", "") == [
+        "ALTER TABLE db.rates_check MODIFY COLUMN `rate` Float32 CODEC(ZSTD(1))"]
+    assert set_types(table, "rate")("db", "c1") == [
+        "ALTER TABLE db.rates_check_local ON CLUSTER `c1` MODIFY COLUMN `rate` Float32 CODEC(ZSTD(1))",
+        "ALTER TABLE db.rates_check ON CLUSTER `c1` MODIFY COLUMN `rate` Float32"]
+    with pytest.raises(ValueError, match="no column"):
+        set_types(table, "nope")
+
+
+def test_a_stored_float64_column_moves_to_float32_with_its_rows(store):
+    """The migration path of an existing store: rows written as Float64 read back at Float32 precision."""
+    old = Table("rates_move", [TS, Column("rate", "Float64", codec="Gorilla, ZSTD(1)")], order_by="ts")
+    new = Table("rates_move", [TS, Column("rate", "Float32", codec="ZSTD(1)")], order_by="ts")
+    for sql in create_table_sql(old, store.database):
+        store.command(sql)
+    values = [123456789.0, 0.1, float("nan"), 2.5e10]
+    store.insert(f"{store.database}.rates_move", {"ts": [f"2026-01-01 00:00:0{i}.000000000" for i in range(4)],
+                                                  "rate": values})
+    for sql in set_types(new, "rate")(store.database, ""):
+        store.command(sql)
+    (kind,) = store.query("SELECT type FROM system.columns WHERE database = {db:String} AND table = 'rates_move' "
+                          "AND name = 'rate'", {"db": store.database}).rows[0]
+    assert kind == "Float32"
+    got = [r[0] for r in store.query(f"SELECT toFloat64(rate) FROM {store.database}.rates_move ORDER BY ts").rows]
+    assert got[0] == pytest.approx(123456789.0, rel=1e-7) and got[1] == pytest.approx(0.1, rel=1e-7)
+    assert got[2] is None or got[2] != got[2]  # NaN stays NaN (JSON writes it as null)
+    assert got[3] == pytest.approx(2.5e10, rel=1e-7)
