@@ -16,11 +16,12 @@ import math
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from triscope.analyzers.routing.gate import ClassGate
 from triscope.analyzers.routing.picker import EngineView, HeadroomPicker, Pick, RequestNeed
+from triscope.analyzers.routing.prefix_index import block_hashes, prompt_text
 from triscope.exporters.extproc import Choice
 
 CLASS_HEADER = "x-triscope-class"
@@ -108,6 +109,11 @@ class HeadroomChooser:
             if not isinstance(doc, dict):
                 return Choice(status=400, message="request body is not a JSON object")
             need = request_need(doc, headers, self.need)
+            params = self.picker.params
+            if params.prefix_weight > 0:  # the model (and a cache salt) start the chain: no match across them
+                seed = f"{doc.get('model', '')}\x00{doc.get('cache_salt', '')}"
+                need = replace(need, prefix_blocks=block_hashes(prompt_text(doc), params.prefix_block_chars,
+                                                                params.prefix_max_blocks, seed))
         now = time.monotonic()
         refusal = self.gate.admit(need.request_class, now)
         if refusal is not None:

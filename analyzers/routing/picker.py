@@ -12,7 +12,10 @@ last scrape. Per request it estimates the KV the request will hold (prompt + exp
    (another LB, a pinned tenant), and the fit: whether the backend's free KV (capacity x (1 - usage)
    at the last scrape, minus what the ledger sent there since, plus the prompts it saw that ended) holds it;
 3. a backend the request does not fit counts ``misfit_penalty`` more work (``short_penalty`` if it is
-   short of KV by an early signal or runs others' requests). When none fits, work alone decides.
+   short of KV by an early signal or runs others' requests). When none fits, work alone decides;
+4. a backend the request fits that holds the leading blocks of its prompt (the picker's
+   :class:`~.prefix_index.PrefixIndex` of what it sent where) counts up to ``prefix_weight`` less work,
+   in proportion to the share of the prompt it holds: its prefill is skipped there.
 
 Pure logic: scrapes come in through :meth:`HeadroomPicker.observe`, engine results through
 :meth:`HeadroomPicker.set_weights`; times are ``time.monotonic()`` seconds. docs/epp.md.
@@ -38,6 +41,7 @@ from triscope.analyzers.routing.picker_model import (
     PickerParams,
     RequestNeed,
 )
+from triscope.analyzers.routing.prefix_index import PrefixIndex
 
 __all__ = ["EngineView", "HeadroomPicker", "LiveSignals", "Pick", "PickerParams", "RequestNeed"]
 
@@ -74,6 +78,8 @@ class HeadroomPicker:
         self._rng = random.Random(self.params.seed)
         self._next_ticket = 0
         self._recent_sizes: deque[float] = deque(maxlen=256)
+        self.prefixes = PrefixIndex()
+        """What each backend's prefix cache is believed to hold (blocks of the prompts sent to it)."""
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -87,6 +93,10 @@ class HeadroomPicker:
             b.preempting = math.isfinite(before) and signals.preemptions_total > before
             b.signals = signals
             b.refused = False
+            if math.isfinite(signals.kv_capacity_tokens) and signals.kv_capacity_tokens > 0:
+                # the cache cannot hold more than the KV: about 4 characters a token
+                blocks = signals.kv_capacity_tokens * 4 / self.params.prefix_block_chars
+                self.prefixes.set_capacity(backend, int(blocks))
             while b.ended and b.ended[0][1] < _sent(signals):  # ended before this scrape was sent: not in it
                 b.ended.popleft()
 
@@ -95,6 +105,7 @@ class HeadroomPicker:
         ``unready_after_s`` after its last answer, until a scrape answers again."""
         with self._lock:
             self._backends[backend].refused = True
+            self.prefixes.forget(backend)  # a process that is gone took its cache with it
 
     def answered(self, backend: str, status: int, now: float) -> None:
         """``backend`` answered a request routed to it with HTTP ``status`` at ``now``: below 500 it is alive
@@ -144,15 +155,19 @@ class HeadroomPicker:
                     strict = row["kv_short"] or row["external_requests"] > 0
                     extra = short_penalty if strict else penalty
                     scores[n] = (row["work_tokens"] + extra) / row["weight"]
+            matched = self._prefix_term(need, fitting, rows, scores, unit)
             best = min(scores.values())
-            chosen = self._rng.choice([n for n, v in scores.items() if v <= best * (1 + 1e-9)])
+            chosen = self._rng.choice([n for n, v in scores.items() if v <= best + 1e-9 * max(1.0, abs(best))])
             self._next_ticket += 1
             backend = self._backends[chosen]
             prompt = need.prompt_tokens if math.isfinite(need.prompt_tokens) and need.prompt_tokens > 0 else 0.0
             backend.in_flight[self._next_ticket] = (now, tokens, min(prompt, tokens))
             self._recent_sizes.append(tokens)
+            if need.prefix_blocks and self.params.prefix_weight > 0:
+                self.prefixes.record(chosen, need.prefix_blocks)
             return Pick(chosen, backend.address, self._next_ticket,
-                        factors={"request_tokens": tokens, "fits": bool(fitting), "backends": rows})
+                        factors={"request_tokens": tokens, "fits": bool(fitting), "backends": rows,
+                                 "prefix_blocks": len(need.prefix_blocks), "prefix_matched_blocks": matched})
 
     def finish(self, pick: Pick, now: float | None = None) -> None:
         """The request of ``pick`` ended (answered, failed or cancelled) at ``now`` (monotonic); idempotent."""
@@ -185,6 +200,23 @@ class HeadroomPicker:
     def _mean_size(self) -> float:
         sizes = self._recent_sizes
         return sum(sizes) / len(sizes) if sizes else self.params.default_request_tokens
+
+    def _prefix_term(self, need: RequestNeed, fitting: set[str], rows: dict[str, dict[str, Any]],
+                     scores: dict[str, float], unit: float) -> dict[str, int]:
+        """Take ``prefix_weight`` (in ``unit``s of work) x the share of the prompt each fitting backend holds off
+        its score (in place);
+        the leading blocks each candidate holds. A backend the request does not fit gains nothing."""
+        weight = self.params.prefix_weight
+        if weight <= 0 or not need.prefix_blocks:
+            return {}
+        matched = self.prefixes.match(need.prefix_blocks, scores)
+        n = len(need.prefix_blocks)
+        for name, k in matched.items():
+            bonus = weight * unit * k / n if name in fitting else 0.0
+            rows[name]["prefix_bonus"] = bonus
+            if bonus > 0:
+                scores[name] -= bonus / rows[name]["weight"]
+        return matched
 
     def _factors(self, b: _Backend, request_class: str, now: float) -> dict[str, Any]:
         p, s = self.params, b.signals
@@ -237,6 +269,7 @@ class HeadroomPicker:
             "weight": weight, "drained": drained, "class_state": class_state,
             "work_tokens": work, "work_per_weight": work / weight if weight > 0 else math.inf,
             "eligible": healthy and not drained and class_state != DRAIN and weight > 0,
+            "prefix_index_blocks": self.prefixes.blocks(b.name),
         }
 
     def _engine_view(self, backend: str, request_class: str) -> tuple[float, bool, str | None]:

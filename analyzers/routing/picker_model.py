@@ -66,13 +66,24 @@ class PickerParams(ComponentConfig):
     external_weight: float = 1.0
     """Work counted per request the engine runs or queues that this picker did not send (0: such requests
     only slow the backend's own requests down, which the ledger sees as they last longer)."""
+    prefix_weight: float = 2.0
+    """Work, in requests, taken off a backend that holds a request's whole prompt in its prefix cache (by the
+    picker's index of what it sent where), in proportion to the share of the prompt's blocks it holds; only
+    backends the request fits get it, so affinity never overrides the KV fit. 0 turns the prefix term off."""
+    prefix_block_chars: int = 256
+    """Prompt characters per hashed block (about 64 tokens: a match is counted in whole blocks)."""
+    prefix_max_blocks: int = 512
+    """Blocks of a prompt hashed and matched at most (its first 128k characters at the default block)."""
     seed: int | None = None
 
     def validate(self, where: str) -> None:
         interval(where, unready_after_s=self.unready_after_s, stale_after_s=self.stale_after_s)
         non_negative(where, visible_after_s=self.visible_after_s, misfit_penalty=self.misfit_penalty,
                      short_penalty=self.short_penalty, external_weight=self.external_weight,
-                     default_request_tokens=self.default_request_tokens)
+                     default_request_tokens=self.default_request_tokens, prefix_weight=self.prefix_weight)
+        if self.prefix_block_chars < 1 or self.prefix_max_blocks < 0:
+            raise ConfigError(f"{where} prefix_block_chars must be >= 1 and prefix_max_blocks >= 0, got "
+                              f"{self.prefix_block_chars} and {self.prefix_max_blocks}")
         if not 0 <= self.kv_reserve_ratio < 1:
             raise ConfigError(f"{where} kv_reserve_ratio must be in [0, 1), got {self.kv_reserve_ratio}")
         if self.work_unit not in ("requests", "tokens"):
@@ -81,7 +92,7 @@ class PickerParams(ComponentConfig):
 
 PICKER_KEYS = ("unready_after_s", "stale_after_s", "visible_after_s", "kv_reserve_ratio", "work_unit",
                "engine_weights", "engine_kv_drains", "early_signals", "misfit_penalty", "short_penalty",
-               "external_weight")
+               "external_weight", "prefix_weight", "prefix_block_chars", "prefix_max_blocks")
 """The :class:`PickerParams` a user sets in ``[epp]`` (the request size and seed are the picker's own)."""
 
 
@@ -166,6 +177,8 @@ class RequestNeed:
     kv_tokens: float = NAN
     prompt_tokens: float = NAN
     """Its prompt alone: held once prefilled, a floor under what a scrape saw it hold."""
+    prefix_blocks: tuple[int, ...] = ()
+    """Chained hashes of its prompt's blocks (:func:`~.prefix_index.block_hashes`); empty: no prefix term."""
 
 
 @dataclass(frozen=True)
