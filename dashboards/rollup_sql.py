@@ -48,7 +48,8 @@ def gauge_averages(rollups: Sequence[Rollup], keys: Mapping[str, str], gauges: M
         return (f"SELECT $__timeInterval(ts) AS time, {key_sql}, {', '.join(aggregates)} FROM {table} "
                 f"WHERE $__timeFilter(ts) AND {where} AND {condition} GROUP BY {group}")
 
-    branches, taken = [], []
+    branches: list[str] = []
+    taken: list[str] = []
     for r in ordered:
         condition = " AND ".join([_fits(r.bucket_s), *(f"NOT {c}" for c in taken)])
         taken.append(_fits(r.bucket_s))
