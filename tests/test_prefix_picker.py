@@ -17,6 +17,7 @@ SYSTEM = "You are a careful assistant for a travel agency. " * 40  # about 2,000
 
 
 def _picker(n: int = 2, **params: object) -> HeadroomPicker:
+    params = {"prefix_weight": 2.0, **params}
     picker = HeadroomPicker({f"b{i}": f"127.0.0.1:{9000 + i}" for i in range(n)}, PickerParams(seed=1, **params))
     for name in picker.backends:
         picker.observe(name, LiveSignals(waiting=0, running=0, kv_usage=0.0, kv_capacity_tokens=100_000.0,
@@ -152,4 +153,5 @@ def test_prefix_knobs_are_validated() -> None:
         PickerParams.from_mapping({"prefix_block_chars": 0})
     with pytest.raises(ConfigError, match="prefix_weight"):
         PickerParams.from_mapping({"prefix_weight": -1.0})
-    assert replace(PickerParams(), prefix_weight=0.0).prefix_weight == 0.0
+    assert PickerParams().prefix_weight == 0.0  # off until measured against the peers
+    assert replace(PickerParams(), prefix_weight=2.0).prefix_weight == 2.0

@@ -66,10 +66,11 @@ class PickerParams(ComponentConfig):
     external_weight: float = 1.0
     """Work counted per request the engine runs or queues that this picker did not send (0: such requests
     only slow the backend's own requests down, which the ledger sees as they last longer)."""
-    prefix_weight: float = 2.0
+    prefix_weight: float = 0.0
     """Work, in requests, taken off a backend that holds a request's whole prompt in its prefix cache (by the
     picker's index of what it sent where), in proportion to the share of the prompt's blocks it holds; only
-    backends the request fits get it, so affinity never overrides the KV fit. 0 turns the prefix term off."""
+    backends the request fits get it, so affinity never overrides the KV fit. 0 (the default until the test
+    bed has measured it against the peers on shared-prefix traffic) leaves the prefix term off; 2 is a start."""
     prefix_block_chars: int = 256
     """Prompt characters per hashed block (about 64 tokens: a match is counted in whole blocks)."""
     prefix_max_blocks: int = 512
