@@ -209,6 +209,11 @@ def run_policy(policy: str, fleet: Fleet, schedule: list[Arrival], bucket_s: flo
                                  - before.get(b, {}).get("vllm:num_preemptions_total", 0) for b in after))
     doc["served_by"] = {b: int(after[b]["vllm:request_success_total"] - before.get(b, {}).get(
         "vllm:request_success_total", 0)) for b in after}
+    looked, found = (sum(after[b].get(k, 0) - before.get(b, {}).get(k, 0) for b in after)
+                     for k in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"))
+    # the share of prompt tokens the engines found in their prefix caches (shared-prefix arrivals only)
+    doc["prefix_cache"] = {"queried_tokens": int(looked), "hit_tokens": int(found),
+                           "hit_ratio": round(found / looked, 4) if looked > 0 else None}
     failed = collections.Counter(f"{r.status} {r.reason[:120]}".strip() for r in results
                                  if r.status not in (200, 0, -1))
     doc["failed_answers"] = dict(failed.most_common(5))  # what the LB or backend said, for the reader

@@ -72,6 +72,11 @@ def backend_layout(n: int, scenario: str) -> list[Backend]:
             for i in range(n)]
 
 
+COUNTERS = ("vllm:num_preemptions_total", "vllm:request_success_total", "vllm:prefix_cache_queries_total",
+            "vllm:prefix_cache_hits_total")
+"""The counters a policy's run is judged on besides the client's view (prefix-cache tokens looked up and found)."""
+
+
 def scrape(url: str, names: tuple[str, ...], timeout_s: float = 2.0) -> dict[str, float]:
     """Sums of these series in ``url``'s Prometheus text (absent series: 0)."""
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
@@ -136,11 +141,11 @@ class Fleet:
         raise NotImplementedError
 
     def counters(self) -> dict[str, dict[str, float]]:
-        """Per backend: vLLM's preemption and success counters (both fleets export vLLM's names)."""
+        """Per backend: vLLM's preemption, success and prefix-cache counters (both fleets export vLLM's names)."""
         out = {}
         for b in self.alive():
             with contextlib.suppress(OSError, ValueError):
-                out[b.name] = scrape(b.url + "/metrics", ("vllm:num_preemptions_total", "vllm:request_success_total"))
+                out[b.name] = scrape(b.url + "/metrics", COUNTERS)
         return out
 
     def wait_idle(self, timeout_s: float = 120.0) -> None:

@@ -17,12 +17,18 @@ def _ms(v: Any) -> str:
 
 
 def policy_row(name: str, d: dict[str, Any]) -> list[str]:
-    """peak QPS held, goodput, offered, P99 over all offered per class, errors by kind, preemptions."""
+    """peak QPS held, goodput, offered, P99 over all offered per class, errors by kind, preemptions, the share
+    of prompt tokens found in the engines' prefix caches."""
     errors = d["errors"]
     err = " ".join(f"{k}:{v}" for k, v in errors.items() if v) or "0"
     return [name, f"{d['peak_qps_held']:.2f}", f"{float(d['goodput_qps']):.2f}", f"{float(d['offered_qps']):.2f}",
             *(_ms(d["classes"][c]["p99_all_s"]) for c in CLASSES), f"{100 * float(d['error_rate'] or 0):.1f}",
-            err, str(d.get("preemptions", "-"))]
+            err, str(d.get("preemptions", "-")), _hit(d)]
+
+
+def _hit(d: dict[str, Any]) -> str:
+    ratio = (d.get("prefix_cache") or {}).get("hit_ratio")
+    return "-" if ratio is None else f"{100 * ratio:.1f}"
 
 
 def step_rows(policies: dict[str, dict[str, Any]]) -> list[list[str]]:
@@ -89,7 +95,7 @@ def print_tables(doc: dict[str, Any]) -> None:
         if not f["policies"]:
             continue
         header = ["policy", "peak QPS held", "goodput/s", "offered/s", *(f"P99 {SHORT[c]} ms" for c in CLASSES),
-                  "errors %", "errors", "preemptions"]
+                  "errors %", "errors", "preemptions", "prefix hit %"]
         print(_table(header, [policy_row(n, d) for n, d in f["policies"].items()]))
         whole = [n for n, d in f["policies"].items() if all(b["held"] for b in d["buckets"] if b["requests"])]
         if whole:
