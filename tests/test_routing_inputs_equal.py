@@ -19,6 +19,7 @@ import pytest
 from conftest import fresh_database
 
 from triscope.analyzers.routing import WeightParams, compute_weights, read_inputs, with_address
+from triscope.commands.weights import explanation
 from triscope.schema import GPU_SAMPLES, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
 from triscope_bed.fleet import weight_inputs_scans as reference
 
@@ -109,6 +110,8 @@ def test_inputs_and_weights_equal_the_reference_reader(fleet: Any, name: str) ->
         res_new, state_new = compute_weights([with_address(i, params) for i in new], state_new, params, now)
         res_ref, state_ref = compute_weights([with_address(i, params) for i in ref], state_ref, params, now)
         assert repr(res_new.to_dict()) == repr(res_ref.to_dict()) and repr(state_new) == repr(state_ref), now
+        for backend in res_new.backends:  # `weights explain BACKEND`
+            assert repr(explanation(res_new, backend)) == repr(explanation(res_ref, backend))
     if name == "defaults":  # the store holds what the cases need: each shape is seen by the reader
         by = {i.backend: i for i in read_inputs(store, params, NOW)}
         assert "10.0.0.3:8000" not in by and "" not in by and "10.9.9.9:80" in by
