@@ -1,7 +1,14 @@
 """Store reader of the weight engine: latest GPU memory, serving metrics and request stats per backend.
 
-See docs/weights.md ("Backend identity across tables") for how backends map to GPUs. All time
-bounds are query parameters (epoch nanoseconds); the reader never formats values into SQL.
+One query per raw table and update (``serving_metrics``, ``scrape_health``, ``requests``,
+``gpu_samples``): the tables are sorted by backend (or host, GPU) then time, so at a fleet's width
+nearly every granule holds some backend's newest rows and a query over the look-back reads its
+columns whole; a second query over the same table would pay that again. Names, the GPU map, the
+span tail and the window statistics therefore come from the same scan, each bound written as an
+``-If`` condition, and aggregations whose keys lead the sort key run in its order.
+See docs/weights.md ("Backend identity across tables", "Store reader") for how backends map to GPUs
+and what each update reads. All time bounds are query parameters (epoch nanoseconds); the reader
+never formats values into SQL.
 """
 
 from __future__ import annotations
@@ -205,11 +212,11 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
     found = set(params.backends)
     serving = _serving(store, p, found)
     scrapes = _scrapes(store, p, found)
-    spans = _spans(store, p, params, found)
+    req = _spans(store, p, params, found)
     names = sorted(found) if params.discover else sorted(params.backends)
     if not names:
         return []
-    qps_req, p99_req, last_req, tails, gpu_of = spans.qps, spans.p99, spans.last, spans.tails, spans.gpus
+    qps_req, p99_req, last_req, tails, gpu_of = req.qps, req.p99, req.last, req.tails, req.gpus
     gpus = _gpus(store, p)
     out = []
     for name in names:
