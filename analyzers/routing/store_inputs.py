@@ -1,7 +1,14 @@
 """Store reader of the weight engine: latest GPU memory, serving metrics and request stats per backend.
 
-See docs/weights.md ("Backend identity across tables") for how backends map to GPUs. All time
-bounds are query parameters (epoch nanoseconds); the reader never formats values into SQL.
+One query per raw table and update (``serving_metrics``, ``scrape_health``, ``requests``,
+``gpu_samples``): the tables are sorted by backend (or host, GPU) then time, so at a fleet's width
+nearly every granule holds some backend's newest rows and a query over the look-back reads its
+columns whole; a second query over the same table would pay that again. Names, the GPU map, the
+span tail and the window statistics therefore come from the same scan, each bound written as an
+``-If`` condition, and aggregations whose keys lead the sort key run in its order.
+See docs/weights.md ("Backend identity across tables", "Store reader") for how backends map to GPUs
+and what each update reads. All time bounds are query parameters (epoch nanoseconds); the reader
+never formats values into SQL.
 """
 
 from __future__ import annotations
@@ -30,17 +37,9 @@ def _f(x: Any) -> float:
     return v if math.isfinite(v) else NAN
 
 
-def _backend_names(store: Store, params: WeightParams, p: dict[str, Any]) -> list[str]:
-    names = set(params.backends)
-    if params.discover:
-        for table in (SERVING_METRICS, SCRAPE_HEALTH, REQUESTS):
-            rows = store.query(f"SELECT DISTINCT backend FROM {qualified(store, table)} "
-                               "WHERE ts >= fromUnixTimestamp64Nano({since:Int64}) AND backend != ''", p).rows
-            names.update(str(r[0]) for r in rows)
-    return sorted(names)
-
-
-_PREEMPT = "isFinite(preemptions_total) AND ts >= fromUnixTimestamp64Nano({pstart:Int64})"
+_UNTIL = "ts <= fromUnixTimestamp64Nano({until:Int64})"
+_WINDOW = f"ts >= fromUnixTimestamp64Nano({{wstart:Int64}}) AND {_UNTIL}"
+_PREEMPT = f"isFinite(preemptions_total) AND ts >= fromUnixTimestamp64Nano({{pstart:Int64}}) AND {_UNTIL}"
 
 
 def _rise(hi: float, lo: float, n: int) -> float:
@@ -51,106 +50,137 @@ def _rise(hi: float, lo: float, n: int) -> float:
     return hi - lo if hi >= lo else hi
 
 
-def _serving(store: Store, p: dict[str, Any]) -> dict[str, dict[str, float]]:
+def _serving(store: Store, p: dict[str, Any], names: set[str]) -> dict[str, dict[str, float]]:
+    """Per backend with scrapes in [since, until]: the latest gauges, QPS over the window and the
+    preemptions counter's rise; adds to ``names`` every backend scraped since ``since``."""
     sql = f"""
-SELECT backend,
-       toUnixTimestamp64Nano(max(ts)) AS last_ns,
-       argMax(kv_cache_usage_ratio, ts) AS kv,
-       argMax(latency_p99_seconds, ts) AS p99,
-       maxIf(requests_total, ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS rt_hi,
-       minIf(requests_total, ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS rt_lo,
-       toUnixTimestamp64Nano(maxIf(ts, ts >= fromUnixTimestamp64Nano({{wstart:Int64}}))) AS w_hi,
-       toUnixTimestamp64Nano(minIf(ts, ts >= fromUnixTimestamp64Nano({{wstart:Int64}}))) AS w_lo,
-       countIf(ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS w_n,
-       argMax(sleep_state, ts) AS sleep,
+SELECT backend, countIf({_UNTIL}) AS n,
+       toUnixTimestamp64Nano(maxIf(ts, {_UNTIL})) AS last_ns,
+       argMaxIf(kv_cache_usage_ratio, ts, {_UNTIL}) AS kv,
+       argMaxIf(latency_p99_seconds, ts, {_UNTIL}) AS p99,
+       maxIf(requests_total, {_WINDOW}) AS rt_hi,
+       minIf(requests_total, {_WINDOW}) AS rt_lo,
+       toUnixTimestamp64Nano(maxIf(ts, {_WINDOW})) AS w_hi,
+       toUnixTimestamp64Nano(minIf(ts, {_WINDOW})) AS w_lo,
+       countIf({_WINDOW}) AS w_n,
+       argMaxIf(sleep_state, ts, {_UNTIL}) AS sleep,
        argMaxIf(preemptions_total, ts, {_PREEMPT}) AS pre_hi,
        argMinIf(preemptions_total, ts, {_PREEMPT}) AS pre_lo,
        countIf({_PREEMPT}) AS pre_n
 FROM {qualified(store, SERVING_METRICS)}
-WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
-GROUP BY backend"""
+WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}})
+GROUP BY backend
+SETTINGS optimize_aggregation_in_order = 1"""
     out = {}
     for r in store.query(sql, p).dicts():
+        name = str(r["backend"])
+        if name:
+            names.add(name)
+        if not int(r["n"]):  # only rows after ``until``: named, not measured
+            continue
         qps = NAN
         span = (int(r["w_hi"]) - int(r["w_lo"])) / 1e9
         if int(r["w_n"]) >= 2 and span > 0 and math.isfinite(_f(r["rt_hi"])) and math.isfinite(_f(r["rt_lo"])):
             qps = max(0.0, (_f(r["rt_hi"]) - _f(r["rt_lo"])) / span)
-        out[str(r["backend"])] = {"last": int(r["last_ns"]) / 1e9, "kv": _f(r["kv"]), "p99": _f(r["p99"]),
-                                  "qps": qps, "sleep": _f(r["sleep"]),
-                                  "preemptions": _rise(_f(r["pre_hi"]), _f(r["pre_lo"]), int(r["pre_n"]))}
+        out[name] = {"last": int(r["last_ns"]) / 1e9, "kv": _f(r["kv"]), "p99": _f(r["p99"]),
+                     "qps": qps, "sleep": _f(r["sleep"]),
+                     "preemptions": _rise(_f(r["pre_hi"]), _f(r["pre_lo"]), int(r["pre_n"]))}
     return out
 
 
-def _requests(store: Store, p: dict[str, Any], params: WeightParams
-              ) -> tuple[dict[str, float], dict[str, dict[str, float]], dict[str, float]]:
-    """(qps, per-class p99, newest row time) per backend over the window."""
+class _Spans:
+    """What one scan of the request spans since ``since`` gives the engine, per backend."""
+
+    def __init__(self) -> None:
+        self.qps: dict[str, float] = defaultdict(float)
+        self.p99: dict[str, dict[str, float]] = defaultdict(dict)
+        self.last: dict[str, float] = {}
+        self.tails: dict[str, tuple[float, float]] = {}
+        self.gpus: dict[str, set[tuple[str, str]]] = defaultdict(set)
+
+
+def _spans(store: Store, p: dict[str, Any], params: WeightParams, names: set[str]) -> _Spans:
+    """QPS, per-class P99 and newest span over the window, (spans in the window, failed requests in a
+    row at its end) for backends with spans in [since, until], and the GPUs spans name since
+    ``since``; adds to ``names`` every backend with spans since ``since``.
+
+    One scan grouped by (backend, class, host, gpu); the class's P99 merges the exact-quantile
+    states of its (host, gpu) groups, so it is the quantile of all its spans."""
+    k = max(1, params.down_after_errors)
+    # a window longer than the look-back reads spans before ``since`` for QPS and P99 only
+    look = "ts >= fromUnixTimestamp64Nano({since:Int64})"
+    tail_if = f"{_WINDOW} AND {look}"
     sql = f"""
-SELECT backend, if(request_class IN {{classes:Array(String)}}, request_class, {{default:String}}) AS cls,
-       count() AS n, quantileExactIf(0.99)(latency_seconds, isFinite(latency_seconds)) AS p99,
-       toUnixTimestamp64Nano(max(ts)) AS last_ns
-FROM {qualified(store, REQUESTS)}
-WHERE ts >= fromUnixTimestamp64Nano({{wstart:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
-GROUP BY backend, cls"""
-    qps: dict[str, float] = defaultdict(float)
-    p99: dict[str, dict[str, float]] = defaultdict(dict)
-    last: dict[str, float] = {}
-    q = {**p, "classes": list(params.classes), "default": params.default_class}
+SELECT backend, cls, sum(i_seen) AS seen, sum(i_look) AS n_look, sum(i_n) AS n, sum(i_tail_n) AS n_tail,
+       quantileExactIfMerge(0.99)(i_p99) AS p99, toUnixTimestamp64Nano(max(i_last)) AS last_ns,
+       arraySlice(arraySort(arrayFlatten(groupArray(i_tail))), -{{k:UInt32}}) AS tail,
+       groupArrayIf((host, gpu), gpu != '' AND i_seen > 0) AS gpus
+FROM (
+    SELECT backend, if(request_class IN {{classes:Array(String)}}, request_class, {{default:String}}) AS cls,
+           host, gpu, countIf({look}) AS i_seen, countIf({look} AND {_UNTIL}) AS i_look, countIf({_WINDOW}) AS i_n,
+           countIf({tail_if}) AS i_tail_n,
+           quantileExactIfState(0.99)(latency_seconds, isFinite(latency_seconds) AND {_WINDOW}) AS i_p99,
+           maxIf(ts, {_WINDOW}) AS i_last,
+           arraySlice(arraySort(groupArrayIf((toUnixTimestamp64Nano(ts), status = 'error'), {tail_if})),
+                      -{{k:UInt32}}) AS i_tail
+    FROM {qualified(store, REQUESTS)}
+    WHERE ts >= fromUnixTimestamp64Nano({{rstart:Int64}})
+    GROUP BY backend, cls, host, gpu)
+GROUP BY backend, cls
+SETTINGS optimize_aggregation_in_order = 1"""
+    q = {**p, "classes": list(params.classes), "default": params.default_class, "k": k,
+         "rstart": min(p["since"], p["wstart"])}
+    out = _Spans()
+    counts: dict[str, list[float]] = {}
+    tails: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for r in store.query(sql, q).dicts():
         b = str(r["backend"])
-        qps[b] += int(r["n"]) / params.window_s
-        if math.isfinite(_f(r["p99"])):
-            p99[b][str(r["cls"])] = _f(r["p99"])
-        last[b] = max(last.get(b, 0.0), int(r["last_ns"]) / 1e9)
-    return dict(qps), dict(p99), last
+        if b and int(r["seen"]):
+            names.add(b)
+        out.gpus[b].update((str(h), str(g)) for h, g in r["gpus"])
+        if int(r["n_look"]):
+            c = counts.setdefault(b, [0.0])
+            c[0] += int(r["n_tail"])
+            tails[b].extend((int(t), int(f)) for t, f in r["tail"])
+        if int(r["n"]):  # the class has spans within the window
+            out.qps[b] += int(r["n"]) / params.window_s
+            if math.isfinite(_f(r["p99"])):
+                out.p99[b][str(r["cls"])] = _f(r["p99"])
+            out.last[b] = max(out.last.get(b, 0.0), int(r["last_ns"]) / 1e9)
+    for b, (n,) in counts.items():
+        trailing = 0
+        for _, failed in reversed(sorted(tails[b])[-k:]):
+            if not failed:
+                break
+            trailing += 1
+        out.tails[b] = (n, float(trailing))
+    return out
 
 
-def _scrapes(store: Store, p: dict[str, Any]) -> dict[str, tuple[float, str, float]]:
+def _scrapes(store: Store, p: dict[str, Any], names: set[str]) -> dict[str, tuple[float, str, float]]:
     """(up of the latest scrape, its error, the time of the last scrape that answered, NaN if none within
-    the look-back) per backend; a backend with several targets is up when its latest scrapes all answered."""
+    the look-back) per backend; a backend with several targets is up when its latest scrapes all answered.
+    Adds to ``names`` every backend with scrapes since ``since``."""
     sql = f"""
-SELECT backend, min(up_last) AS up_latest, anyIf(err, up_last = 0) AS error, min(ok_ns) AS ok_ns FROM (
-    SELECT backend, target, argMax(up, ts) AS up_last, argMax(error, ts) AS err,
-           toUnixTimestamp64Nano(maxIf(ts, up = 1)) AS ok_ns
+SELECT backend, sum(i_n) AS n, minIf(i_up, i_n > 0) AS up_latest, anyIf(i_err, i_n > 0 AND i_up = 0) AS error,
+       minIf(i_ok_ns, i_n > 0) AS ok_ns FROM (
+    SELECT backend, target, countIf({_UNTIL}) AS i_n, argMaxIf(up, ts, {_UNTIL}) AS i_up,
+           argMaxIf(error, ts, {_UNTIL}) AS i_err,
+           toUnixTimestamp64Nano(maxIf(ts, up = 1 AND {_UNTIL})) AS i_ok_ns
     FROM {qualified(store, SCRAPE_HEALTH)}
-    WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
+    WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}})
     GROUP BY backend, target)
 GROUP BY backend"""
     out = {}
     for r in store.query(sql, p).dicts():
+        name = str(r["backend"])
+        if name:
+            names.add(name)
+        if not int(r["n"]):
+            continue
         up = float(r["up_latest"])
         ok = int(r["ok_ns"]) / 1e9 if int(r["ok_ns"]) > 0 else NAN
-        out[str(r["backend"])] = (up, str(r["error"]) if up == 0 else "", ok)
-    return out
-
-
-def _span_tail(store: Store, p: dict[str, Any], params: WeightParams) -> dict[str, tuple[float, float]]:
-    """(spans within ``window_s``, failed requests in a row at its end) per backend with spans within ``lookback_s``."""
-    sql = f"""
-SELECT backend, countIf(ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS n,
-       arraySlice(arrayMap(x -> x.2, arraySort(groupArrayIf((ts, status = 'error'),
-                                                            ts >= fromUnixTimestamp64Nano({{wstart:Int64}})))),
-                  -{{k:UInt32}}) AS tail
-FROM {qualified(store, REQUESTS)}
-WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
-GROUP BY backend"""
-    out = {}
-    for r in store.query(sql, {**p, "k": max(1, params.down_after_errors)}).dicts():
-        tail = [int(x) for x in r["tail"]]
-        trailing = 0
-        for failed in reversed(tail):
-            if not failed:
-                break
-            trailing += 1
-        out[str(r["backend"])] = (float(r["n"]), float(trailing))
-    return out
-
-
-def _gpu_map(store: Store, p: dict[str, Any]) -> dict[str, set[tuple[str, str]]]:
-    rows = store.query(f"SELECT DISTINCT backend, host, gpu FROM {qualified(store, REQUESTS)} "
-                       "WHERE ts >= fromUnixTimestamp64Nano({since:Int64}) AND gpu != ''", p).rows
-    out: dict[str, set[tuple[str, str]]] = defaultdict(set)
-    for backend, host, gpu in rows:
-        out[str(backend)].add((str(host), str(gpu)))
+        out[name] = (up, str(r["error"]) if up == 0 else "", ok)
     return out
 
 
@@ -161,7 +191,8 @@ SELECT host, gpu, argMax(gpu_uuid, ts) AS uuid, toUnixTimestamp64Nano(max(ts)) A
        argMax(memory_used_bytes, ts) AS used, argMax(memory_total_bytes, ts) AS total, argMax(state, ts) AS state
 FROM {qualified(store, GPU_SAMPLES)}
 WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
-GROUP BY host, gpu"""
+GROUP BY host, gpu
+SETTINGS optimize_aggregation_in_order = 1"""
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for r in store.query(sql, p).dicts():
         sample = {"last": int(r["last_ns"]) / 1e9, "used": _f(r["used"]), "total": _f(r["total"]),
@@ -176,14 +207,16 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
     """One :class:`BackendInputs` per known backend, from the newest rows within ``lookback_s``."""
     p = {"since": _ns(now - params.lookback_s), "wstart": _ns(now - params.window_s), "until": _ns(now) + 1,
          "pstart": _ns(now - params.preemption_lookback_s)}
-    names = _backend_names(store, params, p)
+    if not params.discover and not params.backends:
+        return []
+    found = set(params.backends)
+    serving = _serving(store, p, found)
+    scrapes = _scrapes(store, p, found)
+    req = _spans(store, p, params, found)
+    names = sorted(found) if params.discover else sorted(params.backends)
     if not names:
         return []
-    serving = _serving(store, p)
-    qps_req, p99_req, last_req = _requests(store, p, params)
-    scrapes = _scrapes(store, p)
-    tails = _span_tail(store, p, params)
-    gpu_of = _gpu_map(store, p)
+    qps_req, p99_req, last_req, tails, gpu_of = req.qps, req.p99, req.last, req.tails, req.gpus
     gpus = _gpus(store, p)
     out = []
     for name in names:

@@ -1,0 +1,228 @@
+"""The weight engine's store reader as one query per input (seven scans of the raw tables): the
+reference the one-scan-per-table reader (``triscope.analyzers.routing.store_inputs``) is checked
+equal to (tests/test_routing_inputs_equal.py) and timed against (bench/weight_update.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+from triscope.analyzers.routing.config import NAN, WeightParams
+from triscope.analyzers.routing.model import SOURCE_GPU, SOURCE_REQUESTS, SOURCE_SERVING, BackendInputs
+from triscope.schema import GPU_SAMPLES, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, qualified
+from triscope.store.base import Store
+
+UNHEALTHY_STATES = ("lost", "unavailable")
+
+
+def _ns(t: float) -> int:
+    return int(t * 1e9)
+
+
+def _f(x: Any) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return NAN
+    return v if math.isfinite(v) else NAN
+
+
+def _backend_names(store: Store, params: WeightParams, p: dict[str, Any]) -> list[str]:
+    names = set(params.backends)
+    if params.discover:
+        for table in (SERVING_METRICS, SCRAPE_HEALTH, REQUESTS):
+            rows = store.query(f"SELECT DISTINCT backend FROM {qualified(store, table)} "
+                               "WHERE ts >= fromUnixTimestamp64Nano({since:Int64}) AND backend != ''", p).rows
+            names.update(str(r[0]) for r in rows)
+    return sorted(names)
+
+
+_PREEMPT = "isFinite(preemptions_total) AND ts >= fromUnixTimestamp64Nano({pstart:Int64})"
+
+
+def _rise(hi: float, lo: float, n: int) -> float:
+    """A counter's rise between its first and last sample (after a reset: its value since); NaN
+    with fewer than two samples."""
+    if n < 2 or not (math.isfinite(hi) and math.isfinite(lo)):
+        return NAN
+    return hi - lo if hi >= lo else hi
+
+
+def _serving(store: Store, p: dict[str, Any]) -> dict[str, dict[str, float]]:
+    sql = f"""
+SELECT backend,
+       toUnixTimestamp64Nano(max(ts)) AS last_ns,
+       argMax(kv_cache_usage_ratio, ts) AS kv,
+       argMax(latency_p99_seconds, ts) AS p99,
+       maxIf(requests_total, ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS rt_hi,
+       minIf(requests_total, ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS rt_lo,
+       toUnixTimestamp64Nano(maxIf(ts, ts >= fromUnixTimestamp64Nano({{wstart:Int64}}))) AS w_hi,
+       toUnixTimestamp64Nano(minIf(ts, ts >= fromUnixTimestamp64Nano({{wstart:Int64}}))) AS w_lo,
+       countIf(ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS w_n,
+       argMax(sleep_state, ts) AS sleep,
+       argMaxIf(preemptions_total, ts, {_PREEMPT}) AS pre_hi,
+       argMinIf(preemptions_total, ts, {_PREEMPT}) AS pre_lo,
+       countIf({_PREEMPT}) AS pre_n
+FROM {qualified(store, SERVING_METRICS)}
+WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
+GROUP BY backend"""
+    out = {}
+    for r in store.query(sql, p).dicts():
+        qps = NAN
+        span = (int(r["w_hi"]) - int(r["w_lo"])) / 1e9
+        if int(r["w_n"]) >= 2 and span > 0 and math.isfinite(_f(r["rt_hi"])) and math.isfinite(_f(r["rt_lo"])):
+            qps = max(0.0, (_f(r["rt_hi"]) - _f(r["rt_lo"])) / span)
+        out[str(r["backend"])] = {"last": int(r["last_ns"]) / 1e9, "kv": _f(r["kv"]), "p99": _f(r["p99"]),
+                                  "qps": qps, "sleep": _f(r["sleep"]),
+                                  "preemptions": _rise(_f(r["pre_hi"]), _f(r["pre_lo"]), int(r["pre_n"]))}
+    return out
+
+
+def _requests(store: Store, p: dict[str, Any], params: WeightParams
+              ) -> tuple[dict[str, float], dict[str, dict[str, float]], dict[str, float]]:
+    """(qps, per-class p99, newest row time) per backend over the window."""
+    sql = f"""
+SELECT backend, if(request_class IN {{classes:Array(String)}}, request_class, {{default:String}}) AS cls,
+       count() AS n, quantileExactIf(0.99)(latency_seconds, isFinite(latency_seconds)) AS p99,
+       toUnixTimestamp64Nano(max(ts)) AS last_ns
+FROM {qualified(store, REQUESTS)}
+WHERE ts >= fromUnixTimestamp64Nano({{wstart:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
+GROUP BY backend, cls"""
+    qps: dict[str, float] = defaultdict(float)
+    p99: dict[str, dict[str, float]] = defaultdict(dict)
+    last: dict[str, float] = {}
+    q = {**p, "classes": list(params.classes), "default": params.default_class}
+    for r in store.query(sql, q).dicts():
+        b = str(r["backend"])
+        qps[b] += int(r["n"]) / params.window_s
+        if math.isfinite(_f(r["p99"])):
+            p99[b][str(r["cls"])] = _f(r["p99"])
+        last[b] = max(last.get(b, 0.0), int(r["last_ns"]) / 1e9)
+    return dict(qps), dict(p99), last
+
+
+def _scrapes(store: Store, p: dict[str, Any]) -> dict[str, tuple[float, str, float]]:
+    """(up of the latest scrape, its error, the time of the last scrape that answered, NaN if none within
+    the look-back) per backend; a backend with several targets is up when its latest scrapes all answered."""
+    sql = f"""
+SELECT backend, min(up_last) AS up_latest, anyIf(err, up_last = 0) AS error, min(ok_ns) AS ok_ns FROM (
+    SELECT backend, target, argMax(up, ts) AS up_last, argMax(error, ts) AS err,
+           toUnixTimestamp64Nano(maxIf(ts, up = 1)) AS ok_ns
+    FROM {qualified(store, SCRAPE_HEALTH)}
+    WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
+    GROUP BY backend, target)
+GROUP BY backend"""
+    out = {}
+    for r in store.query(sql, p).dicts():
+        up = float(r["up_latest"])
+        ok = int(r["ok_ns"]) / 1e9 if int(r["ok_ns"]) > 0 else NAN
+        out[str(r["backend"])] = (up, str(r["error"]) if up == 0 else "", ok)
+    return out
+
+
+def _span_tail(store: Store, p: dict[str, Any], params: WeightParams) -> dict[str, tuple[float, float]]:
+    """(spans within ``window_s``, failed requests in a row at its end) per backend with spans within ``lookback_s``."""
+    sql = f"""
+SELECT backend, countIf(ts >= fromUnixTimestamp64Nano({{wstart:Int64}})) AS n,
+       arraySlice(arrayMap(x -> x.2, arraySort(groupArrayIf((ts, status = 'error'),
+                                                            ts >= fromUnixTimestamp64Nano({{wstart:Int64}})))),
+                  -{{k:UInt32}}) AS tail
+FROM {qualified(store, REQUESTS)}
+WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
+GROUP BY backend"""
+    out = {}
+    for r in store.query(sql, {**p, "k": max(1, params.down_after_errors)}).dicts():
+        tail = [int(x) for x in r["tail"]]
+        trailing = 0
+        for failed in reversed(tail):
+            if not failed:
+                break
+            trailing += 1
+        out[str(r["backend"])] = (float(r["n"]), float(trailing))
+    return out
+
+
+def _gpu_map(store: Store, p: dict[str, Any]) -> dict[str, set[tuple[str, str]]]:
+    rows = store.query(f"SELECT DISTINCT backend, host, gpu FROM {qualified(store, REQUESTS)} "
+                       "WHERE ts >= fromUnixTimestamp64Nano({since:Int64}) AND gpu != ''", p).rows
+    out: dict[str, set[tuple[str, str]]] = defaultdict(set)
+    for backend, host, gpu in rows:
+        out[str(backend)].add((str(host), str(gpu)))
+    return out
+
+
+def _gpus(store: Store, p: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Latest sample per (host, gpu index), also reachable by (host, uuid)."""
+    sql = f"""
+SELECT host, gpu, argMax(gpu_uuid, ts) AS uuid, toUnixTimestamp64Nano(max(ts)) AS last_ns,
+       argMax(memory_used_bytes, ts) AS used, argMax(memory_total_bytes, ts) AS total, argMax(state, ts) AS state
+FROM {qualified(store, GPU_SAMPLES)}
+WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
+GROUP BY host, gpu"""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in store.query(sql, p).dicts():
+        sample = {"last": int(r["last_ns"]) / 1e9, "used": _f(r["used"]), "total": _f(r["total"]),
+                  "state": str(r["state"])}
+        out[(str(r["host"]), str(int(r["gpu"])))] = sample
+        if r["uuid"]:
+            out[(str(r["host"]), str(r["uuid"]))] = sample
+    return out
+
+
+def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendInputs]:
+    """One :class:`BackendInputs` per known backend, from the newest rows within ``lookback_s``."""
+    p = {"since": _ns(now - params.lookback_s), "wstart": _ns(now - params.window_s), "until": _ns(now) + 1,
+         "pstart": _ns(now - params.preemption_lookback_s)}
+    names = _backend_names(store, params, p)
+    if not names:
+        return []
+    serving = _serving(store, p)
+    qps_req, p99_req, last_req = _requests(store, p, params)
+    scrapes = _scrapes(store, p)
+    tails = _span_tail(store, p, params)
+    gpu_of = _gpu_map(store, p)
+    gpus = _gpus(store, p)
+    out = []
+    for name in names:
+        cfg = params.backends.get(name)
+        if cfg and cfg.gpus:
+            keys = {(cfg.host, str(g)) for g in cfg.gpus}
+        else:
+            keys = gpu_of.get(name, set())
+            if cfg and cfg.host:
+                keys = {(cfg.host, g) for _, g in keys} or keys
+        samples = [gpus[k] for k in sorted(keys) if k in gpus]
+        used = total = NAN
+        healthy = all(s["state"] not in UNHEALTHY_STATES for s in samples)
+        sources: dict[str, float] = {}
+        measured = [s for s in samples if math.isfinite(s["used"]) and math.isfinite(s["total"]) and s["total"] > 0]
+        if measured:
+            worst = max(measured, key=lambda s: s["used"] / s["total"])
+            used, total = worst["used"], worst["total"]
+        if samples:
+            sources[SOURCE_GPU] = min(s["last"] for s in samples)
+        srv = serving.get(name)
+        kv = sleep = preemptions = NAN
+        p99 = dict(p99_req.get(name, {}))
+        qps = qps_req.get(name, NAN)
+        if srv is not None:
+            sources[SOURCE_SERVING] = srv["last"]
+            kv, sleep, preemptions = srv["kv"], srv["sleep"], srv["preemptions"]
+            if not p99 and math.isfinite(srv["p99"]):
+                p99[params.default_class] = srv["p99"]
+            if not math.isfinite(qps):
+                qps = srv["qps"]
+        if name in last_req:
+            sources[SOURCE_REQUESTS] = last_req[name]
+        up, scrape_error, last_ok = scrapes.get(name, (NAN, "", NAN))
+        failing = (now - last_ok if math.isfinite(last_ok) else params.lookback_s) if up == 0 else NAN
+        spans, trailing = tails.get(name, (NAN, NAN))
+        out.append(BackendInputs(name, memory_used_bytes=used, memory_total_bytes=total, kv_cache_usage_ratio=kv,
+                                 qps=qps, capacity_qps=cfg.capacity_qps if cfg and cfg.capacity_qps > 0 else NAN,
+                                 p99_seconds=p99, healthy=healthy, sources=sources,
+                                 address=cfg.address if cfg else "", sleep_state=sleep, preemptions=preemptions,
+                                 scrape_up=up, scrape_error=scrape_error, scrape_failing_s=failing,
+                                 span_count=spans, trailing_errors=trailing))
+    return out
