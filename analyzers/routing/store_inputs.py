@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 from triscope.analyzers.routing.config import NAN, WeightParams
@@ -216,18 +217,37 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
     names = sorted(found) if params.discover else sorted(params.backends)
     if not names:
         return []
-    qps_req, p99_req, last_req, tails, gpu_of = req.qps, req.p99, req.last, req.tails, req.gpus
-    gpus = _gpus(store, p)
+    return assemble(names, params, now, Readings(serving, req.qps, req.p99, req.last, scrapes, req.tails, req.gpus,
+                                                 _gpus(store, p)))
+
+
+@dataclass(frozen=True)
+class Readings:
+    """What the store said, per table, that :func:`assemble` turns into each backend's inputs."""
+
+    serving: dict[str, dict[str, float]]
+    qps: dict[str, float]
+    p99: dict[str, dict[str, float]]
+    last_request: dict[str, float]
+    scrapes: dict[str, tuple[float, str, float]]
+    tails: dict[str, tuple[float, float]]
+    gpu_of: dict[str, set[tuple[str, str]]]
+    gpus: dict[tuple[str, str], dict[str, Any]]
+
+
+def assemble(names: list[str], params: WeightParams, now: float, r: Readings) -> list[BackendInputs]:
+    """One :class:`BackendInputs` per name from the readings: its worst-filled GPU, its engine's scrape,
+    its spans (the engine's own P99 and QPS where no span says), its scrape health and span tail."""
     out = []
     for name in names:
         cfg = params.backends.get(name)
         if cfg and cfg.gpus:
             keys = {(cfg.host, str(g)) for g in cfg.gpus}
         else:
-            keys = gpu_of.get(name, set())
+            keys = r.gpu_of.get(name, set())
             if cfg and cfg.host:
                 keys = {(cfg.host, g) for _, g in keys} or keys
-        samples = [gpus[k] for k in sorted(keys) if k in gpus]
+        samples = [r.gpus[k] for k in sorted(keys) if k in r.gpus]
         used = total = NAN
         healthy = all(s["state"] not in UNHEALTHY_STATES for s in samples)
         sources: dict[str, float] = {}
@@ -237,10 +257,10 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
             used, total = worst["used"], worst["total"]
         if samples:
             sources[SOURCE_GPU] = min(s["last"] for s in samples)
-        srv = serving.get(name)
+        srv = r.serving.get(name)
         kv = sleep = preemptions = NAN
-        p99 = dict(p99_req.get(name, {}))
-        qps = qps_req.get(name, NAN)
+        p99 = dict(r.p99.get(name, {}))
+        qps = r.qps.get(name, NAN)
         if srv is not None:
             sources[SOURCE_SERVING] = srv["last"]
             kv, sleep, preemptions = srv["kv"], srv["sleep"], srv["preemptions"]
@@ -248,11 +268,11 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
                 p99[params.default_class] = srv["p99"]
             if not math.isfinite(qps):
                 qps = srv["qps"]
-        if name in last_req:
-            sources[SOURCE_REQUESTS] = last_req[name]
-        up, scrape_error, last_ok = scrapes.get(name, (NAN, "", NAN))
+        if name in r.last_request:
+            sources[SOURCE_REQUESTS] = r.last_request[name]
+        up, scrape_error, last_ok = r.scrapes.get(name, (NAN, "", NAN))
         failing = (now - last_ok if math.isfinite(last_ok) else params.lookback_s) if up == 0 else NAN
-        spans, trailing = tails.get(name, (NAN, NAN))
+        spans, trailing = r.tails.get(name, (NAN, NAN))
         out.append(BackendInputs(name, memory_used_bytes=used, memory_total_bytes=total, kv_cache_usage_ratio=kv,
                                  qps=qps, capacity_qps=cfg.capacity_qps if cfg and cfg.capacity_qps > 0 else NAN,
                                  p99_seconds=p99, healthy=healthy, sources=sources,

@@ -10,7 +10,8 @@ from collections import defaultdict
 from typing import Any
 
 from triscope.analyzers.routing.config import NAN, WeightParams
-from triscope.analyzers.routing.model import SOURCE_GPU, SOURCE_REQUESTS, SOURCE_SERVING, BackendInputs
+from triscope.analyzers.routing.model import BackendInputs
+from triscope.analyzers.routing.store_inputs import Readings, assemble
 from triscope.schema import GPU_SAMPLES, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, qualified
 from triscope.store.base import Store
 
@@ -183,46 +184,5 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
     scrapes = _scrapes(store, p)
     tails = _span_tail(store, p, params)
     gpu_of = _gpu_map(store, p)
-    gpus = _gpus(store, p)
-    out = []
-    for name in names:
-        cfg = params.backends.get(name)
-        if cfg and cfg.gpus:
-            keys = {(cfg.host, str(g)) for g in cfg.gpus}
-        else:
-            keys = gpu_of.get(name, set())
-            if cfg and cfg.host:
-                keys = {(cfg.host, g) for _, g in keys} or keys
-        samples = [gpus[k] for k in sorted(keys) if k in gpus]
-        used = total = NAN
-        healthy = all(s["state"] not in UNHEALTHY_STATES for s in samples)
-        sources: dict[str, float] = {}
-        measured = [s for s in samples if math.isfinite(s["used"]) and math.isfinite(s["total"]) and s["total"] > 0]
-        if measured:
-            worst = max(measured, key=lambda s: s["used"] / s["total"])
-            used, total = worst["used"], worst["total"]
-        if samples:
-            sources[SOURCE_GPU] = min(s["last"] for s in samples)
-        srv = serving.get(name)
-        kv = sleep = preemptions = NAN
-        p99 = dict(p99_req.get(name, {}))
-        qps = qps_req.get(name, NAN)
-        if srv is not None:
-            sources[SOURCE_SERVING] = srv["last"]
-            kv, sleep, preemptions = srv["kv"], srv["sleep"], srv["preemptions"]
-            if not p99 and math.isfinite(srv["p99"]):
-                p99[params.default_class] = srv["p99"]
-            if not math.isfinite(qps):
-                qps = srv["qps"]
-        if name in last_req:
-            sources[SOURCE_REQUESTS] = last_req[name]
-        up, scrape_error, last_ok = scrapes.get(name, (NAN, "", NAN))
-        failing = (now - last_ok if math.isfinite(last_ok) else params.lookback_s) if up == 0 else NAN
-        spans, trailing = tails.get(name, (NAN, NAN))
-        out.append(BackendInputs(name, memory_used_bytes=used, memory_total_bytes=total, kv_cache_usage_ratio=kv,
-                                 qps=qps, capacity_qps=cfg.capacity_qps if cfg and cfg.capacity_qps > 0 else NAN,
-                                 p99_seconds=p99, healthy=healthy, sources=sources,
-                                 address=cfg.address if cfg else "", sleep_state=sleep, preemptions=preemptions,
-                                 scrape_up=up, scrape_error=scrape_error, scrape_failing_s=failing,
-                                 span_count=spans, trailing_errors=trailing))
-    return out
+    return assemble(names, params, now, Readings(serving, qps_req, p99_req, last_req, scrapes, tails, gpu_of,
+                                                 _gpus(store, p)))
