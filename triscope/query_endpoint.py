@@ -85,8 +85,9 @@ class QueryConfig(ComponentConfig):
     max_threads: int = 0
     """Engine threads per query (0 = a quarter of the cores, at least 1): the writer keeps the rest."""
     thread_nice: int = 10
-    """Linux nice value of the threads running a query (ClickHouse's ``os_thread_priority``): above 0 the
-    writer's inserts go first when both want a core. Needs CAP_SYS_NICE (root); a no-op without it."""
+    """Added to the daemon's own nice value for the threads running a query (ClickHouse's
+    ``os_thread_priority``, at most 19): above 0 the writer's inserts go first when both want a core,
+    however the daemon itself is niced. Needs CAP_SYS_NICE (root); a no-op without it."""
     max_connections: int = 64
 
     def validate(self, where: str) -> None:
@@ -107,6 +108,11 @@ class QueryError(Exception):
     def __init__(self, status: int, code: int, message: str) -> None:
         super().__init__(message)
         self.status, self.code = status, code
+
+
+def query_nice(thread_nice: int) -> int:
+    """The nice value of a query's threads: ``thread_nice`` above this thread's own (the daemon's), in -20..19."""
+    return max(-20, min(19, os.nice(0) + thread_nice))
 
 
 def statement_kind(sql: str) -> str:
@@ -158,7 +164,7 @@ class QueryService:
                       f"SET max_execution_time = {int(self.cfg.max_execution_time_s)}",
                       f"SET max_memory_usage = {int(self.cfg.max_memory_bytes)}",
                       f"SET max_threads = {self.cfg.max_threads or max(1, (os.cpu_count() or 1) // 4)}",
-                      f"SET os_thread_priority = {int(self.cfg.thread_nice)}"]
+                      f"SET os_thread_priority = {query_nice(self.cfg.thread_nice)}"]
         if self.cfg.readonly:
             statements.append("SET readonly = 2")  # reads, and settings other than readonly
         for sql in statements:
