@@ -169,31 +169,29 @@ def run_level(store: EmbeddedStore, writer: Writer, endpoint: QueryEndpoint, que
             "query_median_ms": round(1000 * statistics.median(latencies), 2) if latencies else None}
 
 
-def _served_medians(url: str, database: str, username: str, token: str, queries: list[str], rounds: int,
-                    out: Any) -> None:
-    """Per query, the median of ``rounds`` runs through the endpoint, from a process of its own (a client's
-    parsing must not share the endpoint's interpreter, as Grafana or the CLI do not), and the client's CPU
-    seconds for them."""
+def _served_passes(url: str, database: str, username: str, token: str, queries: list[str], asks: Any,
+                   out: Any) -> None:
+    """Passes over ``queries`` through the endpoint, one per ``asks`` message until None, from a process of
+    its own (a client's parsing must not share the endpoint's interpreter, as Grafana or the CLI do not):
+    each pass's per-query seconds and the client's CPU seconds for it."""
     remote = ServerStore(url, database=database, username=username, password=token, create_database=False)
-    _medians(remote, queries, 1)  # the client's connection opens, and the daemon's query threads warm up
-    cpu0 = time.process_time()
-    medians = _medians(remote, queries, rounds)
-    cpu = time.process_time() - cpu0
+    _pass(remote, queries)  # the client's connection opens, and the daemon's query threads warm up
+    out.put(None)
+    while asks.get() is not None:
+        cpu0 = time.process_time()
+        times = _pass(remote, queries)
+        out.put((times, time.process_time() - cpu0))
     remote.close()
-    out.put((medians, cpu))
 
 
-def _medians(store: Any, queries: list[str], rounds: int) -> list[float]:
-    """Per query, the median seconds of ``rounds`` runs on ``store`` (direct or through the endpoint)."""
-    medians = []
+def _pass(store: Any, queries: list[str]) -> list[float]:
+    """Seconds of each query, once, on ``store`` (direct or through the endpoint)."""
+    times = []
     for sql in queries:
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            store.query(sql)
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
-    return medians
+        t0 = time.perf_counter()
+        store.query(sql)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _cpu_s() -> float:
@@ -205,33 +203,43 @@ def _cpu_s() -> float:
 def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[str], rounds: int = 5
                   ) -> dict[str, Any]:
     """Per query: median over ``rounds`` through the endpoint (from a client process) / the same directly
-    (in the store's process), idle writer; with the CPU each costs per query (the daemon's process, the
-    client's process; directly: the store's process)."""
+    (in the store's process), idle writer; served and direct passes alternate, so other load on the machine
+    weighs on both alike. With the CPU each costs per query (the daemon's process and the client's; directly
+    the store's process)."""
     import multiprocessing as mp
 
-    _medians(store, queries, 4)  # both ways meet a warm engine (it compiles an expression seen thrice: 5x the CPU)
+    for _ in range(4):  # both ways meet a warm engine (it compiles an expression seen thrice: 5x the CPU)
+        _pass(store, queries)
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_served_medians, args=(endpoint.url, store.database, endpoint.username,
-                                                     endpoint.token, queries, rounds, results), daemon=True)
-    asked = endpoint.stats()["queries_total"]
+    asks, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_served_passes, args=(endpoint.url, store.database, endpoint.username,
+                                                    endpoint.token, queries, asks, results), daemon=True)
     proc.start()
-    while endpoint.stats()["queries_total"] < asked + 3 + len(queries) and proc.is_alive():  # connected, warm
-        time.sleep(0.001)
-    cpu0 = _cpu_s()
-    served, client_cpu = results.get(timeout=600)
-    server_cpu = _cpu_s() - cpu0
+    results.get(timeout=300)  # connected and warm
+    served: list[list[float]] = []
+    direct: list[list[float]] = []
+    server_cpu = client_cpu = direct_cpu = 0.0
+    for _ in range(rounds):
+        cpu0 = _cpu_s()
+        asks.put(True)
+        times, cpu = results.get(timeout=600)
+        server_cpu += _cpu_s() - cpu0
+        served.append(times)
+        client_cpu += cpu
+        cpu0 = _cpu_s()
+        direct.append(_pass(store, queries))
+        direct_cpu += _cpu_s() - cpu0
+    asks.put(None)
     proc.join(timeout=60)
-    cpu0 = _cpu_s()
-    direct = _medians(store, queries, rounds)
-    direct_cpu = _cpu_s() - cpu0
+    served_med = [statistics.median(t) for t in zip(*served, strict=True)]
+    direct_med = [statistics.median(t) for t in zip(*direct, strict=True)]
     n = len(queries) * rounds
-    ratios = [s_ / d for s_, d in zip(served, direct, strict=True)]
-    return {"queries": len(queries), "median_ratio": round(statistics.median(ratios), 3),
+    ratios = [s_ / d for s_, d in zip(served_med, direct_med, strict=True)]
+    return {"queries": len(queries), "rounds": rounds, "median_ratio": round(statistics.median(ratios), 3),
             "p90_ratio": round(float(np.quantile(ratios, 0.9)), 3),
-            "direct_median_ms": round(1000 * statistics.median(direct), 3),
-            "served_median_ms": round(1000 * statistics.median(served), 3),
-            "overhead_median_ms": round(1000 * statistics.median(s_ - d for s_, d in zip(served, direct,
+            "direct_median_ms": round(1000 * statistics.median(direct_med), 3),
+            "served_median_ms": round(1000 * statistics.median(served_med), 3),
+            "overhead_median_ms": round(1000 * statistics.median(s_ - d for s_, d in zip(served_med, direct_med,
                                                                                          strict=True)), 3),
             "direct_cpu_ms_per_query": round(1000 * direct_cpu / n, 3),
             "served_daemon_cpu_ms_per_query": round(1000 * server_cpu / n, 3),
@@ -266,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             query_cfg["thread_nice"] = args.thread_nice
         endpoint = QueryEndpoint(store, QueryConfig.from_config({"query": query_cfg})).start()
         try:
-            fixed = latency_ratio(store, endpoint, ["SELECT 1"], rounds=400)
+            fixed = latency_ratio(store, endpoint, ["SELECT 1"] * 20, rounds=20)
             latency = latency_ratio(store, endpoint, queries)
             levels = [run_level(store, writer, endpoint, queries, n, args.seconds, args.client_nice)
                       for n in (0, 4, 16)]
