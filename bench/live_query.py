@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -60,6 +61,8 @@ def seed(store: EmbeddedStore, end_s: int) -> None:
         "backend": [BACKENDS[i % len(BACKENDS)] for i in range(m)], "model": ["m"] * m,
         "request_class": ["interactive_image_text"] * m, "latency_seconds": rng.gamma(2, 0.4, m),
         "status": ["ok"] * m})
+    for table in (SERVING_METRICS, REQUESTS):  # merged now, so no background merge runs under one measurement
+        store.command(f"OPTIMIZE TABLE {qualified(store, table)} FINAL")
 
 
 def board_queries(store: EmbeddedStore, start: datetime, end: datetime) -> list[str]:
@@ -109,6 +112,7 @@ def _client(url: str, database: str, username: str, token: str, queries: list[st
     remote = ServerStore(url, database=database, username=username, password=token, create_database=False)
     latencies: list[float] = []
     end = time.monotonic() + seconds
+    cpu0 = time.process_time()
     try:
         while time.monotonic() < end:
             for sql in queries:
@@ -119,7 +123,7 @@ def _client(url: str, database: str, username: str, token: str, queries: list[st
                     break
     finally:
         remote.close()
-        out.put(latencies)
+        out.put((latencies, time.process_time() - cpu0))
 
 
 def run_level(store: EmbeddedStore, writer: Writer, endpoint: QueryEndpoint, queries: list[str], clients: int,
@@ -136,6 +140,7 @@ def run_level(store: EmbeddedStore, writer: Writer, endpoint: QueryEndpoint, que
     time.sleep(2.0 if clients else 0.0)  # the clients' interpreters start before the measured stretch
     producer = Producer(writer, int(time.time()) + 10 * HOUR_S)
     before = writer.snapshot()["rows_written"]
+    cpu0 = _cpu_s()
     t0 = time.monotonic()
     producer.start()
     depth = []
@@ -144,64 +149,101 @@ def run_level(store: EmbeddedStore, writer: Writer, endpoint: QueryEndpoint, que
         depth.append(writer.snapshot()["rows_pending"])
     written = writer.snapshot()["rows_written"] - before
     elapsed = time.monotonic() - t0
+    daemon_cpu = _cpu_s() - cpu0
     producer.stop.set()
     latencies: list[float] = []
+    client_cpu = 0.0
     for _ in procs:
-        latencies += results.get(timeout=120)
+        got, cpu = results.get(timeout=120)
+        latencies += got
+        client_cpu += cpu
     for proc in procs:
         proc.join(timeout=60)
     producer.join(timeout=60)
     writer.flush(timeout_s=120)
     return {"clients": clients, "writer_rows_per_s": round(written / elapsed),
             "spool_rows_max": max(depth or [0]), "spool_rows_median": statistics.median(depth or [0]),
+            "daemon_cpu_cores": round(daemon_cpu / elapsed, 3),
+            "client_cpu_ms_per_query": round(1000 * client_cpu / len(latencies), 3) if latencies else None,
             "queries": len(latencies),
             "query_median_ms": round(1000 * statistics.median(latencies), 2) if latencies else None}
 
 
-def _served_medians(url: str, database: str, username: str, token: str, queries: list[str], rounds: int,
-                    out: Any) -> None:
-    """Per query, the median of ``rounds`` runs through the endpoint, from a process of its own (a client's
-    parsing must not share the endpoint's interpreter, as Grafana or the CLI do not)."""
+def _served_passes(url: str, database: str, username: str, token: str, queries: list[str], asks: Any,
+                   out: Any) -> None:
+    """Passes over ``queries`` through the endpoint, one per ``asks`` message until None, from a process of
+    its own (a client's parsing must not share the endpoint's interpreter, as Grafana or the CLI do not):
+    each pass's per-query seconds and the client's CPU seconds for it."""
     remote = ServerStore(url, database=database, username=username, password=token, create_database=False)
-    medians = _medians(remote, queries, rounds)
+    _pass(remote, queries)  # the client's connection opens, and the daemon's query threads warm up
+    out.put(None)
+    while asks.get() is not None:
+        cpu0 = time.process_time()
+        times = _pass(remote, queries)
+        out.put((times, time.process_time() - cpu0))
     remote.close()
-    out.put(medians)
 
 
-def _medians(store: Any, queries: list[str], rounds: int) -> list[float]:
-    """Per query, the median seconds of ``rounds`` runs on ``store`` (direct or through the endpoint)."""
-    medians = []
+def _pass(store: Any, queries: list[str]) -> list[float]:
+    """Seconds of each query, once, on ``store`` (direct or through the endpoint)."""
+    times = []
     for sql in queries:
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            store.query(sql)
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
-    return medians
+        t0 = time.perf_counter()
+        store.query(sql)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _cpu_s() -> float:
+    """This process's CPU seconds (user + system, every thread: the engine's, the endpoint's, the writer's)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[str], rounds: int = 5
                   ) -> dict[str, Any]:
     """Per query: median over ``rounds`` through the endpoint (from a client process) / the same directly
-    (in the store's process), idle writer."""
+    (in the store's process), idle writer; served and direct passes alternate, so other load on the machine
+    weighs on both alike. With the CPU each costs per query (the daemon's process and the client's; directly
+    the store's process)."""
     import multiprocessing as mp
 
+    for _ in range(4):  # both ways meet a warm engine (it compiles an expression seen thrice: 5x the CPU)
+        _pass(store, queries)
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_served_medians, args=(endpoint.url, store.database, endpoint.username,
-                                                     endpoint.token, queries, rounds, results), daemon=True)
+    asks, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_served_passes, args=(endpoint.url, store.database, endpoint.username,
+                                                    endpoint.token, queries, asks, results), daemon=True)
     proc.start()
-    served = results.get(timeout=600)
+    results.get(timeout=300)  # connected and warm
+    served: list[list[float]] = []
+    direct: list[list[float]] = []
+    server_cpu = client_cpu = direct_cpu = 0.0
+    for _ in range(rounds):
+        cpu0 = _cpu_s()
+        asks.put(True)
+        times, cpu = results.get(timeout=600)
+        server_cpu += _cpu_s() - cpu0
+        served.append(times)
+        client_cpu += cpu
+        cpu0 = _cpu_s()
+        direct.append(_pass(store, queries))
+        direct_cpu += _cpu_s() - cpu0
+    asks.put(None)
     proc.join(timeout=60)
-    direct = _medians(store, queries, rounds)
-    ratios = [s_ / d for s_, d in zip(served, direct, strict=True)]
-    extra = {"direct_median_ms": round(1000 * statistics.median(direct), 2),
-             "served_median_ms": round(1000 * statistics.median(served), 2),
-             "overhead_median_ms": round(1000 * statistics.median(s_ - d for s_, d in zip(served, direct,
-                                                                                          strict=True)), 2)}
-    return {"queries": len(queries), "median_ratio": round(statistics.median(ratios), 3),
-            "p90_ratio": round(float(np.quantile(ratios, 0.9)), 3), **extra}
+    served_med = [statistics.median(t) for t in zip(*served, strict=True)]
+    direct_med = [statistics.median(t) for t in zip(*direct, strict=True)]
+    n = len(queries) * rounds
+    ratios = [s_ / d for s_, d in zip(served_med, direct_med, strict=True)]
+    return {"queries": len(queries), "rounds": rounds, "median_ratio": round(statistics.median(ratios), 3),
+            "p90_ratio": round(float(np.quantile(ratios, 0.9)), 3),
+            "direct_median_ms": round(1000 * statistics.median(direct_med), 3),
+            "served_median_ms": round(1000 * statistics.median(served_med), 3),
+            "overhead_median_ms": round(1000 * statistics.median(s_ - d for s_, d in zip(served_med, direct_med,
+                                                                                         strict=True)), 3),
+            "direct_cpu_ms_per_query": round(1000 * direct_cpu / n, 3),
+            "served_daemon_cpu_ms_per_query": round(1000 * server_cpu / n, 3),
+            "served_client_cpu_ms_per_query": round(1000 * client_cpu / n, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client-nice", type=int, default=0,
                    help="niceness of the client processes (19: they stand for a Grafana on another machine, whose "
                         "CPU is not the daemon's)")
+    p.add_argument("--max-threads", type=int, default=-1, help="[query] max_threads (-1: its default)")
+    p.add_argument("--thread-nice", type=int, default=-1, help="[query] thread_nice (-1: its default)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -224,8 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         query_cfg: dict[str, Any] = {"port": 0}
         if args.max_concurrent:
             query_cfg["max_concurrent"] = args.max_concurrent
+        if args.max_threads >= 0:
+            query_cfg["max_threads"] = args.max_threads
+        if args.thread_nice >= 0:
+            query_cfg["thread_nice"] = args.thread_nice
         endpoint = QueryEndpoint(store, QueryConfig.from_config({"query": query_cfg})).start()
         try:
+            fixed = latency_ratio(store, endpoint, ["SELECT 1"] * 20, rounds=20)
             latency = latency_ratio(store, endpoint, queries)
             levels = [run_level(store, writer, endpoint, queries, n, args.seconds, args.client_nice)
                       for n in (0, 4, 16)]
@@ -236,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     idle = levels[0]["writer_rows_per_s"] or 1
     for level in levels:
         level["writer_ratio_to_idle"] = round(level["writer_rows_per_s"] / idle, 3)
-    doc = {"board_queries": len(queries), "client_nice": args.client_nice, "levels": levels,
-           "endpoint_latency": latency,
+    doc = {"board_queries": len(queries), "client_nice": args.client_nice, "query_config": query_cfg,
+           "levels": levels, "endpoint_latency": latency, "select_1": fixed,
            "targets": {"writer_ratio_at_4": 0.8, "latency_median_ratio": 1.3},
            "met": {"writer_ratio_at_4": levels[1]["writer_ratio_to_idle"] >= 0.8,
                    "latency_median_ratio": latency["median_ratio"] <= 1.3}}
@@ -245,13 +294,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     print(f"{len(queries)} board queries (fleet and weights boards, one hour of 64 backends)")
-    print("clients  writer rows/s  x idle  spool rows (median/max)  queries  query median ms")
+    print("clients  writer rows/s  x idle  spool rows (median/max)  queries  query median ms  daemon CPU cores")
     for lv in levels:
         print(f"{lv['clients']:>7}  {lv['writer_rows_per_s']:>13,}  {lv['writer_ratio_to_idle']:>6.2f}  "
               f"{lv['spool_rows_median']:>12,.0f} / {lv['spool_rows_max']:<9,}  {lv['queries']:>7}  "
-              f"{lv['query_median_ms']}")
-    print(f"endpoint / direct latency per query: median {latency['median_ratio']:.2f}x, "
-          f"p90 {latency['p90_ratio']:.2f}x")
+              f"{lv['query_median_ms']!s:>15}  {lv['daemon_cpu_cores']:>16}")
+    for name, lat in (("board queries", latency), ("SELECT 1", fixed)):
+        print(f"{name}: endpoint / direct latency median {lat['median_ratio']:.2f}x (p90 {lat['p90_ratio']:.2f}x), "
+              f"{lat['served_median_ms']} / {lat['direct_median_ms']} ms; CPU ms per query: direct "
+              f"{lat['direct_cpu_ms_per_query']}, served {lat['served_daemon_cpu_ms_per_query']} (daemon) + "
+              f"{lat['served_client_cpu_ms_per_query']} (client)")
     return 0
 
 

@@ -25,6 +25,8 @@ class _Slow(BlockingHttpServer):
         self.calls.append(path)
         if path == "/wait":
             self.gate.wait(5)
+        if path == "/big":  # over COPY_MAX_BYTES: head and body go out as two buffers
+            return 200, "application/octet-stream", bytes(range(256)) * 1024, ()
         return 200, "text/plain", f"{method} {path} {len(body)}\n".encode(), (("X-Seen", conn.headers.get("x-a", "")),)
 
 
@@ -158,3 +160,29 @@ def test_clients_hanging_up_mid_request_cost_nothing(server: _Slow, caplog: pyte
     time.sleep(0.2)
     assert server.connections == 0 and server.calls == ["/after"]
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
+
+
+def test_an_answer_past_its_deadline_is_the_late_answer_and_the_connection_goes_on(server: _Slow) -> None:
+    server.answer_timeout_s = 0.3
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        t0 = time.monotonic()
+        s.sendall(b"GET /wait HTTP/1.1\r\n\r\n")
+        late = _read(s, 1)
+        assert late.startswith(b"HTTP/1.1 504 ") and b"no answer within 0.3 s" in late
+        assert time.monotonic() - t0 < 4.0  # the deadline, not the handler's 5 s wait
+        s.sendall(b"GET /big HTTP/1.1\r\n\r\n")  # read on while /wait still runs on its worker
+        server.gate.set()  # /wait's answer now comes, and is dropped
+        data = b""
+        s.settimeout(5)
+        while len(data) < 262144 or b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK") and b"Content-Length: 262144" in head
+        assert body == bytes(range(256)) * 1024
+        s.sendall(b"GET /after HTTP/1.1\r\nConnection: close\r\n\r\n")
+        rest = _read(s, 1)
+    assert rest.startswith(b"HTTP/1.1 200 OK") and b"GET /after 0" in rest and b"GET /wait" not in rest
+    deadline = time.monotonic() + 5.0
+    while server.in_flight and time.monotonic() < deadline:  # /wait's worker returns on its own schedule
+        time.sleep(0.01)
+    assert server.calls == ["/wait", "/big", "/after"] and server.in_flight == 0

@@ -100,6 +100,7 @@ def test_writes_and_raised_bounds_are_refused_and_collection_goes_on(endpoint: Q
                        ("CREATE TABLE evil (a UInt8) ENGINE = Memory", "readonly"),
                        ("SELECT 1 SETTINGS readonly = 0", r"fixed by \[query\]"),
                        ("SELECT 1 SETTINGS max_execution_time = 1000 FORMAT JSON", r"fixed by \[query\]"),
+                       ("SELECT 1 SETTINGS os_thread_priority = -20", r"fixed by \[query\]"),
                        (f"WITH 1 AS a INSERT INTO {table} (backend) SELECT 'x'", "readonly")]:
         with pytest.raises(DatabaseError, match=words):
             c.command(sql)
@@ -238,3 +239,25 @@ def test_chunked_bodies_are_read_within_the_bound(endpoint: QueryEndpoint) -> No
     assert ok.startswith(b"HTTP/1.1 200") and ok.endswith(b"\r\n\r\n42\n")
     too_big = send([b"SELECT '" + b"x" * 3000, b"y" * 3000 + b"'"])  # 6 KB in chunks, bound 4 KB
     assert too_big.startswith(b"HTTP/1.1 413") and b"Code: 241." in too_big
+
+
+def test_queries_past_the_running_and_waiting_bound_get_503_at_once(store: Any) -> None:
+    import threading
+    import time
+
+    ep = QueryEndpoint(store, QueryConfig.from_config({"query": {
+        "port": 0, "password": "s3cret", "max_execution_time_s": 2, "max_concurrent": 1, "max_queued": 0}})).start()
+    try:
+        long = threading.Thread(target=raw, args=(ep, "GET", "SELECT count() FROM numbers(100000000000) "
+                                                              "WHERE sipHash64(number) = 1"), daemon=True)
+        long.start()
+        deadline = time.monotonic() + 5
+        while ep.stats()["running_or_waiting"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, headers, body = raw(ep, "GET", "SELECT 1")
+        assert status == 503 and headers["X-ClickHouse-Exception-Code"] == "202" and b"max_concurrent" in body
+        assert long.is_alive()  # refused at once, not queued behind the long query
+        long.join(timeout=30)
+        assert raw(ep, "GET", "SELECT 1")[2] == b"1\n" and ep.stats()["refused_total"] == 1
+    finally:
+        ep.close()

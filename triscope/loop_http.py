@@ -8,20 +8,23 @@ server takes them (``accept_chunked``: then read within the same bound), a malfo
 chunk 400; each then closes the connection (the rest of the stream cannot be framed).
 
 A handler that answers from memory answers on the loop (:meth:`HttpConnection.respond`). One that
-blocks (a store query, a collector's scrape) runs on the server's bounded executor
-(:class:`BlockingHttpConnection`): the connection stops reading meanwhile (one request in flight per
-connection, so the executor's queue is bounded by the connection cap) and is not evicted while its
-request runs.
+blocks (a store query, a collector's scrape) runs on a worker thread (:class:`BlockingHttpConnection`):
+the server's ``dispatch`` looks at the request on the loop and answers it there or hands back a future
+of the answer; the connection stops reading meanwhile (one request in flight per connection, so the
+workers' queue is bounded by the connection cap) and is not evicted while its request runs. The
+finished future wakes the loop once (no intermediate asyncio future), and an answer over 64 KiB goes
+out after its head without being copied into one buffer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from triscope.errors import one_line
@@ -33,19 +36,28 @@ MAX_HEAD_BYTES = 16 * 1024
 JSON_TYPE = "application/json"
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
            413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-           503: "Service Unavailable"}
+           503: "Service Unavailable", 504: "Gateway Timeout"}
 Answer = tuple[int, str, bytes, Iterable[tuple[str, str]]]
 """(status, content type, body, extra headers) of a blocking handler."""
+
+
+COPY_MAX_BYTES = 64 * 1024
+"""Answers up to this size go out as one buffer (head + body); larger ones as two, the body uncopied."""
+
+
+def encode_head(status: int, ctype: str, size: int, close: bool, server: str = "triscope",
+                headers: Iterable[tuple[str, str]] = ()) -> bytes:
+    """The head of an HTTP/1.1 answer whose body is ``size`` bytes."""
+    extra = "".join(f"{name}: {value}\r\n" for name, value in headers)
+    return (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nServer: {server}\r\n"
+            f"Content-Type: {ctype}\r\nContent-Length: {size}\r\nCache-Control: no-store\r\n{extra}"
+            + ("Connection: close\r\n" if close else "") + "\r\n").encode("latin-1")
 
 
 def encode(status: int, ctype: str, body: bytes, close: bool, server: str = "triscope",
            headers: Iterable[tuple[str, str]] = ()) -> bytes:
     """One whole HTTP/1.1 answer."""
-    extra = "".join(f"{name}: {value}\r\n" for name, value in headers)
-    head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nServer: {server}\r\n"
-            f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\nCache-Control: no-store\r\n{extra}"
-            + ("Connection: close\r\n" if close else "") + "\r\n")
-    return head.encode("latin-1") + body
+    return encode_head(status, ctype, len(body), close, server, headers) + body
 
 
 def json_error(message: str) -> bytes:
@@ -214,11 +226,24 @@ class BlockingHttpServer(LoopServer):
                 loop.close()
             raise
 
+    answer_timeout_s: float | None = None
+    """A dispatched request not answered this long after it was read gets :meth:`late_answer` instead (its
+    worker's answer, when it comes, is dropped); None: no deadline."""
+
+    def dispatch(self, conn: BlockingHttpConnection, method: str, path: str, body: bytes) -> Answer | Future[Answer]:
+        """On the loop: the answer, or a future of it computed off the loop. Default: :meth:`handle` on
+        the executor."""
+        return self.executor.submit(self.handle, conn, method, path, body)
+
     def handle(self, conn: BlockingHttpConnection, method: str, path: str, body: bytes) -> Answer:
         raise NotImplementedError
 
+    def late_answer(self, conn: BlockingHttpConnection) -> Answer:
+        """The answer sent when ``answer_timeout_s`` passes first."""
+        return 504, JSON_TYPE, json_error(f"no answer within {self.answer_timeout_s:g} s"), ()
+
     in_flight = 0
-    """Requests being answered on the executor now."""
+    """Requests being answered on a worker now."""
 
     def close(self, drain_s: float = 0.0) -> None:
         """Stop; with ``drain_s``, first stop accepting and let requests in flight be answered (that long at most)."""
@@ -235,45 +260,96 @@ class BlockingHttpServer(LoopServer):
 
 
 class BlockingHttpConnection(HttpConnection):
-    """A connection of a :class:`BlockingHttpServer`: each request on the executor, reading paused meanwhile."""
+    """A connection of a :class:`BlockingHttpServer`: each request dispatched on the loop, answered there
+    or on a worker (reading paused meanwhile)."""
 
     server: BlockingHttpServer
+    request_seq = 0
+    """Requests dispatched on this connection: a worker's answer for an earlier one (answered late) is dropped."""
 
     def respond(self, method: str, path: str, body: bytes, close: bool, raw: bytes) -> bool:
         assert self.transport is not None
+        try:
+            pending = self.server.dispatch(self, method, path, body)
+        except Exception as exc:
+            pending = self._failed(method, exc)
+        if isinstance(pending, tuple):  # answered from memory, on the loop
+            return self._send(pending, method, close)
         self.busy = True  # not evicted, not expired, no further request read until this one is answered
+        self.transport.pause_reading()
+        self.server.in_flight += 1
+        self.request_seq += 1
+        seq = self.request_seq
+        loop = asyncio.get_running_loop()
+        self._arm_answer(loop, seq, method, close)
+
+        def wake(future: Future[Answer]) -> None:  # on the worker: one wake-up of the loop
+            if not loop.is_closed():
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(self._done, future, seq, method, close)
+        pending.add_done_callback(wake)
+        return False
+
+    def _arm_answer(self, loop: asyncio.AbstractEventLoop, seq: int, method: str, close: bool) -> None:
+        """While the request runs the connection's timer is the answer's deadline (or off)."""
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.transport.pause_reading()
-        self.server.in_flight += 1
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self.server.executor, self.server.handle, self, method, path, body)
-        future.add_done_callback(lambda f: self._done(f, method, close))
-        return False
+        if self.server.answer_timeout_s is not None:
+            self.timer = loop.call_later(self.server.answer_timeout_s, self._late, seq, method, close)
 
-    def _done(self, future: asyncio.Future[Answer], method: str, close: bool) -> None:
-        self.busy = False
+    def _late(self, seq: int, method: str, close: bool) -> None:
+        self.timer = None
+        if self.busy and seq == self.request_seq and self.transport is not None and not self.transport.is_closing():
+            self._finish(self.server.late_answer(self), method, close)
+
+    def _done(self, future: Future[Answer], seq: int, method: str, close: bool) -> None:
         self.server.in_flight -= 1
+        if not self.busy or seq != self.request_seq:
+            return  # answered late already
         if future.cancelled() or self.transport is None or self.transport.is_closing():
+            self.busy = False
             return
         try:
-            status, ctype, payload, extra = future.result()
+            answer = future.result()
         except Exception as exc:
-            log.warning("%s %s %s failed: %s", self.server.thread_name, method, self.target, one_line(exc))
-            status = 500
-            shape = getattr(self.server, "error_answer", None)
-            ctype, payload, extra = shape(self, 500, one_line(exc)) if shape is not None else (
-                JSON_TYPE, json_error(one_line(exc)), ())
-        close = close or self.close_after
-        answer = encode(status, ctype, payload, close, self.server.server_header, extra)
-        self.transport.write(answer[:len(answer) - len(payload)] if method == "HEAD" else answer)
-        if self.answered(close):
+            answer = self._failed(method, exc)
+        self._finish(answer, method, close)
+
+    def _failed(self, method: str, exc: Exception) -> Answer:
+        log.warning("%s %s %s failed: %s", self.server.thread_name, method, self.target, one_line(exc))
+        shape = getattr(self.server, "error_answer", None)
+        ctype, payload, extra = shape(self, 500, one_line(exc)) if shape is not None else (
+            JSON_TYPE, json_error(one_line(exc)), ())
+        return 500, ctype, payload, extra
+
+    def _finish(self, answer: Answer, method: str, close: bool) -> None:
+        """Send a worker's (or the late) answer, then read on."""
+        self.busy = False
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self._send(answer, method, close):
+            assert self.transport is not None
             self.transport.resume_reading()
             self.data_received(b"")  # a pipelined request already in the buffer
+
+    def _send(self, answer: Answer, method: str, close: bool) -> bool:
+        """Write one answer; False once the connection is closed."""
+        assert self.transport is not None
+        status, ctype, payload, extra = answer
+        close = close or self.close_after
+        head = encode_head(status, ctype, len(payload), close, self.server.server_header, extra)
+        if method == "HEAD" or not payload:
+            self.transport.write(head)
+        elif len(payload) > COPY_MAX_BYTES:
+            self.transport.writelines((head, payload))
+        else:
+            self.transport.write(head + payload)
+        return self.answered(close)
 
 
 BlockingHttpServer.connection = BlockingHttpConnection
 
-__all__ = ["JSON_TYPE", "MAX_HEAD_BYTES", "Answer", "BlockingHttpConnection", "BlockingHttpServer",
-           "HttpConnection", "encode", "json_error"]
+__all__ = ["COPY_MAX_BYTES", "JSON_TYPE", "MAX_HEAD_BYTES", "Answer", "BlockingHttpConnection", "BlockingHttpServer",
+           "HttpConnection", "encode", "encode_head", "json_error"]

@@ -15,22 +15,23 @@ statement kind is checked and the engine's ``readonly = 2`` holds on the query c
 writer's), ``max_query_bytes``, ``max_concurrent`` queries on their own connections (``max_queued``
 more wait, then 503), ``max_execution_time_s`` and ``max_memory_bytes`` per query, which a query can
 neither raise in its text nor in its parameters, and the server kit's connection bounds (the daemon's
-event loop, :mod:`triscope.loop_http`; each query runs on a worker thread).
+event loop, :mod:`triscope.loop_http`). A request is read, checked and authorized on the event loop and
+its query runs on one of the ``max_concurrent`` query threads, each with a chDB connection of its own kept
+for the process's life: a query costs one hand-off to a thread and one wake-up of the loop.
 """
 
 from __future__ import annotations
 
 import base64
 import hmac
-import json
 import logging
 import os
 import re
 import secrets
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -45,12 +46,13 @@ log = logging.getLogger(__name__)
 
 READ_STATEMENTS = ("SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXISTS", "EXPLAIN")
 BOUND_SETTINGS = ("readonly", "max_execution_time", "max_memory_usage", "max_memory_usage_for_user",
-                  "timeout_overflow_mode", "max_threads")
+                  "timeout_overflow_mode", "max_threads", "os_thread_priority")
 """Settings the endpoint fixes: a query cannot raise them in its text or its URL parameters."""
 NOT_SETTINGS = {"query", "database", "default_format", "query_id", "session_id", "session_timeout", "session_check",
                 "compress", "decompress", "user", "password", "quota_key", "buffer_size", "wait_end_of_query",
                 "enable_http_compression", "http_headers_progress_interval_ms", "send_progress_in_http_headers",
-                "client_protocol_version"}
+                "client_protocol_version", "cancel_http_readonly_queries_on_client_close", "http_response_buffer_size",
+                "http_wait_end_of_query", "http_write_exception_in_output_format"}
 """URL parameters of ClickHouse's HTTP interface that are not settings of the query (ignored here when
 they only tune the transport)."""
 _SETTING_NAME = re.compile(r"[a-z_][a-z0-9_]*")
@@ -58,6 +60,7 @@ _FORMAT_TAIL = re.compile(r"\sFORMAT\s+([A-Za-z0-9_]+)\s*;?\s*$", re.IGNORECASE)
 _SETTINGS_TAIL = re.compile(r"\sSETTINGS\s+(.+)$", re.IGNORECASE | re.DOTALL)
 _COMMENT = re.compile(r"^\s*(--[^\n]*\n|/\*.*?\*/)", re.DOTALL)
 _CODE = re.compile(r"Code: (\d+)")
+_WORD = re.compile(r"[A-Za-z]+")
 
 
 @dataclass(frozen=True)
@@ -82,8 +85,9 @@ class QueryConfig(ComponentConfig):
     max_threads: int = 0
     """Engine threads per query (0 = a quarter of the cores, at least 1): the writer keeps the rest."""
     thread_nice: int = 10
-    """Linux nice value of the threads running a query (ClickHouse's ``os_thread_priority``): above 0 the
-    writer's inserts go first when both want a core. Needs CAP_SYS_NICE (root); a no-op without it."""
+    """Added to the daemon's own nice value for the threads running a query (ClickHouse's
+    ``os_thread_priority``, at most 19): above 0 the writer's inserts go first when both want a core,
+    however the daemon itself is niced. Needs CAP_SYS_NICE (root); a no-op without it."""
     max_connections: int = 64
 
     def validate(self, where: str) -> None:
@@ -106,13 +110,18 @@ class QueryError(Exception):
         self.status, self.code = status, code
 
 
+def query_nice(thread_nice: int) -> int:
+    """The nice value of a query's threads: ``thread_nice`` above this thread's own (the daemon's), in -20..19."""
+    return max(-20, min(19, os.nice(0) + thread_nice))
+
+
 def statement_kind(sql: str) -> str:
     """The statement's first keyword, upper case (comments and opening parentheses skipped)."""
     text = sql
     while (m := _COMMENT.match(text)) is not None:
         text = text[m.end():]
-    words = re.findall(r"[A-Za-z]+", text.lstrip(" \t\r\n("))
-    return words[0].upper() if words else ""
+    word = _WORD.search(text.lstrip(" \t\r\n("))  # the first word only: the text may be a megabyte
+    return word.group(0).upper() if word else ""
 
 
 def with_settings(sql: str, settings: dict[str, str]) -> str:
@@ -155,18 +164,16 @@ class QueryService:
                       f"SET max_execution_time = {int(self.cfg.max_execution_time_s)}",
                       f"SET max_memory_usage = {int(self.cfg.max_memory_bytes)}",
                       f"SET max_threads = {self.cfg.max_threads or max(1, (os.cpu_count() or 1) // 4)}",
-                      f"SET os_thread_priority = {int(self.cfg.thread_nice)}"]
+                      f"SET os_thread_priority = {query_nice(self.cfg.thread_nice)}"]
         if self.cfg.readonly:
             statements.append("SET readonly = 2")  # reads, and settings other than readonly
         for sql in statements:
             self.store.command(sql)
         self._local.ready = True
 
-    def _execute(self, sql: str, fmt: str, params: dict[str, str]) -> bytes:
-        self._prepare()
-        return bytes(self.store.query_raw(sql, fmt, params))  # chDB writes the format itself
-
-    def run(self, sql: str, fmt: str, params: dict[str, str]) -> bytes:
+    def submit(self, work: Callable[..., Answer], *args: Any) -> Future[Answer]:
+        """``work(*args)`` on a query thread (its chDB connection prepared), or QueryError 503 when
+        ``max_concurrent`` run and ``max_queued`` wait already. Called on the event loop."""
         with self._lock:
             if self.waiting >= self.cfg.max_concurrent + self.cfg.max_queued:
                 self.refused_total += 1
@@ -175,19 +182,34 @@ class QueryService:
             self.waiting += 1
             self.queries_total += 1
         try:
-            future = self._pool.submit(self._execute, sql, fmt, params)
-            return future.result(timeout=self.cfg.max_execution_time_s + 5.0)
-        except FutureTimeout:
-            self.errors_total += 1
-            raise QueryError(504, 159, f"no answer within {self.cfg.max_execution_time_s:g} s") from None
-        except StoreError as exc:
-            self.errors_total += 1
-            text = str(exc).removeprefix("query failed: ")
-            m = _CODE.search(text)
-            raise QueryError(500, int(m.group(1)) if m else 1000, text) from None
+            return self._pool.submit(self._counted, work, args)
+        except RuntimeError:  # shut down
+            with self._lock:
+                self.waiting -= 1
+            raise QueryError(503, 202, "the query endpoint is stopping") from None
+
+    def _counted(self, work: Callable[..., Answer], args: tuple[Any, ...]) -> Answer:
+        try:
+            self._prepare()
+            return work(*args)
         finally:
             with self._lock:
                 self.waiting -= 1
+
+    def execute(self, sql: str, fmt: str, params: dict[str, str]) -> bytes:
+        """The answer as chDB writes it in ``fmt``; QueryError with the engine's code. On a query thread."""
+        try:
+            return self.store.query_raw(sql, fmt, params)  # chDB writes the format itself
+        except StoreError as exc:
+            self.failed()
+            text = str(exc).removeprefix("query failed: ")
+            m = _CODE.search(text)
+            raise QueryError(500, int(m.group(1)) if m else 1000, text) from None
+
+    def failed(self) -> None:
+        """Count a query that ended in an error (or without an answer in time)."""
+        with self._lock:
+            self.errors_total += 1
 
     def close(self) -> None:
         """Stop taking queries; a query still running ends within ``max_execution_time_s``."""
@@ -215,8 +237,8 @@ def _authorize(endpoint: QueryEndpoint, args: dict[str, str], headers: dict[str,
 
 
 def _headers(body: bytes, extra: dict[str, str]) -> list[tuple[str, str]]:
-    summary = json.dumps({"read_rows": "0", "read_bytes": "0", "written_rows": "0", "written_bytes": "0",
-                          "result_rows": "0", "result_bytes": str(len(body))})
+    summary = ('{"read_rows": "0", "read_bytes": "0", "written_rows": "0", "written_bytes": "0", '
+               f'"result_rows": "0", "result_bytes": "{len(body)}"}}')  # as json.dumps writes it, for less
     return [("X-ClickHouse-Server-Display-Name", "triscope"), ("X-ClickHouse-Timezone", "UTC"),
             ("X-ClickHouse-Summary", summary), *extra.items()]
 
@@ -230,7 +252,7 @@ def _error(exc: QueryError, query_id: str = "") -> Answer:
 
 
 class _Server(BlockingHttpServer):
-    """ClickHouse's HTTP interface on the server kit: each request on a worker thread."""
+    """ClickHouse's HTTP interface on the server kit: requests checked on the loop, queries on query threads."""
 
     thread_name = "triscope-query"
     server_header = "triscope-query"
@@ -241,9 +263,10 @@ class _Server(BlockingHttpServer):
         cfg = endpoint.cfg
         self.endpoint = endpoint
         self.max_body_bytes = cfg.max_query_bytes
-        # one worker per query that may run or wait: past them QueryService answers 503 at once
-        super().__init__(cfg.bind, cfg.port, cfg.max_connections, 0, DEFAULT_HEADER_TIMEOUT_S,
-                         workers=cfg.max_concurrent + cfg.max_queued + 1)
+        self.answer_timeout_s = cfg.max_execution_time_s + 5.0  # the engine's bound, then a 504
+        # the kit's own executor stays idle: queries go to QueryService's threads, which answer 503 past
+        # max_concurrent + max_queued
+        super().__init__(cfg.bind, cfg.port, cfg.max_connections, 0, DEFAULT_HEADER_TIMEOUT_S, workers=1)
 
     def error_answer(self, conn: BlockingHttpConnection, status: int,
                      message: str) -> tuple[str, bytes, list[tuple[str, str]]]:
@@ -251,7 +274,11 @@ class _Server(BlockingHttpServer):
         _, ctype, body, extra = _error(QueryError(status, 241 if status == 413 else 1000, message))
         return ctype, body, list(extra)
 
-    def handle(self, conn: BlockingHttpConnection, method: str, path: str, body: bytes) -> Answer:
+    def late_answer(self, conn: BlockingHttpConnection) -> Answer:
+        self.endpoint.service.failed()
+        return _error(QueryError(504, 159, f"no answer within {self.endpoint.cfg.max_execution_time_s:g} s"))
+
+    def dispatch(self, conn: BlockingHttpConnection, method: str, path: str, body: bytes) -> Answer | Future[Answer]:
         if method == "GET" and path in ("/ping", "/") and "query=" not in conn.target:
             return 200, "text/plain; charset=UTF-8", b"Ok.\n", _headers(b"Ok.\n", {})
         if method not in ("GET", "POST"):
@@ -262,10 +289,18 @@ class _Server(BlockingHttpServer):
             query_id = args.get("query_id") or str(uuid.uuid4())
             _authorize(self.endpoint, args, conn.headers)
             sql, fmt, params = self.endpoint.request(args, conn.headers, body)
-            data = self.endpoint.service.run(sql, fmt, params)
+            return self.endpoint.service.submit(self._answer, sql, fmt, params, query_id)
         except QueryError as exc:
             return _error(exc, query_id)
-        return 200, _content_type(fmt), data, _headers(data, {"X-ClickHouse-Format": _format_of(sql, fmt),
+
+    def _answer(self, sql: str, fmt: str, params: dict[str, str], query_id: str) -> Answer:
+        """On a query thread: the whole answer, so the loop only writes it."""
+        try:
+            data = self.endpoint.service.execute(sql, fmt, params)
+        except QueryError as exc:
+            return _error(exc, query_id)
+        fmt = _format_of(sql, fmt)
+        return 200, _content_type(fmt), data, _headers(data, {"X-ClickHouse-Format": fmt,
                                                               "X-ClickHouse-Query-Id": query_id})
 
 
