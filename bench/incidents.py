@@ -42,6 +42,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from triscope_bed.fleet.incident_capacity import probe_capacity
 from triscope_bed.fleet.incident_faults import FAULTS, Bed, Fault
 from triscope_bed.fleet.incident_fleet import make_fleet, sla_ms
 from triscope_bed.fleet.incident_load import LoadGen, client_tracer
@@ -212,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra calm stretches (each a whole stretch, lead + hold + gap) adding up to this")
     p.add_argument("--seed", type=int, help="default: fresh, printed")
     p.add_argument("--rate", type=float,
-                   help="base load, requests/s per backend (default: sim 1.5, vllm 0.8)")
+                   help="base load, requests/s per backend (default: --load-fraction of the capacity the probe "
+                        "measures first)")
+    p.add_argument("--load-fraction", type=float, default=0.5,
+                   help="base load as a share of the measured capacity (the rate at which the client's P99 reaches "
+                        "the SLA)")
+    p.add_argument("--probe-step-s", type=float, default=10.0, help="each step of the capacity probe's ramp")
     p.add_argument("--sla-scale", type=float,
                    help="SLAs = the vLLM-CPU profile's (4x idle latency) x this (default sim 2, vllm 3): the calm load "
                         "must be inside them")
@@ -237,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown faults {unknown} (known: {', '.join(FAULTS)})")
     n = args.backends or (8 if args.fleet == "sim" else 2)
-    rate = args.rate or (1.5 if args.fleet == "sim" else 0.8)
     scale = args.sla_scale or (2.0 if args.fleet == "sim" else 3.0)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 2**31)
     rerun = [a for a in (argv if argv is not None else sys.argv[1:])]
@@ -265,9 +270,20 @@ def main(argv: list[str] | None = None) -> int:
         cfg = write_config(work, fleet, ports, collectors, slas, default_class)
         client_sla = slas if fleet.spans_from_client else dict.fromkeys(slas, slas[default_class])
         otlp_url = f"http://127.0.0.1:{ports['otlp']}/v1/traces"
-        say(f"{args.fleet} fleet of {n}, {rate} req/s per backend, SLAs {slas} ms, collectors {collectors}")
         fleet.start(otlp_url)
         stack.callback(fleet.stop)
+        capacity = None
+        if args.rate is not None:
+            rate = args.rate
+        else:
+            say(f"capacity probe: open-loop ramp x1.25 every {args.probe_step_s:.0f} s until a class's client P99 "
+                "is over its SLA")
+            capacity = probe_capacity(fleet, {c: ms / 1000 for c, ms in client_sla.items()}, seed,
+                                      step_s=args.probe_step_s, say=say)
+            rate = round(args.load_fraction * capacity.rate_per_backend, 3)
+            say(f"capacity {'>= ' if capacity.capped else ''}{capacity.rate_per_backend:.2f} req/s per backend; "
+                f"base load {args.load_fraction:g} x that = {rate} req/s per backend (seed {seed}; --rate overrides)")
+        say(f"{args.fleet} fleet of {n}, {rate} req/s per backend, SLAs {slas} ms, collectors {collectors}")
         log = open(work / "daemon.log", "w")  # noqa: SIM115 (closed by the stack)
         stack.callback(log.close)
         daemon = subprocess.Popen([sys.executable, "-m", "triscope", "run", "--config", str(cfg), "--json"],
@@ -322,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
 
     result = summarise(scores, calm_s / 60)
     result["run"] = {"fleet": args.fleet, "backends": n, "seed": seed, "rerun": f"python bench/incidents.py "
-                     f"{shlex.join(rerun)}", "rate_per_backend": rate, "sla_ms": slas, "faults": names,
+                     f"{shlex.join(rerun)}", "rate_per_backend": rate, "load_fraction": None if capacity is None
+                     else args.load_fraction, "capacity": None if capacity is None else capacity.to_dict(),
+                     "sla_ms": slas, "faults": names,
                      "rounds": args.rounds, "calm_warmup": calm, "lead_s": args.lead_s, "hold_s": args.hold_s,
                      "gap_s": args.gap_s,
                      "load": tally, "fault_docs": {n_: FAULTS[n_].doc for n_ in names}}

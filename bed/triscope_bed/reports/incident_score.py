@@ -163,6 +163,9 @@ class Sent:
     request_class: str
     latency_s: float
     ok: bool
+    arrival_s: float = math.nan
+    """When the open-loop arrival happened (before a load worker picked it up): latency from it is what an
+    open-loop client waits, the capacity probe's measure."""
 
 
 def client_breaches(sent: Iterable[Sent], lo: float, hi: float, sla_s: Mapping[str, float], window_s: float = 5.0,
