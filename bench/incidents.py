@@ -203,6 +203,21 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
     return inj, doc
 
 
+def rescore(run_dir: Path) -> dict[str, Any]:
+    """A finished run's answers (``diagnose.json``) scored again by the current scoring; its ``run`` kept."""
+    docs = json.loads((run_dir / "diagnose.json").read_text())
+    scores, calm_s = [], 0.0
+    for d in docs:
+        inj = Injection(**d["injection"])
+        part = d["diagnose"].get("incidents", {})
+        scores.append(score_injection(inj, d["diagnose"], part.get("backends", []) if isinstance(part, dict) else [],
+                                      WINDOW_S))
+        calm_s += inj.until_s - inj.from_s if inj.expected_cause is None else 0.0
+    result = summarise(scores, calm_s / 60)
+    result["run"] = json.loads((run_dir / "incidents.json").read_text())["run"]
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--fleet", choices=("sim", "vllm"), default="sim")
@@ -231,8 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, help="store, spool, engine logs (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print the scored document on stdout")
     p.add_argument("--list", action="store_true", help="list the registered faults and exit")
+    p.add_argument("--rescore", type=Path, metavar="DIR",
+                   help="score a finished run's --out-dir again (its diagnose.json) and rewrite its results")
     args = p.parse_args(argv)
     args.flush_s = 0.5
+    if args.rescore is not None:
+        result = rescore(args.rescore)
+        print(report_text(result))
+        (args.rescore / "incidents.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        run = result["run"]
+        draw_png(result, args.rescore / "incidents.png",
+                 f"{run['fleet']} fleet, {run['backends']} backends, {run['rounds']} rounds, seed {run['seed']}")
+        return 0
     if args.list:
         for f in FAULTS.values():
             print(f"{f.name:<16}{f.expected_cause or '(no incident)':<22}{f.hits:<7}{f.doc}")

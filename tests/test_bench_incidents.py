@@ -80,6 +80,11 @@ def test_the_fleet_s_backends_and_a_wrong_set_or_cause() -> None:
     assert score_injection(load, _doc((T + 5, T + 35, [A, B, C], "load_beyond_capacity")), FLEET3).outcome == "right"
     s = score_injection(load, _doc((T + 5, T + 35, [A, B], "load_beyond_capacity")), FLEET3)
     assert (s.outcome, s.cause_right, s.backends_right) == ("wrong", True, False)
+    # the client saw A and B breach, C held its SLA: the fleet-wide fault's backends are A and B
+    seen = _inj("load_up_50", "load_beyond_capacity", [FLEET], client_breached=[A, B])
+    assert score_injection(seen, _doc((T + 5, T + 35, [A, B], "load_beyond_capacity")), FLEET3).outcome == "right"
+    s = score_injection(seen, _doc((T + 5, T + 35, [A, B, C], "load_beyond_capacity")), FLEET3)
+    assert (s.outcome, s.expected_backends) == ("wrong", [A, B])
     s = score_injection(_inj("lb_skew", "routing_imbalance", [C]), _doc((T, T + 30, [C], "kv_pressure")), FLEET3)
     assert (s.outcome, s.diagnosed_cause, s.backends_right) == ("wrong", "kv_pressure", True)
 
@@ -185,6 +190,12 @@ def test_a_short_live_run_on_the_simulated_fleet_is_scored(tmp_path: Path) -> No
     assert "seed 7; rerun: python bench/incidents.py" in proc.stderr
     assert json.loads((out / "incidents.json").read_text())["overall"]["injected"] == 1
     assert (out / "incidents.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the run's answers scored again from its diagnose.json: the same scores, the run's settings kept
+    again = subprocess.run([sys.executable, "bench/incidents.py", "--rescore", str(out)], capture_output=True,
+                           text=True, cwd=REPO, timeout=60)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rescored = json.loads((out / "incidents.json").read_text())
+    assert rescored["scores"] == doc["scores"] and rescored["run"]["seed"] == 7 and "overall:" in again.stdout
 
 
 @pytest.mark.slow

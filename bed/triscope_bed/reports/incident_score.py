@@ -35,7 +35,8 @@ class Injection:
     expected_cause: str | None
     """``None``: nothing should be reported (calm)."""
     expected_backends: list[str]
-    """Backend addresses, or ``[FLEET]``."""
+    """Backend addresses, or ``[FLEET]``: a fleet-wide fault, scored against the backends the client saw breach
+    (``client_breached``; every backend where it measured none)."""
     injected_s: float
     effect_s: float
     """When the fault took effect: the start of the first window in which the client saw a breach (the
@@ -105,7 +106,10 @@ def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str]
     window starts up to one window before the injection; a fault's tail drains after recovery). Incidents in
     the stretch outside that are counted in ``other_incidents``.
     """
-    expected = sorted(expand(inj.expected_backends, fleet))
+    # A fleet-wide fault raises every backend's load; which of them broke their SLA is each one's own
+    # measurement, the client's (diagnose lists a backend only when its own windows breached).
+    fleet_wide = list(inj.expected_backends) == [FLEET] and bool(inj.client_breached)
+    expected = sorted(inj.client_breached or []) if fleet_wide else sorted(expand(inj.expected_backends, fleet))
     lo, hi = min(inj.injected_s, inj.effect_s) - window_s, inj.recovered_s + 2 * window_s
     stretch_lo = inj.from_s if math.isfinite(inj.from_s) else inj.injected_s
     inside = [i for i in incidents_of(doc) if _overlaps(i, stretch_lo, inj.until_s)]
