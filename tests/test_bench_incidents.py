@@ -85,6 +85,15 @@ def test_the_fleet_s_backends_and_a_wrong_set_or_cause() -> None:
     assert score_injection(seen, _doc((T + 5, T + 35, [A, B], "load_beyond_capacity")), FLEET3).outcome == "right"
     s = score_injection(seen, _doc((T + 5, T + 35, [A, B, C], "load_beyond_capacity")), FLEET3)
     assert (s.outcome, s.expected_backends) == ("wrong", [A, B])
+    # B killed while the client saw A breach too: an incident on A and B is right, noted; on B alone it is not
+    kill = _inj("sigkill", "backend_down", [B], client_breached=[A, B])
+    s = score_injection(kill, _doc((T, T + 30, [A, B], "backend_down")), FLEET3)
+    assert s.outcome == "right" and s.expected_backends == [A, B] and "saw 127.0.0.1:1 breach too" in s.notes[0]
+    assert score_injection(kill, _doc((T, T + 30, [B], "backend_down")), FLEET3).outcome == "wrong"
+    # a backend the client did not see breach is wrong in the set
+    s = score_injection(_inj("sigkill", "backend_down", [B], client_breached=[B]),
+                        _doc((T, T + 30, [B, C], "backend_down")), FLEET3)
+    assert (s.outcome, s.backends_right) == ("wrong", False)
     s = score_injection(_inj("lb_skew", "routing_imbalance", [C]), _doc((T, T + 30, [C], "kv_pressure")), FLEET3)
     assert (s.outcome, s.diagnosed_cause, s.backends_right) == ("wrong", "kv_pressure", True)
 

@@ -106,10 +106,17 @@ def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str]
     window starts up to one window before the injection; a fault's tail drains after recovery). Incidents in
     the stretch outside that are counted in ``other_incidents``.
     """
-    # A fleet-wide fault raises every backend's load; which of them broke their SLA is each one's own
-    # measurement, the client's (diagnose lists a backend only when its own windows breached).
-    fleet_wide = list(inj.expected_backends) == [FLEET] and bool(inj.client_breached)
-    expected = sorted(inj.client_breached or []) if fleet_wide else sorted(expand(inj.expected_backends, fleet))
+    # diagnose lists a backend when its own windows breached, so the backends the client saw breach are the
+    # truth of the set: for a fleet-wide fault (every backend's load rose, which of them broke their SLA is
+    # each one's own measurement), and beside a victim (a backend that breached at the same time is in the
+    # incident whatever broke it; it is noted, as the bed was not calm there)
+    seen = sorted(inj.client_breached or [])
+    victims = expand(inj.expected_backends, fleet)
+    if list(inj.expected_backends) == [FLEET] and seen:
+        expected = seen
+    else:
+        expected = sorted(set(victims) | (set(seen) if inj.expected_cause is not None else set()))
+    bystanders = [b for b in expected if b not in victims]
     lo, hi = min(inj.injected_s, inj.effect_s) - window_s, inj.recovered_s + 2 * window_s
     stretch_lo = inj.from_s if math.isfinite(inj.from_s) else inj.injected_s
     inside = [i for i in incidents_of(doc) if _overlaps(i, stretch_lo, inj.until_s)]
@@ -120,6 +127,8 @@ def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str]
     base: dict[str, Any] = {"fault": inj.fault, "round": inj.round, "expected_backends": expected,
                             "other_incidents": others, "injected_s": inj.injected_s, "notes": list(inj.notes),
                             "client_breached": inj.client_breached}
+    if bystanders:
+        base["notes"].append(f"the client saw {', '.join(bystanders)} breach too (not the fault's victim)")
     if inj.expected_cause is None:
         if not inside:
             return Score(**base, expected_cause=CALM, diagnosed_cause=NO_INCIDENT, outcome="calm", cause_right=None,
