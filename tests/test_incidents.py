@@ -172,6 +172,30 @@ def test_a_skewed_backend_s_incident_stays_routing_even_when_a_fair_one_breaches
     assert "kv_pressure" in [c.name for c in incident.runners_up]
 
 
+def test_a_skewed_backend_waiting_for_cpu_under_its_extra_work_is_still_routing(store: Any) -> None:
+    """90 % of the requests to one of four engines on a busy host: its threads wait on the run queue (its own
+    work grew 3.6x), no KV pressure. The wait is the skew's doing: routing_imbalance, host_cpu a runner-up."""
+    C, D = "10.0.0.3:8000", "10.0.0.4:8000"
+
+    def skew(s: int, b: str, f: dict[str, float]) -> None:
+        if s >= 90:
+            f.update(qps=14.4 if b == B else 0.53)
+            if b == B and s >= 95:
+                f.update(latency=2.5)
+
+    Fleet((A, B, C, D)).write(store, skew)
+    rows = [{"ts": encode_ts((T0 + s) * 10**9), "host": "h", "backend": b, "processes": 1, "window_seconds": 1.0,
+             "cpu_seconds": 0.9 if b == B and s >= 90 else 0.2, "wait_seconds": 0.6 if b == B and s >= 90 else 0.05,
+             "rss_bytes": 1e9, "psi_cpu_some": 0.5, "psi_memory_some": 0.0, "psi_memory_full": 0.0,
+             "psi_io_some": 0.0, "psi_io_full": 0.0, "oom_kills": 0.0}
+            for s in range(180) for b in (A, B, C, D)]
+    store.insert(qualified(store, HOST_SAMPLES), HOST_SAMPLES.columns_of(rows))
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "routing_imbalance", incident.to_dict()
+    cpu = next(c for c in incident.runners_up if c.name == "host_cpu")
+    assert "more than its share" in cpu.evidence[0]
+
+
 def test_a_dead_backend_s_set_holds_only_the_backends_whose_own_requests_breached(store: Any) -> None:
     """B is killed and the LB moves its share to A and C (each serves half as much again). A stays inside its
     SLA and is not in the set; C breaches on its own requests and is (its users saw the SLO broken); the cause
