@@ -42,6 +42,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from triscope_bed.fleet.incident_capacity import probe_capacity
 from triscope_bed.fleet.incident_faults import FAULTS, Bed, Fault
 from triscope_bed.fleet.incident_fleet import make_fleet, sla_ms
 from triscope_bed.fleet.incident_load import LoadGen, client_tracer
@@ -187,6 +188,16 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
         recover()
     recovered = time.time()
     time.sleep(args.gap_s)
+    # a backlog can outlast the gap (a skewed engine drains for minutes): the next stretch starts once the client
+    # saw two windows without a breach (judged once their slowest request is past every SLA), or --max-drain-s
+    late = max(slas.values()) / 1000
+    while time.time() < recovered + args.gap_s + args.max_drain_s:
+        hi = (time.time() - late) // WINDOW_S * WINDOW_S
+        with bed.load.lock:
+            recent = [s for s in bed.load.sent if s.start_s >= hi - 2 * WINDOW_S]
+        if not client_breach_starts(recent, hi - 2 * WINDOW_S, hi, {c: ms / 1000 for c, ms in slas.items()}, WINDOW_S):
+            break
+        time.sleep(WINDOW_S)
     with bed.load.lock:
         sent = list(bed.load.sent)
     starts = client_breach_starts(sent, injected - WINDOW_S if fault.expected_cause else from_s,
@@ -202,6 +213,21 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
     return inj, doc
 
 
+def rescore(run_dir: Path) -> dict[str, Any]:
+    """A finished run's answers (``diagnose.json``) scored again by the current scoring; its ``run`` kept."""
+    docs = json.loads((run_dir / "diagnose.json").read_text())
+    scores, calm_s = [], 0.0
+    for d in docs:
+        inj = Injection(**d["injection"])
+        part = d["diagnose"].get("incidents", {})
+        scores.append(score_injection(inj, d["diagnose"], part.get("backends", []) if isinstance(part, dict) else [],
+                                      WINDOW_S))
+        calm_s += inj.until_s - inj.from_s if inj.expected_cause is None else 0.0
+    result = summarise(scores, calm_s / 60)
+    result["run"] = json.loads((run_dir / "incidents.json").read_text())["run"]
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--fleet", choices=("sim", "vllm"), default="sim")
@@ -212,21 +238,37 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra calm stretches (each a whole stretch, lead + hold + gap) adding up to this")
     p.add_argument("--seed", type=int, help="default: fresh, printed")
     p.add_argument("--rate", type=float,
-                   help="base load, requests/s per backend (default: sim 1.5, vllm 0.8)")
+                   help="base load, requests/s per backend (default: --load-fraction of the capacity the probe "
+                        "measures first)")
+    p.add_argument("--load-fraction", type=float, default=0.5,
+                   help="base load as a share of the measured capacity (the rate at which the client's P99 reaches "
+                        "the SLA)")
+    p.add_argument("--probe-step-s", type=float, default=10.0, help="each step of the capacity probe's ramp")
     p.add_argument("--sla-scale", type=float,
                    help="SLAs = the vLLM-CPU profile's (4x idle latency) x this (default sim 2, vllm 3): the calm load "
                         "must be inside them")
     p.add_argument("--lead-s", type=float, default=30.0, help="calm before each injection")
     p.add_argument("--hold-s", type=float, default=30.0, help="how long a fault is held")
     p.add_argument("--gap-s", type=float, default=25.0, help="after recovery, before the next stretch")
+    p.add_argument("--max-drain-s", type=float, default=120.0, help="after the gap, wait up to this for calm")
     p.add_argument("--warmup-s", type=float, default=30.0, help="load before the first stretch")
     p.add_argument("--poll-s", type=float, default=5.0, help="diagnose every this during a hold (0: off)")
     p.add_argument("--out-dir", type=Path, help="incidents.json, incidents.png (and the daemon's log)")
     p.add_argument("--work-dir", type=Path, help="store, spool, engine logs (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print the scored document on stdout")
     p.add_argument("--list", action="store_true", help="list the registered faults and exit")
+    p.add_argument("--rescore", type=Path, metavar="DIR",
+                   help="score a finished run's --out-dir again (its diagnose.json) and rewrite its results")
     args = p.parse_args(argv)
     args.flush_s = 0.5
+    if args.rescore is not None:
+        result = rescore(args.rescore)
+        print(report_text(result))
+        (args.rescore / "incidents.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        run = result["run"]
+        draw_png(result, args.rescore / "incidents.png",
+                 f"{run['fleet']} fleet, {run['backends']} backends, {run['rounds']} rounds, seed {run['seed']}")
+        return 0
     if args.list:
         for f in FAULTS.values():
             print(f"{f.name:<16}{f.expected_cause or '(no incident)':<22}{f.hits:<7}{f.doc}")
@@ -237,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown faults {unknown} (known: {', '.join(FAULTS)})")
     n = args.backends or (8 if args.fleet == "sim" else 2)
-    rate = args.rate or (1.5 if args.fleet == "sim" else 0.8)
     scale = args.sla_scale or (2.0 if args.fleet == "sim" else 3.0)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 2**31)
     rerun = [a for a in (argv if argv is not None else sys.argv[1:])]
@@ -265,9 +306,20 @@ def main(argv: list[str] | None = None) -> int:
         cfg = write_config(work, fleet, ports, collectors, slas, default_class)
         client_sla = slas if fleet.spans_from_client else dict.fromkeys(slas, slas[default_class])
         otlp_url = f"http://127.0.0.1:{ports['otlp']}/v1/traces"
-        say(f"{args.fleet} fleet of {n}, {rate} req/s per backend, SLAs {slas} ms, collectors {collectors}")
         fleet.start(otlp_url)
         stack.callback(fleet.stop)
+        capacity = None
+        if args.rate is not None:
+            rate = args.rate
+        else:
+            say(f"capacity probe: open-loop ramp x1.25 every {args.probe_step_s:.0f} s until a class's client P99 "
+                "is over its SLA")
+            capacity = probe_capacity(fleet, {c: ms / 1000 for c, ms in client_sla.items()}, seed,
+                                      step_s=args.probe_step_s, say=say)
+            rate = round(args.load_fraction * capacity.rate_per_backend, 3)
+            say(f"capacity {'>= ' if capacity.capped else ''}{capacity.rate_per_backend:.2f} req/s per backend; "
+                f"base load {args.load_fraction:g} x that = {rate} req/s per backend (seed {seed}; --rate overrides)")
+        say(f"{args.fleet} fleet of {n}, {rate} req/s per backend, SLAs {slas} ms, collectors {collectors}")
         log = open(work / "daemon.log", "w")  # noqa: SIM115 (closed by the stack)
         stack.callback(log.close)
         daemon = subprocess.Popen([sys.executable, "-m", "triscope", "run", "--config", str(cfg), "--json"],
@@ -322,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
 
     result = summarise(scores, calm_s / 60)
     result["run"] = {"fleet": args.fleet, "backends": n, "seed": seed, "rerun": f"python bench/incidents.py "
-                     f"{shlex.join(rerun)}", "rate_per_backend": rate, "sla_ms": slas, "faults": names,
+                     f"{shlex.join(rerun)}", "rate_per_backend": rate, "load_fraction": None if capacity is None
+                     else args.load_fraction, "capacity": None if capacity is None else capacity.to_dict(),
+                     "sla_ms": slas, "faults": names,
                      "rounds": args.rounds, "calm_warmup": calm, "lead_s": args.lead_s, "hold_s": args.hold_s,
                      "gap_s": args.gap_s,
                      "load": tally, "fault_docs": {n_: FAULTS[n_].doc for n_ in names}}

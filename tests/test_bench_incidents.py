@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from math import inf
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import REPO
 
+from triscope_bed.fleet.incident_capacity import judge_step, probe_capacity
 from triscope_bed.fleet.incident_faults import FAULTS, Fault, register
+from triscope_bed.fleet.incident_fleet import SimFleet
 from triscope_bed.reports.incident_score import (
     CALM,
     FLEET,
@@ -77,6 +80,20 @@ def test_the_fleet_s_backends_and_a_wrong_set_or_cause() -> None:
     assert score_injection(load, _doc((T + 5, T + 35, [A, B, C], "load_beyond_capacity")), FLEET3).outcome == "right"
     s = score_injection(load, _doc((T + 5, T + 35, [A, B], "load_beyond_capacity")), FLEET3)
     assert (s.outcome, s.cause_right, s.backends_right) == ("wrong", True, False)
+    # the client saw A and B breach, C held its SLA: the fleet-wide fault's backends are A and B
+    seen = _inj("load_up_50", "load_beyond_capacity", [FLEET], client_breached=[A, B])
+    assert score_injection(seen, _doc((T + 5, T + 35, [A, B], "load_beyond_capacity")), FLEET3).outcome == "right"
+    s = score_injection(seen, _doc((T + 5, T + 35, [A, B, C], "load_beyond_capacity")), FLEET3)
+    assert (s.outcome, s.expected_backends) == ("wrong", [A, B])
+    # B killed while the client saw A breach too: an incident on A and B is right, noted; on B alone it is not
+    kill = _inj("sigkill", "backend_down", [B], client_breached=[A, B])
+    s = score_injection(kill, _doc((T, T + 30, [A, B], "backend_down")), FLEET3)
+    assert s.outcome == "right" and s.expected_backends == [A, B] and "saw 127.0.0.1:1 breach too" in s.notes[0]
+    assert score_injection(kill, _doc((T, T + 30, [B], "backend_down")), FLEET3).outcome == "wrong"
+    # a backend the client did not see breach is wrong in the set
+    s = score_injection(_inj("sigkill", "backend_down", [B], client_breached=[B]),
+                        _doc((T, T + 30, [B, C], "backend_down")), FLEET3)
+    assert (s.outcome, s.backends_right) == ("wrong", False)
     s = score_injection(_inj("lb_skew", "routing_imbalance", [C]), _doc((T, T + 30, [C], "kv_pressure")), FLEET3)
     assert (s.outcome, s.diagnosed_cause, s.backends_right) == ("wrong", "kv_pressure", True)
 
@@ -120,6 +137,26 @@ def test_client_breaches_follow_diagnose_s_rule() -> None:
     assert client_breach_starts(sent[:20] + late, T, T + 10, sla) == {A: T + 5}
 
 
+def test_a_probe_step_breaches_on_the_client_s_p99_from_arrival_or_on_unanswered_requests() -> None:
+    sla = {"realtime_speech": 0.5, "offline_video": 4.0}
+    arrivals = [(T + 0.05 * i, "realtime_speech") for i in range(200)] + [(T + 1.0, "offline_video")] * 3
+    # answered 0.2 s after the arrival; the worker picked them up 0.1 s after it
+    sent = [Sent(t + 0.1, A, c, 0.1, True, t) for t, c in arrivals]
+    step = judge_step(1.0, arrivals, sent, T, T + 10, sla)
+    assert not step.breached and step.requests == 203 and step.unanswered == 0
+    assert step.p99_over_sla == {"realtime_speech": pytest.approx(0.4)}  # 3 videos: too few to judge
+    # one speech request waited 0.6 s for a worker: the open-loop client waited it, the span did not
+    slow = [Sent(s.arrival_s + 0.6, A, s.request_class, 0.1, True, s.arrival_s) for s in sent[:2]]
+    assert judge_step(1.0, arrivals, slow + sent[2:], T, T + 10, sla).breached
+    # one of 200 unanswered is within the P99 (ClickHouse's rank floor(0.99 n), as diagnose takes it); two are not
+    assert not judge_step(1.0, arrivals, sent[1:], T, T + 10, sla).breached
+    unanswered = judge_step(1.0, arrivals, sent[2:], T, T + 10, sla)
+    assert unanswered.breached and unanswered.unanswered == 2 and unanswered.p99_over_sla["realtime_speech"] == inf
+    failed = [Sent(t, A, c, 0.01, i % 10 != 0, t) for i, (t, c) in enumerate(arrivals)]
+    assert judge_step(1.0, arrivals, failed, T, T + 10, sla).breached  # 10 % failed
+    assert not judge_step(1.0, arrivals, sent, T + 20, T + 30, sla).breached  # nothing in the step
+
+
 def test_summary_matrix_and_png(tmp_path: Path) -> None:
     scores = [
         score_injection(_inj("sigkill", "backend_down", [A]), _doc((T, T + 20, [A], "backend_down")), FLEET3),
@@ -150,7 +187,7 @@ def test_a_short_live_run_on_the_simulated_fleet_is_scored(tmp_path: Path) -> No
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "bench/incidents.py", "--fleet", "sim", "--backends", "2", "--faults",
                            "sigkill", "--rounds", "1", "--lead-s", "10", "--hold-s", "10", "--gap-s", "8",
-                           "--warmup-s", "5", "--poll-s", "0", "--seed", "7", "--out-dir", str(out),
+                           "--warmup-s", "5", "--poll-s", "0", "--seed", "7", "--rate", "1.0", "--out-dir", str(out),
                            "--work-dir", str(tmp_path / "work"), "--json"],
                           capture_output=True, text=True, cwd=REPO, timeout=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -162,3 +199,28 @@ def test_a_short_live_run_on_the_simulated_fleet_is_scored(tmp_path: Path) -> No
     assert "seed 7; rerun: python bench/incidents.py" in proc.stderr
     assert json.loads((out / "incidents.json").read_text())["overall"]["injected"] == 1
     assert (out / "incidents.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the run's answers scored again from its diagnose.json: the same scores, the run's settings kept
+    again = subprocess.run([sys.executable, "bench/incidents.py", "--rescore", str(out)], capture_output=True,
+                           text=True, cwd=REPO, timeout=60)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rescored = json.loads((out / "incidents.json").read_text())
+    assert rescored["scores"] == doc["scores"] and rescored["run"]["seed"] == 7 and "overall:" in again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_capacity_probe_finds_where_two_simulated_engines_break_their_sla(tmp_path: Path) -> None:
+    """Two simulated engines, the probe's ramp doubling every 5 s from 1 req/s per backend: it stops at the
+    first step the client saw over an SLA, judged the steps below it calm, and leaves no load running
+    (about 30 s)."""
+    fleet = SimFleet(2, tmp_path)
+    fleet.start("http://127.0.0.1:9/v1/traces")  # the simulated engines send no spans
+    try:
+        sla = {"realtime_speech": 0.64, "interactive_image_text": 3.4, "offline_video": 4.4}
+        cap = probe_capacity(fleet, sla, 7, start=1.0, ratio=2.0, step_s=5.0, max_steps=6, say=lambda _: None)
+    finally:
+        fleet.stop()
+    assert not cap.capped and cap.steps[-1].breached and not any(s.breached for s in cap.steps[:-1])
+    assert cap.rate_per_backend == cap.steps[-1].rate_per_backend > 1.0
+    assert [s.rate_per_backend for s in cap.steps] == [2.0**k for k in range(len(cap.steps))]
+    assert cap.to_dict()["steps"][-1]["breached"] is True

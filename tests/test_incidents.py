@@ -33,7 +33,7 @@ class Fleet:
         for s in range(self.seconds):
             for b in self.backends:
                 f = {"qps": 4.0, "latency": 0.2, "kv": 0.3, "preempt": 0.0, "waiting": 0.0, "queue": 0.0, "up": 1,
-                     "failed": 0.0}
+                     "failed": 0.0, "running": 4.0}
                 if fault is not None:
                     fault(s, b, f)
                 done[b] += f["qps"]
@@ -44,7 +44,7 @@ class Fleet:
                                    "Connection refused"})
                     if f["up"]:
                         serving.append({"ts": encode_ts(ts), "backend": b, "server": "vllm", "model": "m",
-                                        "queue_length": f["queue"], "running_requests": 4.0,
+                                        "queue_length": f["queue"], "running_requests": f["running"],
                                         "kv_cache_usage_ratio": f["kv"], "requests_total": done[b],
                                         "preemptions_total": f["preempt"], "waiting_capacity": f["waiting"],
                                         "latency_p99_seconds": f["latency"] * 1.2})
@@ -127,6 +127,94 @@ def test_a_load_step_beyond_capacity_is_named_with_the_qps_jump(store: Any) -> N
     (incident,) = _find(store).incidents
     assert incident.backends == [A, B] and incident.cause.name == "load_beyond_capacity", incident.to_dict()
     assert 10 <= incident.lead_times_s["qps_jump"] <= 20
+
+
+def test_a_load_step_that_breaches_one_backend_is_the_fleet_s_load_not_its_kv(store: Any) -> None:
+    """+60 % offered load on four engines: every engine holds more requests, one of them fills its KV and is the
+    only one over the SLA. The KV pressure came with the fleet's load: load_beyond_capacity on the one backend
+    that breached, kv_pressure a runner-up."""
+    C, D = "10.0.0.3:8000", "10.0.0.4:8000"
+
+    def step(s: int, b: str, f: dict[str, float]) -> None:
+        if s >= 90:
+            f.update(qps=6.4, running=7.0, queue=2.0)
+            if b == B and s >= 100:
+                f.update(kv=0.97, preempt=float(s - 100), waiting=3.0, latency=2.5)
+
+    Fleet((A, B, C, D)).write(store, step)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "load_beyond_capacity", incident.to_dict()
+    assert "requests in the engines up 30% or more on 4 of 4 backends" in incident.cause.evidence
+    assert 5 <= incident.lead_times_s["qps_jump"] <= 10
+    assert "kv_pressure" in [c.name for c in incident.runners_up]
+
+
+def test_a_skewed_backend_s_incident_stays_routing_even_when_a_fair_one_breaches_beside_it(store: Any) -> None:
+    """A fair-share engine breaches once under its own KV pressure just before the LB sends 90 % of the load to
+    another one; the breaches merge into one incident. Both backends breached on their own requests, so both
+    are listed; the skewed engine holds almost all of the breached windows: routing_imbalance."""
+    C, D = "10.0.0.3:8000", "10.0.0.4:8000"
+
+    def skew(s: int, b: str, f: dict[str, float]) -> None:
+        if b == C and 85 <= s < 90:
+            f.update(kv=0.95, preempt=2.0, latency=2.5)
+        if s >= 90:
+            f.update(qps=14.4 if b == B else 0.53)
+            if b == B:
+                f.update(kv=0.97, queue=8.0, waiting=4.0, preempt=float(s - 90))
+                if s >= 95:
+                    f.update(latency=2.5)
+
+    Fleet((A, B, C, D)).write(store, skew)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B, C] and incident.cause.name == "routing_imbalance", incident.to_dict()
+    assert incident.cause.evidence[0].startswith(f"{B} got")
+    assert "kv_pressure" in [c.name for c in incident.runners_up]
+
+
+def test_a_skewed_backend_waiting_for_cpu_under_its_extra_work_is_still_routing(store: Any) -> None:
+    """90 % of the requests to one of four engines on a busy host: its threads wait on the run queue (its own
+    work grew 3.6x), no KV pressure. The wait is the skew's doing: routing_imbalance, host_cpu a runner-up."""
+    C, D = "10.0.0.3:8000", "10.0.0.4:8000"
+
+    def skew(s: int, b: str, f: dict[str, float]) -> None:
+        if s >= 90:
+            f.update(qps=14.4 if b == B else 0.53)
+            if b == B and s >= 95:
+                f.update(latency=2.5)
+
+    Fleet((A, B, C, D)).write(store, skew)
+    rows = [{"ts": encode_ts((T0 + s) * 10**9), "host": "h", "backend": b, "processes": 1, "window_seconds": 1.0,
+             "cpu_seconds": 0.9 if b == B and s >= 90 else 0.2, "wait_seconds": 0.6 if b == B and s >= 90 else 0.05,
+             "rss_bytes": 1e9, "psi_cpu_some": 0.5, "psi_memory_some": 0.0, "psi_memory_full": 0.0,
+             "psi_io_some": 0.0, "psi_io_full": 0.0, "oom_kills": 0.0}
+            for s in range(180) for b in (A, B, C, D)]
+    store.insert(qualified(store, HOST_SAMPLES), HOST_SAMPLES.columns_of(rows))
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "routing_imbalance", incident.to_dict()
+    cpu = next(c for c in incident.runners_up if c.name == "host_cpu")
+    assert "more than its share" in cpu.evidence[0]
+
+
+def test_a_dead_backend_s_set_holds_only_the_backends_whose_own_requests_breached(store: Any) -> None:
+    """B is killed and the LB moves its share to A and C (each serves half as much again). A stays inside its
+    SLA and is not in the set; C breaches on its own requests and is (its users saw the SLO broken); the cause
+    is the dead backend, its scrape error the evidence."""
+    C = "10.0.0.3:8000"
+
+    def killed(s: int, b: str, f: dict[str, float]) -> None:
+        if s >= 100:
+            if b == B:
+                f.update(up=0, qps=0.0)
+            else:
+                f.update(qps=6.0, running=6.0)
+                if b == C and s >= 105:
+                    f.update(latency=2.5)
+
+    Fleet((A, B, C)).write(store, killed)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B, C] and incident.cause.name == "backend_down", incident.to_dict()
+    assert incident.cause.evidence[0].startswith(f"{B}: scrape failed")
 
 
 def test_a_calm_fleet_has_no_incident(store: Any) -> None:

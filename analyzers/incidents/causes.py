@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -81,9 +82,15 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     drop = 1 - statistics.mean(during) / baseline if during and baseline and math.isfinite(baseline) else math.nan
     leads: dict[str, float] = {}
     high = (1 + cfg.qps_jump) * baseline
-    # sustained: two windows in a row over it (one noisy window of a small fleet is not a jump)
+    # sustained: two windows in a row over it (one noisy window of a small fleet is not a jump); up to the
+    # incident's end, since a step lands in the window it starts in and can breach there at once
     jump_at = (_first((t, r >= high and rates.get(t + cfg.window_s, 0.0) >= high) for t, r in rates.items()
-                      if lo <= t <= onset) if math.isfinite(baseline) and baseline > 0 else math.nan)
+                      if lo <= t < end) if math.isfinite(baseline) and baseline > 0 else math.nan)
+    rising = _load_rising(windows, lo, near, min(onset, jump_at) if math.isfinite(jump_at) else onset, end,
+                          cfg.qps_jump)
+    # the fleet's offered load jumped and most engines hold more requests since: the fleet is short of capacity,
+    # however few of its backends breached first
+    load_rose = math.isfinite(jump_at) and len(rising) >= max(2, math.ceil(len(windows) / 2))
     mine = {b: _in(windows.get(b, {}), lo, end) for b in hit}
     kv_at = _first((w.start_s, w.kv_usage >= min(KV_LEAD, cfg.kv_high)) for ws in mine.values() for w in ws)
     pre_at = _first((w.start_s, w.preemptions > 0) for ws in mine.values() for w in ws)
@@ -116,17 +123,21 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
             causes.append(Cause("backend_down", 0.9, (f"{b}: every request failed in {len(every)} windows "
                                                       f"({sum(w.failed for w in every)} requests)",)))
             break
-    # load beyond capacity: the fleet breaches together, completed load rose or queues grew everywhere
-    if share >= cfg.fleet_share:
+    # load beyond capacity: the fleet breaches together, or its offered load jumped and most engines filled up
+    if share >= cfg.fleet_share or load_rose:
         score, evidence = 0.5, [f"{len(hit)} of {len(fleet)} backends breached together"]
         if "qps_jump" in leads:
             score += 0.4
-            evidence.append(f"fleet completed {baseline:.1f} -> {max(during or [0]):.1f} req/s "
-                            f"(+{(max(during or [0]) / baseline - 1):.0%}), {leads['qps_jump']:.0f} s before")
+            evidence.append(f"fleet requests {baseline:.1f} -> {max(during or [0]):.1f} req/s "
+                            f"(+{(max(during or [0]) / baseline - 1):.0%}), "
+                            + (f"{leads['qps_jump']:.0f} s before" if leads["qps_jump"] >= 0 else
+                               f"{-leads['qps_jump']:.0f} s after the first breach"))
         queued = [b for b in hit if any(w.queue > 0 for w in _in(windows.get(b, {}), onset, end))]
-        if len(queued) >= cfg.fleet_share * len(fleet):
+        if len(queued) >= cfg.fleet_share * len(fleet) or load_rose:
             score += 0.1
-            evidence.append(f"requests queued on {len(queued)} backends")
+            evidence.append(f"requests queued on {len(queued)} backends" if not load_rose else
+                            f"requests in the engines up {cfg.qps_jump:.0%} or more on {len(rising)} of "
+                            f"{len(windows)} backends")
         causes.append(Cause("load_beyond_capacity", min(score, 1.0), tuple(evidence)))
     # KV / memory pressure on the backends hit
     kv_seen = any(math.isfinite(w.kv_usage) for ws in mine.values() for w in ws)
@@ -146,9 +157,15 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
             pressed[b] = (f"{b}: KV {kv:.0%}" + (f", {pre:.0f} preemptions" if pre > 0 else "")
                           + (f", {wait:.0f} waiting for KV/batch" if wait > 0 else ""))
     if pressed:
-        # pressure on a backend that got far more than its share of requests is the routing's doing (below)
+        # Pressure is the backend's own only without the fleet's offered load rising (else it is the load's
+        # doing) and where most of the incident's breached windows are on backends at a fair share (pressure on
+        # one that got far more than its share is the routing's doing, below).
         own = [b for b in pressed if b not in over_served]
-        score = 0.55 + (0.3 if share < cfg.fleet_share and own else 0.0) + (0.1 if "preemptions" in leads else 0.0)
+        per = Counter(b.backend for b in breaches)
+        own_windows = sum(per[b] for b in own)
+        skewed_windows = sum(per[b] for b in pressed if b in over_served)
+        mine_alone = share < cfg.fleet_share and own_windows > skewed_windows and not math.isfinite(jump_at)
+        score = 0.55 + (0.3 if mine_alone else 0.0) + (0.1 if "preemptions" in leads else 0.0)
         causes.append(Cause("kv_pressure", min(score, 0.95), tuple(pressed.values())))
     # block IO on the hosts
     if not io:
@@ -179,10 +196,13 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
         if waits and max(waits) >= cfg.cpu_wait and max(waits) >= 2 * statistics.median(before or [0.0]):
             psi = max((h.psi_cpu_some for t, h in host.items() if near <= t < end and math.isfinite(h.psi_cpu_some)),
                       default=math.nan)
-            causes.append(Cause("host_cpu", 0.8 + (0.1 if share < cfg.fleet_share else 0.0), (
+            # an engine sent far more than its share waits for CPU under its own extra work: the routing's doing
+            score = 0.55 if b in over_served else 0.8 + (0.1 if share < cfg.fleet_share else 0.0)
+            causes.append(Cause("host_cpu", score, (
                 f"{b}: its threads waited on the run queue {max(waits):.0%} of the time "
                 f"(before: {statistics.median(before or [0.0]):.0%})"
-                + (f"; host CPU pressure {psi:.0%}" if math.isfinite(psi) else ""),)))
+                + (f"; host CPU pressure {psi:.0%}" if math.isfinite(psi) else "")
+                + ("; it got more than its share of the requests" if b in over_served else ""),)))
             break
     if "oom_kill" in leads:
         kills = sum(h.oom_kills for t, h in host.items() if lo <= t < end and math.isfinite(h.oom_kills))
@@ -204,6 +224,22 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     best = causes[0] if causes and causes[0].score >= MIN_SCORE else Cause(UNKNOWN, 0.0, ())
     runners = [c for c in causes if c is not best]
     return Explanation(best, runners, leads, missing, drop, *_at_breach(mine, onset, near, end, cfg))
+
+
+def _load_rising(windows: Mapping[str, Mapping[float, Window]], lo: float, near: float, since: float, end: float,
+                 jump: float) -> list[str]:
+    """Backends whose requests in the engine (running + queued, from its scrape) averaged ``jump`` more from
+    ``since`` to ``end`` than in the baseline [lo, near)."""
+    out = []
+    for b, series in windows.items():
+        def held(a: float, z: float, s: Mapping[float, Window] = series) -> list[float]:
+            return [w.running + (w.queue if math.isfinite(w.queue) else 0.0) for w in _in(s, a, z)
+                    if math.isfinite(w.running)]
+        before, after = held(lo, near), held(since, end)
+        if before and after and statistics.mean(after) > 0 \
+                and statistics.mean(after) >= (1 + jump) * statistics.mean(before):
+            out.append(b)
+    return sorted(out)
 
 
 def _p99(w: Window) -> float:

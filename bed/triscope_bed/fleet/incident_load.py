@@ -44,6 +44,8 @@ class LoadGen:
         """(backend, share, extra): that share of the requests routed to the backend are :data:`LONG_PROMPT`,
         and long prompts are added to it at ``extra`` times its fair share of the rate."""
         self.sent: list[Sent] = []
+        self.arrivals: list[tuple[float, str]] = []
+        """(wall time, request class) of every arrival, sent or still waiting for a worker."""
         self.rng = random.Random(seed)
         self.stop_event = threading.Event()
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="load")
@@ -86,14 +88,17 @@ class LoadGen:
                 e = self._pick()
                 if long_to is not None and e.address == long_to[0] and self.rng.random() < long_to[1]:
                     cls = LONG_PROMPT
-            self.pool.submit(self._one, e, cls, random.Random(self.rng.random()))
+            arrival = time.time()
+            with self.lock:
+                self.arrivals.append((arrival, cls.name))
+            self.pool.submit(self._one, e, cls, random.Random(self.rng.random()), arrival)
 
-    def _one(self, e: Engine, cls: RequestClass, rng: random.Random) -> None:
+    def _one(self, e: Engine, cls: RequestClass, rng: random.Random, arrival: float) -> None:
         start = time.time_ns()
         ok, err = self.fleet.request(e, cls, rng)
         end = time.time_ns()
         with self.lock:
-            self.sent.append(Sent(start / 1e9, e.address, cls.name, (end - start) / 1e9, ok))
+            self.sent.append(Sent(start / 1e9, e.address, cls.name, (end - start) / 1e9, ok, arrival))
             self.tally.sent += 1
             if ok:
                 self.tally.ok += 1

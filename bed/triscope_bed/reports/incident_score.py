@@ -35,7 +35,8 @@ class Injection:
     expected_cause: str | None
     """``None``: nothing should be reported (calm)."""
     expected_backends: list[str]
-    """Backend addresses, or ``[FLEET]``."""
+    """Backend addresses, or ``[FLEET]``: a fleet-wide fault, scored against the backends the client saw breach
+    (``client_breached``; every backend where it measured none)."""
     injected_s: float
     effect_s: float
     """When the fault took effect: the start of the first window in which the client saw a breach (the
@@ -105,7 +106,17 @@ def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str]
     window starts up to one window before the injection; a fault's tail drains after recovery). Incidents in
     the stretch outside that are counted in ``other_incidents``.
     """
-    expected = sorted(expand(inj.expected_backends, fleet))
+    # diagnose lists a backend when its own windows breached, so the backends the client saw breach are the
+    # truth of the set: for a fleet-wide fault (every backend's load rose, which of them broke their SLA is
+    # each one's own measurement), and beside a victim (a backend that breached at the same time is in the
+    # incident whatever broke it; it is noted, as the bed was not calm there)
+    seen = sorted(inj.client_breached or [])
+    victims = expand(inj.expected_backends, fleet)
+    if list(inj.expected_backends) == [FLEET] and seen:
+        expected = seen
+    else:
+        expected = sorted(set(victims) | (set(seen) if inj.expected_cause is not None else set()))
+    bystanders = [b for b in expected if b not in victims]
     lo, hi = min(inj.injected_s, inj.effect_s) - window_s, inj.recovered_s + 2 * window_s
     stretch_lo = inj.from_s if math.isfinite(inj.from_s) else inj.injected_s
     inside = [i for i in incidents_of(doc) if _overlaps(i, stretch_lo, inj.until_s)]
@@ -116,6 +127,8 @@ def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str]
     base: dict[str, Any] = {"fault": inj.fault, "round": inj.round, "expected_backends": expected,
                             "other_incidents": others, "injected_s": inj.injected_s, "notes": list(inj.notes),
                             "client_breached": inj.client_breached}
+    if bystanders:
+        base["notes"].append(f"the client saw {', '.join(bystanders)} breach too (not the fault's victim)")
     if inj.expected_cause is None:
         if not inside:
             return Score(**base, expected_cause=CALM, diagnosed_cause=NO_INCIDENT, outcome="calm", cause_right=None,
@@ -163,6 +176,9 @@ class Sent:
     request_class: str
     latency_s: float
     ok: bool
+    arrival_s: float = math.nan
+    """When the open-loop arrival happened (before a load worker picked it up): latency from it is what an
+    open-loop client waits, the capacity probe's measure."""
 
 
 def client_breaches(sent: Iterable[Sent], lo: float, hi: float, sla_s: Mapping[str, float], window_s: float = 5.0,
