@@ -22,7 +22,7 @@ demo: setup
 
 # pytest exits 5 when it collects no tests; that is not a failure here.
 test: setup lint
-	$(PY) -m pytest -q -ra; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(PY) -m pytest -q -ra --durations=25; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # ruff (style, stale noqa, line length) and mypy over the one triscope namespace.
 lint: setup
