@@ -6,6 +6,7 @@ collectors' own."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -95,21 +96,25 @@ def test_kv_pressure_on_one_engine_is_named_with_its_lead(store: Any) -> None:
     assert incident.worst_p99_ratio > 2
 
 
-def test_a_skewed_lb_is_routing_imbalance_even_with_the_pressure_it_causes(store: Any) -> None:
-    """90 % of the requests to one of four engines: it fills its KV and queues (as any engine given 3.6x its
-    share does), the others are calm. The pressure is the skew's doing: routing_imbalance, kv_pressure a
-    runner-up. (The same pressure at a fair share stays kv_pressure: the test above.)"""
-    C, D = "10.0.0.3:8000", "10.0.0.4:8000"
-
+def _skewed_to_b(breach_from: int) -> Callable[[int, str, dict[str, float]], None]:
+    """From second 90 the LB sends B 90 % of four engines' load (3.6x its share): B fills its KV and queues,
+    and breaches its SLA from ``breach_from``; the others idle at a tenth of their share."""
     def skew(s: int, b: str, f: dict[str, float]) -> None:
         if s >= 90:
             f.update(qps=14.4 if b == B else 0.53)
             if b == B:
                 f.update(kv=0.97, queue=8.0, waiting=4.0, preempt=float(s - 90))
-                if s >= 100:
+                if s >= breach_from:
                     f.update(latency=2.5)
+    return skew
 
-    Fleet((A, B, C, D)).write(store, skew)
+
+def test_a_skewed_lb_is_routing_imbalance_even_with_the_pressure_it_causes(store: Any) -> None:
+    """90 % of the requests to one of four engines: it fills its KV and queues (as any engine given 3.6x its
+    share does), the others are calm. The pressure is the skew's doing: routing_imbalance, kv_pressure a
+    runner-up. (The same pressure at a fair share stays kv_pressure: the test above.)"""
+    C, D = "10.0.0.3:8000", "10.0.0.4:8000"
+    Fleet((A, B, C, D)).write(store, _skewed_to_b(breach_from=100))
     (incident,) = _find(store).incidents
     assert incident.backends == [B] and incident.cause.name == "routing_imbalance", incident.to_dict()
     assert "of the requests (fair share 25%)" in incident.cause.evidence[0] and "KV 97%" in incident.cause.evidence[0]
@@ -154,18 +159,14 @@ def test_a_skewed_backend_s_incident_stays_routing_even_when_a_fair_one_breaches
     another one; the breaches merge into one incident. Both backends breached on their own requests, so both
     are listed; the skewed engine holds almost all of the breached windows: routing_imbalance."""
     C, D = "10.0.0.3:8000", "10.0.0.4:8000"
+    skew = _skewed_to_b(breach_from=95)
 
-    def skew(s: int, b: str, f: dict[str, float]) -> None:
+    def skew_after_c(s: int, b: str, f: dict[str, float]) -> None:
         if b == C and 85 <= s < 90:
             f.update(kv=0.95, preempt=2.0, latency=2.5)
-        if s >= 90:
-            f.update(qps=14.4 if b == B else 0.53)
-            if b == B:
-                f.update(kv=0.97, queue=8.0, waiting=4.0, preempt=float(s - 90))
-                if s >= 95:
-                    f.update(latency=2.5)
+        skew(s, b, f)
 
-    Fleet((A, B, C, D)).write(store, skew)
+    Fleet((A, B, C, D)).write(store, skew_after_c)
     (incident,) = _find(store).incidents
     assert incident.backends == [B, C] and incident.cause.name == "routing_imbalance", incident.to_dict()
     assert incident.cause.evidence[0].startswith(f"{B} got")
