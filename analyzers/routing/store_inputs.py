@@ -30,7 +30,8 @@ def _ns(t: float) -> int:
     return int(t * 1e9)
 
 
-def _f(x: Any) -> float:
+def finite(x: Any) -> float:
+    """A store cell as a float; NaN for NULL, text or infinities."""
     try:
         v = float(x)
     except (TypeError, ValueError):
@@ -43,7 +44,7 @@ _WINDOW = f"ts >= fromUnixTimestamp64Nano({{wstart:Int64}}) AND {_UNTIL}"
 _PREEMPT = f"isFinite(preemptions_total) AND ts >= fromUnixTimestamp64Nano({{pstart:Int64}}) AND {_UNTIL}"
 
 
-def _rise(hi: float, lo: float, n: int) -> float:
+def counter_rise(hi: float, lo: float, n: int) -> float:
     """A counter's rise between its first and last sample (after a reset: its value since); NaN
     with fewer than two samples."""
     if n < 2 or not (math.isfinite(hi) and math.isfinite(lo)):
@@ -81,11 +82,11 @@ SETTINGS optimize_aggregation_in_order = 1"""
             continue
         qps = NAN
         span = (int(r["w_hi"]) - int(r["w_lo"])) / 1e9
-        if int(r["w_n"]) >= 2 and span > 0 and math.isfinite(_f(r["rt_hi"])) and math.isfinite(_f(r["rt_lo"])):
-            qps = max(0.0, (_f(r["rt_hi"]) - _f(r["rt_lo"])) / span)
-        out[name] = {"last": int(r["last_ns"]) / 1e9, "kv": _f(r["kv"]), "p99": _f(r["p99"]),
-                     "qps": qps, "sleep": _f(r["sleep"]),
-                     "preemptions": _rise(_f(r["pre_hi"]), _f(r["pre_lo"]), int(r["pre_n"]))}
+        if int(r["w_n"]) >= 2 and span > 0 and math.isfinite(finite(r["rt_hi"])) and math.isfinite(finite(r["rt_lo"])):
+            qps = max(0.0, (finite(r["rt_hi"]) - finite(r["rt_lo"])) / span)
+        out[name] = {"last": int(r["last_ns"]) / 1e9, "kv": finite(r["kv"]), "p99": finite(r["p99"]),
+                     "qps": qps, "sleep": finite(r["sleep"]),
+                     "preemptions": counter_rise(finite(r["pre_hi"]), finite(r["pre_lo"]), int(r["pre_n"]))}
     return out
 
 
@@ -145,8 +146,8 @@ SETTINGS optimize_aggregation_in_order = 1"""
             tails[b].extend((int(t), int(f)) for t, f in r["tail"])
         if int(r["n"]):  # the class has spans within the window
             out.qps[b] += int(r["n"]) / params.window_s
-            if math.isfinite(_f(r["p99"])):
-                out.p99[b][str(r["cls"])] = _f(r["p99"])
+            if math.isfinite(finite(r["p99"])):
+                out.p99[b][str(r["cls"])] = finite(r["p99"])
             out.last[b] = max(out.last.get(b, 0.0), int(r["last_ns"]) / 1e9)
     for b, (n,) in counts.items():
         trailing = 0
@@ -185,7 +186,7 @@ GROUP BY backend"""
     return out
 
 
-def _gpus(store: Store, p: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+def read_gpus(store: Store, p: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     """Latest sample per (host, gpu index), also reachable by (host, uuid)."""
     sql = f"""
 SELECT host, gpu, argMax(gpu_uuid, ts) AS uuid, toUnixTimestamp64Nano(max(ts)) AS last_ns,
@@ -196,7 +197,7 @@ GROUP BY host, gpu
 SETTINGS optimize_aggregation_in_order = 1"""
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for r in store.query(sql, p).dicts():
-        sample = {"last": int(r["last_ns"]) / 1e9, "used": _f(r["used"]), "total": _f(r["total"]),
+        sample = {"last": int(r["last_ns"]) / 1e9, "used": finite(r["used"]), "total": finite(r["total"]),
                   "state": str(r["state"])}
         out[(str(r["host"]), str(int(r["gpu"])))] = sample
         if r["uuid"]:
@@ -218,7 +219,7 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
     if not names:
         return []
     return assemble(names, params, now, Readings(serving, req.qps, req.p99, req.last, scrapes, req.tails, req.gpus,
-                                                 _gpus(store, p)))
+                                                 read_gpus(store, p)))
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from typing import Any
 
 from triscope.analyzers.routing.config import NAN, WeightParams
 from triscope.analyzers.routing.model import BackendInputs
-from triscope.analyzers.routing.store_inputs import Readings, assemble
-from triscope.schema import GPU_SAMPLES, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, qualified
+from triscope.analyzers.routing.store_inputs import Readings, assemble, counter_rise, finite, read_gpus
+from triscope.schema import REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, qualified
 from triscope.store.base import Store
 
 UNHEALTHY_STATES = ("lost", "unavailable")
@@ -20,14 +20,6 @@ UNHEALTHY_STATES = ("lost", "unavailable")
 
 def _ns(t: float) -> int:
     return int(t * 1e9)
-
-
-def _f(x: Any) -> float:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return NAN
-    return v if math.isfinite(v) else NAN
 
 
 def _backend_names(store: Store, params: WeightParams, p: dict[str, Any]) -> list[str]:
@@ -41,14 +33,6 @@ def _backend_names(store: Store, params: WeightParams, p: dict[str, Any]) -> lis
 
 
 _PREEMPT = "isFinite(preemptions_total) AND ts >= fromUnixTimestamp64Nano({pstart:Int64})"
-
-
-def _rise(hi: float, lo: float, n: int) -> float:
-    """A counter's rise between its first and last sample (after a reset: its value since); NaN
-    with fewer than two samples."""
-    if n < 2 or not (math.isfinite(hi) and math.isfinite(lo)):
-        return NAN
-    return hi - lo if hi >= lo else hi
 
 
 def _serving(store: Store, p: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -73,11 +57,12 @@ GROUP BY backend"""
     for r in store.query(sql, p).dicts():
         qps = NAN
         span = (int(r["w_hi"]) - int(r["w_lo"])) / 1e9
-        if int(r["w_n"]) >= 2 and span > 0 and math.isfinite(_f(r["rt_hi"])) and math.isfinite(_f(r["rt_lo"])):
-            qps = max(0.0, (_f(r["rt_hi"]) - _f(r["rt_lo"])) / span)
-        out[str(r["backend"])] = {"last": int(r["last_ns"]) / 1e9, "kv": _f(r["kv"]), "p99": _f(r["p99"]),
-                                  "qps": qps, "sleep": _f(r["sleep"]),
-                                  "preemptions": _rise(_f(r["pre_hi"]), _f(r["pre_lo"]), int(r["pre_n"]))}
+        if int(r["w_n"]) >= 2 and span > 0 and math.isfinite(finite(r["rt_hi"])) and math.isfinite(finite(r["rt_lo"])):
+            qps = max(0.0, (finite(r["rt_hi"]) - finite(r["rt_lo"])) / span)
+        out[str(r["backend"])] = {"last": int(r["last_ns"]) / 1e9, "kv": finite(r["kv"]), "p99": finite(r["p99"]),
+                                  "qps": qps, "sleep": finite(r["sleep"]),
+                                  "preemptions": counter_rise(finite(r["pre_hi"]), finite(r["pre_lo"]),
+                                                              int(r["pre_n"]))}
     return out
 
 
@@ -98,8 +83,8 @@ GROUP BY backend, cls"""
     for r in store.query(sql, q).dicts():
         b = str(r["backend"])
         qps[b] += int(r["n"]) / params.window_s
-        if math.isfinite(_f(r["p99"])):
-            p99[b][str(r["cls"])] = _f(r["p99"])
+        if math.isfinite(finite(r["p99"])):
+            p99[b][str(r["cls"])] = finite(r["p99"])
         last[b] = max(last.get(b, 0.0), int(r["last_ns"]) / 1e9)
     return dict(qps), dict(p99), last
 
@@ -154,24 +139,6 @@ def _gpu_map(store: Store, p: dict[str, Any]) -> dict[str, set[tuple[str, str]]]
     return out
 
 
-def _gpus(store: Store, p: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
-    """Latest sample per (host, gpu index), also reachable by (host, uuid)."""
-    sql = f"""
-SELECT host, gpu, argMax(gpu_uuid, ts) AS uuid, toUnixTimestamp64Nano(max(ts)) AS last_ns,
-       argMax(memory_used_bytes, ts) AS used, argMax(memory_total_bytes, ts) AS total, argMax(state, ts) AS state
-FROM {qualified(store, GPU_SAMPLES)}
-WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
-GROUP BY host, gpu"""
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in store.query(sql, p).dicts():
-        sample = {"last": int(r["last_ns"]) / 1e9, "used": _f(r["used"]), "total": _f(r["total"]),
-                  "state": str(r["state"])}
-        out[(str(r["host"]), str(int(r["gpu"])))] = sample
-        if r["uuid"]:
-            out[(str(r["host"]), str(r["uuid"]))] = sample
-    return out
-
-
 def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendInputs]:
     """One :class:`BackendInputs` per known backend, from the newest rows within ``lookback_s``."""
     p = {"since": _ns(now - params.lookback_s), "wstart": _ns(now - params.window_s), "until": _ns(now) + 1,
@@ -185,4 +152,4 @@ def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendI
     tails = _span_tail(store, p, params)
     gpu_of = _gpu_map(store, p)
     return assemble(names, params, now, Readings(serving, qps_req, p99_req, last_req, scrapes, tails, gpu_of,
-                                                 _gpus(store, p)))
+                                                 read_gpus(store, p)))
