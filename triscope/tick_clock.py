@@ -26,10 +26,10 @@ def tolerance_ns(period_ns: int) -> int:
 class TickClock:
     """``now_ns()`` for a sampler that runs every ``period_s``: wall-clock nanoseconds on its tick grid."""
 
-    def __init__(self, period_s: float) -> None:
+    def __init__(self, period_s: float, last_ns: int | None = None) -> None:
         self.period_ns = max(1, round(float(period_s) * 1e9))
         self.tolerance_ns = tolerance_ns(self.period_ns)
-        self._last: int | None = None
+        self._last = last_ns
 
     def now_ns(self, now_ns: int | None = None) -> int:
         """The stamp for a sample taken now (or at ``now_ns``): on the grid if within tolerance."""
@@ -50,13 +50,8 @@ def snap(now_ns: int, last_ns: int | None, period_ns: int, tol_ns: int) -> int:
 
 def snap_series(stamps_ns: Sequence[int], period_s: float, last_ns: int | None = None) -> list[int]:
     """:class:`TickClock`'s stamps for a series of raw stamps (oldest first), continuing from ``last_ns``."""
-    period_ns = max(1, round(float(period_s) * 1e9))
-    tol = tolerance_ns(period_ns)
-    out: list[int] = []
-    for raw in stamps_ns:
-        last_ns = snap(int(raw), last_ns, period_ns, tol)
-        out.append(last_ns)
-    return out
+    clock = TickClock(period_s, last_ns)
+    return [clock.now_ns(raw) for raw in stamps_ns]
 
 
 __all__: Sequence[str] = ["MAX_TOLERANCE_NS", "TickClock", "snap", "snap_series", "tolerance_ns"]

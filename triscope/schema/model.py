@@ -221,14 +221,13 @@ def create_tables(*tables: Table, version: int = 1) -> Callable[[str, str], list
 
 
 def modify_type_sql(table: str, column: Column, database: str, cluster: str = "") -> list[str]:
-    """DDL moving ``column`` to its declared type and codec: the stored parts are rewritten (a
-    mutation); in cluster mode the local tables ON CLUSTER and the Distributed table's type too."""
-    codec = f" CODEC({column.codec})" if column.codec else ""
+    """DDL moving ``column`` to its declared type and codec (:func:`modify_codec_sql`, which names the type
+    too): the stored parts are rewritten (a mutation); in cluster mode the Distributed table's type too."""
+    local = modify_codec_sql(table, column, database, cluster)
     if not cluster:
-        return [f"ALTER TABLE {database}.{table} MODIFY COLUMN `{column.name}` {column.type}{codec}"]
-    return [f"ALTER TABLE {database}.{table}_local ON CLUSTER `{cluster}` "
-            f"MODIFY COLUMN `{column.name}` {column.type}{codec}",
-            f"ALTER TABLE {database}.{table} ON CLUSTER `{cluster}` MODIFY COLUMN `{column.name}` {column.type}"]
+        return local
+    return [*local, f"ALTER TABLE {database}.{table} ON CLUSTER `{cluster}` "
+                    f"MODIFY COLUMN `{column.name}` {column.type}"]
 
 
 def set_types(table: Table, *names: str) -> Callable[[str, str], list[str]]:
