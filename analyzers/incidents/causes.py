@@ -232,14 +232,18 @@ def _load_rising(windows: Mapping[str, Mapping[float, Window]], lo: float, near:
     ``since`` to ``end`` than in the baseline [lo, near)."""
     out = []
     for b, series in windows.items():
-        def held(a: float, z: float, s: Mapping[float, Window] = series) -> list[float]:
-            return [w.running + (w.queue if math.isfinite(w.queue) else 0.0) for w in _in(s, a, z)
-                    if math.isfinite(w.running)]
-        before, after = held(lo, near), held(since, end)
-        if before and after and statistics.mean(after) > 0 \
-                and statistics.mean(after) >= (1 + jump) * statistics.mean(before):
-            out.append(b)
+        before, after = _held(series, lo, near), _held(series, since, end)
+        if before and after:
+            mean_after = statistics.mean(after)
+            if mean_after > 0 and mean_after >= (1 + jump) * statistics.mean(before):
+                out.append(b)
     return sorted(out)
+
+
+def _held(series: Mapping[float, Window], start: float, end: float) -> list[float]:
+    """Requests in the engine (running + queued) per window of ``series`` in [start, end)."""
+    return [w.running + (w.queue if math.isfinite(w.queue) else 0.0) for w in _in(series, start, end)
+            if math.isfinite(w.running)]
 
 
 def _p99(w: Window) -> float:

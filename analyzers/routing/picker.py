@@ -204,8 +204,8 @@ class HeadroomPicker:
     def _prefix_term(self, need: RequestNeed, fitting: set[str], rows: dict[str, dict[str, Any]],
                      scores: dict[str, float], unit: float) -> dict[str, int]:
         """Take ``prefix_weight`` (in ``unit``s of work) x the share of the prompt each fitting backend holds off
-        its score (in place);
-        the leading blocks each candidate holds. A backend the request does not fit gains nothing."""
+        its score, in place; return the leading blocks each candidate holds. A backend the request does not
+        fit gains nothing."""
         weight = self.params.prefix_weight
         if weight <= 0 or not need.prefix_blocks:
             return {}

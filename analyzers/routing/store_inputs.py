@@ -133,7 +133,7 @@ SETTINGS optimize_aggregation_in_order = 1"""
     q = {**p, "classes": list(params.classes), "default": params.default_class, "k": k,
          "rstart": min(p["since"], p["wstart"])}
     out = _Spans()
-    counts: dict[str, list[float]] = {}
+    counts: dict[str, float] = {}
     tails: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for r in store.query(sql, q).dicts():
         b = str(r["backend"])
@@ -141,15 +141,14 @@ SETTINGS optimize_aggregation_in_order = 1"""
             names.add(b)
         out.gpus[b].update((str(h), str(g)) for h, g in r["gpus"])
         if int(r["n_look"]):
-            c = counts.setdefault(b, [0.0])
-            c[0] += int(r["n_tail"])
+            counts[b] = counts.get(b, 0.0) + int(r["n_tail"])
             tails[b].extend((int(t), int(f)) for t, f in r["tail"])
         if int(r["n"]):  # the class has spans within the window
             out.qps[b] += int(r["n"]) / params.window_s
             if math.isfinite(finite(r["p99"])):
                 out.p99[b][str(r["cls"])] = finite(r["p99"])
             out.last[b] = max(out.last.get(b, 0.0), int(r["last_ns"]) / 1e9)
-    for b, (n,) in counts.items():
+    for b, n in counts.items():
         trailing = 0
         for _, failed in reversed(sorted(tails[b])[-k:]):
             if not failed:
