@@ -1,6 +1,6 @@
 """Shared fixtures.
 
-chDB allows one data directory per process, so the whole test session shares one embedded
+chDB allows one data directory per process, so every test of a pytest run shares one embedded
 store directory and every test gets a database of its own (``store`` fixture): migrated, holding no rows,
 and no other test's while it runs (emptied databases are handed on; see ``store``).
 Tests that need an external binary call :func:`require_binary`; it skips locally, and fails
@@ -88,15 +88,20 @@ def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("chdb-store")
 
 
-@contextlib.contextmanager
-def fresh_database(store_path: Path, database: str) -> Iterator:
-    """A migrated embedded store on database ``database`` of the session's chDB directory; the
-    database is dropped and the store closed on exit."""
+def _open(store_path: Path, database: str) -> Any:
+    """The embedded store on ``database`` of the run's chDB directory, migrated."""
     from triscope.store import open_store
 
     # fixtures write fixed dates (2026-01-01...): keep every row instead of the default 7-day TTL
-    s = open_store({"store": {"backend": "embedded", "path": str(store_path), "database": database,
-                              "raw_ttl_days": 0, "rollup_ttl_days": 0}})
+    return open_store({"store": {"backend": "embedded", "path": str(store_path), "database": database,
+                                 "raw_ttl_days": 0, "rollup_ttl_days": 0}})
+
+
+@contextlib.contextmanager
+def fresh_database(store_path: Path, database: str) -> Iterator:
+    """A migrated embedded store on database ``database`` of the run's chDB directory; the
+    database is dropped and the store closed on exit."""
+    s = _open(store_path, database)
     try:
         yield s
     finally:
@@ -140,20 +145,16 @@ def _empty_for_reuse(s: Any, schema: tuple[list, list]) -> bool:
 
 @pytest.fixture()
 def store(store_path: Path) -> Iterator:
-    """A migrated embedded store in a database of the session's chDB directory that holds no rows: a fresh
+    """A migrated embedded store in a database of the run's chDB directory that holds no rows: a fresh
     one, or one an earlier test emptied without changing its schema (it is dropped otherwise)."""
-    from triscope.store import open_store
-
     database = _emptied.pop() if _emptied else f"t{os.getpid()}_{next(_db_counter)}"
-    s = open_store({"store": {"backend": "embedded", "path": str(store_path), "database": database,
-                              "raw_ttl_days": 0, "rollup_ttl_days": 0}})
+    s = _open(store_path, database)
     try:
         if _holds_rows(s):  # written to after it was emptied: never hand rows to a test
             s.command(f"DROP DATABASE IF EXISTS {database}")
             s.close()
             database = f"t{os.getpid()}_{next(_db_counter)}"
-            s = open_store({"store": {"backend": "embedded", "path": str(store_path), "database": database,
-                                      "raw_ttl_days": 0, "rollup_ttl_days": 0}})
+            s = _open(store_path, database)
         schema = _schema_of(s)
         yield s
         if _empty_for_reuse(s, schema):

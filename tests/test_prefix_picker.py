@@ -84,7 +84,7 @@ def test_affinity_never_sends_a_request_where_it_does_not_fit() -> None:
     assert again.factors["backends"][first.backend]["prefix_bonus"] == 0.0
 
 
-def test_without_shared_prefixes_the_picks_are_today_s() -> None:
+def test_without_shared_prefixes_the_picks_are_those_without_the_term() -> None:
     """Random prompts share no block: the same picks, in the same order, as with the term off."""
     rng = random.Random(4)
     prompts = ["".join(rng.choice("abcdefghij ") for _ in range(rng.randint(100, 3000))) for _ in range(300)]
