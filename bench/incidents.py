@@ -191,26 +191,42 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
     # a backlog can outlast the gap (a skewed engine drains for minutes): the next stretch starts once the client
     # saw two windows without a breach (judged once their slowest request is past every SLA), or --max-drain-s
     late = max(slas.values()) / 1000
+    sla_s = {c: ms / 1000 for c, ms in slas.items()}
+    calm_from = recovered + WINDOW_S
     while time.time() < recovered + args.gap_s + args.max_drain_s:
         hi = (time.time() - late) // WINDOW_S * WINDOW_S
         with bed.load.lock:
             recent = [s for s in bed.load.sent if s.start_s >= hi - 2 * WINDOW_S]
-        if not client_breach_starts(recent, hi - 2 * WINDOW_S, hi, {c: ms / 1000 for c, ms in slas.items()}, WINDOW_S):
+        calm_from = max(calm_from, hi - 2 * WINDOW_S)
+        if not client_breach_starts(recent, hi - 2 * WINDOW_S, hi, sla_s, WINDOW_S):
             break
         time.sleep(WINDOW_S)
     with bed.load.lock:
         sent = list(bed.load.sent)
-    starts = client_breach_starts(sent, injected - WINDOW_S if fault.expected_cause else from_s,
-                                  recovered + WINDOW_S, {c: ms / 1000 for c, ms in slas.items()}, WINDOW_S)
-    # the effect: the first window the client saw breached (on an expected backend where there is one)
+    lo = injected - WINDOW_S if fault.expected_cause else from_s
+    starts = client_breach_starts(sent, lo, recovered + WINDOW_S, sla_s, WINDOW_S)
+    # the effect: the first window the client saw breached while the fault was on (on an expected backend where
+    # there is one)
     mine = [t for b, t in starts.items() if b in expected or expected == [FLEET]] or list(starts.values())
     effect = max(injected - WINDOW_S, min(mine)) if mine else injected
+    # the backends it breached: through the drain, until the client saw calm again, as diagnose's incident spans
+    # the drain too (a skewed engine's backlog spills onto its neighbours after the recovery)
+    breached = sorted(client_breach_starts(sent, lo, calm_from, sla_s, WINDOW_S))
     until = time.time()
     time.sleep(2 * args.flush_s)  # the last windows reach the store
     doc = diagnose(cfg, until - from_s, until)
     inj = Injection(fault.name, rnd, fault.expected_cause, expected, injected, effect, recovered, until, from_s,
-                    fault.needs_breach, first_report, sorted(starts))
+                    fault.needs_breach, first_report, breached)
+    if set(breached) - set(starts):
+        inj.notes.append(f"{', '.join(sorted(set(breached) - set(starts)))} breached after the recovery, "
+                         f"before the client saw calm at {calm_from - recovered:.0f} s")
     return inj, doc
+
+
+def write_results(out_dir: Path, result: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "incidents.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out_dir / "diagnose.json").write_text(json.dumps(docs, default=str) + "\n")
 
 
 def rescore(run_dir: Path) -> dict[str, Any]:
@@ -350,7 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         scores: list[Score] = []
         docs: list[dict[str, Any]] = []
         calm_s = 0.0
-        for name, rnd in items:
+        run_info = {"fleet": args.fleet, "backends": n, "seed": seed, "rerun": f"python bench/incidents.py "
+                    f"{shlex.join(rerun)}", "rate_per_backend": rate, "load_fraction": None if capacity is None
+                    else args.load_fraction, "capacity": None if capacity is None else capacity.to_dict(),
+                    "sla_ms": slas, "faults": names, "rounds": args.rounds, "calm_warmup": calm,
+                    "lead_s": args.lead_s, "hold_s": args.hold_s, "gap_s": args.gap_s,
+                    "fault_docs": {n_: FAULTS[n_].doc for n_ in names}}
+        for k, (name, rnd) in enumerate(items):
             if daemon.poll() is not None:
                 raise RuntimeError(f"triscope run exited {daemon.returncode}; see {work / 'daemon.log'}")
             inj, doc = run_one(FAULTS[name], rnd, bed, cfg, args, rng, client_sla)
@@ -364,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
                 + (f", onset {s.onset_error_s:+.1f} s" if s.onset_error_s is not None else "")
                 + (f", reported after {s.report_delay_s:.1f} s" if s.report_delay_s is not None else "")
                 + f"; the client saw breaches on {','.join(inj.client_breached or []) or 'none'}")
+            if args.out_dir is not None and k + 1 < len(items):
+                # the stretches so far, so a run cut short still leaves its answers (--rescore works on them)
+                write_results(args.out_dir, summarise(scores, calm_s / 60) | {"run": run_info | {"partial": k + 1}},
+                              docs)
         with load.lock:
             tally = dict(sent=load.tally.sent, ok=load.tally.ok, failed=load.tally.failed,
                          errors=dict(sorted(load.tally.errors.items(), key=lambda kv: -kv[1])[:5]))
@@ -373,17 +399,10 @@ def main(argv: list[str] | None = None) -> int:
                 (args.out_dir / "daemon.log").write_text((work / "daemon.log").read_text()[-200_000:])
 
     result = summarise(scores, calm_s / 60)
-    result["run"] = {"fleet": args.fleet, "backends": n, "seed": seed, "rerun": f"python bench/incidents.py "
-                     f"{shlex.join(rerun)}", "rate_per_backend": rate, "load_fraction": None if capacity is None
-                     else args.load_fraction, "capacity": None if capacity is None else capacity.to_dict(),
-                     "sla_ms": slas, "faults": names,
-                     "rounds": args.rounds, "calm_warmup": calm, "lead_s": args.lead_s, "hold_s": args.hold_s,
-                     "gap_s": args.gap_s,
-                     "load": tally, "fault_docs": {n_: FAULTS[n_].doc for n_ in names}}
+    result["run"] = run_info | {"load": tally}
     print(report_text(result), file=sys.stderr if args.json else sys.stdout)
     if args.out_dir is not None:
-        (args.out_dir / "incidents.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-        (args.out_dir / "diagnose.json").write_text(json.dumps(docs, default=str) + "\n")
+        write_results(args.out_dir, result, docs)
         draw_png(result, args.out_dir / "incidents.png",
                  f"{args.fleet} fleet, {n} backends, {args.rounds} rounds, seed {seed}")
         say(f"wrote {args.out_dir / 'incidents.json'} and {args.out_dir / 'incidents.png'}")

@@ -2,12 +2,12 @@
 on this machine, so the base load is a known fraction of it rather than a figure tuned by hand.
 
 The probe ramps the load generator's rate geometrically (``start`` requests/s per backend, times ``ratio``
-every ``step_s``) before the collector starts, and judges each step as the client saw it: per request class
-the P99 of the latency from the arrival (an open-loop client's wait, workers' queueing included), requests
-still unanswered ``settle_s`` after the step counted as over every SLA, and the share of failed requests.
-The **capacity** is the first step's rate whose P99 of some class is over its SLA (or ``error_ratio`` of its
-requests failed): the rate at which the client's P99 reaches the SLA. The bench's base load is
-``--load-fraction`` of it (docs/diagnose.md, "How it is judged").
+after each calm step of ``step_s``) before the collector starts, and judges each step as the client saw it: per
+request class the P99 of the latency from the arrival (an open-loop client's wait, workers' queueing included),
+requests still unanswered ``settle_s`` after the step counted as over every SLA, and the share of failed
+requests. The **capacity** is the first rate whose P99 of some class is over its SLA (or ``error_ratio`` of its
+requests failed) in its step and in a repeat of it: the rate at which the client's P99 reaches the SLA. The
+bench's base load is ``--load-fraction`` of it (docs/diagnose.md, "How it is judged").
 """
 
 from __future__ import annotations
@@ -88,10 +88,13 @@ def judge_step(rate: float, arrivals: Iterable[tuple[float, str]], sent: Iterabl
 
 
 def probe_capacity(fleet: Fleet, sla_s: Mapping[str, float], seed: int, *, start: float = 0.25,
-                   ratio: float = 1.25, step_s: float = 10.0, max_steps: int = 24,
+                   ratio: float = 1.25, step_s: float = 10.0, max_steps: int = 24, confirm: int = 1,
                    say: Callable[[str], None] = print) -> Capacity:
-    """Ramp an open-loop load over ``fleet`` until a step breaches (see the module's doc). The load generator
-    is the bench's own, without spans (the collector is not running yet), and is stopped before returning."""
+    """Ramp an open-loop load over ``fleet`` until a step breaches (see the module's doc). A breached step is
+    held at the same rate ``confirm`` more times, and the capacity is that rate only if every repeat breaches
+    too: one unlucky step (a burst of long requests, a busy neighbour) moves a single-step answer by a whole
+    ``ratio``. The load generator is the bench's own, without spans (the collector is not running yet), and is
+    stopped before returning."""
     n = len(fleet.engines)
     settle = max(sla_s.values())
     if settle > step_s:
@@ -99,29 +102,31 @@ def probe_capacity(fleet: Fleet, sla_s: Mapping[str, float], seed: int, *, start
     load = LoadGen(fleet, start * n, seed).start()
     steps: list[Step] = []
 
-    def judge(k: int, begin: float) -> Step:
+    def run_step(factor: float) -> Step:
+        """One step at ``factor`` from now, judged once its slowest arrival is past every SLA (the load stays at
+        ``factor`` meanwhile: the next rate depends on the judgement)."""
+        load.factor = factor
+        lo = time.time()
+        _sleep_until(lo + step_s + settle)
         with load.lock:
             arrivals, sent = list(load.arrivals), list(load.sent)
-        lo = begin + k * step_s
-        step = judge_step(start * ratio**k, arrivals, sent, lo, lo + step_s, sla_s)
+        step = judge_step(start * factor, arrivals, sent, lo, lo + step_s, sla_s)
         say(f"  probe {step.rate_per_backend:.2f} req/s per backend: " + ", ".join(
             f"{c} P99 {v:.2f}x SLA" for c, v in sorted(step.p99_over_sla.items()))
             + (f", {step.failed} failed" if step.failed else "") + (" - breached" if step.breached else ""))
         return step
 
     try:
-        begin = time.time()
-        for k in range(max_steps + 1):
-            if k < max_steps:
-                load.factor = ratio**k
-            if k > 0:  # the previous step, once its slowest arrival is past every SLA
-                _sleep_until(begin + k * step_s + settle)
-                steps.append(judge(k - 1, begin))
-                if steps[-1].breached:
+        factor, repeats = 1.0, 0
+        while len(steps) < max_steps:
+            steps.append(run_step(factor))
+            if steps[-1].breached:
+                if repeats >= confirm:
                     return Capacity(steps[-1].rate_per_backend, False, steps)
-            if k == max_steps:
-                break
-            _sleep_until(begin + (k + 1) * step_s)
+                repeats += 1  # the same rate once more
+                continue
+            repeats = 0
+            factor *= ratio
     finally:
         load.stop()
     return Capacity(steps[-1].rate_per_backend, True, steps)

@@ -52,8 +52,9 @@ class Injection:
     first_report_s: float = math.nan
     """Wall time at which a ``diagnose`` asked during the hold first listed an incident overlapping it."""
     client_breached: list[str] | None = None
-    """Backends on which the load generator's own requests broke their SLA while the fault was on (the ground
-    truth of "it breached"; ``None``: not measured, ``needs_breach`` decides)."""
+    """Backends on which the load generator's own requests broke their SLA from the injection until the client
+    saw calm again, the drain included (the ground truth of "it breached"; ``None``: not measured,
+    ``needs_breach`` decides)."""
     notes: list[str] = field(default_factory=list)
 
 
