@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"{len(items)} stretches of ~{stretch_s:.0f} s: {', '.join(f'{f}#{r}' for f, r in items)}")
 
     with contextlib.ExitStack() as stack:
-        work = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="incbench-")))
+        # absolute: the engines run elsewhere and vLLM binds its IPC sockets under it
+        work = (args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="incbench-")))).resolve()
         work.mkdir(parents=True, exist_ok=True)
         fleet = make_fleet(args.fleet, n, work)
         ports = {"otlp": free_port(), "query": free_port()}
