@@ -185,7 +185,7 @@ class EppService:
         """``seed``: the picker's tie-breaks and the shedding draws, for runs that must repeat (the test bed)."""
         self.cfg = cfg
         self.weights_url = weights_url
-        self.picker = HeadroomPicker(backends, replace(cfg.picker, seed=seed))
+        self.picker = HeadroomPicker(backends, replace(cfg.picker, seed=seed), cfg.chars_per_token)
         self.chooser = HeadroomChooser(self.picker, NeedParams(cfg.chars_per_token, cfg.default_output_tokens),
                                        ClassGate(cfg.levels_window_s, seed=seed), cfg.fallback)
         self.server = ExtProcServer(self.chooser, cfg.max_body_bytes, cfg.bind, cfg.port, cfg.max_streams,

@@ -155,3 +155,20 @@ def test_prefix_knobs_are_validated() -> None:
         PickerParams.from_mapping({"prefix_weight": -1.0})
     assert PickerParams().prefix_weight == 0.0  # off until measured against the peers
     assert replace(PickerParams(), prefix_weight=2.0).prefix_weight == 2.0
+
+
+def test_the_index_is_sized_from_kv_capacity_with_the_epp_s_chars_per_token() -> None:
+    """A backend's cache holds its KV tokens times the characters a token stands for: an EPP configured for
+    2 characters a token gives half the blocks, and the service hands its setting to the picker."""
+    from triscope.exporters.epp_service import EppConfig, EppService
+
+    def capacity(picker: HeadroomPicker) -> int:
+        picker.observe("b0", LiveSignals(waiting=0, running=0, kv_usage=0.0, kv_capacity_tokens=25_600.0,
+                                         updated=NOW))
+        picker.prefixes.record("b0", list(range(1_000)))  # more than fits: the index keeps its capacity
+        return picker.prefixes.blocks("b0")
+
+    assert capacity(HeadroomPicker({"b0": "h:1"}, PickerParams())) == 25_600 * 4 // 256
+    assert capacity(HeadroomPicker({"b0": "h:1"}, PickerParams(), chars_per_token=2.0)) == 25_600 * 2 // 256
+    service = EppService(EppConfig(chars_per_token=2.5), {"b0": "127.0.0.1:9"})
+    assert service.picker.chars_per_token == 2.5

@@ -66,10 +66,16 @@ class _Backend:
 class HeadroomPicker:
     """Thread-safe per-request picker over a fixed set of backends (name -> ``host:port``)."""
 
-    def __init__(self, backends: Mapping[str, str], params: PickerParams | None = None) -> None:
+    def __init__(self, backends: Mapping[str, str], params: PickerParams | None = None,
+                 chars_per_token: float = 4.0) -> None:
+        """``chars_per_token``: how the prefix index turns a backend's KV capacity in tokens into the prompt
+        characters its cache can hold (the EPP's own ``chars_per_token``, which sizes requests the same way)."""
         if not backends:
             raise ValueError("the picker needs at least one backend")
         self.params = params or PickerParams()
+        if not chars_per_token > 0:
+            raise ValueError(f"chars_per_token must be positive, not {chars_per_token!r}")
+        self.chars_per_token = chars_per_token
         if self.params.work_unit not in ("requests", "tokens"):
             raise ValueError(f"work_unit must be requests or tokens, not {self.params.work_unit!r}")
         self._backends = {name: _Backend(name, address) for name, address in backends.items()}
@@ -94,8 +100,8 @@ class HeadroomPicker:
             b.signals = signals
             b.refused = False
             if math.isfinite(signals.kv_capacity_tokens) and signals.kv_capacity_tokens > 0:
-                # the cache cannot hold more than the KV: about 4 characters a token
-                blocks = signals.kv_capacity_tokens * 4 / self.params.prefix_block_chars
+                # the cache cannot hold more than the KV
+                blocks = signals.kv_capacity_tokens * self.chars_per_token / self.params.prefix_block_chars
                 self.prefixes.set_capacity(backend, int(blocks))
             while b.ended and b.ended[0][1] < _sent(signals):  # ended before this scrape was sent: not in it
                 b.ended.popleft()
