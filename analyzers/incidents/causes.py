@@ -16,7 +16,7 @@ from typing import Protocol
 
 from triscope.analyzers.incidents.config import IncidentsConfig
 from triscope.analyzers.incidents.model import UNKNOWN, Cause
-from triscope.analyzers.incidents.series import HostWindow, Window
+from triscope.analyzers.incidents.series import HostWindow, IoWindow, Window
 
 MIN_SCORE = 0.3
 KV_LEAD = 0.8
@@ -67,7 +67,7 @@ def _first(items: Iterable[tuple[float, bool]]) -> float:
     return next((t for t, hit in sorted(items) if hit), math.nan)
 
 
-def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float, Window]], io: Mapping[float, float],
+def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float, Window]], io: Mapping[float, IoWindow],
             cfg: IncidentsConfig, host: Mapping[float, HostWindow] | None = None) -> Explanation:
     onset = min(b.start_s for b in breaches)
     end = max(b.start_s for b in breaches) + cfg.window_s
@@ -97,7 +97,7 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     wait_at = _first((w.start_s, w.waiting_capacity > 0 or (w.queue > 0 and w.queue > w.running))
                      for ws in mine.values() for w in ws)
     down_at = _first((w.start_s, w.scrape_up == 0) for ws in mine.values() for w in ws)
-    io_at = _first((t, p >= cfg.io_p99_s) for t, p in io.items() if lo <= t < end)
+    io_at = _first((t, _io_trouble(w, cfg)) for t, w in io.items() if lo <= t < end)
     host = host or {}
     cpu_at = _first((w.start_s, w.cpu_wait_ratio >= cfg.cpu_wait) for ws in mine.values() for w in ws)
     oom_at = _first((t, h.oom_kills > 0) for t, h in host.items() if lo <= t < end)
@@ -164,16 +164,22 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
         per = Counter(b.backend for b in breaches)
         own_windows = sum(per[b] for b in own)
         skewed_windows = sum(per[b] for b in pressed if b in over_served)
-        mine_alone = share < cfg.fleet_share and own_windows > skewed_windows and not math.isfinite(jump_at)
+        # (and with nothing outside the engine slowing it: a disk or CPU hog fills its KV by slowing it down)
+        mine_alone = share < cfg.fleet_share and own_windows > skewed_windows and not math.isfinite(jump_at) \
+            and "io_latency" not in leads
         score = 0.55 + (0.3 if mine_alone else 0.0) + (0.1 if "preemptions" in leads else 0.0)
         causes.append(Cause("kv_pressure", min(score, 0.95), tuple(pressed.values())))
-    # block IO on the hosts
+    # block IO on the hosts: slow, or a disk saturated from before the breach and still during it
     if not io:
         missing.append("block IO latency (no io_latency rows)")
-    elif "io_latency" in leads:
-        worst = max(p for t, p in io.items() if lo <= t < end)
-        causes.append(Cause("io", 0.6, (f"block-IO read P99 {worst * 1e3:.1f} ms (>= {cfg.io_p99_s * 1e3:.0f} ms) "
-                                        f"{leads['io_latency']:.0f} s before the breach",)))
+    elif "io_latency" in leads and any(_io_trouble(w, cfg) for t, w in io.items() if near <= t < end):
+        worst = max((w for t, w in io.items() if lo <= t < end), key=lambda w: _nan0(w.queue_depth))
+        slow = max(_nan0(w.latency_s) for t, w in io.items() if lo <= t < end)
+        before = [w.queue_depth for t, w in io.items() if t < io_at and math.isfinite(w.queue_depth)]
+        causes.append(Cause("io", 0.85, (
+            (f"disk {worst.device}: queue depth {worst.queue_depth:.0f} (before: "
+             f"{statistics.median(before or [0.0]):.1f}), {worst.ios_per_s:,.0f} IO/s, " if worst.device else "")
+            + f"block-IO read latency {slow * 1e3:.1f} ms, {leads['io_latency']:.0f} s before the breach",)))
     # routing imbalance: a few backends hit while getting more than their share
     # (its KV or batch pressure, when it has some, is what the extra share did to it: +0.2)
     for b in over_served:
@@ -224,6 +230,14 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     best = causes[0] if causes and causes[0].score >= MIN_SCORE else Cause(UNKNOWN, 0.0, ())
     runners = [c for c in causes if c is not best]
     return Explanation(best, runners, leads, missing, drop, *_at_breach(mine, onset, near, end, cfg))
+
+
+def _io_trouble(w: IoWindow, cfg: IncidentsConfig) -> bool:
+    return _nan0(w.latency_s) >= cfg.io_p99_s or _nan0(w.queue_depth) >= cfg.io_queue_depth
+
+
+def _nan0(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
 
 
 def _load_rising(windows: Mapping[str, Mapping[float, Window]], lo: float, near: float, since: float, end: float,

@@ -39,6 +39,9 @@ class IncidentsConfig(ComponentConfig):
     """Host PSI ``memory some`` share that counts as memory pressure."""
     io_p99_s: float = 0.05
     """Block-IO read P99 (or mean where only diskstats exists) that reads as IO trouble for serving."""
+    io_queue_depth: float = 16.0
+    """A disk's average queue depth that reads as IO trouble for serving (a saturated fast disk keeps its
+    latency and queues instead; an engine host's own writes stay in single digits)."""
     alert_open: bool = True
     """Exit 3 when an incident is still open at the end of the range."""
     alert_min_p99_ratio: float = 0.0
@@ -46,7 +49,8 @@ class IncidentsConfig(ComponentConfig):
 
     def validate(self, where: str) -> None:
         positive(where, window_s=self.window_s, qps_jump=self.qps_jump, baseline_s=self.baseline_s,
-                 fleet_share=self.fleet_share, imbalance=self.imbalance, io_p99_s=self.io_p99_s)
+                 fleet_share=self.fleet_share, imbalance=self.imbalance, io_p99_s=self.io_p99_s,
+                 io_queue_depth=self.io_queue_depth)
         non_negative(where, merge_gap_s=self.merge_gap_s, min_requests=self.min_requests,
                      alert_min_p99_ratio=self.alert_min_p99_ratio)
         if not 0 < self.error_ratio <= 1 or not 0 < self.kv_high <= 1:
