@@ -229,16 +229,22 @@ def write_results(out_dir: Path, result: dict[str, Any], docs: list[dict[str, An
     (out_dir / "diagnose.json").write_text(json.dumps(docs, default=str) + "\n")
 
 
-def rescore(run_dir: Path) -> dict[str, Any]:
-    """A finished run's answers (``diagnose.json``) scored again by the current scoring; its ``run`` kept."""
+def rescore(run_dir: Path, config: Path | None = None) -> dict[str, Any]:
+    """A finished run's answers (``diagnose.json``) scored again by the current scoring; its ``run`` kept. With
+    ``config`` (the run's ``triscope.toml``, its store kept with ``--work-dir``) each stretch is first asked of
+    ``diagnose`` again, so rules changed since are judged on the run's own data."""
     docs = json.loads((run_dir / "diagnose.json").read_text())
     scores, calm_s = [], 0.0
     for d in docs:
         inj = Injection(**d["injection"])
+        if config is not None:
+            d["diagnose"] = diagnose(config, time.time() - inj.from_s, inj.until_s)
         part = d["diagnose"].get("incidents", {})
         scores.append(score_injection(inj, d["diagnose"], part.get("backends", []) if isinstance(part, dict) else [],
                                       WINDOW_S))
         calm_s += inj.until_s - inj.from_s if inj.expected_cause is None else 0.0
+    if config is not None:
+        (run_dir / "diagnose.json").write_text(json.dumps(docs, default=str) + "\n")
     result = summarise(scores, calm_s / 60)
     result["run"] = json.loads((run_dir / "incidents.json").read_text())["run"]
     return result
@@ -275,10 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the registered faults and exit")
     p.add_argument("--rescore", type=Path, metavar="DIR",
                    help="score a finished run's --out-dir again (its diagnose.json) and rewrite its results")
+    p.add_argument("--rediagnose", type=Path, metavar="TOML",
+                   help="with --rescore: ask diagnose again first, with this config (the run's WORK_DIR/triscope.toml)")
     args = p.parse_args(argv)
     args.flush_s = 0.5
     if args.rescore is not None:
-        result = rescore(args.rescore)
+        result = rescore(args.rescore, args.rediagnose)
         print(report_text(result))
         (args.rescore / "incidents.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         run = result["run"]

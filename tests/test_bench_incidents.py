@@ -205,6 +205,16 @@ def test_a_short_live_run_on_the_simulated_fleet_is_scored(tmp_path: Path) -> No
     assert again.returncode == 0, again.stderr[-2000:]
     rescored = json.loads((out / "incidents.json").read_text())
     assert rescored["scores"] == doc["scores"] and rescored["run"]["seed"] == 7 and "overall:" in again.stdout
+    # asked again of diagnose on the kept store (the daemon stopped, the store opened directly): same answers
+    before = json.loads((out / "diagnose.json").read_text())
+    again = subprocess.run([sys.executable, "bench/incidents.py", "--rescore", str(out), "--rediagnose",
+                            str(tmp_path / "work" / "triscope.toml")], capture_output=True, text=True, cwd=REPO,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    after = json.loads((out / "diagnose.json").read_text())
+    assert [d["diagnose"]["incidents"]["incidents"] for d in after] == \
+        [d["diagnose"]["incidents"]["incidents"] for d in before]
+    assert json.loads((out / "incidents.json").read_text())["scores"] == doc["scores"]
 
 
 @pytest.mark.slow
