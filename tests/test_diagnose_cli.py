@@ -235,3 +235,25 @@ def test_start_up_imports_only_what_the_command_needs(tmp_path: Path) -> None:
     assert "chdb._chdb" not in loaded("nccl", "stragglers", "--json", TRISCOPE_STORE__BACKEND="server",
                                       TRISCOPE_STORE__URL="http://127.0.0.1:9")
     assert loaded("diagnose", "--since", "1m", "--json") & {"rich", "matplotlib", "pyarrow", "pandas"} == set()
+
+
+def test_a_serving_host_with_only_block_io_says_so_instead_of_unclassified(tmp_path: Path) -> None:
+    """A serving fleet without GPU telemetry: the diskstats collector's rows of a calm disk are the stall
+    report's only data. It says that in a line, not "unclassified 100%" with a table of one host."""
+    db = tmp_path / "db"
+    # written by a process of its own: chDB holds a data directory for as long as the process that opened it
+    write = ("import sys, time\nfrom triscope.schema import IO_LATENCY, encode_ts, qualified\n"
+             "from triscope.store import open_store\n"
+             "store = open_store({'store': {'path': sys.argv[1]}})\nnow = time.time_ns()\n"
+             "rows = [{'ts': encode_ts(now - s * 10**9), 'host': 'node-1', 'device': 'vda', 'source': 'diskstats',"
+             " 'op': op, 'window_seconds': 1.0, 'ios': 30.0, 'p50_seconds': float('nan'),"
+             " 'p99_seconds': float('nan'), 'mean_seconds': 0.001, 'queue_depth': 0.4}"
+             " for s in range(1, 30) for op in ('read', 'write')]\n"
+             "store.insert(qualified(store, IO_LATENCY), IO_LATENCY.columns_of(rows))\nstore.close()\n")
+    done = subprocess.run([sys.executable, "-c", write, str(db)], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    res = _cli(db, "diagnose", "--since", "1m")
+    assert res.returncode == 0, res.stderr
+    assert "no GPU samples or device work in this range" in res.stdout and "none IO- or host-bound" in res.stdout
+    assert "unclassified" not in res.stdout

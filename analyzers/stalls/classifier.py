@@ -104,7 +104,7 @@ def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, 
     if not run_ids:
         for host in io_by_host:  # a host with block-IO data but no GPU data still gets its IO verdicts
             if not any(u.host == host for u in units.values()) and (not gpu_set and not by_model):
-                u = Unit(host, "host", -1)
+                u = Unit(host, "host", -1, device_data=False)
                 u.samples = sorted((int((r[3] + r[4]) // 2), math.nan, math.nan, math.nan, math.nan)
                                    for r in io_by_host[host])
                 units[(host, "host")] = u

@@ -259,6 +259,7 @@ def render(report: StallReport, title: str = "") -> None:
     from rich.table import Table
 
     from triscope.analyzers.stalls import ACTIONS
+    from triscope.analyzers.stalls.config import UNCLASSIFIED
     from triscope.console import report_console
 
     console = report_console()
@@ -269,6 +270,10 @@ def render(report: StallReport, title: str = "") -> None:
                       f"{'profiler steps' if report.by == 'step' else f'{report.window_ms:g} ms windows'}")
     if not report.windows:
         console.print("no GPU samples, traces or IO data in this range")
+    elif not report.device_data and set(report.shares()) == {UNCLASSIFIED}:
+        # a serving fleet without GPU telemetry: its host-side windows hold nothing a stall rule reads as bound
+        console.print(f"no GPU samples or device work in this range: {len(report.windows)} windows of host-side "
+                      "data (block IO), none IO- or host-bound")
     else:
         console.print(f"[bold]overall:[/] {report.share_text()}")
         kinds = sorted({w.device.rstrip("0123456789").split("-")[0].upper() for w in report.windows if w.device_data})
