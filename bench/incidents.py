@@ -285,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --rescore: ask diagnose again first, with this config (the run's WORK_DIR/triscope.toml)")
     args = p.parse_args(argv)
     args.flush_s = 0.5
+    # a SIGTERM unwinds like Ctrl-C, so the engines and the daemon started below are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.rescore is not None:
         result = rescore(args.rescore, args.rediagnose)
         print(report_text(result))
@@ -333,18 +335,6 @@ def main(argv: list[str] | None = None) -> int:
         otlp_url = f"http://127.0.0.1:{ports['otlp']}/v1/traces"
         fleet.start(otlp_url)
         stack.callback(fleet.stop)
-        capacity = None
-        if args.rate is not None:
-            rate = args.rate
-        else:
-            say(f"capacity probe: open-loop ramp x1.25 every {args.probe_step_s:.0f} s until a class's client P99 "
-                "is over its SLA")
-            capacity = probe_capacity(fleet, {c: ms / 1000 for c, ms in client_sla.items()}, seed,
-                                      step_s=args.probe_step_s, say=say)
-            rate = round(args.load_fraction * capacity.rate_per_backend, 3)
-            say(f"capacity {'>= ' if capacity.capped else ''}{capacity.rate_per_backend:.2f} req/s per backend; "
-                f"base load {args.load_fraction:g} x that = {rate} req/s per backend (seed {seed}; --rate overrides)")
-        say(f"{args.fleet} fleet of {n}, {rate} req/s per backend, SLAs {slas} ms, collectors {collectors}")
         log = open(work / "daemon.log", "w")  # noqa: SIM115 (closed by the stack)
         stack.callback(log.close)
         daemon = subprocess.Popen([sys.executable, "-m", "triscope", "run", "--config", str(cfg), "--json"],
@@ -360,6 +350,20 @@ def main(argv: list[str] | None = None) -> int:
                     daemon.wait()
         stack.callback(stop_daemon)
         wait_ping(ports["query"], 120, daemon)
+        capacity = None
+        if args.rate is not None:
+            rate = args.rate
+        else:
+            # with the collector running, as the faults will be: its scrapes, inserts and merges take their share
+            say(f"capacity probe: open-loop ramp x1.25 every {args.probe_step_s:.0f} s until a class's client P99 "
+                "is over its SLA, with triscope run collecting")
+            capacity = probe_capacity(fleet, {c: ms / 1000 for c, ms in client_sla.items()}, seed,
+                                      step_s=args.probe_step_s, say=say)
+            rate = round(args.load_fraction * capacity.rate_per_backend, 3)
+            say(f"capacity {'>= ' if capacity.capped else ''}{capacity.rate_per_backend:.2f} req/s per backend; "
+                f"base load {args.load_fraction:g} x that = {rate} req/s per backend (seed {seed}; --rate overrides)")
+            time.sleep(max(slas.values()) / 1000 + 10)  # the probe's last, overloaded step drains
+        say(f"{args.fleet} fleet of {n}, {rate} req/s per backend, SLAs {slas} ms, collectors {collectors}")
         tracer, shutdown = client_tracer(otlp_url) if fleet.spans_from_client else (None, lambda: None)
         load = LoadGen(fleet, rate * n, seed, tracer).start()
         stack.callback(shutdown)

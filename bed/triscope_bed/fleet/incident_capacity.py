@@ -2,7 +2,7 @@
 on this machine, so the base load is a known fraction of it rather than a figure tuned by hand.
 
 The probe ramps the load generator's rate geometrically (``start`` requests/s per backend, times ``ratio``
-after each calm step of ``step_s``) before the collector starts, and judges each step as the client saw it: per
+after each calm step of ``step_s``), with the collector running, and judges each step as the client saw it: per
 request class the P99 of the latency from the arrival (an open-loop client's wait, workers' queueing included),
 requests still unanswered ``settle_s`` after the step counted as over every SLA, and the share of failed
 requests. The **capacity** is the first rate whose P99 of some class is over its SLA (or ``error_ratio`` of its
@@ -93,8 +93,8 @@ def probe_capacity(fleet: Fleet, sla_s: Mapping[str, float], seed: int, *, start
     """Ramp an open-loop load over ``fleet`` until a step breaches (see the module's doc). A breached step is
     held at the same rate ``confirm`` more times, and the capacity is that rate only if every repeat breaches
     too: one unlucky step (a burst of long requests, a busy neighbour) moves a single-step answer by a whole
-    ``ratio``. The load generator is the bench's own, without spans (the collector is not running yet), and is
-    stopped before returning."""
+    ``ratio``. The load generator is the bench's own, sending no client spans, and is stopped before
+    returning."""
     n = len(fleet.engines)
     settle = max(sla_s.values())
     if settle > step_s:
