@@ -79,16 +79,22 @@ def test_a_killed_engine_is_backend_down_with_its_scrape_error(store: Any) -> No
     assert 0 <= incident.lead_times_s["scrape_failed"] <= 5
 
 
-def test_kv_pressure_on_one_engine_is_named_with_its_lead(store: Any) -> None:
-    def long_prompts(s: int, b: str, f: dict[str, float]) -> None:
-        if b == B and s >= 80:
-            f.update(kv=min(0.99, 0.3 + 0.05 * (s - 80)), queue=6.0)
-            if s >= 95:
-                f.update(preempt=float(s - 95), waiting=5.0)
-            if s >= 105:
+def _kv_fills_on_b(fill_from: int, preempt_from: int, breach_from: int,
+                   per_s: float) -> Callable[[int, str, dict[str, float]], None]:
+    """Engine B's KV fills by ``per_s`` a second from ``fill_from`` with requests queued, it preempts from
+    ``preempt_from`` and breaches its SLA from ``breach_from``."""
+    def fault(s: int, b: str, f: dict[str, float]) -> None:
+        if b == B and s >= fill_from:
+            f.update(kv=min(0.99, 0.3 + per_s * (s - fill_from)), queue=6.0)
+            if s >= preempt_from:
+                f.update(preempt=float(s - preempt_from), waiting=5.0)
+            if s >= breach_from:
                 f.update(latency=2.5)
+    return fault
 
-    Fleet().write(store, long_prompts)
+
+def test_kv_pressure_on_one_engine_is_named_with_its_lead(store: Any) -> None:
+    Fleet().write(store, _kv_fills_on_b(80, 95, 105, 0.05))  # long prompts to B
     (incident,) = _find(store).incidents
     assert incident.backends == [B] and incident.cause.name == "kv_pressure", incident.to_dict()
     assert any("preemptions" in e for e in incident.cause.evidence)
@@ -245,14 +251,8 @@ def _disk(store: Any, queue_depth: Callable[[int], float]) -> None:
     store.insert(qualified(store, IO_LATENCY), IO_LATENCY.columns_of(rows))
 
 
-def _slowed_b(s: int, b: str, f: dict[str, float]) -> None:
-    """From second 88 engine B slows: its requests pile up, its KV fills and it preempts, then it breaches."""
-    if b == B and s >= 88:
-        f.update(kv=min(0.99, 0.3 + 0.06 * (s - 88)), queue=6.0)
-        if s >= 96:
-            f.update(preempt=float(s - 96), waiting=5.0)
-        if s >= 100:
-            f.update(latency=2.5)
+_slowed_b = _kv_fills_on_b(88, 96, 100, 0.06)
+"""From second 88 engine B slows: its requests pile up, its KV fills and it preempts, then it breaches."""
 
 
 def test_a_saturated_disk_is_io_even_though_the_engine_s_kv_fills(store: Any) -> None:
