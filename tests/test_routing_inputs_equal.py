@@ -1,6 +1,8 @@
-"""The weight engine's store reader (one scan per table) reads exactly what the reference reader
-(one query per input, ``triscope_bed.fleet.weight_inputs_scans``) reads, and the engine computes the
-same weights from both: on a real embedded store (chDB) holding every case the reader tells apart.
+"""The weight engine's store readers (``read_inputs``: the newest-row tables and the window's rows;
+``read_inputs_scan``: one scan per raw table) read exactly what the reference reader (one query per
+input, ``triscope_bed.fleet.weight_inputs_scans``) reads, and the engine computes the same weights from
+them: on a real embedded store (chDB) holding every case the readers tell apart, at ``now``s before,
+within and after the rows (a backend with rows after ``now`` is read from its raw rows).
 
 Rows are synthetic, shaped like the collectors' (vLLM scrapes at 1 Hz, OTel spans, NVML samples).
 """
@@ -19,6 +21,7 @@ import pytest
 from conftest import fresh_database
 
 from triscope.analyzers.routing import WeightParams, compute_weights, read_inputs, with_address
+from triscope.analyzers.routing.store_inputs import read_inputs_scan
 from triscope.commands.weights import explanation
 from triscope.schema import GPU_SAMPLES, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
 from triscope_bed.fleet import weight_inputs_scans as reference
@@ -74,6 +77,9 @@ def _fleet(store: Any) -> None:
                              "memory_used_bytes": float(rng.integers(1, 80)) * 2**30,
                              "memory_total_bytes": 80.0 * 2**30 if (h, g) != (1, 1) else math.nan,
                              "state": "lost" if (h, g) == (2, 3) and t > NOW - 4 else "ok"})
+    # a GPU that came up 30 s ago: at a ``now`` before that it has no sample, though its host has
+    gpus += [{"ts": float(t), "host": "node-1", "gpu": 5, "gpu_uuid": "GPU-new", "memory_used_bytes": 2.0**30,
+              "memory_total_bytes": 80.0 * 2**30, "state": "ok"} for t in np.arange(NOW - 30, NOW, 0.5)]
     for table, rows in ((SERVING_METRICS, serving), (REQUESTS, spans), (SCRAPE_HEALTH, health),
                         (GPU_SAMPLES, gpus)):
         _insert(store, table, rows)
@@ -85,7 +91,8 @@ PARAMS = {
     "configured, not discovered": {"discover": False, "backends": {
         "10.0.0.0:8000": {"address": "10.0.0.0:8000", "host": "node-0", "gpus": [1, 2]},
         "10.0.0.2:8000": {"address": "10.0.0.2:8000", "host": "node-0"},
-        "10.0.0.40:8000": {"address": "10.0.0.40:8000"}}},
+        "10.0.0.40:8000": {"address": "10.0.0.40:8000"},
+        "10.0.0.41:8000": {"address": "10.0.0.41:8000", "host": "node-1", "gpus": [5]}}},
     "errors in a row": {"down_after_errors": 5, "window_s": 4.0},
 }
 
@@ -98,13 +105,17 @@ def fleet(store_path: Path) -> Iterator[Any]:
         yield s
 
 
+READERS = {"latest": read_inputs, "scan": read_inputs_scan}
+
+
+@pytest.mark.parametrize("reader", list(READERS))
 @pytest.mark.parametrize("name", list(PARAMS))
-def test_inputs_and_weights_equal_the_reference_reader(fleet: Any, name: str) -> None:
+def test_inputs_and_weights_equal_the_reference_reader(fleet: Any, name: str, reader: str) -> None:
     store = fleet
     params = WeightParams.from_config({"weights": PARAMS[name]})
     state_new = state_ref = None
     for now in (NOW - 60.0, NOW - 0.5, NOW, NOW + 0.25, NOW + 12.0, NOW + 400.0):
-        new = read_inputs(store, params, now)
+        new = READERS[reader](store, params, now)
         ref = reference.read_inputs(store, params, now)
         assert repr(new) == repr(ref), now
         res_new, state_new = compute_weights([with_address(i, params) for i in new], state_new, params, now)
