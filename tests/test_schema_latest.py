@@ -64,7 +64,8 @@ def _newest(store: Any) -> tuple[dict, dict, dict, dict]:
 def test_latest_rows_are_the_raw_newest_row_per_key_in_any_arrival_order(store: Any) -> None:
     rng = np.random.default_rng(3)
     serving = [{"ts": NOW - 100 + t + i / 10, "backend": f"b{i}", "kv_cache_usage_ratio": float(rng.uniform()),
-                "sleep_state": math.nan if t % 7 == 0 or (i % 4, t) == (0, 99) else float(t % 2)} for i in range(20) for t in range(100)]
+                "sleep_state": math.nan if t % 7 == 0 or (i % 4, t) == (0, 99) else float(t % 2)}
+               for i in range(20) for t in range(100)]
     scrapes = [{"ts": NOW - 100 + t + i / 10, "backend": f"b{i % 5}", "target": f"http://b{i % 5}/{i}",
                 "up": int(rng.random() < 0.7 or i == 3), "error": f"e{t}"} for i in range(10) for t in range(100)]
     scrapes = [r for r in scrapes if not (r["target"].endswith("/4") and r["up"])]  # a target never answered
