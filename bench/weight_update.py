@@ -9,8 +9,9 @@ reader, interleaved, at a fixed ``now`` (the newest scrape + 0.5 s, so a kept st
 that the readers give the same inputs and the same weights. Prints the median wall and CPU time
 (the process's, chDB's threads included) of each, their ratios to the store reader, and each raw table's
 floor: the time to read only the columns the raw scan needs over the look-back's rows, with no aggregation.
-The newest-row tables are merged with the raw tables (``OPTIMIZE ... FINAL``), as background merges keep
-them; ``--unmerged`` measures first with each insert's rows of them still apart.
+The newest-row tables are measured merged (``OPTIMIZE ... FINAL``, one row per key); ``--live N`` first
+appends N more seconds of the fleet one second per insert and table (as the writer flushes) and measures
+the tables as the background merges left them (each insert adds a row per key until parts merge).
 
     .venv/bin/python bench/weight_update.py [--scale 1 --days 0.01] [--path DIR] [--runs 7] [--json out.json]
 
@@ -30,6 +31,7 @@ import time
 from typing import Any
 
 import fleet_day
+import fleet_day_data as data
 import fleet_day_panels
 
 from triscope.analyzers.routing import WeightParams, compute_weights, read_inputs
@@ -139,32 +141,52 @@ def extra_bytes(store: EmbeddedStore) -> dict[str, int]:
     return out
 
 
+def newest_scrape(store: EmbeddedStore) -> float:
+    """The time of the newest engine scrape in the store (epoch seconds)."""
+    return int(store.query(f"SELECT toUnixTimestamp64Nano(max(ts)) FROM {qualified(store, SERVING_METRICS)}")
+               .scalar()) / 1e9
+
+
+def append(store: EmbeddedStore, scale: float, seconds: int) -> None:
+    """``seconds`` more of the same fleet after the newest row, one insert per table and second."""
+    f = fleet_day.fleet_of(scale, seconds / 86400, float(int(newest_scrape(store)) + 1))
+    half = f.hosts // 2
+    feeds = [(GPU_SAMPLES, data.gpu_chunks(f, 10, "nvml", range(0, half), 1)),
+             (GPU_SAMPLES, data.gpu_chunks(f, 1, "dcgm", range(half, f.hosts), 1)),
+             (SERVING_METRICS, data.serving_chunks(f, 1)), (REQUESTS, data.request_chunks(f, 1))]
+    for _ in range(seconds):
+        for table, chunks in feeds:
+            batch = next(chunks, None)
+            if batch is not None:
+                store.insert(qualified(store, table), batch)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of the 1,000-GPU fleet (default 1)")
     ap.add_argument("--days", type=float, default=0.01, help="days of data (default 0.01: 14 minutes)")
     ap.add_argument("--path", default="", help="store directory, kept (default: a fresh one, removed after)")
     ap.add_argument("--runs", type=int, default=7, help="updates per reader (default 7)")
-    ap.add_argument("--unmerged", action="store_true",
-                    help="measure first with the newest-row tables as inserted (before merging them)")
+    ap.add_argument("--live", type=int, default=0, metavar="N",
+                    help="append N seconds one second per insert and measure before merging the newest-row tables")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args(argv)
     path = args.path or f"/tmp/triscope-weightupdate-{os.getpid()}"
     store, built = ensure_store(path, args.scale, args.days)
     try:
         params = WeightParams.from_config({})
-        newest = int(store.query(f"SELECT toUnixTimestamp64Nano(max(ts)) FROM {qualified(store, SERVING_METRICS)}")
-                     .scalar())
-        now = newest / 1e9 + 0.5
-        out: dict[str, Any] = {"runs": args.runs, "now": now}
-        if args.unmerged:
-            out["latest_rows_unmerged"] = {t.name: int(store.query(f"SELECT count() FROM {qualified(store, t)}")
-                                                       .scalar()) for t in LATEST}
-            print(f"newest-row tables unmerged: {out['latest_rows_unmerged']} rows")
-            out["unmerged"] = compare(store, params, now, args.runs)
+        out: dict[str, Any] = {"runs": args.runs}
+        if args.live:
+            append(store, args.scale, args.live)
+            out["latest_unmerged"] = {t.name: store.query(
+                "SELECT count(), sum(rows) FROM system.parts WHERE database = {db:String} AND table = {t:String} "
+                "AND active", {"db": store.database, "t": t.name}).rows[0] for t in LATEST}
+            print(f"newest-row tables after {args.live} s of 1 s inserts, (parts, rows): {out['latest_unmerged']}")
+            out["unmerged"] = compare(store, params, newest_scrape(store) + 0.5, args.runs)
             if out["unmerged"] is None:
                 print("the readers disagree: inputs or weights differ", file=sys.stderr)
                 return 1
+        now = out["now"] = newest_scrape(store) + 0.5
         for t in LATEST:
             store.command(f"OPTIMIZE TABLE {qualified(store, t)} FINAL")
         got = compare(store, params, now, args.runs)

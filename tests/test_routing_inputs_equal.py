@@ -67,6 +67,13 @@ def _fleet(store: Any) -> None:
                 up = int(not (i == 1 and t > NOW - 20) and not (i == 0 and target.endswith("alt") and t > NOW - 6))
                 health.append({"ts": float(t), "backend": name, "host": host, "target": target, "up": up,
                                "error": "" if up else f"{target}: connection refused"})
+    # 1: failing in every class for its last 3 s, more failures in a row than any ``down_after_errors``
+    spans += [{"ts": NOW - 2.9 + j * 0.1, "backend": "10.0.0.1:8000", "host": "node-0", "gpu": "1",
+               "request_class": CLASSES[j % len(CLASSES)], "latency_seconds": 0.5, "status": "error"}
+              for j in range(25)]
+    # 9: an answered and a failed span started at the same nanosecond, after ``NOW``: the failed one is last
+    spans += [{"ts": NOW + 0.1, "backend": "10.0.0.9:8000", "host": "node-2", "gpu": "1", "latency_seconds": 0.1,
+               "request_class": "offline_video", "status": status} for status in ("error", "ok")]
     # a span naming no backend, a gateway's spans for an address nothing scrapes
     spans += [{"ts": NOW - 2.0, "backend": "", "host": "gw", "gpu": "0"},
               {"ts": NOW - 3.0, "backend": "10.9.9.9:80", "host": "gw", "latency_seconds": 0.2}]
@@ -126,6 +133,7 @@ def test_inputs_and_weights_equal_the_reference_reader(fleet: Any, name: str, re
     if name == "defaults":  # the store holds what the cases need: each shape is seen by the reader
         by = {i.backend: i for i in read_inputs(store, params, NOW)}
         assert "10.0.0.3:8000" not in by and "" not in by and "10.9.9.9:80" in by
-        assert by["10.0.0.1:8000"].trailing_errors >= 1 and by["10.0.0.1:8000"].scrape_up == 0
+        assert {i.backend: i for i in read_inputs(store, params, NOW + 0.25)}["10.0.0.9:8000"].trailing_errors == 1
+        assert by["10.0.0.1:8000"].trailing_errors == params.down_after_errors and by["10.0.0.1:8000"].scrape_up == 0
         assert len(by["10.0.0.4:8000"].p99_seconds) >= 3 and math.isnan(by["10.0.0.8:8000"].preemptions)
         assert math.isnan(by["10.0.0.10:8000"].span_count) and by["10.0.0.11:8000"].healthy is False

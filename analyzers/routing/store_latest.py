@@ -33,7 +33,6 @@ from triscope.analyzers.routing.store_inputs import (
     scrapes_scan,
     serving_reading,
     serving_scan,
-    trailing_failures,
 )
 from triscope.schema import REQUESTS, SERVING_METRICS, qualified
 from triscope.schema.gpu import GPU_LATEST
@@ -82,7 +81,9 @@ GROUP BY backend"""
 
 def _spans(store: Store, p: dict[str, Any], params: WeightParams, names: set[str]) -> Spans:
     """:func:`~triscope.analyzers.routing.store_inputs.spans_scan`'s answer: backends and their GPUs
-    from ``requests_latest``, the window's statistics from its raw rows."""
+    from ``requests_latest``, the window's statistics from its raw rows (the failed spans in a row at
+    its end from each class's newest failures and newest answered span: collecting every span's
+    status costs more than the rest of the query)."""
     latest = f"""
 SELECT backend, host, gpu, toUnixTimestamp64Nano(max(ts)) AS last_ns
 FROM {qualified(store, REQUESTS_LATEST.table)} {_LATEST_WHERE}
@@ -93,8 +94,9 @@ SELECT backend, if(request_class IN {{classes:Array(String)}}, request_class, {{
        count() AS n, countIf({_SINCE}) AS n_tail,
        quantileExactIf(0.99)(latency_seconds, isFinite(latency_seconds)) AS p99,
        toUnixTimestamp64Nano(max(ts)) AS last_ns,
-       arraySlice(arraySort(groupArrayIf((toUnixTimestamp64Nano(ts), status = 'error'), {_SINCE})),
-                  -{{k:UInt32}}) AS tail
+       toUnixTimestamp64Nano(maxIf(ts, status != 'error' AND {_SINCE})) AS ok_ns,
+       arraySlice(arraySort(groupArrayIf(toUnixTimestamp64Nano(ts), status = 'error' AND {_SINCE})),
+                  -{{k:UInt32}}) AS errors
 FROM {qualified(store, REQUESTS)}
 WHERE {WINDOW}
 GROUP BY backend, cls"""
@@ -115,20 +117,31 @@ GROUP BY backend, cls"""
                            {**p, "keys": sorted(later)}).rows
         measured.update(str(b) for (b,) in rows)
     counts: dict[str, int] = dict.fromkeys(measured, 0)
-    tails: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    last_ok: dict[str, int] = {}
+    errors: dict[str, list[int]] = defaultdict(list)
     q = {**p, "classes": list(params.classes), "default": params.default_class, "k": k}
     for r in store.query(window, q).dicts():
         b = str(r["backend"])
         if b in counts:
             counts[b] += int(r["n_tail"])
-            tails[b].extend((int(t), int(f)) for t, f in r["tail"])
+            last_ok[b] = max(last_ok.get(b, 0), int(r["ok_ns"]))
+            errors[b].extend(int(t) for t in r["errors"])
         out.qps[b] += int(r["n"]) / params.window_s
         if math.isfinite(finite(r["p99"])):  # the class has finite latencies in the window
             out.p99[b][str(r["cls"])] = finite(r["p99"])
         out.last[b] = max(out.last.get(b, 0.0), int(r["last_ns"]) / 1e9)
     for b, n in counts.items():
-        out.tails[b] = (float(n), trailing_failures(tails[b], k))
+        out.tails[b] = (float(n), trailing_errors(errors[b], last_ok.get(b, 0), k))
     return out
+
+
+def trailing_errors(errors: list[int], last_ok: int, k: int) -> float:
+    """Failed requests in a row at the end of the newest ``k`` spans, from the start times of each
+    class's newest ``k`` failed spans and of the newest answered one (0: none): the failed spans
+    started at or after it, at most ``k``. What :func:`trailing_failures` counts over (start, failed)
+    pairs, which order a failed span after an answered one that started at the same nanosecond; a
+    class's newest ``k`` failures hold every one that can count."""
+    return float(min(k, sum(1 for t in errors if t >= last_ok)))
 
 
 def _scrapes(store: Store, p: dict[str, Any], names: set[str]) -> dict[str, tuple[float, str, float]]:
