@@ -1,11 +1,14 @@
-"""Store reader of the weight engine: latest GPU memory, serving metrics and request stats per backend.
+"""The weight engine's inputs from a scan of the raw rows, and what both store readers share.
 
-One query per raw table and update (``serving_metrics``, ``scrape_health``, ``requests``,
+:func:`read_inputs_scan` reads the latest GPU memory, serving metrics and request stats per backend
+with one query per raw table and update (``serving_metrics``, ``scrape_health``, ``requests``,
 ``gpu_samples``): the tables are sorted by backend (or host, GPU) then time, so at a fleet's width
 nearly every granule holds some backend's newest rows and a query over the look-back reads its
 columns whole; a second query over the same table would pay that again. Names, the GPU map, the
 span tail and the window statistics therefore come from the same scan, each bound written as an
-``-If`` condition, and aggregations whose keys lead the sort key run in its order.
+``-If`` condition, and aggregations whose keys lead the sort key run in its order. The engine reads
+the same from the newest-row tables (``store_latest``); it calls the scans here for keys whose
+newest row is after ``now``, and shares :func:`assemble`.
 See docs/weights.md ("Backend identity across tables", "Store reader") for how backends map to GPUs
 and what each update reads. All time bounds are query parameters (epoch nanoseconds); the reader
 never formats values into SQL.
