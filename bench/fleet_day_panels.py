@@ -18,9 +18,8 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from triscope.analyzers.routing import WeightParams
+from triscope.analyzers.routing import WeightParams, read_inputs
 from triscope.analyzers.routing.scoring import compute_weights
-from triscope.analyzers.routing.store_inputs import read_inputs
 from triscope.dashboards.boards import all_boards
 from triscope.dashboards.macros import ALL, Context, Var, expand
 from triscope.store.base import Store

@@ -1,6 +1,8 @@
-"""The weight engine's store reader (one scan per table) reads exactly what the reference reader
-(one query per input, ``triscope_bed.fleet.weight_inputs_scans``) reads, and the engine computes the
-same weights from both: on a real embedded store (chDB) holding every case the reader tells apart.
+"""The weight engine's store readers (``read_inputs``: the newest-row tables and the window's rows;
+``read_inputs_scan``: one scan per raw table) read exactly what the reference reader (one query per
+input, ``triscope_bed.fleet.weight_inputs_scans``) reads, and the engine computes the same weights from
+them: on a real embedded store (chDB) holding every case the readers tell apart, at ``now``s before,
+within and after the rows (a backend with rows after ``now`` is read from its raw rows).
 
 Rows are synthetic, shaped like the collectors' (vLLM scrapes at 1 Hz, OTel spans, NVML samples).
 """
@@ -19,6 +21,7 @@ import pytest
 from conftest import fresh_database
 
 from triscope.analyzers.routing import WeightParams, compute_weights, read_inputs, with_address
+from triscope.analyzers.routing.store_inputs import read_inputs_scan
 from triscope.commands.weights import explanation
 from triscope.schema import GPU_SAMPLES, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
 from triscope_bed.fleet import weight_inputs_scans as reference
@@ -64,6 +67,13 @@ def _fleet(store: Any) -> None:
                 up = int(not (i == 1 and t > NOW - 20) and not (i == 0 and target.endswith("alt") and t > NOW - 6))
                 health.append({"ts": float(t), "backend": name, "host": host, "target": target, "up": up,
                                "error": "" if up else f"{target}: connection refused"})
+    # 1: failing in every class for its last 3 s, more failures in a row than any ``down_after_errors``
+    spans += [{"ts": NOW - 2.9 + j * 0.1, "backend": "10.0.0.1:8000", "host": "node-0", "gpu": "1",
+               "request_class": CLASSES[j % len(CLASSES)], "latency_seconds": 0.5, "status": "error"}
+              for j in range(25)]
+    # 9: an answered and a failed span started at the same nanosecond, after ``NOW``: the failed one is last
+    spans += [{"ts": NOW + 0.1, "backend": "10.0.0.9:8000", "host": "node-2", "gpu": "1", "latency_seconds": 0.1,
+               "request_class": "offline_video", "status": status} for status in ("error", "ok")]
     # a span naming no backend, a gateway's spans for an address nothing scrapes
     spans += [{"ts": NOW - 2.0, "backend": "", "host": "gw", "gpu": "0"},
               {"ts": NOW - 3.0, "backend": "10.9.9.9:80", "host": "gw", "latency_seconds": 0.2}]
@@ -74,6 +84,9 @@ def _fleet(store: Any) -> None:
                              "memory_used_bytes": float(rng.integers(1, 80)) * 2**30,
                              "memory_total_bytes": 80.0 * 2**30 if (h, g) != (1, 1) else math.nan,
                              "state": "lost" if (h, g) == (2, 3) and t > NOW - 4 else "ok"})
+    # a GPU that came up 30 s ago: at a ``now`` before that it has no sample, though its host has
+    gpus += [{"ts": float(t), "host": "node-1", "gpu": 5, "gpu_uuid": "GPU-new", "memory_used_bytes": 2.0**30,
+              "memory_total_bytes": 80.0 * 2**30, "state": "ok"} for t in np.arange(NOW - 30, NOW, 0.5)]
     for table, rows in ((SERVING_METRICS, serving), (REQUESTS, spans), (SCRAPE_HEALTH, health),
                         (GPU_SAMPLES, gpus)):
         _insert(store, table, rows)
@@ -85,7 +98,8 @@ PARAMS = {
     "configured, not discovered": {"discover": False, "backends": {
         "10.0.0.0:8000": {"address": "10.0.0.0:8000", "host": "node-0", "gpus": [1, 2]},
         "10.0.0.2:8000": {"address": "10.0.0.2:8000", "host": "node-0"},
-        "10.0.0.40:8000": {"address": "10.0.0.40:8000"}}},
+        "10.0.0.40:8000": {"address": "10.0.0.40:8000"},
+        "10.0.0.41:8000": {"address": "10.0.0.41:8000", "host": "node-1", "gpus": [5]}}},
     "errors in a row": {"down_after_errors": 5, "window_s": 4.0},
 }
 
@@ -98,13 +112,17 @@ def fleet(store_path: Path) -> Iterator[Any]:
         yield s
 
 
+READERS = {"latest": read_inputs, "scan": read_inputs_scan}
+
+
+@pytest.mark.parametrize("reader", list(READERS))
 @pytest.mark.parametrize("name", list(PARAMS))
-def test_inputs_and_weights_equal_the_reference_reader(fleet: Any, name: str) -> None:
+def test_inputs_and_weights_equal_the_reference_reader(fleet: Any, name: str, reader: str) -> None:
     store = fleet
     params = WeightParams.from_config({"weights": PARAMS[name]})
     state_new = state_ref = None
     for now in (NOW - 60.0, NOW - 0.5, NOW, NOW + 0.25, NOW + 12.0, NOW + 400.0):
-        new = read_inputs(store, params, now)
+        new = READERS[reader](store, params, now)
         ref = reference.read_inputs(store, params, now)
         assert repr(new) == repr(ref), now
         res_new, state_new = compute_weights([with_address(i, params) for i in new], state_new, params, now)
@@ -115,6 +133,7 @@ def test_inputs_and_weights_equal_the_reference_reader(fleet: Any, name: str) ->
     if name == "defaults":  # the store holds what the cases need: each shape is seen by the reader
         by = {i.backend: i for i in read_inputs(store, params, NOW)}
         assert "10.0.0.3:8000" not in by and "" not in by and "10.9.9.9:80" in by
-        assert by["10.0.0.1:8000"].trailing_errors >= 1 and by["10.0.0.1:8000"].scrape_up == 0
+        assert {i.backend: i for i in read_inputs(store, params, NOW + 0.25)}["10.0.0.9:8000"].trailing_errors == 1
+        assert by["10.0.0.1:8000"].trailing_errors == params.down_after_errors and by["10.0.0.1:8000"].scrape_up == 0
         assert len(by["10.0.0.4:8000"].p99_seconds) >= 3 and math.isnan(by["10.0.0.8:8000"].preemptions)
         assert math.isnan(by["10.0.0.10:8000"].span_count) and by["10.0.0.11:8000"].healthy is False

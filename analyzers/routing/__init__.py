@@ -1,9 +1,10 @@
 """The routing-weight engine: backend inputs (memory, KV cache, load, tail latency) -> LB weights.
 
 ``config`` (``[weights]``), ``model`` (inputs, results, state), ``scoring`` (the formula and
-:func:`compute_weights`), ``admission`` (drain and per-class limits), ``store_inputs`` (reading
-:class:`BackendInputs` from the store), ``history`` (``weights_history`` rows). The formula is
-documented in docs/weights.md; the load-balancer adapters live in ``triscope.exporters``.
+:func:`compute_weights`), ``admission`` (drain and per-class limits), ``store_latest`` (reading
+:class:`BackendInputs` from the store's newest-row tables; ``store_inputs`` reads the same from the
+raw rows), ``history`` (``weights_history`` rows). The formula is documented in docs/weights.md; the
+load-balancer adapters live in ``triscope.exporters``.
 """
 
 from triscope.analyzers.routing.admission import (
@@ -50,7 +51,7 @@ from triscope.analyzers.routing.scoring import (
     queue_penalty,
     scale_decision,
 )
-from triscope.analyzers.routing.store_inputs import read_inputs
+from triscope.analyzers.routing.store_latest import read_inputs
 
 __all__ = ["DEFAULT_CLASSES", "DOWN", "DRAIN", "NAN", "READY", "BackendConfig", "BackendInputs", "BackendState",
            "BackendWeight", "EngineState", "FeedConfig", "RequestClass", "ScaleDecision", "WeightParams",

@@ -1,11 +1,14 @@
-"""Store reader of the weight engine: latest GPU memory, serving metrics and request stats per backend.
+"""The weight engine's inputs from a scan of the raw rows, and what both store readers share.
 
-One query per raw table and update (``serving_metrics``, ``scrape_health``, ``requests``,
+:func:`read_inputs_scan` reads the latest GPU memory, serving metrics and request stats per backend
+with one query per raw table and update (``serving_metrics``, ``scrape_health``, ``requests``,
 ``gpu_samples``): the tables are sorted by backend (or host, GPU) then time, so at a fleet's width
 nearly every granule holds some backend's newest rows and a query over the look-back reads its
 columns whole; a second query over the same table would pay that again. Names, the GPU map, the
 span tail and the window statistics therefore come from the same scan, each bound written as an
-``-If`` condition, and aggregations whose keys lead the sort key run in its order.
+``-If`` condition, and aggregations whose keys lead the sort key run in its order. The engine reads
+the same from the newest-row tables (``store_latest``); it calls the scans here for keys whose
+newest row is after ``now``, and shares :func:`assemble`.
 See docs/weights.md ("Backend identity across tables", "Store reader") for how backends map to GPUs
 and what each update reads. All time bounds are query parameters (epoch nanoseconds); the reader
 never formats values into SQL.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +43,9 @@ def finite(x: Any) -> float:
     return v if math.isfinite(v) else NAN
 
 
-_UNTIL = "ts <= fromUnixTimestamp64Nano({until:Int64})"
-_WINDOW = f"ts >= fromUnixTimestamp64Nano({{wstart:Int64}}) AND {_UNTIL}"
-_PREEMPT = f"isFinite(preemptions_total) AND ts >= fromUnixTimestamp64Nano({{pstart:Int64}}) AND {_UNTIL}"
+UNTIL = "ts <= fromUnixTimestamp64Nano({until:Int64})"
+WINDOW = f"ts >= fromUnixTimestamp64Nano({{wstart:Int64}}) AND {UNTIL}"
+PREEMPT = f"isFinite(preemptions_total) AND ts >= fromUnixTimestamp64Nano({{pstart:Int64}}) AND {UNTIL}"
 
 
 def counter_rise(hi: float, lo: float, n: int) -> float:
@@ -52,45 +56,56 @@ def counter_rise(hi: float, lo: float, n: int) -> float:
     return hi - lo if hi >= lo else hi
 
 
-def _serving(store: Store, p: dict[str, Any], names: set[str]) -> dict[str, dict[str, float]]:
-    """Per backend with scrapes in [since, until]: the latest gauges, QPS over the window and the
-    preemptions counter's rise; adds to ``names`` every backend scraped since ``since``."""
+def only(column: str, keys: Sequence[str] | None) -> str:
+    """The condition keeping the rows of ``keys`` (all rows when None): ``{keys:Array(String)}``."""
+    return "" if keys is None else f" AND {column} IN {{keys:Array(String)}}"
+
+
+def serving_reading(r: dict[str, Any]) -> dict[str, float]:
+    """One backend's serving inputs from its row: the latest gauges, QPS over the window (the counter's
+    rise over the time between its first and last scrape in it) and the preemptions counter's rise."""
+    qps = NAN
+    span = (int(r["w_hi"]) - int(r["w_lo"])) / 1e9
+    if int(r["w_n"]) >= 2 and span > 0 and math.isfinite(finite(r["rt_hi"])) and math.isfinite(finite(r["rt_lo"])):
+        qps = max(0.0, (finite(r["rt_hi"]) - finite(r["rt_lo"])) / span)
+    return {"last": int(r["last_ns"]) / 1e9, "kv": finite(r["kv"]), "p99": finite(r["p99"]), "qps": qps,
+            "sleep": finite(r["sleep"]),
+            "preemptions": counter_rise(finite(r["pre_hi"]), finite(r["pre_lo"]), int(r["pre_n"]))}
+
+
+def serving_scan(store: Store, p: dict[str, Any], names: set[str], keys: Sequence[str] | None = None
+                 ) -> dict[str, dict[str, float]]:
+    """Per backend (of ``keys`` when given) with scrapes in [since, until]: :func:`serving_reading`;
+    adds to ``names`` every backend scraped since ``since``."""
     sql = f"""
-SELECT backend, countIf({_UNTIL}) AS n,
-       toUnixTimestamp64Nano(maxIf(ts, {_UNTIL})) AS last_ns,
-       argMaxIf(kv_cache_usage_ratio, ts, {_UNTIL}) AS kv,
-       argMaxIf(latency_p99_seconds, ts, {_UNTIL}) AS p99,
-       maxIf(requests_total, {_WINDOW}) AS rt_hi,
-       minIf(requests_total, {_WINDOW}) AS rt_lo,
-       toUnixTimestamp64Nano(maxIf(ts, {_WINDOW})) AS w_hi,
-       toUnixTimestamp64Nano(minIf(ts, {_WINDOW})) AS w_lo,
-       countIf({_WINDOW}) AS w_n,
-       argMaxIf(sleep_state, ts, {_UNTIL}) AS sleep,
-       argMaxIf(preemptions_total, ts, {_PREEMPT}) AS pre_hi,
-       argMinIf(preemptions_total, ts, {_PREEMPT}) AS pre_lo,
-       countIf({_PREEMPT}) AS pre_n
+SELECT backend, countIf({UNTIL}) AS n,
+       toUnixTimestamp64Nano(maxIf(ts, {UNTIL})) AS last_ns,
+       argMaxIf(kv_cache_usage_ratio, ts, {UNTIL}) AS kv,
+       argMaxIf(latency_p99_seconds, ts, {UNTIL}) AS p99,
+       maxIf(requests_total, {WINDOW}) AS rt_hi,
+       minIf(requests_total, {WINDOW}) AS rt_lo,
+       toUnixTimestamp64Nano(maxIf(ts, {WINDOW})) AS w_hi,
+       toUnixTimestamp64Nano(minIf(ts, {WINDOW})) AS w_lo,
+       countIf({WINDOW}) AS w_n,
+       argMaxIf(sleep_state, ts, {UNTIL}) AS sleep,
+       argMaxIf(preemptions_total, ts, {PREEMPT}) AS pre_hi,
+       argMinIf(preemptions_total, ts, {PREEMPT}) AS pre_lo,
+       countIf({PREEMPT}) AS pre_n
 FROM {qualified(store, SERVING_METRICS)}
-WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}})
+WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}){only("backend", keys)}
 GROUP BY backend
 SETTINGS optimize_aggregation_in_order = 1"""
     out = {}
-    for r in store.query(sql, p).dicts():
+    for r in store.query(sql, {**p, "keys": list(keys or ())}).dicts():
         name = str(r["backend"])
         if name:
             names.add(name)
-        if not int(r["n"]):  # only rows after ``until``: named, not measured
-            continue
-        qps = NAN
-        span = (int(r["w_hi"]) - int(r["w_lo"])) / 1e9
-        if int(r["w_n"]) >= 2 and span > 0 and math.isfinite(finite(r["rt_hi"])) and math.isfinite(finite(r["rt_lo"])):
-            qps = max(0.0, (finite(r["rt_hi"]) - finite(r["rt_lo"])) / span)
-        out[name] = {"last": int(r["last_ns"]) / 1e9, "kv": finite(r["kv"]), "p99": finite(r["p99"]),
-                     "qps": qps, "sleep": finite(r["sleep"]),
-                     "preemptions": counter_rise(finite(r["pre_hi"]), finite(r["pre_lo"]), int(r["pre_n"]))}
+        if int(r["n"]):  # else only rows after ``until``: named, not measured
+            out[name] = serving_reading(r)
     return out
 
 
-class _Spans:
+class Spans:
     """What one scan of the request spans since ``since`` gives the engine, per backend."""
 
     def __init__(self) -> None:
@@ -101,7 +116,7 @@ class _Spans:
         self.gpus: dict[str, set[tuple[str, str]]] = defaultdict(set)
 
 
-def _spans(store: Store, p: dict[str, Any], params: WeightParams, names: set[str]) -> _Spans:
+def spans_scan(store: Store, p: dict[str, Any], params: WeightParams, names: set[str]) -> Spans:
     """QPS, per-class P99 and newest span over the window, (spans in the window, failed requests in a
     row at its end) for backends with spans in [since, until], and the GPUs spans name since
     ``since``; adds to ``names`` every backend with spans since ``since``.
@@ -111,7 +126,7 @@ def _spans(store: Store, p: dict[str, Any], params: WeightParams, names: set[str
     k = max(1, params.down_after_errors)
     # a window longer than the look-back reads spans before ``since`` for QPS and P99 only
     look = "ts >= fromUnixTimestamp64Nano({since:Int64})"
-    tail_if = f"{_WINDOW} AND {look}"
+    tail_if = f"{WINDOW} AND {look}"
     sql = f"""
 SELECT backend, cls, sum(i_seen) AS seen, sum(i_look) AS n_look, sum(i_n) AS n, sum(i_tail_n) AS n_tail,
        quantileExactIfMerge(0.99)(i_p99) AS p99, toUnixTimestamp64Nano(max(i_last)) AS last_ns,
@@ -119,10 +134,10 @@ SELECT backend, cls, sum(i_seen) AS seen, sum(i_look) AS n_look, sum(i_n) AS n, 
        groupArrayIf((host, gpu), gpu != '' AND i_seen > 0) AS gpus
 FROM (
     SELECT backend, if(request_class IN {{classes:Array(String)}}, request_class, {{default:String}}) AS cls,
-           host, gpu, countIf({look}) AS i_seen, countIf({look} AND {_UNTIL}) AS i_look, countIf({_WINDOW}) AS i_n,
+           host, gpu, countIf({look}) AS i_seen, countIf({look} AND {UNTIL}) AS i_look, countIf({WINDOW}) AS i_n,
            countIf({tail_if}) AS i_tail_n,
-           quantileExactIfState(0.99)(latency_seconds, isFinite(latency_seconds) AND {_WINDOW}) AS i_p99,
-           maxIf(ts, {_WINDOW}) AS i_last,
+           quantileExactIfState(0.99)(latency_seconds, isFinite(latency_seconds) AND {WINDOW}) AS i_p99,
+           maxIf(ts, {WINDOW}) AS i_last,
            arraySlice(arraySort(groupArrayIf((toUnixTimestamp64Nano(ts), status = 'error'), {tail_if})),
                       -{{k:UInt32}}) AS i_tail
     FROM {qualified(store, REQUESTS)}
@@ -132,7 +147,7 @@ GROUP BY backend, cls
 SETTINGS optimize_aggregation_in_order = 1"""
     q = {**p, "classes": list(params.classes), "default": params.default_class, "k": k,
          "rstart": min(p["since"], p["wstart"])}
-    out = _Spans()
+    out = Spans()
     counts: dict[str, float] = {}
     tails: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for r in store.query(sql, q).dicts():
@@ -149,31 +164,37 @@ SETTINGS optimize_aggregation_in_order = 1"""
                 out.p99[b][str(r["cls"])] = finite(r["p99"])
             out.last[b] = max(out.last.get(b, 0.0), int(r["last_ns"]) / 1e9)
     for b, n in counts.items():
-        trailing = 0
-        for _, failed in reversed(sorted(tails[b])[-k:]):
-            if not failed:
-                break
-            trailing += 1
-        out.tails[b] = (n, float(trailing))
+        out.tails[b] = (n, trailing_failures(tails[b], k))
     return out
 
 
-def _scrapes(store: Store, p: dict[str, Any], names: set[str]) -> dict[str, tuple[float, str, float]]:
+def trailing_failures(tail: list[tuple[int, int]], k: int) -> float:
+    """Failed requests in a row at the end of the newest ``k`` of ``tail`` ((start ns, failed) pairs)."""
+    trailing = 0
+    for _, failed in reversed(sorted(tail)[-k:]):
+        if not failed:
+            break
+        trailing += 1
+    return float(trailing)
+
+
+def scrapes_scan(store: Store, p: dict[str, Any], names: set[str], keys: Sequence[str] | None = None
+                 ) -> dict[str, tuple[float, str, float]]:
     """(up of the latest scrape, its error, the time of the last scrape that answered, NaN if none within
-    the look-back) per backend; a backend with several targets is up when its latest scrapes all answered.
-    Adds to ``names`` every backend with scrapes since ``since``."""
+    the look-back) per backend (of ``keys`` when given); a backend with several targets is up when its
+    latest scrapes all answered. Adds to ``names`` every backend with scrapes since ``since``."""
     sql = f"""
 SELECT backend, sum(i_n) AS n, minIf(i_up, i_n > 0) AS up_latest, anyIf(i_err, i_n > 0 AND i_up = 0) AS error,
        minIf(i_ok_ns, i_n > 0) AS ok_ns FROM (
-    SELECT backend, target, countIf({_UNTIL}) AS i_n, argMaxIf(up, ts, {_UNTIL}) AS i_up,
-           argMaxIf(error, ts, {_UNTIL}) AS i_err,
-           toUnixTimestamp64Nano(maxIf(ts, up = 1 AND {_UNTIL})) AS i_ok_ns
+    SELECT backend, target, countIf({UNTIL}) AS i_n, argMaxIf(up, ts, {UNTIL}) AS i_up,
+           argMaxIf(error, ts, {UNTIL}) AS i_err,
+           toUnixTimestamp64Nano(maxIf(ts, up = 1 AND {UNTIL})) AS i_ok_ns
     FROM {qualified(store, SCRAPE_HEALTH)}
-    WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}})
+    WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}){only("backend", keys)}
     GROUP BY backend, target)
 GROUP BY backend"""
     out = {}
-    for r in store.query(sql, p).dicts():
+    for r in store.query(sql, {**p, "keys": list(keys or ())}).dicts():
         name = str(r["backend"])
         if name:
             names.add(name)
@@ -185,35 +206,49 @@ GROUP BY backend"""
     return out
 
 
-def read_gpus(store: Store, p: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
-    """Latest sample per (host, gpu index), also reachable by (host, uuid)."""
+def read_gpus(store: Store, p: dict[str, Any], hosts: Sequence[str] | None = None
+              ) -> dict[tuple[str, str], dict[str, Any]]:
+    """Latest sample per (host, gpu index) (of ``hosts`` when given), also reachable by (host, uuid)."""
     sql = f"""
 SELECT host, gpu, argMax(gpu_uuid, ts) AS uuid, toUnixTimestamp64Nano(max(ts)) AS last_ns,
        argMax(memory_used_bytes, ts) AS used, argMax(memory_total_bytes, ts) AS total, argMax(state, ts) AS state
 FROM {qualified(store, GPU_SAMPLES)}
-WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND ts <= fromUnixTimestamp64Nano({{until:Int64}})
+WHERE ts >= fromUnixTimestamp64Nano({{since:Int64}}) AND {UNTIL}{only("host", hosts)}
 GROUP BY host, gpu
 SETTINGS optimize_aggregation_in_order = 1"""
     out: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in store.query(sql, p).dicts():
-        sample = {"last": int(r["last_ns"]) / 1e9, "used": finite(r["used"]), "total": finite(r["total"]),
-                  "state": str(r["state"])}
-        out[(str(r["host"]), str(int(r["gpu"])))] = sample
-        if r["uuid"]:
-            out[(str(r["host"]), str(r["uuid"]))] = sample
+    for r in store.query(sql, {**p, "keys": list(hosts or ())}).dicts():
+        add_gpu(out, r)
     return out
 
 
-def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendInputs]:
-    """One :class:`BackendInputs` per known backend, from the newest rows within ``lookback_s``."""
-    p = {"since": _ns(now - params.lookback_s), "wstart": _ns(now - params.window_s), "until": _ns(now) + 1,
-         "pstart": _ns(now - params.preemption_lookback_s)}
+def add_gpu(out: dict[tuple[str, str], dict[str, Any]], r: dict[str, Any]) -> None:
+    """One GPU's newest sample from its row, under (host, index) and (host, uuid)."""
+    sample = {"last": int(r["last_ns"]) / 1e9, "used": finite(r["used"]), "total": finite(r["total"]),
+              "state": str(r["state"])}
+    out[(str(r["host"]), str(int(r["gpu"])))] = sample
+    if r["uuid"]:
+        out[(str(r["host"]), str(r["uuid"]))] = sample
+
+
+def bounds(params: WeightParams, now: float) -> dict[str, int]:
+    """The query parameters of an update at ``now``: the look-back's start, the window's, ``until``
+    (``now`` included) and the preemption look-back's start, in epoch nanoseconds."""
+    return {"since": _ns(now - params.lookback_s), "wstart": _ns(now - params.window_s), "until": _ns(now) + 1,
+            "pstart": _ns(now - params.preemption_lookback_s)}
+
+
+def read_inputs_scan(store: Store, params: WeightParams, now: float) -> list[BackendInputs]:
+    """One :class:`BackendInputs` per known backend, from the raw rows within ``lookback_s`` (one scan
+    per table); :func:`~triscope.analyzers.routing.store_latest.read_inputs` reads the same from the
+    newest-row tables."""
+    p = bounds(params, now)
     if not params.discover and not params.backends:
         return []
     found = set(params.backends)
-    serving = _serving(store, p, found)
-    scrapes = _scrapes(store, p, found)
-    req = _spans(store, p, params, found)
+    serving = serving_scan(store, p, found)
+    scrapes = scrapes_scan(store, p, found)
+    req = spans_scan(store, p, params, found)
     names = sorted(found) if params.discover else sorted(params.backends)
     if not names:
         return []

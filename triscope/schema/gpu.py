@@ -5,6 +5,7 @@ a float that a source could not measure is NaN (aggregate with ``...If(x, isFini
 units are in the column names (``_bytes``, ``_seconds``, ``_ratio`` in 0..1, ``_hz``, ``_watts``).
 """
 
+from triscope.schema.latest import Latest, create_latest
 from triscope.schema.model import (
     Column,
     Migration,
@@ -104,6 +105,8 @@ GPU_GAUGES = ("memory_used_bytes", "memory_total_bytes", "gpu_util_ratio", "memo
 GPU_KEYS = ("host", "gpu", "mig_instance", "source")
 GPU_SAMPLES_10S = Rollup(GPU_SAMPLES, 10, GPU_KEYS, GPU_GAUGES)
 GPU_SAMPLES_1M = Rollup(GPU_SAMPLES, 60, GPU_KEYS, GPU_GAUGES)
+GPU_LATEST = Latest(GPU_SAMPLES, ("host", "gpu"), ("gpu_uuid", "memory_used_bytes", "memory_total_bytes", "state"))
+"""Each GPU's newest sample of what the weight engine reads (its memory and state)."""
 
 
 MIGRATIONS = [
@@ -119,4 +122,5 @@ MIGRATIONS = [
     Migration(7, "gpu samples: PCIe and NVLink rates as Float32",
               set_types(GPU_SAMPLES, *(f"{link}_{way}_bytes_per_second" for link in ("pcie", "nvlink")
                                         for way in ("tx", "rx")))),
+    Migration(8, "gpu samples: newest sample per GPU (materialized view, backfilled)", create_latest(GPU_LATEST)),
 ]

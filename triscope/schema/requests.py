@@ -1,5 +1,6 @@
 """Request spans (OTLP / in-process exporter) and serving-engine metrics (vLLM, SGLang, TGI)."""
 
+from triscope.schema.latest import Latest, Projection, add_projections, create_latest
 from triscope.schema.model import (
     Column,
     Migration,
@@ -118,6 +119,17 @@ SERVING_KEYS = ("backend", "host", "model")
 SERVING_METRICS_10S = Rollup(SERVING_METRICS, 10, SERVING_KEYS, SERVING_GAUGES)
 SERVING_METRICS_1M = Rollup(SERVING_METRICS, 60, SERVING_KEYS, SERVING_GAUGES)
 
+SERVING_LATEST = Latest(SERVING_METRICS, ("backend",), ("kv_cache_usage_ratio", "latency_p99_seconds", "sleep_state"))
+"""Each engine's newest gauges: what the weight engine takes as its latest values."""
+SCRAPES_LATEST = Latest(SCRAPE_HEALTH, ("backend", "target"), ("up", "error"), {"ok_ts": "up = 1"})
+"""Each scrape target's newest outcome and the time of its newest answered scrape."""
+REQUESTS_LATEST = Latest(REQUESTS, ("backend", "host", "gpu"))
+"""The time of each backend's newest span per GPU it names: the backends and GPUs of a look-back."""
+SERVING_BY_TIME = Projection(SERVING_METRICS, "by_time", ("ts", "backend", "requests_total", "preemptions_total"))
+"""The counters the weight engine reads over its window and preemption look-back, sorted by time."""
+REQUESTS_BY_TIME = Projection(REQUESTS, "by_time", ("ts", "backend", "request_class", "latency_seconds", "status"))
+"""What the weight engine reads of the spans in its window, sorted by time."""
+
 
 MIGRATIONS = [
     Migration(1, "requests and serving metrics", create_tables(REQUESTS, SERVING_METRICS, version=1)),
@@ -134,4 +146,8 @@ MIGRATIONS = [
     Migration(8, "serving metrics: KV usage and histogram quantiles as Float32",
               set_types(SERVING_METRICS, "kv_cache_usage_ratio", "latency_p50_seconds", "latency_p99_seconds",
                         "ttft_p99_seconds", "queue_time_p99_seconds", "itl_p99_seconds")),
+    Migration(9, "serving metrics, scrape health, requests: newest row per key (materialized views, backfilled)",
+              create_latest(SERVING_LATEST, SCRAPES_LATEST, REQUESTS_LATEST)),
+    Migration(10, "serving metrics, requests: the weight engine's window columns sorted by time (projections)",
+              add_projections(SERVING_BY_TIME, REQUESTS_BY_TIME)),
 ]

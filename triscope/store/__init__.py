@@ -71,11 +71,12 @@ def open_store(config: Mapping[str, Any], migrate: bool = True) -> Store:
     if migrate:
         from triscope.schema import domains
         from triscope.schema import migrate as run_migrations
+        from triscope.schema.latest import Latest
         from triscope.schema.model import Rollup, Table, apply_retention
 
         run_migrations(store)
-        tables = [t.table if isinstance(t, Rollup) else t for m in domains().values() for t in vars(m).values()
-                  if isinstance(t, (Table, Rollup))]
+        tables = [t.table if isinstance(t, (Rollup, Latest)) else t for m in domains().values()
+                  for t in vars(m).values() if isinstance(t, (Table, Rollup, Latest))]
         apply_retention(store, tables, {"raw": cfg.raw_ttl_days, "rollup": cfg.rollup_ttl_days})
     return store
 

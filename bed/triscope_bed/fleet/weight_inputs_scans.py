@@ -1,6 +1,7 @@
 """The weight engine's store reader as one query per input (seven scans of the raw tables): the
-reference the one-scan-per-table reader (``triscope.analyzers.routing.store_inputs``) is checked
-equal to (tests/test_routing_inputs_equal.py) and timed against (bench/weight_update.py).
+reference the store readers (``triscope.analyzers.routing.store_latest``, from the newest-row tables,
+and ``store_inputs.read_inputs_scan``, one scan per raw table) are checked equal to
+(tests/test_routing_inputs_equal.py) and timed against (bench/weight_update.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""Newest-row tables and time-sorted projections (``triscope.schema.latest``): rendered DDL (single node,
+ON CLUSTER), rows equal to the raw table's newest row per key on the embedded store (chDB), whatever order
+the rows arrive in, backfilled for rows stored before, and a window query reading the projection."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from triscope.schema import REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
+from triscope.schema.gpu import GPU_LATEST
+from triscope.schema.latest import add_projection_sql, create_latest_sql
+from triscope.schema.requests import REQUESTS_BY_TIME, SCRAPES_LATEST, SERVING_LATEST
+
+NOW = float(int(time.time()))
+
+
+def test_cluster_ddl_keeps_each_shards_newest_rows_and_projection_on_its_local_table() -> None:
+    local, dist, view, backfill = create_latest_sql(GPU_LATEST, "db", "c1")
+    assert local.startswith("CREATE TABLE IF NOT EXISTS db.gpu_samples_latest_local ON CLUSTER `c1`")
+    assert "ReplicatedAggregatingMergeTree('/clickhouse/tables/{shard}/{database}/gpu_samples_latest_local'" in local
+    assert "`memory_used_bytes` AggregateFunction(argMax, Float64, DateTime64(9, 'UTC'))" in local
+    assert "ORDER BY (host, gpu)" in local and "PARTITION BY toYYYYMMDD(ts)" in local
+    assert "Distributed(`c1`, db, gpu_samples_latest_local, rand())" in dist
+    assert view.startswith("CREATE MATERIALIZED VIEW IF NOT EXISTS db.gpu_samples_latest_mv ON CLUSTER `c1` "
+                           "TO db.gpu_samples_latest_local AS SELECT ")
+    assert "FROM db.gpu_samples_local) GROUP BY `host`, `gpu`" in view
+    assert backfill.startswith("INSERT INTO db.gpu_samples_latest SELECT ") and "FROM db.gpu_samples)" in backfill
+    add, build = add_projection_sql(REQUESTS_BY_TIME, "db", "c1")
+    assert add.startswith("ALTER TABLE db.requests_local ON CLUSTER `c1` ADD PROJECTION IF NOT EXISTS by_time "
+                          "(SELECT `ts`, `backend`")
+    assert add.endswith("ORDER BY ts)") and build == "ALTER TABLE db.requests_local ON CLUSTER `c1` " \
+                                                     "MATERIALIZE PROJECTION by_time"
+    assert [s.split(" (")[0] for s in create_latest_sql(SERVING_LATEST, "db")[:1]] == [
+        "CREATE TABLE IF NOT EXISTS db.serving_metrics_latest"]
+    assert add_projection_sql(REQUESTS_BY_TIME, "db")[0].startswith("ALTER TABLE db.requests ADD PROJECTION")
+
+
+def _insert(store: Any, table: Any, rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        r["ts"] = encode_ts(int(round(r["ts"] * 1e9)))
+    store.insert(qualified(store, table), table.columns_of(rows))
+
+
+def _newest(store: Any) -> tuple[dict, dict, dict, dict]:
+    """(from the latest tables, from the raw rows) of the serving gauges and the scrape outcomes per key."""
+    db = store.database
+    q = lambda sql: dict(sorted((r[0], tuple(r[1:])) for r in store.query(sql).rows))  # noqa: E731
+    serving = ("SELECT backend, toUnixTimestamp64Nano({t}), {f}(kv_cache_usage_ratio{a}), {f}(sleep_state{a}) "
+               "FROM {db}.{table} GROUP BY backend")
+    scrapes = ("SELECT concat(backend, ' ', target), toUnixTimestamp64Nano({t}), {f}(up{a}), {f}(error{a}), "
+               "toUnixTimestamp64Nano({ok}) FROM {db}.{table} GROUP BY backend, target")
+    latest = {"f": "argMaxMerge", "a": "", "t": "max(ts)", "db": db}
+    raw = {"f": "argMax", "a": ", ts", "t": "max(ts)", "db": db}
+    return (q(serving.format(table="serving_metrics_latest", **latest)),
+            q(serving.format(table="serving_metrics", **raw)),
+            q(scrapes.format(table="scrape_health_latest", ok="max(ok_ts)", **latest)),
+            q(scrapes.format(table="scrape_health", ok="maxIf(ts, up = 1)", **raw)))
+
+
+def test_latest_rows_are_the_raw_newest_row_per_key_in_any_arrival_order(store: Any) -> None:
+    rng = np.random.default_rng(3)
+    serving = [{"ts": NOW - 100 + t + i / 10, "backend": f"b{i}", "kv_cache_usage_ratio": float(rng.uniform()),
+                "sleep_state": math.nan if t % 7 == 0 or (i % 4, t) == (0, 99) else float(t % 2)}
+               for i in range(20) for t in range(100)]
+    scrapes = [{"ts": NOW - 100 + t + i / 10, "backend": f"b{i % 5}", "target": f"http://b{i % 5}/{i}",
+                "up": int(rng.random() < 0.7 or i == 3), "error": f"e{t}"} for i in range(10) for t in range(100)]
+    scrapes = [r for r in scrapes if not (r["target"].endswith("/4") and r["up"])]  # a target never answered
+    for rows, table in ((serving, SERVING_METRICS), (scrapes, SCRAPE_HEALTH)):
+        order = rng.permutation(len(rows))  # a key's newest row comes in any of the inserts
+        for part in np.array_split(order, 4):
+            _insert(store, table, [dict(rows[j]) for j in part])
+    s_latest, s_raw, h_latest, h_raw = _newest(store)
+    assert len(s_raw) == 20 and len(h_raw) == 10
+    assert repr(s_latest) == repr(s_raw) and repr(h_latest) == repr(h_raw)
+    assert any(v[2] is None or math.isnan(v[2]) for v in s_raw.values()) and h_raw["b4 http://b4/4"][3] == 0
+    # a store that held rows before the migration gets them from its backfill
+    for latest in (SERVING_LATEST, SCRAPES_LATEST):
+        store.command(f"DROP VIEW {store.database}.{latest.table.name}_mv")
+        store.command(f"DROP TABLE {store.database}.{latest.table.name}")
+        for sql in create_latest_sql(latest, store.database):
+            store.command(sql)
+    assert repr(_newest(store)) == repr((s_latest, s_raw, h_latest, h_raw))
+
+
+def test_a_window_query_reads_the_time_sorted_projection_only(store: Any) -> None:
+    """200 backends, 300 spans each over 300 s: sorted by backend, every granule holds the window's spans
+    of some backend; sorted by time, only the window's granules do."""
+    rng = np.random.default_rng(4)
+    _insert(store, REQUESTS, [{"ts": float(t), "backend": f"10.0.{i // 256}.{i % 256}:8000", "request_class": "c",
+                               "latency_seconds": float(rng.lognormal(-1, 0.5)), "status": "ok"}
+                              for i in range(200) for t in NOW - 300 + np.sort(rng.uniform(0, 300, 300))])
+    sql = (f"SELECT backend, count(), quantileExact(0.99)(latency_seconds) FROM {qualified(store, REQUESTS)} "
+           "WHERE ts >= fromUnixTimestamp64Nano({wstart:Int64}) AND ts <= fromUnixTimestamp64Nano({until:Int64}) "
+           "GROUP BY backend ORDER BY backend")
+    p = {"wstart": int((NOW - 10) * 1e9), "until": int(NOW * 1e9)}
+    plan = "\n".join(r[0] for r in store.query(f"EXPLAIN indexes = 1 {sql}", p).rows)
+    assert "ReadFromMergeTree (by_time)" in plan, plan
+    with_projection = store.query(sql, p).rows
+    without = store.query(sql + " SETTINGS optimize_use_projections = 0", p).rows
+    assert len(with_projection) > 150 and repr(with_projection) == repr(without)

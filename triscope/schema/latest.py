@@ -1,0 +1,114 @@
+"""Insert-time views of a raw table for readers that want each key's newest values or one time range.
+
+:class:`Latest`: each key's newest row (its time, and chosen columns as ``argMax`` states), kept by a
+materialized view on every insert, so a reader of "the latest value per backend" reads one row per key
+and part instead of the raw rows of a look-back. :class:`Projection`: a copy of some columns sorted by
+``ts``, kept by the table itself, so a query bounded to the last seconds reads only their granules (a
+raw table sorted by key then time cannot skip any granule when thousands of keys share each one).
+Both render for single node and ``ON CLUSTER`` (each shard keeps its own rows; readers merge the
+states across shards). Why the weight engine uses them: docs/weights.md ("Store reader").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from triscope.schema.model import Column, Table, create_table_sql
+
+TS_TYPE = "DateTime64(9, 'UTC')"
+
+
+@dataclass(frozen=True)
+class Latest:
+    """Per ``keys`` of ``source``: ``ts``, the newest row's time; for each of ``values`` an
+    ``argMax(value, ts)`` state (read with ``argMaxMerge``); for each ``last_if`` entry
+    ``{column: condition}`` the time of the newest row meeting the condition (1970 when none).
+
+    An AggregatingMergeTree partitioned by day: a key's rows of one day merge into one, and the
+    raw retention drops old days. Exact for a reader whose bound ``until`` is at or after a key's
+    ``ts``; a key with rows after ``until`` must be read from the raw table."""
+
+    source: Table
+    keys: Sequence[str]
+    values: Sequence[str] = ()
+    last_if: Mapping[str, str] = field(default_factory=dict)
+
+    @cached_property
+    def table(self) -> Table:
+        types = {c.name: c.type for c in self.source.columns}
+        cols = [Column("ts", f"SimpleAggregateFunction(max, {TS_TYPE})", "time of the key's newest row")]
+        cols += [Column(k, types[k]) for k in self.keys]
+        cols += [Column(v, f"AggregateFunction(argMax, {types[v]}, {TS_TYPE})", f"{v} of the newest row (argMax state)")
+                 for v in self.values]
+        cols += [Column(name, f"SimpleAggregateFunction(max, {TS_TYPE})", f"time of the newest row where {cond}")
+                 for name, cond in self.last_if.items()]
+        return Table(name=f"{self.source.name}_latest", columns=cols, order_by=", ".join(self.keys),
+                     partition_by="toYYYYMMDD(ts)", engine="AggregatingMergeTree", retention="raw",
+                     codec="ZSTD(1)", comment=f"{self.source.name}: newest row per {', '.join(self.keys)}")
+
+    def select(self, source: str) -> str:
+        """The table's rows from the raw rows of ``source`` (a qualified table name); the inner query
+        renames the row time, which the outer ``max(...) AS ts`` would otherwise shadow."""
+        inner = ", ".join(["ts AS row_ts", *[f"`{c}`" for c in (*self.keys, *self.values)],
+                           *[f"({cond}) AS `{name}_hit`" for name, cond in self.last_if.items()]])
+        parts = ["max(row_ts) AS ts", *[f"`{k}`" for k in self.keys],
+                 *[f"argMaxState(`{v}`, row_ts) AS `{v}`" for v in self.values],
+                 *[f"maxIf(row_ts, `{name}_hit`) AS `{name}`" for name in self.last_if]]
+        return (f"SELECT {', '.join(parts)} FROM (SELECT {inner} FROM {source}) "
+                f"GROUP BY {', '.join(f'`{k}`' for k in self.keys)}")
+
+
+def create_latest_sql(latest: Latest, database: str, cluster: str = "") -> list[str]:
+    """The table (local + Distributed in cluster mode), its materialized view (ON CLUSTER, on each
+    node's local tables) and a backfill from the rows already stored."""
+    target, source = latest.table.name, latest.source.name
+    suffix, on = ("_local", f" ON CLUSTER `{cluster}`") if cluster else ("", "")
+    return [
+        *create_table_sql(latest.table, database, cluster),
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS {database}.{target}_mv{on} TO {database}.{target}{suffix} "
+        f"AS {latest.select(f'{database}.{source}{suffix}')}",
+        f"INSERT INTO {database}.{target} {latest.select(f'{database}.{source}')}",
+    ]
+
+
+def create_latest(*latest: Latest) -> Callable[[str, str], list[str]]:
+    """Migration body creating each :class:`Latest` (table, view, backfill)."""
+    def render(database: str, cluster: str) -> list[str]:
+        return [sql for x in latest for sql in create_latest_sql(x, database, cluster)]
+    return render
+
+
+@dataclass(frozen=True)
+class Projection:
+    """``columns`` of ``source`` sorted by ``order_by``, stored in each part beside its columns
+    (ClickHouse picks it when it reads fewer granules than the table's own order)."""
+
+    source: Table
+    name: str
+    columns: Sequence[str]
+    order_by: str = "ts"
+
+    def __post_init__(self) -> None:
+        missing = set(self.columns) - set(self.source.column_names())
+        if missing:
+            raise ValueError(f"{self.source.name}: no column {sorted(missing)}")
+
+
+def add_projection_sql(projection: Projection, database: str, cluster: str = "") -> list[str]:
+    """DDL adding the projection and building it for the parts already stored (a mutation, run in
+    the background; queries read the parts without it from the table's own order meanwhile). In
+    cluster mode on each shard's local table: a Distributed table stores nothing."""
+    table = f"{database}.{projection.source.name}" + (f"_local ON CLUSTER `{cluster}`" if cluster else "")
+    cols = ", ".join(f"`{c}`" for c in projection.columns)
+    return [f"ALTER TABLE {table} ADD PROJECTION IF NOT EXISTS {projection.name} "
+            f"(SELECT {cols} ORDER BY {projection.order_by})",
+            f"ALTER TABLE {table} MATERIALIZE PROJECTION {projection.name}"]
+
+
+def add_projections(*projections: Projection) -> Callable[[str, str], list[str]]:
+    """Migration body adding each :class:`Projection`."""
+    def render(database: str, cluster: str) -> list[str]:
+        return [sql for p in projections for sql in add_projection_sql(p, database, cluster)]
+    return render
