@@ -127,6 +127,24 @@ def test_a_skewed_lb_is_routing_imbalance_even_with_the_pressure_it_causes(store
     assert "kv_pressure" in [c.name for c in incident.runners_up]
 
 
+def test_a_skew_judged_by_the_share_that_broke_it_not_the_drain_after(store: Any) -> None:
+    """The real 2-engine bed: the LB sends B 90 % for 30 s, then evenly again while B's backlog keeps it in
+    breach for 40 s more. Over the whole incident B's share is 66 %, under 1.5x its fair 50 %; over the
+    incident's first windows it is 90 %: routing_imbalance, not the run-queue wait its extra work caused."""
+    def skew_then_drain(s: int, b: str, f: dict[str, float]) -> None:
+        if 90 <= s < 120:
+            f.update(qps=7.2 if b == B else 0.8)
+        if b == B and s >= 90:
+            f.update(kv=0.97, queue=8.0, waiting=4.0, preempt=float(s - 90))
+            if 95 <= s < 160:
+                f.update(latency=2.5)
+
+    Fleet().write(store, skew_then_drain)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "routing_imbalance", incident.to_dict()
+    assert "of the requests (fair share 50%)" in incident.cause.evidence[0]
+
+
 def test_a_load_step_beyond_capacity_is_named_with_the_qps_jump(store: Any) -> None:
     def step(s: int, b: str, f: dict[str, float]) -> None:
         if s >= 90:
@@ -274,6 +292,16 @@ def test_a_disk_busy_with_the_host_s_own_writes_leaves_kv_pressure_the_cause(sto
     (incident,) = _find(store).incidents
     assert incident.backends == [B] and incident.cause.name == "kv_pressure", incident.to_dict()
     assert "io" not in [c.name for c in incident.runners_up] and "io_latency" not in incident.lead_times_s
+
+
+def test_a_disk_that_saturates_after_the_breach_is_no_cause(store: Any) -> None:
+    """The collector's merges queue the disk 40 s into an incident that KV pressure began: IO that came after
+    the breach explains nothing."""
+    Fleet().write(store, _slowed_b)
+    _disk(store, lambda s: 40.0 if 140 <= s < 150 else 1.0)
+    (incident,) = _find(store).incidents
+    assert incident.cause.name == "kv_pressure" and "io" not in [c.name for c in incident.runners_up]
+    assert incident.lead_times_s["io_latency"] < 0
 
 
 def test_an_unread_host_pressure_is_missing_not_calm(store: Any) -> None:

@@ -21,6 +21,9 @@ from triscope.analyzers.incidents.series import HostWindow, IoWindow, Window
 MIN_SCORE = 0.3
 KV_LEAD = 0.8
 """KV usage whose first crossing is reported as a lead indicator."""
+SHARE_WINDOWS = 6
+"""A backend's share of the requests is judged over the incident's first this many windows (from two before
+its onset)."""
 
 
 class BreachLike(Protocol):
@@ -144,7 +147,9 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     if not kv_seen:
         missing.append("KV usage (no serving-metrics scrape of the backends hit)")
     # a backend hit that got `imbalance` times its fair share of the requests while part of the fleet breached
-    totals = {b: sum(w.requests for w in _in(windows.get(b, {}), near, end)) for b in fleet}
+    # (over the incident's first windows: the share that broke it, not the even one its backlog drains under)
+    early = min(end, onset + SHARE_WINDOWS * cfg.window_s)
+    totals = {b: sum(w.requests for w in _in(windows.get(b, {}), near, early)) for b in fleet}
     total = sum(totals.values())
     over_served = [b for b in hit if share < cfg.fleet_share and len(fleet) > 1 and total
                    and totals[b] / total >= cfg.imbalance / len(fleet)]
@@ -166,13 +171,13 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
         skewed_windows = sum(per[b] for b in pressed if b in over_served)
         # (and with nothing outside the engine slowing it: a disk or CPU hog fills its KV by slowing it down)
         mine_alone = share < cfg.fleet_share and own_windows > skewed_windows and not math.isfinite(jump_at) \
-            and "io_latency" not in leads
+            and leads.get("io_latency", -1.0) < 0
         score = 0.55 + (0.3 if mine_alone else 0.0) + (0.1 if "preemptions" in leads else 0.0)
         causes.append(Cause("kv_pressure", min(score, 0.95), tuple(pressed.values())))
     # block IO on the hosts: slow, or a disk saturated from before the breach and still during it
     if not io:
         missing.append("block IO latency (no io_latency rows)")
-    elif "io_latency" in leads and any(_io_trouble(w, cfg) for t, w in io.items() if near <= t < end):
+    elif leads.get("io_latency", -1.0) >= 0 and any(_io_trouble(w, cfg) for t, w in io.items() if near <= t < end):
         worst = max((w for t, w in io.items() if lo <= t < end), key=lambda w: _nan0(w.queue_depth))
         slow = max(_nan0(w.latency_s) for t, w in io.items() if lo <= t < end)
         before = [w.queue_depth for t, w in io.items() if t < io_at and math.isfinite(w.queue_depth)]
