@@ -52,6 +52,8 @@ class Window:
     """The engine's finished-requests counter at the end of the window (its rise is the completed rate)."""
     scraped: bool = False
     scrape_up: float = NAN
+    """Share of the window's scrapes that answered: 0 is every one failed (one timed-out scrape of an
+    overloaded engine that goes on answering is no outage)."""
     scrape_error: str = ""
     weight: float = NAN
     lb_state: str = ""
@@ -133,10 +135,10 @@ FROM {qualified(store, REQUESTS)} WHERE {span} AND backend != '' GROUP BY backen
         w = window(str(r["backend"]), float(r["t"]))
         w.classes[str(r["c"])] = ClassWindow(int(r["n"]), int(r["n_failed"]), _f(r["p99"]))
     for r in store.query(f"""
-SELECT backend, {bucket} AS t, min(up) AS up_min, argMin(error, up) AS err
+SELECT backend, {bucket} AS t, avg(up) AS up_share, argMin(error, up) AS err
 FROM {qualified(store, SCRAPE_HEALTH)} WHERE {span} GROUP BY backend, t""", p).dicts():
         w = window(str(r["backend"]), float(r["t"]))
-        w.scraped, w.scrape_up, w.scrape_error = True, _f(r["up_min"]), str(r["err"])
+        w.scraped, w.scrape_up, w.scrape_error = True, _f(r["up_share"]), str(r["err"])
     for r in store.query(f"""
 SELECT backend, {bucket} AS t, avg(weight) AS w_avg, argMax(state, ts) AS lb_state
 FROM {qualified(store, WEIGHTS_HISTORY)} WHERE {span} GROUP BY backend, t""", p).dicts():
