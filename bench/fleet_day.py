@@ -4,7 +4,9 @@ Builds an embedded store holding ``--days`` of a fleet of ``1000 * --scale`` GPU
 sampled by nvml at 10 Hz, half by dcgm at 1 Hz), as many vLLM backends scraped at 1 Hz, request
 spans at ``5000 * --scale`` per second, IO latency windows and the weight engine's history
 (bench/fleet_day_data.py says how the values move). It prints, for every table and column, the
-compressed bytes per row and per stored value (system.parts_columns after the parts are merged),
+compressed bytes per row and per stored value after the parts are merged (system.parts_columns, plus
+the table's projections from system.projection_parts: a projection is stored in each part beside its
+columns, so it is part of what the table costs),
 and the rows/s each table was written at through ``Store.insert`` (the writer's last step), with the
 headroom over what a 1,000-GPU fleet writes. ``--try-codecs`` copies every table into scratch
 columns under candidate codecs and prints the smallest per column; ``--baseline`` first resets
@@ -107,7 +109,9 @@ def headroom(built: dict[str, dict[str, float]]) -> float:
 
 
 def sizes(store: EmbeddedStore, tables: tuple[Table, ...]) -> dict[str, dict[str, Any]]:
-    """Per table: rows, compressed bytes, and per column compressed bytes, bytes per value, codec."""
+    """Per table: rows, compressed bytes (columns and projections), per projection its compressed bytes,
+    and per column compressed bytes, bytes per value, codec. A table's bytes per value is all its
+    bytes over its rows times its columns: a projection's copy of a column adds bytes, not values."""
     res = store.query(
         "SELECT c.table, c.column, sum(c.column_data_compressed_bytes), sum(c.column_data_uncompressed_bytes), "
         "any(s.compression_codec) FROM system.parts_columns AS c LEFT JOIN system.columns AS s "
@@ -121,11 +125,19 @@ def sizes(store: EmbeddedStore, tables: tuple[Table, ...]) -> dict[str, dict[str
         if table not in names:
             continue
         n = int(rows.get(table, 0)) or 1
-        t = out.setdefault(table, {"rows": int(rows.get(table, 0)), "bytes": 0, "columns": {}})
+        t = out.setdefault(table, {"rows": int(rows.get(table, 0)), "bytes": 0, "columns": {}, "projections": {}})
         t["bytes"] += int(comp)
         t["columns"][column] = {"bytes": int(comp), "bytes_per_value": int(comp) / n,
                                 "uncompressed_per_value": int(uncomp) / n, "codec": codec or "LZ4 (default)"}
+    for table, name, comp in store.query(
+            "SELECT table, name, sum(data_compressed_bytes) FROM system.projection_parts "
+            "WHERE database = {db:String} AND active GROUP BY table, name", {"db": store.database}).rows:
+        if table in out:
+            out[table]["projections"][name] = int(comp)
     for t in out.values():
+        # what the table costs: its columns and its projections (system.parts_columns has the columns only)
+        t["columns_bytes"] = t["bytes"]
+        t["bytes"] += sum(t["projections"].values())
         t["bytes_per_row"] = t["bytes"] / max(t["rows"], 1)
         t["bytes_per_value"] = t["bytes"] / max(t["rows"] * len(t["columns"]), 1)
     return out
@@ -135,6 +147,10 @@ def print_sizes(found: dict[str, dict[str, Any]], verbose: bool) -> None:
     for name, t in found.items():
         print(f"\n{name}: {t['rows']:,} rows, {t['bytes']:,} B, {t['bytes_per_row']:.2f} B/row, "
               f"{t['bytes_per_value']:.3f} B/value over {len(t['columns'])} columns")
+        for proj, b in t["projections"].items():
+            print(f"    projection {proj}: {b:,} B ({b / max(t['columns_bytes'], 1):.0%} of the columns' "
+                  f"{t['columns_bytes']:,} B; {t['columns_bytes'] / max(t['rows'] * len(t['columns']), 1):.3f} "
+                  f"B/value without it)")
         if verbose:
             for col, c in sorted(t["columns"].items(), key=lambda kv: -kv[1]["bytes"]):
                 print(f"    {col:28s} {c['bytes_per_value']:8.3f} B/value  (raw {c['uncompressed_per_value']:5.1f})"
