@@ -1,4 +1,10 @@
-"""Stall breakdown: compute-, IO- and comm-bound shares of 100 ms windows, with their evidence.
+"""Stall breakdown: compute-, IO- and comm-bound shares of windows, with their evidence.
+
+Windows are 100 ms while the panel's interval (``$__interval_s``) is at most 1 s and the interval
+itself beyond (:func:`~triscope.dashboards.rollup_sql.window_ns`): a rule holds for a window when
+it holds for the window's mean, so a wider window is a coarser resolution of the same rule, and its
+GPU means come from the 10 s or 1 min rollup when the bucket divides the window (equal to the raw
+means; only the range's first and last windows may hold part of a bucket outside the range).
 
 The rules and thresholds are the stall classifier's defaults (:class:`StallsConfig`), evaluated
 in SQL per window so Grafana can chart them:
@@ -20,7 +26,9 @@ from __future__ import annotations
 from triscope.analyzers.stalls import StallsConfig
 from triscope.dashboards.common import DATABASE, GPU_FILTER, cond, gpu_var, host_var, t
 from triscope.dashboards.model import Board, bargauge, link, row, sql_target, table, text, timeseries
+from triscope.dashboards.rollup_sql import gauge_windows, window_ns, window_time
 from triscope.schema import GPU_SAMPLES, IO_LATENCY, NCCL_OPS, TRACE_EVENTS, TRACE_RUNS
+from triscope.schema.gpu import GPU_SAMPLES_1M, GPU_SAMPLES_10S
 
 UID = "triscope-stalls"
 IO_UID = "triscope-io"
@@ -29,7 +37,9 @@ FLEET_UID = "triscope-fleet"
 HEATMAP_UID = "triscope-heatmap"
 C = StallsConfig()
 WINDOW_MS = 100
-WNS = WINDOW_MS * 1_000_000
+FINE_NS = WINDOW_MS * 1_000_000
+WNS = window_ns(FINE_NS)
+"""The window width (SQL): 100 ms while the panel's interval is at most 1 s, else the interval."""
 
 
 def _g(x: float) -> str:
@@ -37,21 +47,18 @@ def _g(x: float) -> str:
 
 
 def _wtime(col: str = "w") -> str:
-    return f"toDateTime(intDiv({col} * {WNS}, 1000000000))"
+    return window_time(col, FINE_NS)
 
 
 GPU_WINDOWS = f"""
   gpu_w AS (
-    SELECT toString(host) AS host, gpu, intDiv(toUnixTimestamp64Nano(ts), {WNS}) AS w,
-           avgIf(sm_active_ratio, isFinite(sm_active_ratio)) AS sm,
-           avgIf(dram_active_ratio, isFinite(dram_active_ratio)) AS dram,
-           avgIf(l2_bandwidth_ratio, isFinite(l2_bandwidth_ratio)) AS l2,
+    SELECT host, gpu, w, sm, dram, l2,
            isFinite(sm) AND sm > {_g(C.compute_sm_active_min)}
              AND (NOT isFinite(l2) OR l2 < {_g(C.compute_bandwidth_max)})
              AND (NOT isFinite(dram) OR dram < {_g(C.compute_bandwidth_max)}) AS compute_bound
-    FROM {t(GPU_SAMPLES)}
-    WHERE $__timeFilter(ts) AND {GPU_FILTER}
-    GROUP BY host, gpu, w
+    FROM ({gauge_windows((GPU_SAMPLES_10S, GPU_SAMPLES_1M), {"host": "toString(host)", "gpu": "gpu"},
+                         {"sm": "sm_active_ratio", "dram": "dram_active_ratio", "l2": "l2_bandwidth_ratio"},
+                         GPU_FILTER, FINE_NS)})
   )"""
 
 IO_WINDOWS = f"""
@@ -114,7 +121,9 @@ def board() -> Board:
     """The stall-breakdown dashboard."""
     variables = [DATABASE, host_var(GPU_SAMPLES, IO_LATENCY, NCCL_OPS), gpu_var()]
     panels = [
-        text("Rules", f"Windows of {WINDOW_MS} ms. **compute**: SM active > {C.compute_sm_active_min:.0%} with "
+        text("Rules", f"Windows of {WINDOW_MS} ms while the panel's interval is at most 1 s, else of the "
+             "interval (GPU means from the 10 s / 1 min rollup when its bucket divides it). "
+             f"**compute**: SM active > {C.compute_sm_active_min:.0%} with "
              f"L2 / DRAM bandwidth < {C.compute_bandwidth_max:.0%} of peak. **IO**: block-IO read p99 > "
              f"{C.io_read_p99_min_seconds * 1e6:g} us and queue depth > {C.io_queue_depth_min:g}. **comm**: "
              f"collective kernel time > {C.comm_share_min:.0%} of the window. Exact per-window verdicts with "

@@ -71,7 +71,8 @@ def open_store(config: Mapping[str, Any], migrate: bool = True) -> Store:
     if migrate:
         from triscope.schema import domains
         from triscope.schema import migrate as run_migrations
-        from triscope.schema.model import Rollup, Table, apply_retention
+        from triscope.schema.model import Table, apply_retention
+        from triscope.schema.rollup import Rollup
 
         run_migrations(store)
         tables = [t.table if isinstance(t, Rollup) else t for m in domains().values() for t in vars(m).values()
