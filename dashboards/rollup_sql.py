@@ -54,11 +54,16 @@ def gauge_averages(rollups: Sequence[Rollup], keys: Mapping[str, str], gauges: M
     return " UNION ALL ".join(branches)
 
 
+COARSE_S = f"(intDiv({INTERVAL} + 9, 10) * 10)"
+"""A coarse window in seconds: the panel's interval rounded up to a multiple of 10 s, so that the 10 s
+rollup (or the 1 min one, when 60 s divides it) holds whole windows."""
+
+
 def window_ns(fine_ns: int) -> str:
     """The width in ns of the windows a per-window rule is evaluated over: ``fine_ns`` while the
-    panel's interval is at most 1 s (a zoomed-in range), else the interval itself, so that the
-    windows a range holds stay about as many as the panel's points and a rollup can answer them."""
-    return f"toInt64(if({INTERVAL} > 1, {INTERVAL} * 1000000000, {fine_ns}))"
+    panel's interval is at most 1 s (a zoomed-in range), else :data:`COARSE_S`: about as many windows
+    as the panel has points, each answered by a rollup."""
+    return f"toInt64(if({INTERVAL} > 1, {COARSE_S} * 1000000000, {fine_ns}))"
 
 
 def window_time(w: str, fine_ns: int) -> str:
@@ -66,11 +71,22 @@ def window_time(w: str, fine_ns: int) -> str:
     return f"toDateTime(intDiv({w} * {window_ns(fine_ns)}, 1000000000))"
 
 
+def window_bucket(w: str, fine_ns: int) -> str:
+    """The time a time-axis panel plots window ``w`` at: fine windows grouped by ``$__timeInterval``,
+    a coarse window (as wide as the interval or wider) at its own start."""
+    start = window_time(w, fine_ns)
+    return f"if({INTERVAL} > 1, {start}, $__timeInterval({start}))"
+
+
+def _window_fits(bucket_s: int) -> str:
+    return f"({INTERVAL} > 1 AND {COARSE_S} % {bucket_s} = 0)"
+
+
 def gauge_windows(rollups: Sequence[Rollup], keys: Mapping[str, str], gauges: Mapping[str, str], where: str,
-                  fine_ns: int) -> str:
+                  fine_ns: int, time_filter: str = "$__timeFilter(ts)") -> str:
     """``w`` (the window's number: start / :func:`window_ns`), the ``keys`` and each gauge's average
-    per window, filtered by ``$__timeFilter(ts)`` and ``where`` (key columns only), from the rollup
-    whose bucket divides the window (the interval), else from the raw rows. Equal to the raw
+    per window, filtered by ``time_filter`` and ``where`` (key columns only), from the coarsest rollup
+    whose bucket divides the window (every coarse window), else (fine windows) from the raw rows. Equal to the raw
     ``avgIf(g, isFinite(g))`` per window (the rollup's resolution aside: see the module's note)."""
     _check(rollups, gauges.values())
     source = rollups[0].source
@@ -79,14 +95,14 @@ def gauge_windows(rollups: Sequence[Rollup], keys: Mapping[str, str], gauges: Ma
     branches: list[str] = []
     taken: list[str] = []
     for r in sorted(rollups, key=lambda r: r.bucket_s, reverse=True):
-        condition = " AND ".join([_fits(r.bucket_s), *(f"NOT {c}" for c in taken)])
-        taken.append(_fits(r.bucket_s))
+        condition = " AND ".join([_window_fits(r.bucket_s), *(f"NOT {c}" for c in taken)])
+        taken.append(_window_fits(r.bucket_s))
         averages = ", ".join(f"sum(`{g}_sum`) / sum(`{g}_count`) AS {alias}" for alias, g in gauges.items())
-        branches.append(f"SELECT {key_sql}, intDiv(toInt64(toUnixTimestamp(ts)), {INTERVAL}) AS w, {averages} "
-                        f"FROM {t(r.table)} WHERE $__timeFilter(ts) AND {where} AND {condition} GROUP BY {group}")
+        branches.append(f"SELECT {key_sql}, intDiv(toInt64(toUnixTimestamp(ts)), {COARSE_S}) AS w, {averages} "
+                        f"FROM {t(r.table)} WHERE {time_filter} AND {where} AND {condition} GROUP BY {group}")
     averages = ", ".join(f"avgIf(`{g}`, isFinite(`{g}`)) AS {alias}" for alias, g in gauges.items())
     branches.append(f"SELECT {key_sql}, intDiv(toUnixTimestamp64Nano(ts), {window_ns(fine_ns)}) AS w, {averages} "
-                    f"FROM {t(source)} WHERE $__timeFilter(ts) AND {where} AND "
+                    f"FROM {t(source)} WHERE {time_filter} AND {where} AND "
                     f"{' AND '.join(f'NOT {c}' for c in taken)} GROUP BY {group}")
     return " UNION ALL ".join(branches)
 
@@ -102,4 +118,5 @@ def _check(rollups: Sequence[Rollup], gauges: Iterable[str]) -> None:
             raise ValueError(f"{r.table.name} does not roll up {absent}")
 
 
-__all__: Sequence[str] = ["INTERVAL", "gauge_averages", "gauge_windows", "window_ns", "window_time"]
+__all__: Sequence[str] = ["COARSE_S", "INTERVAL", "gauge_averages", "gauge_windows", "window_bucket", "window_ns",
+                          "window_time"]
