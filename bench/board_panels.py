@@ -66,7 +66,7 @@ def time_query(store: EmbeddedStore, sql: str, runs: int) -> dict[str, float]:
 
 
 def measure(store: EmbeddedStore, boards: dict[str, dict[str, Any]], end: datetime, runs: int,
-            ranges: dict[str, int]) -> dict[str, dict[str, dict[str, float]]]:
+            ranges: dict[str, int], only: list[str]) -> dict[str, dict[str, dict[str, float]]]:
     """``{range: {"board/panel/ref": figures}}``."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for label, range_s in ranges.items():
@@ -76,8 +76,8 @@ def measure(store: EmbeddedStore, boards: dict[str, dict[str, Any]], end: dateti
             ctx.variables = fleet_day_panels.resolve_variables(store, board, ctx)
             for panel in board["panels"]:
                 for target in panel.get("targets", []):
-                    if "rawSql" in target:
-                        key = f"{name}/{panel['title']}/{target['refId']}"
+                    key = f"{name}/{panel['title']}/{target['refId']}"
+                    if "rawSql" in target and (not only or any(o in key for o in only)):
                         found[key] = time_query(store, expand(target["rawSql"], ctx), runs)
                         f = found[key]
                         print(f"  {label:>3s} {f['wall_s']:7.3f} s wall {f['cpu_s']:7.3f} s CPU "
@@ -94,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", default="", help="git revision whose generated boards to time as the baseline")
     ap.add_argument("--runs", type=int, default=3, help="runs per query (median)")
     ap.add_argument("--ranges", default="1h,24h", help="comma-separated: 1h, 24h")
+    ap.add_argument("--only", default="", help="comma-separated: time only panels whose board/title holds one")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args(argv)
+    only = [o for o in args.only.split(",") if o]
     current = all_boards()
     names = list(current) if args.boards == "all" else args.boards.split(",")
     ranges = {r: fleet_day_panels.RANGES[r] for r in args.ranges.split(",")}
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"migrations run: {ran or 'none'} in {migrated_s:.1f} s", flush=True)
         last = store.query(f"SELECT toUnixTimestamp(max(ts)) + 1 FROM {qualified(store, REQUESTS)}").scalar()
         end = datetime.fromtimestamp(int(last), UTC)
-        result: dict[str, Any] = {"path": args.path, "end": end.isoformat(), "runs": args.runs,
+        result: dict[str, Any] = {"path": args.path, "end": end.isoformat(), "runs": args.runs, "only": only,
                                   "migrations": ran, "migration_s": migrated_s}
         sets = {"after": {n: current[n] for n in names}}
         if args.before:
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             result["before_rev"] = args.before
         for label, boards in sets.items():
             print(f"{label}:", flush=True)
-            result[label] = measure(store, boards, end, args.runs, ranges)
+            result[label] = measure(store, boards, end, args.runs, ranges, only)
         if args.before:
             result["ratios"] = ratios(result["before"], result["after"])
     finally:

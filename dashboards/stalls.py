@@ -107,13 +107,14 @@ def _with(*ctes: str) -> str:
 
 
 def shares_sql() -> str:
-    """One row per signal: its share over the time range (bar gauge)."""
+    """One row per signal: its share over the time range (bar gauge). compute and io in one pass over
+    the GPU windows (io over those whose host had an IO window: window numbers are positive)."""
     return _with(GPU_WINDOWS, IO_WINDOWS, COMM_WINDOWS) + """
 SELECT signal, share FROM (
-  SELECT 'compute' AS signal, avg(compute_bound) AS share, 1 AS o FROM gpu_w
-  UNION ALL
-  SELECT 'io' AS signal, avg(io_w.io_bound) AS share, 2 AS o
-    FROM gpu_w INNER JOIN io_w ON gpu_w.host = io_w.host AND gpu_w.w = io_w.w
+  SELECT signal, share, o FROM (
+    SELECT avg(compute_bound) AS compute, avgIf(io_w.io_bound, io_w.w > 0) AS io
+    FROM gpu_w LEFT JOIN io_w ON gpu_w.host = io_w.host AND gpu_w.w = io_w.w)
+  ARRAY JOIN ['compute', 'io'] AS signal, [compute, io] AS share, [1, 2] AS o
   UNION ALL
   SELECT 'comm' AS signal, avg(comm_bound) AS share, 3 AS o FROM comm_w
 ) ORDER BY o"""

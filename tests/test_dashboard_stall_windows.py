@@ -115,6 +115,7 @@ def test_stall_shares_equal_the_rules_on_each_window_at_every_interval(store_pat
             assert len({c for c, _ in want.values()}) > 1 and max(i for _, i in want.values()) > 0
             gauge = {r["signal"]: r["share"] for r in _panel(store, "Stall shares over the range", interval)}
             assert gauge["compute"] == pytest.approx(sum(c for c, _ in want.values()) / len(want), abs=1e-12)
+            assert gauge["io"] == pytest.approx(sum(i for _, i in want.values()) / len(want), abs=1e-12)
         # with the raw GPU rows gone, the coarse windows still answer the same; the fine ones have nothing
         before = {i: _shares(store, i) for i in (5, 15, 60, 120)}
         store.command(f"TRUNCATE TABLE {qualified(store, GPU_SAMPLES)}")
