@@ -27,7 +27,7 @@ from triscope.store.base import Store
 RANGES = {"1h": 3600, "24h": 86400}
 
 
-def _interval(range_s: int) -> float:
+def interval_for(range_s: int) -> float:
     """Grafana's interval for about 1,000 points, rounded to its steps."""
     for step in (1, 2, 5, 10, 15, 20, 30, 60, 120, 300, 600):
         if range_s / step <= 1500:
@@ -35,7 +35,7 @@ def _interval(range_s: int) -> float:
     return 3600.0
 
 
-def _variables(store: Store, board: dict[str, Any], ctx: Context) -> dict[str, Var]:
+def resolve_variables(store: Store, board: dict[str, Any], ctx: Context) -> dict[str, Var]:
     state: dict[str, Var] = {}
     for v in board["templating"]["list"]:
         if v["type"] == "textbox":
@@ -52,10 +52,10 @@ def panels(store: Store, runs: int) -> dict[str, Any]:
     end = datetime.now(UTC)
     out: dict[str, Any] = {}
     for label, range_s in RANGES.items():
-        ctx = Context(end - timedelta(seconds=range_s), end, interval_s=_interval(range_s))
+        ctx = Context(end - timedelta(seconds=range_s), end, interval_s=interval_for(range_s))
         times: dict[str, float] = {}
         for name, board in all_boards().items():
-            ctx.variables = _variables(store, board, ctx)
+            ctx.variables = resolve_variables(store, board, ctx)
             for panel in board["panels"]:
                 for target in panel.get("targets", []):
                     if "rawSql" not in target:

@@ -9,6 +9,11 @@ uuid) in the latest sampled window at most 5 s earlier (ASOF join); a request wi
 GPU's latest window mean (each at most 5 s old), as in the analyzer;
 bins of 5 QPS, 200 MB and 10 ms, values past the last bin clamped into it. Requests without a
 memory sample in reach are counted as unmatched and left out.
+
+Those windows are 100 ms while the panel's interval is at most 1 s; beyond, they are the interval
+rounded up to a multiple of 10 s (:func:`~triscope.dashboards.rollup_sql.window_ns`) and the GPU
+means come from the 10 s or 1 min rollup: the tensor ``triscope heatmap`` computes with that
+``window_ms``, QPS being the window's request count over its width.
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ from triscope.dashboards.common import (
     REQUEST_DIMENSIONS,
     REQUEST_SELECTED,
     backend_var,
+    cond,
     host_var,
     request_vars,
     t,
 )
 from triscope.dashboards.model import Board, Panel, heatmap, link, row, sql_target, stat, table, text
+from triscope.dashboards.rollup_sql import gauge_windows, window_bucket, window_ns
 from triscope.schema import GPU_SAMPLES, REQUESTS
+from triscope.schema.gpu import GPU_SAMPLES_1M, GPU_SAMPLES_10S
 
 UID = "triscope-heatmap"
 FLEET_UID = "triscope-fleet"
@@ -36,12 +44,41 @@ def _g(x: float) -> str:
     return repr(float(x))
 
 
+def _per_gpu(hosts: str, spec: HeatmapSpec) -> str:
+    """Per GPU of ``hosts`` (a condition on ``host``) and window: ``h``, ``gpu``, ``w``, the mean finite
+    ``memory_used_bytes`` (``used``), reaching back as far as the ASOF lookup may; from the rollup whose
+    bucket divides the window when one does."""
+    reach = f"toIntervalSecond(intDiv(({_max_age_w(spec)} + 1) * {_wns(spec)}, 1000000000) + 1)"
+    windows = gauge_windows((GPU_SAMPLES_10S, GPU_SAMPLES_1M), {"h": "toString(host)", "gpu": "gpu"},
+                            {"used": "memory_used_bytes"}, hosts, spec.window_ns,
+                            time_filter=f"ts >= $__fromTime - {reach} AND ts <= $__toTime")
+    return f"SELECT h, gpu, w, used FROM ({windows}) WHERE isFinite(used)"
+
+
+def _wns(spec: HeatmapSpec) -> str:
+    return window_ns(spec.window_ns)
+
+
+def _max_age_w(spec: HeatmapSpec) -> str:
+    return f"intDiv({int(spec.memory_max_age_s * 1e9)}, {_wns(spec)})"
+
+
+def _hosts_whose_requests(gpu: str) -> str:
+    """Hosts with a request in the range whose ``gpu`` meets ``gpu``: the memory rows only they need
+    are read for them alone (none at all when no request asks)."""
+    return f"host IN (SELECT host FROM {t(REQUESTS)} WHERE $__timeFilter(ts) AND {BACKEND_FILTER} AND {gpu})"
+
+
 def cells_cte(spec: HeatmapSpec = SPEC) -> str:
-    """CTEs ``wins`` (per backend window), ``mem`` (per GPU / host window) and ``cells`` (joined)."""
-    wns = spec.window_ns
-    max_age_w = int(spec.memory_max_age_s * 1e9) // wns
-    reach_s = int((max_age_w + 1) * wns / 1e9) + 1
+    """CTEs ``wins`` (per backend window), ``mem`` (per GPU / host window) and ``cells`` (joined).
+
+    The window is ``spec.window_ms`` while the panel's interval is at most 1 s, else the interval
+    (:func:`~triscope.dashboards.rollup_sql.window_ns`): the tensor of ``triscope heatmap`` with that
+    ``window_ms``."""
+    wns, max_age_w = _wns(spec), _max_age_w(spec)
     sel = f"isFinite(latency_seconds) AND {REQUEST_SELECTED}"
+    by_uuid = _hosts_whose_requests("gpu != '' AND NOT match(toString(gpu), '^[0-9]+$')")
+    whole = _hosts_whose_requests("gpu = ''")
     return f"""
 WITH
   wins AS (
@@ -54,22 +91,18 @@ WITH
     WHERE $__timeFilter(ts) AND {BACKEND_FILTER}
     GROUP BY b, w
   ),
-  per_gpu AS (
-    SELECT toString(host) AS h, gpu, any(toString(gpu_uuid)) AS uuid,
-           intDiv(toUnixTimestamp64Nano(ts), {wns}) AS w, avg(memory_used_bytes) AS used
-    FROM {t(GPU_SAMPLES)}
-    WHERE ts >= $__fromTime - INTERVAL {reach_s} SECOND AND ts <= $__toTime AND isFinite(memory_used_bytes)
-    GROUP BY h, gpu, w
-  ),
   mem AS (
-    SELECT h, toString(gpu) AS g, w, used FROM per_gpu
-    UNION ALL SELECT h, uuid AS g, w, used FROM per_gpu WHERE uuid != ''
+    SELECT h, toString(gpu) AS g, w, used FROM ({_per_gpu(cond('host', 'host'), spec)})
+    UNION ALL
+    SELECT p.h AS h, u.uuid AS g, p.w AS w, p.used AS used FROM ({_per_gpu(by_uuid, spec)}) AS p
+    INNER JOIN (SELECT DISTINCT toString(host) AS h, gpu, toString(gpu_uuid) AS uuid FROM {t(GPU_SAMPLES)}
+                WHERE $__timeFilter(ts) AND gpu_uuid != '' AND {by_uuid}) AS u ON p.h = u.h AND p.gpu = u.gpu
     UNION ALL
     SELECT x.hh AS h, '' AS g, x.ww AS w, sumIf(p.used, p.w > 0 AND x.ww - p.w <= {max_age_w}) AS used
     FROM (SELECT hw.h AS hh, hw.w AS ww, hg.gpu AS gg
-          FROM (SELECT DISTINCT h, w FROM per_gpu) AS hw
-          INNER JOIN (SELECT DISTINCT h, gpu FROM per_gpu) AS hg ON hw.h = hg.h) AS x
-    ASOF LEFT JOIN per_gpu AS p ON x.hh = p.h AND x.gg = p.gpu AND x.ww >= p.w
+          FROM (SELECT DISTINCT h, w FROM ({_per_gpu(whole, spec)})) AS hw
+          INNER JOIN (SELECT DISTINCT h, gpu FROM ({_per_gpu(whole, spec)})) AS hg ON hw.h = hg.h) AS x
+    ASOF LEFT JOIN ({_per_gpu(whole, spec)}) AS p ON x.hh = p.h AND x.gg = p.gpu AND x.ww >= p.w
     GROUP BY x.hh, x.ww
   ),
   cells AS (
@@ -87,8 +120,8 @@ def _lbin(spec: HeatmapSpec = SPEC) -> str:
 
 
 def _wtime(spec: HeatmapSpec = SPEC) -> str:
-    """The window's start as DateTime (for time-axis heatmaps)."""
-    return f"toDateTime(intDiv(w * {spec.window_ns}, 1000000000))"
+    """The time a window is plotted at on a time axis (grouped by the interval when finer than it)."""
+    return window_bucket("w", spec.window_ns)
 
 
 def slice_sql(x: str, y: str, spec: HeatmapSpec = SPEC) -> str:
@@ -99,7 +132,7 @@ def slice_sql(x: str, y: str, spec: HeatmapSpec = SPEC) -> str:
             "latency": (_lbin(spec), spec.latency_bin_s, spec.latency_bins)}
     ycol, ywidth, yn = bins[y]
     if x == "time":
-        return (cells_cte(spec) + f"SELECT $__timeInterval({_wtime(spec)}) AS xMin, round({ycol} * {_g(ywidth)}, 6) "
+        return (cells_cte(spec) + f"SELECT {_wtime(spec)} AS xMin, round({ycol} * {_g(ywidth)}, 6) "
                 "AS yMin, count() AS count\nFROM cells ARRAY JOIN lats AS lat WHERE matched "
                 "GROUP BY xMin, yMin ORDER BY xMin, yMin")
     xcol, xwidth, xn = bins[x]
@@ -127,7 +160,9 @@ def board() -> Board:
     """The heatmap dashboard."""
     s = SPEC
     variables = [DATABASE, host_var(REQUESTS), backend_var(), *request_vars()]
-    note = (f"Windows of {s.window_ms:g} ms per backend; bins of {s.qps_bin:g} QPS x {s.qps_bins}, "
+    note = (f"Windows of {s.window_ms:g} ms per backend while the panel's interval is at most 1 s, else of the "
+            "interval rounded up to a multiple of 10 s (QPS = requests in the window / its width); "
+            f"bins of {s.qps_bin:g} QPS x {s.qps_bins}, "
             f"{s.memory_bin_bytes / 1e6:g} MB x {s.memory_bins}, {s.latency_bin_s * 1e3:g} ms x {s.latency_bins} "
             "(values past the last bin are clamped into it). The same tensor as `triscope heatmap`; "
             "the x and y values are each bin's lower edge.")

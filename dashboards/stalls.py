@@ -1,4 +1,10 @@
-"""Stall breakdown: compute-, IO- and comm-bound shares of 100 ms windows, with their evidence.
+"""Stall breakdown: compute-, IO- and comm-bound shares of windows, with their evidence.
+
+Windows are 100 ms while the panel's interval (``$__interval_s``) is at most 1 s and the interval
+rounded up to a multiple of 10 s beyond (:func:`~triscope.dashboards.rollup_sql.window_ns`): a rule
+holds for a window when it holds for the window's means, so a wider window is a coarser resolution
+of the same rule, whose GPU means come from the 10 s or 1 min rollup (equal to the raw means; only
+the range's first and last windows may hold part of a bucket outside the range).
 
 The rules and thresholds are the stall classifier's defaults (:class:`StallsConfig`), evaluated
 in SQL per window so Grafana can chart them:
@@ -20,7 +26,9 @@ from __future__ import annotations
 from triscope.analyzers.stalls import StallsConfig
 from triscope.dashboards.common import DATABASE, GPU_FILTER, cond, gpu_var, host_var, t
 from triscope.dashboards.model import Board, bargauge, link, row, sql_target, table, text, timeseries
+from triscope.dashboards.rollup_sql import gauge_windows, window_bucket, window_ns
 from triscope.schema import GPU_SAMPLES, IO_LATENCY, NCCL_OPS, TRACE_EVENTS, TRACE_RUNS
+from triscope.schema.gpu import GPU_SAMPLES_1M, GPU_SAMPLES_10S
 
 UID = "triscope-stalls"
 IO_UID = "triscope-io"
@@ -29,7 +37,10 @@ FLEET_UID = "triscope-fleet"
 HEATMAP_UID = "triscope-heatmap"
 C = StallsConfig()
 WINDOW_MS = 100
-WNS = WINDOW_MS * 1_000_000
+FINE_NS = WINDOW_MS * 1_000_000
+WNS = window_ns(FINE_NS)
+"""The window width (SQL): 100 ms while the panel's interval is at most 1 s, else the interval rounded up
+to a multiple of 10 s."""
 
 
 def _g(x: float) -> str:
@@ -37,21 +48,19 @@ def _g(x: float) -> str:
 
 
 def _wtime(col: str = "w") -> str:
-    return f"toDateTime(intDiv({col} * {WNS}, 1000000000))"
+    """The time a window is plotted at (grouped by the interval when finer than it)."""
+    return window_bucket(col, FINE_NS)
 
 
 GPU_WINDOWS = f"""
   gpu_w AS (
-    SELECT toString(host) AS host, gpu, intDiv(toUnixTimestamp64Nano(ts), {WNS}) AS w,
-           avgIf(sm_active_ratio, isFinite(sm_active_ratio)) AS sm,
-           avgIf(dram_active_ratio, isFinite(dram_active_ratio)) AS dram,
-           avgIf(l2_bandwidth_ratio, isFinite(l2_bandwidth_ratio)) AS l2,
+    SELECT host, gpu, w, sm, dram, l2,
            isFinite(sm) AND sm > {_g(C.compute_sm_active_min)}
              AND (NOT isFinite(l2) OR l2 < {_g(C.compute_bandwidth_max)})
              AND (NOT isFinite(dram) OR dram < {_g(C.compute_bandwidth_max)}) AS compute_bound
-    FROM {t(GPU_SAMPLES)}
-    WHERE $__timeFilter(ts) AND {GPU_FILTER}
-    GROUP BY host, gpu, w
+    FROM ({gauge_windows((GPU_SAMPLES_10S, GPU_SAMPLES_1M), {"host": "toString(host)", "gpu": "gpu"},
+                         {"sm": "sm_active_ratio", "dram": "dram_active_ratio", "l2": "l2_bandwidth_ratio"},
+                         GPU_FILTER, FINE_NS)})
   )"""
 
 IO_WINDOWS = f"""
@@ -98,13 +107,14 @@ def _with(*ctes: str) -> str:
 
 
 def shares_sql() -> str:
-    """One row per signal: its share over the time range (bar gauge)."""
+    """One row per signal: its share over the time range (bar gauge). compute and io in one pass over
+    the GPU windows (io over those whose host had an IO window: window numbers are positive)."""
     return _with(GPU_WINDOWS, IO_WINDOWS, COMM_WINDOWS) + """
 SELECT signal, share FROM (
-  SELECT 'compute' AS signal, avg(compute_bound) AS share, 1 AS o FROM gpu_w
-  UNION ALL
-  SELECT 'io' AS signal, avg(io_w.io_bound) AS share, 2 AS o
-    FROM gpu_w INNER JOIN io_w ON gpu_w.host = io_w.host AND gpu_w.w = io_w.w
+  SELECT signal, share, o FROM (
+    SELECT avg(compute_bound) AS compute, avgIf(io_w.io_bound, io_w.w > 0) AS io
+    FROM gpu_w LEFT JOIN io_w ON gpu_w.host = io_w.host AND gpu_w.w = io_w.w)
+  ARRAY JOIN ['compute', 'io'] AS signal, [compute, io] AS share, [1, 2] AS o
   UNION ALL
   SELECT 'comm' AS signal, avg(comm_bound) AS share, 3 AS o FROM comm_w
 ) ORDER BY o"""
@@ -114,7 +124,9 @@ def board() -> Board:
     """The stall-breakdown dashboard."""
     variables = [DATABASE, host_var(GPU_SAMPLES, IO_LATENCY, NCCL_OPS), gpu_var()]
     panels = [
-        text("Rules", f"Windows of {WINDOW_MS} ms. **compute**: SM active > {C.compute_sm_active_min:.0%} with "
+        text("Rules", f"Windows of {WINDOW_MS} ms while the panel's interval is at most 1 s, else of the "
+             "interval rounded up to a multiple of 10 s (GPU means from the 10 s / 1 min rollup). "
+             f"**compute**: SM active > {C.compute_sm_active_min:.0%} with "
              f"L2 / DRAM bandwidth < {C.compute_bandwidth_max:.0%} of peak. **IO**: block-IO read p99 > "
              f"{C.io_read_p99_min_seconds * 1e6:g} us and queue depth > {C.io_queue_depth_min:g}. **comm**: "
              f"collective kernel time > {C.comm_share_min:.0%} of the window. Exact per-window verdicts with "
@@ -125,26 +137,26 @@ def board() -> Board:
                  "comm: of traced windows with GPU work", unit="percentunit",
                  thresholds=[(None, "green"), (0.25, "orange"), (0.5, "red")], w=8),
         timeseries("Compute-bound share", [sql_target(_with(GPU_WINDOWS) + f"""
-SELECT $__timeInterval({_wtime()}) AS time, host, toString(gpu) AS gpu, avg(compute_bound) AS compute_bound_share
+SELECT {_wtime()} AS time, host, toString(gpu) AS gpu, avg(compute_bound) AS compute_bound_share
 FROM gpu_w GROUP BY time, host, gpu ORDER BY time, host, gpu""")],
             "share of the GPU's windows that were compute-bound", unit="percentunit",
             links=[link("Fleet view of ${__field.labels.host} GPU ${__field.labels.gpu}", FLEET_UID,
                         {"host": "${__field.labels.host}", "gpu": "${__field.labels.gpu}"})], w=16),
         timeseries("IO-bound share", [sql_target(_with(GPU_WINDOWS, IO_WINDOWS) + f"""
-SELECT $__timeInterval({_wtime('gpu_w.w')}) AS time, gpu_w.host AS host, avg(io_w.io_bound) AS io_bound_share
+SELECT {_wtime('gpu_w.w')} AS time, gpu_w.host AS host, avg(io_w.io_bound) AS io_bound_share
 FROM gpu_w INNER JOIN io_w ON gpu_w.host = io_w.host AND gpu_w.w = io_w.w
 GROUP BY time, host ORDER BY time, host""")],
             "share of the host's GPU windows with an IO-bound device",
             unit="percentunit",
             links=[link("IO of ${__field.labels.host}", IO_UID, {"host": "${__field.labels.host}"})]),
         timeseries("Comm-bound share", [sql_target(_with(COMM_WINDOWS) + f"""
-SELECT $__timeInterval({_wtime()}) AS time, run_id, toString(rank) AS rank, avg(comm_bound) AS comm_bound_share
+SELECT {_wtime()} AS time, run_id, toString(rank) AS rank, avg(comm_bound) AS comm_bound_share
 FROM comm_w GROUP BY time, run_id, rank ORDER BY time, run_id, rank""")],
             "share of the rank's traced windows that were comm-bound", unit="percentunit",
             links=[link("NCCL view of ${__field.labels.run_id}", NCCL_UID, {"run_id": "${__field.labels.run_id}"})]),
         row("Evidence"),
         timeseries("SM activity and memory bandwidth", [sql_target(_with(GPU_WINDOWS) + f"""
-SELECT $__timeInterval({_wtime()}) AS time, host, toString(gpu) AS gpu,
+SELECT {_wtime()} AS time, host, toString(gpu) AS gpu,
        avgIf(sm, isFinite(sm)) AS sm_active_ratio, avgIf(dram, isFinite(dram)) AS dram_active_ratio,
        avgIf(l2, isFinite(l2)) AS l2_bandwidth_ratio
 FROM gpu_w GROUP BY time, host, gpu ORDER BY time, host, gpu""")],

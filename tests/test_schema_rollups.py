@@ -11,8 +11,8 @@ import pytest
 
 from triscope.schema import GPU_SAMPLES, qualified
 from triscope.schema.gpu import GPU_GAUGES, GPU_SAMPLES_1M, GPU_SAMPLES_10S
-from triscope.schema.model import create_rollup_sql
 from triscope.schema.requests import SERVING_METRICS_1M
+from triscope.schema.rollup import add_gauge_sql, create_rollup_sql
 
 
 def test_cluster_rollup_ddl_rolls_up_each_shard_into_its_local_table():
@@ -24,7 +24,8 @@ def test_cluster_rollup_ddl_rolls_up_each_shard_into_its_local_table():
     assert view.startswith("CREATE MATERIALIZED VIEW IF NOT EXISTS db.gpu_samples_1m_mv ON CLUSTER `c1` "
                            "TO db.gpu_samples_1m_local AS SELECT ")
     assert view.endswith("FROM db.gpu_samples_local GROUP BY ts, `host`, `gpu`, `mig_instance`, `source`")
-    assert backfill.startswith("INSERT INTO db.gpu_samples_1m SELECT ") and "FROM db.gpu_samples GROUP BY" in backfill
+    assert backfill.startswith("INSERT INTO db.gpu_samples_1m (`ts`, `host`, `gpu`, `mig_instance`, `source`, "
+                               "`memory_used_bytes_sum`, ") and "FROM db.gpu_samples GROUP BY" in backfill
     single = create_rollup_sql(SERVING_METRICS_1M, "db")
     assert [s.split(" (")[0].split(" AS ")[0] for s in single[:2]] == [
         "CREATE TABLE IF NOT EXISTS db.serving_metrics_1m",
@@ -86,3 +87,41 @@ def test_rollups_equal_raw_within_their_resolution(store):
     rolled = _per_minute_rollup(store, "gpu_samples_1m")
     for key, values in raw.items():
         assert rolled[key] == pytest.approx(values, rel=1e-6)
+
+
+def test_a_gauge_added_later_renders_its_columns_view_and_backfill():
+    old = create_rollup_sql(GPU_SAMPLES_1M, "db", "", version=6)
+    assert "l2_bandwidth_ratio" not in " ".join(old) and "dram_active_ratio_max" in old[0]
+    steps = add_gauge_sql(GPU_SAMPLES_1M, 8, "db", "c1")
+    assert steps[0] == ("ALTER TABLE db.gpu_samples_1m_local ON CLUSTER `c1` ADD COLUMN IF NOT EXISTS "
+                        "`l2_bandwidth_ratio_sum` SimpleAggregateFunction(sum, Float64) "
+                        "COMMENT 'sum of finite l2_bandwidth_ratio' CODEC(ZSTD(1))")
+    assert "`l2_bandwidth_ratio_min` SimpleAggregateFunction(min, Float64) DEFAULT inf CODEC" in steps[4]
+    assert len(steps) == 4 * 2 + 3 and steps[8] == "DROP VIEW IF EXISTS db.gpu_samples_1m_mv ON CLUSTER `c1`"
+    assert steps[9].startswith("CREATE MATERIALIZED VIEW IF NOT EXISTS db.gpu_samples_1m_mv ON CLUSTER `c1` TO "
+                               "db.gpu_samples_1m_local AS SELECT ") and "`l2_bandwidth_ratio_max`" in steps[9]
+    # the backfill fills the new gauge and leaves the others' aggregates untouched (neutral values)
+    assert "toUInt64(0) AS `power_watts_count`, inf AS `power_watts_min`, -inf AS `power_watts_max`" in steps[10]
+    assert "sumIf(toFloat64(`l2_bandwidth_ratio`), isFinite(`l2_bandwidth_ratio`))" in steps[10]
+    with pytest.raises(ValueError, match="no gauge added at version 7"):
+        add_gauge_sql(GPU_SAMPLES_1M, 7, "db")
+
+
+def test_a_rollup_created_before_a_gauge_gets_it_from_the_migration(store):
+    """A store whose 1 min rollup predates the L2 gauge (domain version 6) and holds rows: the step
+    adding the gauge backfills it and keeps every other gauge's numbers; new rows reach all of them."""
+    assert _raw(store, minutes=2) == 2 * 2 * 600
+    store.command(f"DROP VIEW {store.database}.gpu_samples_1m_mv")
+    store.command(f"DROP TABLE {store.database}.gpu_samples_1m")
+    for sql in create_rollup_sql(GPU_SAMPLES_1M, store.database, version=6):
+        store.command(sql)
+    columns = {r[0] for r in store.query(f"DESCRIBE TABLE {store.database}.gpu_samples_1m").rows}
+    assert "l2_bandwidth_ratio_sum" not in columns and "power_watts_sum" in columns
+    for sql in add_gauge_sql(GPU_SAMPLES_1M, 8, store.database):
+        store.command(sql)
+    _raw(store, minutes=1)  # through the replaced view: same minutes, so the buckets merge with the backfill
+    raw = _per_minute_raw(store)
+    rolled = _per_minute_rollup(store, "gpu_samples_1m")
+    assert rolled.keys() == raw.keys() and len(raw) == 4
+    for key, values in raw.items():
+        assert rolled[key] == pytest.approx(values, rel=1e-6), key

@@ -61,7 +61,8 @@ def merge(breaches: list[Breach], gap_s: float, window_s: float) -> list[list[Br
     """Breaches grouped into incidents: a new group starts after ``gap_s`` without any breach."""
     groups: list[list[Breach]] = []
     for b in sorted(breaches, key=lambda b: (b.start_s, b.backend)):
-        if groups and b.start_s - max(x.start_s for x in groups[-1]) - window_s <= gap_s:
+        # sorted by start: the group's latest start is its last breach's (a max over the group was quadratic)
+        if groups and b.start_s - groups[-1][-1].start_s - window_s <= gap_s:
             groups[-1].append(b)
         else:
             groups.append([b])

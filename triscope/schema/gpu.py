@@ -9,14 +9,13 @@ from triscope.schema.latest import Latest, create_latest
 from triscope.schema.model import (
     Column,
     Migration,
-    Rollup,
     Table,
     add_columns,
-    create_rollups,
     create_tables,
     set_codecs,
     set_types,
 )
+from triscope.schema.rollup import Rollup, add_rollup_gauges, create_rollups
 
 DOMAIN = "gpu"
 
@@ -100,11 +99,13 @@ ALLOCATOR_SAMPLES = Table(
 
 
 GPU_GAUGES = ("memory_used_bytes", "memory_total_bytes", "gpu_util_ratio", "memory_util_ratio", "sm_active_ratio",
-              "sm_occupancy_ratio", "dram_active_ratio", "power_watts", "temperature_celsius")
+              "sm_occupancy_ratio", "dram_active_ratio", "power_watts", "temperature_celsius", "l2_bandwidth_ratio")
 """The gauges the boards average over hours; the rollups keep their sum, count, min and max."""
+GPU_GAUGES_SINCE = (("l2_bandwidth_ratio", 9),)
+"""Gauges added to the rollups after they were created (the stall rule's L2 bandwidth)."""
 GPU_KEYS = ("host", "gpu", "mig_instance", "source")
-GPU_SAMPLES_10S = Rollup(GPU_SAMPLES, 10, GPU_KEYS, GPU_GAUGES)
-GPU_SAMPLES_1M = Rollup(GPU_SAMPLES, 60, GPU_KEYS, GPU_GAUGES)
+GPU_SAMPLES_10S = Rollup(GPU_SAMPLES, 10, GPU_KEYS, GPU_GAUGES, GPU_GAUGES_SINCE)
+GPU_SAMPLES_1M = Rollup(GPU_SAMPLES, 60, GPU_KEYS, GPU_GAUGES, GPU_GAUGES_SINCE)
 GPU_LATEST = Latest(GPU_SAMPLES, ("host", "gpu"), ("gpu_uuid", "memory_used_bytes", "memory_total_bytes", "state"))
 """Each GPU's newest sample of what the weight engine reads (its memory and state)."""
 
@@ -118,9 +119,11 @@ MIGRATIONS = [
     Migration(5, "gpu samples, process memory, allocator: per-column codecs (Delta timestamps, ZSTD, Gorilla rates)",
               set_codecs(GPU_SAMPLES, GPU_PROCESS_MEMORY, ALLOCATOR_SAMPLES)),
     Migration(6, "gpu samples: 10 s and 1 min rollups (materialized views, backfilled)",
-              create_rollups(GPU_SAMPLES_10S, GPU_SAMPLES_1M)),
+              create_rollups(GPU_SAMPLES_10S, GPU_SAMPLES_1M, version=6)),
     Migration(7, "gpu samples: PCIe and NVLink rates as Float32",
               set_types(GPU_SAMPLES, *(f"{link}_{way}_bytes_per_second" for link in ("pcie", "nvlink")
                                         for way in ("tx", "rx")))),
     Migration(8, "gpu samples: newest sample per GPU (materialized view, backfilled)", create_latest(GPU_LATEST)),
+    Migration(9, "gpu samples rollups: L2 bandwidth (the compute-bound rule's), backfilled",
+              add_rollup_gauges(GPU_SAMPLES_10S, GPU_SAMPLES_1M, version=9)),
 ]

@@ -4,14 +4,13 @@ from triscope.schema.latest import Latest, Projection, add_projections, create_l
 from triscope.schema.model import (
     Column,
     Migration,
-    Rollup,
     Table,
     add_columns,
-    create_rollups,
     create_tables,
     set_codecs,
     set_types,
 )
+from triscope.schema.rollup import Rollup, create_rollups
 
 DOMAIN = "requests"
 
@@ -142,7 +141,7 @@ MIGRATIONS = [
     Migration(6, "requests, serving metrics, scrape health: per-column codecs (Delta timestamps, ZSTD, T64 tokens)",
               set_codecs(REQUESTS, SERVING_METRICS, SCRAPE_HEALTH)),
     Migration(7, "serving metrics: 10 s and 1 min rollups (materialized views, backfilled)",
-              create_rollups(SERVING_METRICS_10S, SERVING_METRICS_1M)),
+              create_rollups(SERVING_METRICS_10S, SERVING_METRICS_1M, version=7)),
     Migration(8, "serving metrics: KV usage and histogram quantiles as Float32",
               set_types(SERVING_METRICS, "kv_cache_usage_ratio", "latency_p50_seconds", "latency_p99_seconds",
                         "ttft_p99_seconds", "queue_time_p99_seconds", "itl_p99_seconds")),

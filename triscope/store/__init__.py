@@ -72,7 +72,8 @@ def open_store(config: Mapping[str, Any], migrate: bool = True) -> Store:
         from triscope.schema import domains
         from triscope.schema import migrate as run_migrations
         from triscope.schema.latest import Latest
-        from triscope.schema.model import Rollup, Table, apply_retention
+        from triscope.schema.model import Table, apply_retention
+        from triscope.schema.rollup import Rollup
 
         run_migrations(store)
         tables = [t.table if isinstance(t, (Rollup, Latest)) else t for m in domains().values()
