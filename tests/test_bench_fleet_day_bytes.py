@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -25,11 +26,13 @@ def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
-def test_sizes_count_the_projection_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sizes_count_the_projection_bytes(store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for sibling in ("fleet_day_data", "fleet_day_codecs", "fleet_day_panels"):
         _load(sibling, monkeypatch)
     bench = _load("fleet_day", monkeypatch)
-    store = EmbeddedStore(tmp_path / "store", database="fleetday")
+    # the run's chDB directory (one data path per process), in a database of its own: the test drops a
+    # projection, which no other test may inherit
+    store = EmbeddedStore(store_path, database=f"fleetday_bytes_{os.getpid()}")
     try:
         migrate(store)
         table = qualified(store, SERVING_METRICS)
@@ -41,6 +44,7 @@ def test_sizes_count_the_projection_bytes(tmp_path: Path, monkeypatch: pytest.Mo
         store.command(f"ALTER TABLE {table} DROP PROJECTION by_time SETTINGS mutations_sync = 2")
         without = bench.sizes(store, (SERVING_METRICS,))["serving_metrics"]
     finally:
+        store.command(f"DROP DATABASE IF EXISTS {store.database}")
         store.close()
     projection = with_projection["projections"]["by_time"]
     assert with_projection["rows"] == without["rows"] == 600 * f.backends

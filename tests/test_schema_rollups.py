@@ -92,7 +92,7 @@ def test_rollups_equal_raw_within_their_resolution(store):
 def test_a_gauge_added_later_renders_its_columns_view_and_backfill():
     old = create_rollup_sql(GPU_SAMPLES_1M, "db", "", version=6)
     assert "l2_bandwidth_ratio" not in " ".join(old) and "dram_active_ratio_max" in old[0]
-    steps = add_gauge_sql(GPU_SAMPLES_1M, 8, "db", "c1")
+    steps = add_gauge_sql(GPU_SAMPLES_1M, 9, "db", "c1")
     assert steps[0] == ("ALTER TABLE db.gpu_samples_1m_local ON CLUSTER `c1` ADD COLUMN IF NOT EXISTS "
                         "`l2_bandwidth_ratio_sum` SimpleAggregateFunction(sum, Float64) "
                         "COMMENT 'sum of finite l2_bandwidth_ratio' CODEC(ZSTD(1))")
@@ -103,8 +103,8 @@ def test_a_gauge_added_later_renders_its_columns_view_and_backfill():
     # the backfill fills the new gauge and leaves the others' aggregates untouched (neutral values)
     assert "toUInt64(0) AS `power_watts_count`, inf AS `power_watts_min`, -inf AS `power_watts_max`" in steps[10]
     assert "sumIf(toFloat64(`l2_bandwidth_ratio`), isFinite(`l2_bandwidth_ratio`))" in steps[10]
-    with pytest.raises(ValueError, match="no gauge added at version 7"):
-        add_gauge_sql(GPU_SAMPLES_1M, 7, "db")
+    with pytest.raises(ValueError, match="no gauge added at version 8"):
+        add_gauge_sql(GPU_SAMPLES_1M, 8, "db")
 
 
 def test_a_rollup_created_before_a_gauge_gets_it_from_the_migration(store):
@@ -117,7 +117,7 @@ def test_a_rollup_created_before_a_gauge_gets_it_from_the_migration(store):
         store.command(sql)
     columns = {r[0] for r in store.query(f"DESCRIBE TABLE {store.database}.gpu_samples_1m").rows}
     assert "l2_bandwidth_ratio_sum" not in columns and "power_watts_sum" in columns
-    for sql in add_gauge_sql(GPU_SAMPLES_1M, 8, store.database):
+    for sql in add_gauge_sql(GPU_SAMPLES_1M, 9, store.database):
         store.command(sql)
     _raw(store, minutes=1)  # through the replaced view: same minutes, so the buckets merge with the backfill
     raw = _per_minute_raw(store)
