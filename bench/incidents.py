@@ -251,7 +251,7 @@ def rescore(run_dir: Path, config: Path | None = None) -> dict[str, Any]:
     for d in docs:
         inj = Injection(**d["injection"])
         if config is not None:
-            d["diagnose"] = diagnose(config, time.time() - inj.from_s, inj.until_s)
+            d["diagnose"] = diagnose(config, inj.until_s - inj.from_s, inj.until_s)  # --since counts back from --until
         part = d["diagnose"].get("incidents", {})
         scores.append(score_injection(inj, d["diagnose"], part.get("backends", []) if isinstance(part, dict) else [],
                                       WINDOW_S))

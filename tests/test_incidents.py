@@ -299,6 +299,23 @@ def test_a_saturated_disk_is_io_even_though_the_engine_s_kv_fills(store: Any) ->
     assert 10 <= incident.lead_times_s["io_latency"] <= 20
 
 
+def test_an_engine_waiting_for_cpu_behind_a_disk_hog_is_io(store: Any) -> None:
+    """The real bed's fio hog: the disk queues 65 deep and the hog's syscalls take the engine's CPU, so its
+    threads wait on the run queue 2.5x as long as before. The disk is the cause, the CPU wait its effect."""
+    Fleet().write(store, _slowed_b)
+    _disk(store, lambda s: 65.0 if 85 <= s < 130 else 1.0)
+    rows = [{"ts": encode_ts((T0 + s) * 10**9), "host": "h", "backend": b, "processes": 1, "window_seconds": 1.0,
+             "cpu_seconds": 0.5, "wait_seconds": 1.0 if b == B and 85 <= s < 130 else 0.4, "rss_bytes": 1e9,
+             "psi_cpu_some": 1.0, "psi_memory_some": 0.0, "psi_memory_full": 0.0, "psi_io_some": 0.1,
+             "psi_io_full": 0.0, "oom_kills": 0.0}
+            for s in range(180) for b in (A, B)]
+    store.insert(qualified(store, HOST_SAMPLES), HOST_SAMPLES.columns_of(rows))
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "io", incident.to_dict()
+    cpu = next(c for c in incident.runners_up if c.name == "host_cpu")
+    assert "the host's disk saturated at the same time" in cpu.evidence[0]
+
+
 def test_a_disk_busy_with_the_host_s_own_writes_leaves_kv_pressure_the_cause(store: Any) -> None:
     """The same engine with the disk at the queue depths the collector's own inserts give (up to 7): KV."""
     Fleet().write(store, _slowed_b)

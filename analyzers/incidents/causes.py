@@ -207,13 +207,17 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
         if waits and max(waits) >= cfg.cpu_wait and max(waits) >= 2 * statistics.median(before or [0.0]):
             psi = max((h.psi_cpu_some for t, h in host.items() if near <= t < end and math.isfinite(h.psi_cpu_some)),
                       default=math.nan)
-            # an engine sent far more than its share waits for CPU under its own extra work: the routing's doing
-            score = 0.55 if b in over_served else 0.8 + (0.1 if share < cfg.fleet_share else 0.0)
+            # an engine sent far more than its share waits for CPU under its own extra work: the routing's doing;
+            # one waiting while the host's disk saturated waits behind the IO hog's own CPU (its syscalls and
+            # interrupts): the disk's doing
+            disk = leads.get("io_latency", -1.0) >= 0
+            score = 0.55 if b in over_served else 0.6 if disk else 0.8 + (0.1 if share < cfg.fleet_share else 0.0)
             causes.append(Cause("host_cpu", score, (
                 f"{b}: its threads waited on the run queue {max(waits):.0%} of the time "
                 f"(before: {statistics.median(before or [0.0]):.0%})"
                 + (f"; host CPU pressure {psi:.0%}" if math.isfinite(psi) else "")
-                + ("; it got more than its share of the requests" if b in over_served else ""),)))
+                + ("; it got more than its share of the requests" if b in over_served else "")
+                + ("; the host's disk saturated at the same time" if disk else ""),)))
             break
     if "oom_kill" in leads:
         kills = sum(h.oom_kills for t, h in host.items() if lo <= t < end and math.isfinite(h.oom_kills))
