@@ -129,6 +129,18 @@ def _skewed_to_b(breach_from: int) -> Callable[[int, str, dict[str, float]], Non
     return skew
 
 
+def _engine_cpu(store: Any, backends: tuple[str, ...], cpu_wait: Callable[[int, str], tuple[float, float]],
+                psi_cpu: float) -> None:
+    """The host collector's per-engine rows: ``cpu_wait(second, backend)`` gives its CPU and run-queue wait
+    seconds per second; the host's CPU pressure ``psi_cpu`` throughout."""
+    rows = [{"ts": encode_ts((T0 + s) * 10**9), "host": "h", "backend": b, "processes": 1, "window_seconds": 1.0,
+             "cpu_seconds": cpu_wait(s, b)[0], "wait_seconds": cpu_wait(s, b)[1], "rss_bytes": 1e9,
+             "psi_cpu_some": psi_cpu, "psi_memory_some": 0.0, "psi_memory_full": 0.0, "psi_io_some": 0.0,
+             "psi_io_full": 0.0, "oom_kills": 0.0}
+            for s in range(180) for b in backends]
+    store.insert(qualified(store, HOST_SAMPLES), HOST_SAMPLES.columns_of(rows))
+
+
 def test_a_skewed_lb_is_routing_imbalance_even_with_the_pressure_it_causes(store: Any) -> None:
     """90 % of the requests to one of four engines: it fills its KV and queues (as any engine given 3.6x its
     share does), the others are calm. The pressure is the skew's doing: routing_imbalance, kv_pressure a
@@ -223,12 +235,7 @@ def test_a_skewed_backend_waiting_for_cpu_under_its_extra_work_is_still_routing(
                 f.update(latency=2.5)
 
     Fleet((A, B, C, D)).write(store, skew)
-    rows = [{"ts": encode_ts((T0 + s) * 10**9), "host": "h", "backend": b, "processes": 1, "window_seconds": 1.0,
-             "cpu_seconds": 0.9 if b == B and s >= 90 else 0.2, "wait_seconds": 0.6 if b == B and s >= 90 else 0.05,
-             "rss_bytes": 1e9, "psi_cpu_some": 0.5, "psi_memory_some": 0.0, "psi_memory_full": 0.0,
-             "psi_io_some": 0.0, "psi_io_full": 0.0, "oom_kills": 0.0}
-            for s in range(180) for b in (A, B, C, D)]
-    store.insert(qualified(store, HOST_SAMPLES), HOST_SAMPLES.columns_of(rows))
+    _engine_cpu(store, (A, B, C, D), lambda s, b: (0.9, 0.6) if b == B and s >= 90 else (0.2, 0.05), psi_cpu=0.5)
     (incident,) = _find(store).incidents
     assert incident.backends == [B] and incident.cause.name == "routing_imbalance", incident.to_dict()
     cpu = next(c for c in incident.runners_up if c.name == "host_cpu")
@@ -304,12 +311,7 @@ def test_an_engine_waiting_for_cpu_behind_a_disk_hog_is_io(store: Any) -> None:
     threads wait on the run queue 2.5x as long as before. The disk is the cause, the CPU wait its effect."""
     Fleet().write(store, _slowed_b)
     _disk(store, lambda s: 65.0 if 85 <= s < 130 else 1.0)
-    rows = [{"ts": encode_ts((T0 + s) * 10**9), "host": "h", "backend": b, "processes": 1, "window_seconds": 1.0,
-             "cpu_seconds": 0.5, "wait_seconds": 1.0 if b == B and 85 <= s < 130 else 0.4, "rss_bytes": 1e9,
-             "psi_cpu_some": 1.0, "psi_memory_some": 0.0, "psi_memory_full": 0.0, "psi_io_some": 0.1,
-             "psi_io_full": 0.0, "oom_kills": 0.0}
-            for s in range(180) for b in (A, B)]
-    store.insert(qualified(store, HOST_SAMPLES), HOST_SAMPLES.columns_of(rows))
+    _engine_cpu(store, (A, B), lambda s, b: (0.5, 1.0 if b == B and 85 <= s < 130 else 0.4), psi_cpu=1.0)
     (incident,) = _find(store).incidents
     assert incident.backends == [B] and incident.cause.name == "io", incident.to_dict()
     cpu = next(c for c in incident.runners_up if c.name == "host_cpu")

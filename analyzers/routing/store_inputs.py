@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,22 +238,30 @@ def bounds(params: WeightParams, now: float) -> dict[str, int]:
             "pstart": _ns(now - params.preemption_lookback_s)}
 
 
-def read_inputs_scan(store: Store, params: WeightParams, now: float) -> list[BackendInputs]:
-    """One :class:`BackendInputs` per known backend, from the raw rows within ``lookback_s`` (one scan
-    per table); :func:`~triscope.analyzers.routing.store_latest.read_inputs` reads the same from the
-    newest-row tables."""
+def read_with(store: Store, params: WeightParams, now: float, serving: Callable[..., dict[str, Any]],
+              scrapes: Callable[..., dict[str, Any]], spans: Callable[..., Spans],
+              gpus: Callable[..., dict[tuple[str, str], dict[str, Any]]]) -> list[BackendInputs]:
+    """The store readers' common frame: the bounds, the backends found by the ``serving``, ``scrapes`` and
+    ``spans`` readers (each ``(store, bounds, found)``, spans with the params too), then :func:`assemble`."""
     p = bounds(params, now)
     if not params.discover and not params.backends:
         return []
     found = set(params.backends)
-    serving = serving_scan(store, p, found)
-    scrapes = scrapes_scan(store, p, found)
-    req = spans_scan(store, p, params, found)
+    engine = serving(store, p, found)
+    scraped = scrapes(store, p, found)
+    req = spans(store, p, params, found)
     names = sorted(found) if params.discover else sorted(params.backends)
     if not names:
         return []
-    return assemble(names, params, now, Readings(serving, req.qps, req.p99, req.last, scrapes, req.tails, req.gpus,
-                                                 read_gpus(store, p)))
+    return assemble(names, params, now, Readings(engine, req.qps, req.p99, req.last, scraped, req.tails, req.gpus,
+                                                 gpus(store, p)))
+
+
+def read_inputs_scan(store: Store, params: WeightParams, now: float) -> list[BackendInputs]:
+    """One :class:`BackendInputs` per known backend, from the raw rows within ``lookback_s`` (one scan
+    per table); :func:`~triscope.analyzers.routing.store_latest.read_inputs` reads the same from the
+    newest-row tables."""
+    return read_with(store, params, now, serving_scan, scrapes_scan, spans_scan, read_gpus)
 
 
 @dataclass(frozen=True)

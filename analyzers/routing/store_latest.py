@@ -23,13 +23,11 @@ from triscope.analyzers.routing.store_inputs import (
     PREEMPT,
     UNTIL,
     WINDOW,
-    Readings,
     Spans,
     add_gpu,
-    assemble,
-    bounds,
     finite,
     read_gpus,
+    read_with,
     scrapes_scan,
     serving_reading,
     serving_scan,
@@ -190,15 +188,4 @@ GROUP BY host, gpu"""
 
 def read_inputs(store: Store, params: WeightParams, now: float) -> list[BackendInputs]:
     """One :class:`BackendInputs` per known backend, from the newest rows within ``lookback_s``."""
-    p = bounds(params, now)
-    if not params.discover and not params.backends:
-        return []
-    found = set(params.backends)
-    serving = _serving(store, p, found)
-    scrapes = _scrapes(store, p, found)
-    req = _spans(store, p, params, found)
-    names = sorted(found) if params.discover else sorted(params.backends)
-    if not names:
-        return []
-    return assemble(names, params, now, Readings(serving, req.qps, req.p99, req.last, scrapes, req.tails, req.gpus,
-                                                 _gpus(store, p)))
+    return read_with(store, params, now, _serving, _scrapes, _spans, _gpus)
