@@ -270,8 +270,9 @@ def render(report: StallReport, title: str = "") -> None:
                       f"{'profiler steps' if report.by == 'step' else f'{report.window_ms:g} ms windows'}")
     if not report.windows:
         console.print("no GPU samples, traces or IO data in this range")
-    elif not report.device_data and set(report.shares()) == {UNCLASSIFIED}:
-        # a serving fleet without GPU telemetry: its host-side windows hold nothing a stall rule reads as bound
+    elif all(w.device == "host" for w in report.windows) and set(report.shares()) == {UNCLASSIFIED}:
+        # a serving fleet without GPU telemetry or traces: its hosts' block-IO windows are all there is, and no
+        # stall rule read them as bound
         console.print(f"no GPU samples or device work in this range: {len(report.windows)} windows of host-side "
                       "data (block IO), none IO- or host-bound")
     else:
