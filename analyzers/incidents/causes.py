@@ -108,6 +108,8 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
                     ("scrape_failed", down_at), ("io_latency", io_at), ("cpu_wait", cpu_at), ("oom_kill", oom_at)):
         if math.isfinite(t):
             leads[name] = onset - t
+    # a disk in trouble from before the breach (or its first window): the rules below defer to it
+    disk_first = leads.get("io_latency", -1.0) >= 0
 
     causes: list[Cause] = []
     missing: list[str] = []
@@ -171,13 +173,13 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
         skewed_windows = sum(per[b] for b in pressed if b in over_served)
         # (and with nothing outside the engine slowing it: a disk or CPU hog fills its KV by slowing it down)
         mine_alone = share < cfg.fleet_share and own_windows > skewed_windows and not math.isfinite(jump_at) \
-            and leads.get("io_latency", -1.0) < 0
+            and not disk_first
         score = 0.55 + (0.3 if mine_alone else 0.0) + (0.1 if "preemptions" in leads else 0.0)
         causes.append(Cause("kv_pressure", min(score, 0.95), tuple(pressed.values())))
     # block IO on the hosts: slow, or a disk saturated from before the breach and still during it
     if not io:
         missing.append("block IO latency (no io_latency rows)")
-    elif leads.get("io_latency", -1.0) >= 0 and any(_io_trouble(w, cfg) for t, w in io.items() if near <= t < end):
+    elif disk_first and any(_io_trouble(w, cfg) for t, w in io.items() if near <= t < end):
         worst = max((w for t, w in io.items() if lo <= t < end), key=lambda w: _nan0(w.queue_depth))
         slow = max(_nan0(w.latency_s) for t, w in io.items() if lo <= t < end)
         before = [w.queue_depth for t, w in io.items() if t < io_at and math.isfinite(w.queue_depth)]
@@ -210,14 +212,13 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
             # an engine sent far more than its share waits for CPU under its own extra work: the routing's doing;
             # one waiting while the host's disk saturated waits behind the IO hog's own CPU (its syscalls and
             # interrupts): the disk's doing
-            disk = leads.get("io_latency", -1.0) >= 0
-            score = 0.55 if b in over_served else 0.6 if disk else 0.8 + (0.1 if share < cfg.fleet_share else 0.0)
+            score = 0.55 if b in over_served else 0.6 if disk_first else 0.8 + (0.1 if share < cfg.fleet_share else 0.0)
             causes.append(Cause("host_cpu", score, (
                 f"{b}: its threads waited on the run queue {max(waits):.0%} of the time "
                 f"(before: {statistics.median(before or [0.0]):.0%})"
                 + (f"; host CPU pressure {psi:.0%}" if math.isfinite(psi) else "")
                 + ("; it got more than its share of the requests" if b in over_served else "")
-                + ("; the host's disk saturated at the same time" if disk else ""),)))
+                + ("; the host's disk saturated at the same time" if disk_first else ""),)))
             break
     if "oom_kill" in leads:
         kills = sum(h.oom_kills for t, h in host.items() if lo <= t < end and math.isfinite(h.oom_kills))

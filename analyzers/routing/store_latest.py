@@ -43,6 +43,22 @@ _LATEST_WHERE = f"WHERE {_SINCE}"
 _NO_WINDOW = {"rt_hi": 0.0, "rt_lo": 0.0, "w_hi": 0, "w_lo": 0, "w_n": 0, "pre_hi": 0.0, "pre_lo": 0.0, "pre_n": 0}
 
 
+def _split_later(rows: list[dict[str, Any]], p: dict[str, Any],
+                 names: set[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """A latest table's rows per backend: each backend named is added to ``names``; the rows whose newest
+    is at or before ``until``, and the backends whose newest is after it (read from the raw rows)."""
+    fresh, later = [], []
+    for r in rows:
+        name = str(r["backend"])
+        if name:
+            names.add(name)
+        if int(r["last_ns"]) > p["until"]:
+            later.append(name)
+        else:
+            fresh.append(r)
+    return fresh, later
+
+
 def _serving(store: Store, p: dict[str, Any], names: set[str]) -> dict[str, dict[str, float]]:
     """:func:`serving_scan`'s answer: the gauges from ``serving_metrics_latest``, the counters from
     the raw rows of the window and the preemption look-back."""
@@ -63,15 +79,9 @@ WHERE ts >= fromUnixTimestamp64Nano({{wfrom:Int64}}) AND {UNTIL}
 GROUP BY backend"""
     wfrom = max(p["since"], min(p["wstart"], p["pstart"]))  # the scan's rows are since ``since``
     counters = {str(r["backend"]): r for r in store.query(window, {**p, "wfrom": wfrom}).dicts()}
-    out, later = {}, []
-    for r in store.query(latest, p).dicts():
-        name = str(r["backend"])
-        if name:
-            names.add(name)
-        if int(r["last_ns"]) > p["until"]:
-            later.append(name)
-        else:
-            out[name] = serving_reading({**_NO_WINDOW, **counters.get(name, {}), **r})
+    fresh, later = _split_later(store.query(latest, p).dicts(), p, names)
+    out = {str(r["backend"]): serving_reading({**_NO_WINDOW, **counters.get(str(r["backend"]), {}), **r})
+           for r in fresh}
     if later:
         out.update(serving_scan(store, p, names, later))
     return out
@@ -152,16 +162,11 @@ SELECT backend, min(up_last) AS up_latest, anyIf(err, up_last = 0) AS error,
     FROM {qualified(store, SCRAPES_LATEST.table)} {_LATEST_WHERE}
     GROUP BY backend, target)
 GROUP BY backend"""
-    out, later = {}, []
-    for r in store.query(sql, p).dicts():
-        name = str(r["backend"])
-        if name:
-            names.add(name)
-        if int(r["last_ns"]) > p["until"]:
-            later.append(name)
-            continue
+    fresh, later = _split_later(store.query(sql, p).dicts(), p, names)
+    out = {}
+    for r in fresh:
         up, ok = float(r["up_latest"]), int(r["ok_ns"])
-        out[name] = (up, str(r["error"]) if up == 0 else "", ok / 1e9 if ok > 0 else NAN)
+        out[str(r["backend"])] = (up, str(r["error"]) if up == 0 else "", ok / 1e9 if ok > 0 else NAN)
     if later:
         out.update(scrapes_scan(store, p, names, later))
     return out
