@@ -9,7 +9,7 @@ from typing import Any
 
 from triscope.analyzers.nccl_crossrank import flight_recorder_check, stragglers
 from triscope.analyzers.stalls import readers
-from triscope.analyzers.stalls.config import stall_config
+from triscope.analyzers.stalls.config import HOST_IO_DEVICE, stall_config
 from triscope.analyzers.stalls.metrics import Unit, unit_windows, window_metrics
 from triscope.analyzers.stalls.report import StallReport, Window
 from triscope.analyzers.stalls.rules import classify_window
@@ -104,10 +104,10 @@ def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, 
     if not run_ids:
         for host in io_by_host:  # a host with block-IO data but no GPU data still gets its IO verdicts
             if not any(u.host == host for u in units.values()) and (not gpu_set and not by_model):
-                u = Unit(host, "host", -1, device_data=False)
+                u = Unit(host, HOST_IO_DEVICE, -1, device_data=False)
                 u.samples = sorted((int((r[3] + r[4]) // 2), math.nan, math.nan, math.nan, math.nan)
                                    for r in io_by_host[host])
-                units[(host, "host")] = u
+                units[(host, HOST_IO_DEVICE)] = u
     report = StallReport(start_ns, end_ns, float(cfg.window_ms), by, cfg)
     for (host, _device), unit in sorted(units.items()):
         if host_set and host not in host_set:

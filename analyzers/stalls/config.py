@@ -11,6 +11,8 @@ from triscope.errors import ConfigError
 
 CLASSES = ("comm", "compute", "io", "host", "idle")
 UNCLASSIFIED = "unclassified"
+HOST_IO_DEVICE = "host"
+"""The unit device of a host with block-IO data and no GPU samples or trace."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from triscope.analyzers.stalls.config import UNCLASSIFIED, StallsConfig
+from triscope.analyzers.stalls.config import HOST_IO_DEVICE, UNCLASSIFIED, StallsConfig
 
 ACTIONS = {
     "comm": "Communication-bound: overlap collectives with compute (DDP/FSDP bucket sizes, async ops), check "
@@ -137,6 +137,13 @@ class StallReport:
     def device_data(self) -> bool:
         """Whether any window has device data (GPU samples or device work in a trace)."""
         return any(w.device_data for w in self.windows)
+
+    @property
+    def host_io_unclassified(self) -> bool:
+        """Whether the range held only hosts' block-IO data (no GPU samples, no trace) and no rule read any of
+        its windows as bound: a serving fleet without GPU telemetry, with nothing to report."""
+        return bool(self.windows) and all(w.device == HOST_IO_DEVICE for w in self.windows) \
+            and set(self.shares()) == {UNCLASSIFIED}
 
     def action(self, cls: str) -> str:
         """What to do about ``cls``: CPU-side when none of its windows has device data, else named for the

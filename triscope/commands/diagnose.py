@@ -259,7 +259,6 @@ def render(report: StallReport, title: str = "") -> None:
     from rich.table import Table
 
     from triscope.analyzers.stalls import ACTIONS
-    from triscope.analyzers.stalls.config import UNCLASSIFIED
     from triscope.console import report_console
 
     console = report_console()
@@ -270,9 +269,7 @@ def render(report: StallReport, title: str = "") -> None:
                       f"{'profiler steps' if report.by == 'step' else f'{report.window_ms:g} ms windows'}")
     if not report.windows:
         console.print("no GPU samples, traces or IO data in this range")
-    elif all(w.device == "host" for w in report.windows) and set(report.shares()) == {UNCLASSIFIED}:
-        # a serving fleet without GPU telemetry or traces: its hosts' block-IO windows are all there is, and no
-        # stall rule read them as bound
+    elif report.host_io_unclassified:
         console.print(f"no GPU samples or device work in this range: {len(report.windows)} windows of host-side "
                       "data (block IO), none IO- or host-bound")
     else:
