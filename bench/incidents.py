@@ -236,16 +236,23 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
     return inj, doc
 
 
-def write_results(out_dir: Path, result: dict[str, Any], docs: list[dict[str, Any]]) -> None:
+def write_results(out_dir: Path, result: dict[str, Any], docs: list[dict[str, Any]], png: bool = False) -> None:
+    """``incidents.json`` (the scores and ``result["run"]``) and ``diagnose.json`` (the answers scored), and
+    with ``png`` the confusion matrix as ``incidents.png``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "incidents.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     (out_dir / "diagnose.json").write_text(json.dumps(docs, default=str) + "\n")
+    if png:
+        run = result["run"]
+        draw_png(result, out_dir / "incidents.png",
+                 f"{run['fleet']} fleet, {run['backends']} backends, {run['rounds']} rounds, seed {run['seed']}")
 
 
-def rescore(run_dir: Path, config: Path | None = None) -> dict[str, Any]:
+def rescore(run_dir: Path, config: Path | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A finished run's answers (``diagnose.json``) scored again by the current scoring; its ``run`` kept. With
     ``config`` (the run's ``triscope.toml``, its store kept with ``--work-dir``) each stretch is first asked of
-    ``diagnose`` again, so rules changed since are judged on the run's own data."""
+    ``diagnose`` again, so rules changed since are judged on the run's own data. Returns the result and the
+    answers."""
     docs = json.loads((run_dir / "diagnose.json").read_text())
     scores, calm_s = [], 0.0
     for d in docs:
@@ -256,11 +263,9 @@ def rescore(run_dir: Path, config: Path | None = None) -> dict[str, Any]:
         scores.append(score_injection(inj, d["diagnose"], part.get("backends", []) if isinstance(part, dict) else [],
                                       WINDOW_S))
         calm_s += inj.until_s - inj.from_s if inj.expected_cause is None else 0.0
-    if config is not None:
-        (run_dir / "diagnose.json").write_text(json.dumps(docs, default=str) + "\n")
     result = summarise(scores, calm_s / 60)
     result["run"] = json.loads((run_dir / "incidents.json").read_text())["run"]
-    return result
+    return result, docs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,12 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     # a SIGTERM unwinds like Ctrl-C, so the engines and the daemon started below are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.rescore is not None:
-        result = rescore(args.rescore, args.rediagnose)
+        result, docs = rescore(args.rescore, args.rediagnose)
         print(report_text(result))
-        (args.rescore / "incidents.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-        run = result["run"]
-        draw_png(result, args.rescore / "incidents.png",
-                 f"{run['fleet']} fleet, {run['backends']} backends, {run['rounds']} rounds, seed {run['seed']}")
+        write_results(args.rescore, result, docs, png=True)
         return 0
     if args.list:
         for f in FAULTS.values():
@@ -428,9 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     result["run"] = run_info | {"load": tally}
     print(report_text(result), file=sys.stderr if args.json else sys.stdout)
     if args.out_dir is not None:
-        write_results(args.out_dir, result, docs)
-        draw_png(result, args.out_dir / "incidents.png",
-                 f"{args.fleet} fleet, {n} backends, {args.rounds} rounds, seed {seed}")
+        write_results(args.out_dir, result, docs, png=True)
         say(f"wrote {args.out_dir / 'incidents.json'} and {args.out_dir / 'incidents.png'}")
     if args.json:
         print(json.dumps(result, indent=1, default=str))
