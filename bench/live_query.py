@@ -3,11 +3,12 @@
 As in ``triscope run``: one process holds an embedded store seeded with an hour of a fleet's serving
 metrics and request spans, the writer ingesting synthetic ``serving_metrics`` rows as fast as it takes
 them (a producer submitting 20,000-row batches), and the query endpoint (``[query]``) serving N clients,
-each a process of its own (clickhouse-connect, as the CLI uses it) running every panel of the fleet and
-weights boards in a loop.
+each a process of its own (clickhouse-connect, a general client parsing Native as Grafana's plugin does)
+running every panel of the fleet and weights boards in a loop.
 For N = 0, 4 and 16 it prints the writer's rows/s and the spool's depth, with the ratio to N = 0 measured
 in the same run, and the boards' queries' latency through the endpoint against the same queries on the
-store opened directly (median ratio), each measured from a client process of its own.
+store opened directly (median ratio), from a client process of its own: the CLI's (the served store of
+``triscope/store/served.py``, the target's) and clickhouse-connect's, each with its CPU per query.
 ``--client-nice 19`` runs the clients at the lowest priority: on a machine of two cores their own CPU
 (an interpreter parsing every answer) otherwise weighs in the writer's figure, where a deployment's
 Grafana runs elsewhere.
@@ -35,9 +36,11 @@ import numpy as np
 
 from triscope.dashboards.boards import all_boards
 from triscope.dashboards.macros import ALL, Context, Var, expand
+from triscope.query_discovery import Endpoint
 from triscope.query_endpoint import QueryConfig, QueryEndpoint
 from triscope.schema import REQUESTS, SERVING_METRICS, migrate, qualified
 from triscope.store.embedded import EmbeddedStore
+from triscope.store.served import ServedStore
 from triscope.store.server import ServerStore
 from triscope.writer import Writer
 
@@ -169,12 +172,22 @@ def run_level(store: EmbeddedStore, writer: Writer, endpoint: QueryEndpoint, que
             "query_median_ms": round(1000 * statistics.median(latencies), 2) if latencies else None}
 
 
-def _served_passes(url: str, database: str, username: str, token: str, queries: list[str], asks: Any,
-                   out: Any) -> None:
+CLIENTS = ("triscope", "clickhouse-connect")
+"""The CLI's own client of a daemon's store, and a general one."""
+
+
+def _open(client: str, endpoint: Endpoint) -> ServedStore | ServerStore:
+    if client == "triscope":
+        return ServedStore(endpoint)
+    return ServerStore(endpoint.url, database=endpoint.database, username=endpoint.username,
+                       password=endpoint.token, create_database=False)
+
+
+def _served_passes(client: str, endpoint: Endpoint, queries: list[str], asks: Any, out: Any) -> None:
     """Passes over ``queries`` through the endpoint, one per ``asks`` message until None, from a process of
     its own (a client's parsing must not share the endpoint's interpreter, as Grafana or the CLI do not):
     each pass's per-query seconds and the client's CPU seconds for it."""
-    remote = ServerStore(url, database=database, username=username, password=token, create_database=False)
+    remote = _open(client, endpoint)
     _pass(remote, queries)  # the client's connection opens, and the daemon's query threads warm up
     out.put(None)
     while asks.get() is not None:
@@ -200,8 +213,13 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[str], rounds: int = 5
-                  ) -> dict[str, Any]:
+def _endpoint(store: EmbeddedStore, endpoint: QueryEndpoint) -> Endpoint:
+    return Endpoint(os.getpid(), endpoint.cfg.bind, endpoint.port, store.path, store.database, endpoint.username,
+                    endpoint.token)
+
+
+def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[str], rounds: int = 5,
+                  client: str = "triscope") -> dict[str, Any]:
     """Per query: median over ``rounds`` through the endpoint (from a client process) / the same directly
     (in the store's process), idle writer; served and direct passes alternate, so other load on the machine
     weighs on both alike. With the CPU each costs per query (the daemon's process and the client's; directly
@@ -212,8 +230,8 @@ def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[s
         _pass(store, queries)
     ctx = mp.get_context("spawn")
     asks, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_served_passes, args=(endpoint.url, store.database, endpoint.username,
-                                                    endpoint.token, queries, asks, results), daemon=True)
+    proc = ctx.Process(target=_served_passes, args=(client, _endpoint(store, endpoint), queries, asks, results),
+                       daemon=True)
     proc.start()
     results.get(timeout=300)  # connected and warm
     served: list[list[float]] = []
@@ -235,7 +253,8 @@ def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[s
     direct_med = [statistics.median(t) for t in zip(*direct, strict=True)]
     n = len(queries) * rounds
     ratios = [s_ / d for s_, d in zip(served_med, direct_med, strict=True)]
-    return {"queries": len(queries), "rounds": rounds, "median_ratio": round(statistics.median(ratios), 3),
+    return {"client": client, "queries": len(queries), "rounds": rounds,
+            "median_ratio": round(statistics.median(ratios), 3),
             "p90_ratio": round(float(np.quantile(ratios, 0.9)), 3),
             "direct_median_ms": round(1000 * statistics.median(direct_med), 3),
             "served_median_ms": round(1000 * statistics.median(served_med), 3),
@@ -276,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             fixed = latency_ratio(store, endpoint, ["SELECT 1"] * 20, rounds=20)
             latency = latency_ratio(store, endpoint, queries)
+            general = latency_ratio(store, endpoint, queries, client="clickhouse-connect")
             levels = [run_level(store, writer, endpoint, queries, n, args.seconds, args.client_nice)
                       for n in (0, 4, 16)]
         finally:
@@ -286,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     for level in levels:
         level["writer_ratio_to_idle"] = round(level["writer_rows_per_s"] / idle, 3)
     doc = {"board_queries": len(queries), "client_nice": args.client_nice, "query_config": query_cfg,
-           "levels": levels, "endpoint_latency": latency, "select_1": fixed,
+           "levels": levels, "endpoint_latency": latency, "endpoint_latency_clickhouse_connect": general,
+           "select_1": fixed,
            "targets": {"writer_ratio_at_4": 0.8, "latency_median_ratio": 1.3},
            "met": {"writer_ratio_at_4": levels[1]["writer_ratio_to_idle"] >= 0.8,
                    "latency_median_ratio": latency["median_ratio"] <= 1.3}}
@@ -299,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{lv['clients']:>7}  {lv['writer_rows_per_s']:>13,}  {lv['writer_ratio_to_idle']:>6.2f}  "
               f"{lv['spool_rows_median']:>12,.0f} / {lv['spool_rows_max']:<9,}  {lv['queries']:>7}  "
               f"{lv['query_median_ms']!s:>15}  {lv['daemon_cpu_cores']:>16}")
-    for name, lat in (("board queries", latency), ("SELECT 1", fixed)):
+    for name, lat in (("board queries", latency), ("board queries, clickhouse-connect", general),
+                      ("SELECT 1", fixed)):
         print(f"{name}: endpoint / direct latency median {lat['median_ratio']:.2f}x (p90 {lat['p90_ratio']:.2f}x), "
               f"{lat['served_median_ms']} / {lat['direct_median_ms']} ms; CPU ms per query: direct "
               f"{lat['direct_cpu_ms_per_query']}, served {lat['served_daemon_cpu_ms_per_query']} (daemon) + "

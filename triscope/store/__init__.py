@@ -88,14 +88,13 @@ def _served_by_daemon(cfg: StoreConfig, refused: StoreError) -> Store | None:
     if "in use by another process" not in str(refused):
         return None
     from triscope.query_discovery import find
-    from triscope.store.server import ServerStore
+    from triscope.store.served import ServedStore
 
     endpoint = find(cfg.path)
     if endpoint is None or endpoint.database != cfg.database:
         return None
     try:
-        return ServerStore(endpoint.url, database=endpoint.database, username=endpoint.username,
-                           password=endpoint.token, create_database=False)
+        return ServedStore(endpoint)
     except StoreError as exc:
         raise StoreError(f"embedded store {cfg.path} is held by triscope run (pid {endpoint.pid}), whose query "
                          f"endpoint {endpoint.url} did not answer: {exc}") from None

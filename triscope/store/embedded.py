@@ -20,6 +20,7 @@ from typing import IO, Any
 
 from triscope.errors import ConfigError, StoreError, one_line
 from triscope.store.base import Result, Store
+from triscope.store.codec import column_to_numpy, literal, param_text, rows_of_json_compact
 
 _process_path: str | None = None
 _process_lock = threading.Lock()
@@ -31,59 +32,6 @@ def _to_insertable(values: Sequence[Any]) -> Any:
     if isinstance(values, np.ndarray):
         return values.tolist()
     return values if isinstance(values, list) else list(values)
-
-
-def _column_to_numpy(column: Any) -> Any:
-    """An Arrow column as a numpy array; strings become an object array.
-
-    Primitive columns are copied straight out of the Arrow buffer. LowCardinality text arrives
-    dictionary-encoded (the connection sets ``output_format_arrow_low_cardinality_as_dictionary``)
-    and is decoded as an index array into its few distinct values. Neither path imports pandas
-    (pyarrow's ``to_numpy`` does, half a second) nor ``pyarrow.compute`` (~0.1 s of a short run).
-    """
-    import numpy as np
-    import pyarrow as pa
-
-    if column.num_chunks == 0:
-        return np.array([], dtype=_NUMPY_KIND.get(str(column.type), object))
-    if pa.types.is_dictionary(column.type):
-        return np.concatenate([_decode_dictionary(chunk) for chunk in column.chunks])
-    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
-        if len(array) <= _PYLIST_MAX_ROWS:
-            return np.array(array.to_pylist(), dtype=object)
-        return _decode_dictionary(array.dictionary_encode())  # imports pyarrow.compute; fast on big columns
-    out = _primitive(array)
-    return out if out is not None else array.to_numpy(zero_copy_only=False)
-
-
-_PYLIST_MAX_ROWS = 200_000
-
-
-def _decode_dictionary(array: Any) -> Any:
-    """A dictionary-encoded Arrow array as an object array of its values."""
-    import numpy as np
-
-    values = np.array(array.dictionary.to_pylist() + [None], dtype=object)
-    indices = _primitive(array.indices)
-    if indices is None:  # nulls: point them at the trailing None
-        indices = np.asarray(array.indices.fill_null(len(values) - 1).to_numpy(zero_copy_only=False))
-    return values[indices]
-
-
-def _primitive(array: Any) -> Any:
-    """A copy of a null-free fixed-width numeric Arrow array as numpy, or None for other arrays."""
-    import numpy as np
-
-    dtype = _NUMPY_KIND.get(str(array.type))
-    if dtype is None or array.null_count:
-        return None
-    width = np.dtype(dtype).itemsize
-    return np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * width).copy()
-
-
-_NUMPY_KIND = {"int8": "i1", "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint8": "u1", "uint16": "<u2",
-               "uint32": "<u4", "uint64": "<u8", "float": "<f4", "double": "<f8", "float32": "<f4", "float64": "<f8"}
 
 
 RELEASE_MEMORY_PERIOD_S = 0.05
@@ -152,7 +100,7 @@ class EmbeddedStore(Store):
 
     def _run(self, sql: str, fmt: str, params: Mapping[str, Any] | None) -> Any:
         try:
-            bound = {k: _param_text(v) for k, v in params.items()} if params else None
+            bound = {k: param_text(v) for k, v in params.items()} if params else None
             return self._conn().query(sql, fmt, params=bound or {})
         except StoreError:
             raise
@@ -163,13 +111,7 @@ class EmbeddedStore(Store):
         self._run(sql, "CSV", params)
 
     def query(self, sql: str, params: Mapping[str, Any] | None = None) -> Result:
-        import orjson
-
-        raw = self._run(sql, "JSONCompact", params).bytes()
-        if not raw:
-            return Result([], [])
-        doc = orjson.loads(raw)
-        return Result([m["name"] for m in doc["meta"]], [tuple(r) for r in doc["data"]])
+        return rows_of_json_compact(self._run(sql, "JSONCompact", params).bytes())
 
     def query_raw(self, sql: str, fmt: str, params: Mapping[str, Any] | None = None) -> bytes:
         """The answer as chDB writes it in ``fmt`` (any ClickHouse output format; a FORMAT clause wins)."""
@@ -184,7 +126,7 @@ class EmbeddedStore(Store):
         if len(res) == 0:
             return {}
         table = pa.ipc.open_file(pa.py_buffer(res.get_memview().view())).read_all()
-        return {name: _column_to_numpy(table.column(name)) for name in table.column_names}
+        return {name: column_to_numpy(table.column(name)) for name in table.column_names}
 
     def insert(self, table: str, columns: Mapping[str, Sequence[Any]],
                settings: Mapping[str, str | int] | None = None) -> int:
@@ -241,7 +183,7 @@ class EmbeddedStore(Store):
                               settings: Mapping[str, int] | None = None) -> None:
         if not _SAFE_STRUCTURE.fullmatch(structure):
             raise ValueError(f"unsupported characters in structure {structure!r}")
-        source = f"file({_literal(str(Path(path).resolve()))}, 'JSONEachRow', '{structure}')"
+        source = f"file({literal(str(Path(path).resolve()))}, 'JSONEachRow', '{structure}')"
         clause = _settings_clause({**_JSON_SETTINGS, **(settings or {})})
         self._run(insert_sql.replace("json_input", source) + clause, "CSV", params)
 
@@ -255,28 +197,6 @@ class EmbeddedStore(Store):
         self._local = threading.local()
 
 
-def _literal(value: Any) -> str:
-    """A value inside a composite parameter, in ClickHouse's text format."""
-    if isinstance(value, str):
-        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_literal(v) for v in value) + "]"
-    if value is None:
-        return "NULL"
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)
-
-
-def _param_text(value: Any) -> Any:
-    """chDB takes top-level scalars as is; arrays and tuples need ClickHouse's text format."""
-    if isinstance(value, (list, tuple)):
-        return _literal(list(value))
-    if isinstance(value, bool):
-        return int(value)
-    return value
-
-
 _SETTING_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 
 
@@ -287,7 +207,7 @@ def _settings_clause(settings: Mapping[str, str | int] | None) -> str:
     for name, value in settings.items():
         if not _SETTING_NAME.fullmatch(name) or not isinstance(value, (str, int)):
             raise ValueError(f"bad insert setting {name!r}={value!r}")
-    return " SETTINGS " + ", ".join(f"{k} = {_literal(v)}" for k, v in settings.items())
+    return " SETTINGS " + ", ".join(f"{k} = {literal(v)}" for k, v in settings.items())
 
 
 _SAFE_STRUCTURE = re.compile(r"[A-Za-z0-9_ ,()]+")
