@@ -108,6 +108,18 @@ def test_no_incident_is_a_miss_only_when_the_client_saw_a_breach() -> None:
     assert unmeasured.outcome == "no breach"
 
 
+def test_a_fault_whose_victim_never_breached_is_no_breach_whatever_a_bystander_did() -> None:
+    """Long prompts on A, which held its SLA; the client saw B breach once after the recovery: nothing of the
+    fault's to diagnose, so neither right nor wrong, whatever diagnose said of B."""
+    inj = _inj("long_prompts", "kv_pressure", [A], client_breached=[B])
+    s = score_injection(inj, _doc((T + 35, T + 40, [B], "kv_pressure")), FLEET3)
+    assert (s.outcome, s.cause_right, s.backends_right, s.diagnosed_backends) == ("no breach", None, None, [B])
+    assert any("not the fault's victim" in n for n in s.notes)
+    both = score_injection(_inj("long_prompts", "kv_pressure", [A], client_breached=[A, B]),
+                           _doc((T + 5, T + 40, [A], "kv_pressure")), FLEET3)
+    assert (both.outcome, both.expected_backends) == ("wrong", [A, B])  # the victim breached: judged as before
+
+
 def test_incidents_outside_the_injection_are_counted_and_calm_stretches_judged() -> None:
     # one in the lead-in (before the effect), the injection's own, one in another stretch
     doc = _doc((T - 25, T - 15, [A], "host_cpu"), (T + 5, T + 20, [B], "backend_down"), (T + 90, T + 95, [A], "io"))

@@ -223,6 +223,25 @@ def test_a_load_step_is_seen_through_a_noisy_window_on_engines_whose_kv_is_alway
     assert incident.lead_times_s["qps_jump"] == 0
 
 
+def test_a_step_that_began_inside_the_look_back_is_still_the_jump(store: Any) -> None:
+    """+50 % for 30 s from 40 s before the breach: one engine of four breaches only as its backlog drains after
+    the step. The step's windows are most of the look-back, so its median alone hides the jump."""
+    C, D = "10.0.0.3:8000", "10.0.0.4:8000"
+
+    def step_then_drain(s: int, b: str, f: dict[str, float]) -> None:
+        if 60 <= s < 90:
+            f.update(qps=6.0, running=7.0, queue=3.0)
+        if b == B and 60 <= s < 105:
+            f.update(kv=0.86, preempt=float(max(0, s - 70)), waiting=1.0)
+            if s >= 100:
+                f.update(latency=2.5)
+
+    Fleet((A, B, C, D)).write(store, step_then_drain)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "load_beyond_capacity", incident.to_dict()
+    assert 35 <= incident.lead_times_s["qps_jump"] <= 45
+
+
 def test_a_skewed_backend_s_incident_stays_routing_even_when_a_fair_one_breaches_beside_it(store: Any) -> None:
     """A fair-share engine breaches once under its own KV pressure just before the LB sends 90 % of the load to
     another one; the breaches merge into one incident. Both backends breached on their own requests, so both

@@ -79,8 +79,9 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     lo = onset - cfg.baseline_s
     near = onset - 2 * cfg.window_s
     rates = _fleet_rates(windows, cfg.window_s)
-    base = [r for t, r in rates.items() if lo <= t < onset - 2 * cfg.window_s]
-    baseline = statistics.median(base) if base else math.nan
+    base = [r for t, r in sorted(rates.items()) if lo <= t < onset - 2 * cfg.window_s]
+    # a step that began inside the look-back raises its median: the median of its first half is the floor
+    baseline = min(statistics.median(base), statistics.median(base[:max(1, len(base) // 2)])) if base else math.nan
     during = [r for t, r in rates.items() if onset <= t < end]
     drop = 1 - statistics.mean(during) / baseline if during and baseline and math.isfinite(baseline) else math.nan
     leads: dict[str, float] = {}
@@ -92,8 +93,8 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     jump_at = (_first((t, r >= high and (r + rates.get(t + cfg.window_s, 0.0)) / 2 >= high)
                       for t, r in rates.items() if lo <= t < end)
                if math.isfinite(baseline) and baseline > 0 else math.nan)
-    rising = _load_rising(windows, lo, near, min(onset, jump_at) if math.isfinite(jump_at) else onset, end,
-                          cfg.qps_jump)
+    since = min(onset, jump_at) if math.isfinite(jump_at) else onset
+    rising = _load_rising(windows, lo, min(near, since), since, end, cfg.qps_jump)
     # the fleet's offered load jumped and most engines hold more requests since: the fleet is short of capacity,
     # however few of its backends breached first
     load_rose = math.isfinite(jump_at) and len(rising) >= max(2, math.ceil(len(windows) / 2))

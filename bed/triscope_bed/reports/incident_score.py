@@ -143,6 +143,16 @@ def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str]
                      cause_right=False, backends_right=False, diagnosed_backends=sorted(first["backends"]),
                      onset_error_s=None, report_delay_s=None, score=float(first["cause"].get("score", math.nan)),
                      evidence=list(first["cause"].get("evidence", [])))
+    if seen and not set(seen) & set(victims) and list(inj.expected_backends) != [FLEET]:
+        # the fault's victim never breached: nothing of the fault's to diagnose; the bystanders' breach is the
+        # bed's own noise (a tight class's SLA), judged as a calm stretch's would be, not as the fault
+        base["notes"].append(f"the client saw only {', '.join(seen)} breach, not the fault's victim")
+        seen_inc = hits[0] if hits else None
+        return Score(**base, expected_cause=inj.expected_cause,
+                     diagnosed_cause=str(seen_inc["cause"]["cause"]) if seen_inc else NO_INCIDENT,
+                     outcome="no breach", cause_right=None, backends_right=None,
+                     diagnosed_backends=sorted(seen_inc["backends"]) if seen_inc else [], onset_error_s=None,
+                     report_delay_s=None)
     if not hits:
         breached = bool(inj.client_breached) if inj.client_breached is not None else not inj.needs_breach
         return Score(**base, expected_cause=inj.expected_cause, diagnosed_cause=NO_INCIDENT,
