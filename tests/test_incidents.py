@@ -356,6 +356,17 @@ def test_an_engine_waiting_for_cpu_behind_a_disk_hog_is_io(store: Any) -> None:
     assert "the host's disk saturated at the same time" in cpu.evidence[0]
 
 
+def test_an_engine_starved_of_cpu_fills_its_kv_and_is_still_host_cpu(store: Any) -> None:
+    """The real bed's CPU hog on vLLM-CPU: the engine keeps a third of its core, its threads wait on the run
+    queue 2.1x as long as before (vLLM's threads wait even when calm: 2.2 s a second), and the slowed engine's
+    batch backs up until its KV is full and it preempts. The CPU is the cause, the KV pressure its effect."""
+    Fleet().write(store, _slowed_b)
+    _engine_cpu(store, (A, B), lambda s, b: (0.6, 4.75 if b == B and 85 <= s < 130 else 2.24), psi_cpu=1.0)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "host_cpu", incident.to_dict()
+    assert "475%" in incident.cause.evidence[0] and "kv_pressure" in [c.name for c in incident.runners_up]
+
+
 def test_a_disk_busy_with_the_host_s_own_writes_leaves_kv_pressure_the_cause(store: Any) -> None:
     """The same engine with the disk at the queue depths the collector's own inserts give (up to 7): KV."""
     Fleet().write(store, _slowed_b)

@@ -114,6 +114,7 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
             leads[name] = onset - t
     # a disk in trouble from before the breach (or its first window): the rules below defer to it
     disk_first = leads.get("io_latency", -1.0) >= 0
+    starved = {b: w for b in hit if (w := _cpu_starved(mine[b], near, cfg)) is not None}
 
     causes: list[Cause] = []
     missing: list[str] = []
@@ -177,7 +178,7 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
         skewed_windows = sum(per[b] for b in pressed if b in over_served)
         # (and with nothing outside the engine slowing it: a disk or CPU hog fills its KV by slowing it down)
         mine_alone = share < cfg.fleet_share and own_windows > skewed_windows and not math.isfinite(jump_at) \
-            and not disk_first
+            and not disk_first and not any(b in starved for b in own)
         score = 0.55 + (0.3 if mine_alone else 0.0) + (0.1 if "preemptions" in leads else 0.0)
         causes.append(Cause("kv_pressure", min(score, 0.95), tuple(pressed.values())))
     # block IO on the hosts: slow, or a disk saturated from before the breach and still during it
@@ -207,23 +208,19 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     elif host and not any(math.isfinite(h.psi_memory_some) or math.isfinite(h.oom_kills)
                           for t, h in host.items() if near <= t < end):
         missing.append("host pressure and OOM kills (no PSI or OOM reading in the incident: node-exporter or /proc)")
-    for b, ws in mine.items():
-        waits = [w.cpu_wait_ratio for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s >= near]
-        before = [w.cpu_wait_ratio for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s < near]
-        if waits and max(waits) >= cfg.cpu_wait and max(waits) >= 2 * statistics.median(before or [0.0]):
-            psi = max((h.psi_cpu_some for t, h in host.items() if near <= t < end and math.isfinite(h.psi_cpu_some)),
-                      default=math.nan)
-            # an engine sent far more than its share waits for CPU under its own extra work: the routing's doing;
-            # one waiting while the host's disk saturated waits behind the IO hog's own CPU (its syscalls and
-            # interrupts): the disk's doing
-            score = 0.55 if b in over_served else 0.6 if disk_first else 0.8 + (0.1 if share < cfg.fleet_share else 0.0)
-            causes.append(Cause("host_cpu", score, (
-                f"{b}: its threads waited on the run queue {max(waits):.0%} of the time "
-                f"(before: {statistics.median(before or [0.0]):.0%})"
-                + (f"; host CPU pressure {psi:.0%}" if math.isfinite(psi) else "")
-                + ("; it got more than its share of the requests" if b in over_served else "")
-                + ("; the host's disk saturated at the same time" if disk_first else ""),)))
-            break
+    for b, (peak, usual) in starved.items():
+        psi = max((h.psi_cpu_some for t, h in host.items() if near <= t < end and math.isfinite(h.psi_cpu_some)),
+                  default=math.nan)
+        # an engine sent far more than its share waits for CPU under its own extra work: the routing's doing;
+        # one waiting while the host's disk saturated waits behind the IO hog's own CPU (its syscalls and
+        # interrupts): the disk's doing
+        score = 0.55 if b in over_served else 0.6 if disk_first else 0.8 + (0.1 if share < cfg.fleet_share else 0.0)
+        causes.append(Cause("host_cpu", score, (
+            f"{b}: its threads waited on the run queue {peak:.0%} of the time (before: {usual:.0%})"
+            + (f"; host CPU pressure {psi:.0%}" if math.isfinite(psi) else "")
+            + ("; it got more than its share of the requests" if b in over_served else "")
+            + ("; the host's disk saturated at the same time" if disk_first else ""),)))
+        break
     if "oom_kill" in leads:
         kills = sum(h.oom_kills for t, h in host.items() if lo <= t < end and math.isfinite(h.oom_kills))
         causes.append(Cause("host_memory", 0.98, (f"{kills:.0f} OOM kill(s) on the host "
@@ -244,6 +241,17 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     best = causes[0] if causes and causes[0].score >= MIN_SCORE else Cause(UNKNOWN, 0.0, ())
     runners = [c for c in causes if c is not best]
     return Explanation(best, runners, leads, missing, drop, *_at_breach(mine, onset, near, end, cfg))
+
+
+def _cpu_starved(ws: Sequence[Window], near: float, cfg: IncidentsConfig) -> tuple[float, float] | None:
+    """(peak, usual) share of the time the engine's threads waited runnable, when from ``near`` on it reached
+    ``cpu_wait`` and twice its usual (the median before); None otherwise."""
+    waits = [w.cpu_wait_ratio for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s >= near]
+    before = [w.cpu_wait_ratio for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s < near]
+    usual = statistics.median(before or [0.0])
+    if waits and max(waits) >= cfg.cpu_wait and max(waits) >= 2 * usual:
+        return max(waits), usual
+    return None
 
 
 def _io_trouble(w: IoWindow, cfg: IncidentsConfig) -> bool:
