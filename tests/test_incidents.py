@@ -171,6 +171,25 @@ def test_a_skew_judged_by_the_share_that_broke_it_not_the_drain_after(store: Any
     assert "of the requests (fair share 50%)" in incident.cause.evidence[0]
 
 
+def test_a_skew_whose_drain_spills_onto_the_other_engine_is_still_routing(store: Any) -> None:
+    """The real 2-engine bed: B gets 90 % for 30 s and breaches; when the LB evens out again, A takes B's
+    spilled backlog and breaches too, inside the merge gap. The incident holds both backends, but in its
+    first windows only B breached, on 90 % of the requests: routing_imbalance, not KV pressure on both."""
+    def skew_then_spill(s: int, b: str, f: dict[str, float]) -> None:
+        if 90 <= s < 120:
+            f.update(qps=7.2 if b == B else 0.8)
+        if b == B and s >= 90:
+            f.update(kv=0.97, queue=8.0, waiting=4.0, preempt=float(s - 90))
+            if 95 <= s < 140:
+                f.update(latency=2.5)
+        if b == A and 125 <= s < 145:
+            f.update(kv=0.97, queue=6.0, waiting=3.0, preempt=float(s - 125), latency=2.5)
+
+    Fleet().write(store, skew_then_spill)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [A, B] and incident.cause.name == "routing_imbalance", incident.to_dict()
+
+
 def test_a_load_step_beyond_capacity_is_named_with_the_qps_jump(store: Any) -> None:
     def step(s: int, b: str, f: dict[str, float]) -> None:
         if s >= 90:

@@ -158,7 +158,10 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     early = min(end, onset + SHARE_WINDOWS * cfg.window_s)
     totals = {b: sum(w.requests for w in _in(windows.get(b, {}), near, early)) for b in fleet}
     total = sum(totals.values())
-    over_served = [b for b in hit if share < cfg.fleet_share and len(fleet) > 1 and total
+    # (part of the fleet breached in those first windows: a skewed engine's backlog spills onto the others
+    # as it drains, and on a small fleet that makes every backend part of the incident)
+    early_share = len({b.backend for b in breaches if b.start_s < early}) / max(1, len(fleet))
+    over_served = [b for b in hit if early_share < cfg.fleet_share and len(fleet) > 1 and total
                    and totals[b] / total >= cfg.imbalance / len(fleet)]
     pressed: dict[str, str] = {}
     for b, ws in mine.items():
