@@ -363,6 +363,24 @@ def test_a_saturated_disk_is_io_even_though_the_engine_s_kv_fills(store: Any) ->
     assert 10 <= incident.lead_times_s["io_latency"] <= 20
 
 
+def test_a_burst_of_requests_a_minute_into_an_io_incident_is_not_its_cause(store: Any) -> None:
+    """The IO hog slows both engines from second 85; 40 s after the breach the held-back arrivals come in a
+    burst (+75 %) while the fleet drains. A jump that late is the incident's effect: the disk is the cause."""
+    def slowed_then_burst(s: int, b: str, f: dict[str, float]) -> None:
+        if s >= 88:
+            f.update(kv=min(0.99, 0.3 + 0.06 * (s - 88)), queue=6.0)
+            if 100 <= s < 160:
+                f.update(latency=2.5, preempt=float(s - 100), waiting=5.0)
+        if 140 <= s < 155:
+            f.update(qps=7.0, running=8.0)
+
+    Fleet().write(store, slowed_then_burst)
+    _disk(store, lambda s: 70.0 if 85 <= s < 130 else 1.5)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [A, B] and incident.cause.name == "io", incident.to_dict()
+    assert "qps_jump" not in incident.lead_times_s
+
+
 def test_an_engine_waiting_for_cpu_behind_a_disk_hog_is_io(store: Any) -> None:
     """The real bed's fio hog: the disk queues 65 deep and the hog's syscalls take the engine's CPU, so its
     threads wait on the run queue 2.5x as long as before. The disk is the cause, the CPU wait its effect."""

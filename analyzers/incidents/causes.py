@@ -88,10 +88,11 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     high = (1 + cfg.qps_jump) * baseline
     # sustained: a window over it and its mean with the next over it too (one noisy window of a small fleet is
     # no jump, and a real +50 % step on 2 engines' ~45 requests a window falls under +30 % in one window of
-    # two by Poisson noise alone); up to the incident's end, since a step lands in the window it starts in
-    # and can breach there at once
+    # two by Poisson noise alone); up to two windows after the onset, since a step lands in the window it
+    # starts in and can breach there at once, and no later: a burst a minute into an incident (clients
+    # retrying, held arrivals let go) is its effect, not its cause
     jump_at = (_first((t, r >= high and (r + rates.get(t + cfg.window_s, 0.0)) / 2 >= high)
-                      for t, r in rates.items() if lo <= t < end)
+                      for t, r in rates.items() if lo <= t < min(end, onset + 3 * cfg.window_s))
                if math.isfinite(baseline) and baseline > 0 else math.nan)
     since = min(onset, jump_at) if math.isfinite(jump_at) else onset
     rising = _load_rising(windows, lo, min(near, since), since, end, cfg.qps_jump)
