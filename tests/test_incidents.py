@@ -153,19 +153,24 @@ def test_a_skewed_lb_is_routing_imbalance_even_with_the_pressure_it_causes(store
     assert "kv_pressure" in [c.name for c in incident.runners_up]
 
 
-def test_a_skew_judged_by_the_share_that_broke_it_not_the_drain_after(store: Any) -> None:
-    """The real 2-engine bed: the LB sends B 90 % for 30 s, then evenly again while B's backlog keeps it in
-    breach for 40 s more. Over the whole incident B's share is 66 %, under 1.5x its fair 50 %; over the
-    incident's first windows it is 90 %: routing_imbalance, not the run-queue wait its extra work caused."""
-    def skew_then_drain(s: int, b: str, f: dict[str, float]) -> None:
+def _skew_to_b_for_30_s(breach_until: int) -> Callable[[int, str, dict[str, float]], None]:
+    """The real 2-engine bed's skew: B gets 90 % from second 90 to 120, fills and queues, and is over its SLA
+    from 95 until ``breach_until`` (its backlog drains after the LB evens out)."""
+    def skew(s: int, b: str, f: dict[str, float]) -> None:
         if 90 <= s < 120:
             f.update(qps=7.2 if b == B else 0.8)
         if b == B and s >= 90:
             f.update(kv=0.97, queue=8.0, waiting=4.0, preempt=float(s - 90))
-            if 95 <= s < 160:
+            if 95 <= s < breach_until:
                 f.update(latency=2.5)
+    return skew
 
-    Fleet().write(store, skew_then_drain)
+
+def test_a_skew_judged_by_the_share_that_broke_it_not_the_drain_after(store: Any) -> None:
+    """The real 2-engine bed: the LB sends B 90 % for 30 s, then evenly again while B's backlog keeps it in
+    breach for 40 s more. Over the whole incident B's share is 66 %, under 1.5x its fair 50 %; over the
+    incident's first windows it is 90 %: routing_imbalance, not the run-queue wait its extra work caused."""
+    Fleet().write(store, _skew_to_b_for_30_s(breach_until=160))
     (incident,) = _find(store).incidents
     assert incident.backends == [B] and incident.cause.name == "routing_imbalance", incident.to_dict()
     assert "of the requests (fair share 50%)" in incident.cause.evidence[0]
@@ -175,13 +180,10 @@ def test_a_skew_whose_drain_spills_onto_the_other_engine_is_still_routing(store:
     """The real 2-engine bed: B gets 90 % for 30 s and breaches; when the LB evens out again, A takes B's
     spilled backlog and breaches too, inside the merge gap. The incident holds both backends, but in its
     first windows only B breached, on 90 % of the requests: routing_imbalance, not KV pressure on both."""
+    skew = _skew_to_b_for_30_s(breach_until=140)
+
     def skew_then_spill(s: int, b: str, f: dict[str, float]) -> None:
-        if 90 <= s < 120:
-            f.update(qps=7.2 if b == B else 0.8)
-        if b == B and s >= 90:
-            f.update(kv=0.97, queue=8.0, waiting=4.0, preempt=float(s - 90))
-            if 95 <= s < 140:
-                f.update(latency=2.5)
+        skew(s, b, f)
         if b == A and 125 <= s < 145:
             f.update(kv=0.97, queue=6.0, waiting=3.0, preempt=float(s - 125), latency=2.5)
 
