@@ -172,10 +172,6 @@ def run_level(store: EmbeddedStore, writer: Writer, endpoint: QueryEndpoint, que
             "query_median_ms": round(1000 * statistics.median(latencies), 2) if latencies else None}
 
 
-CLIENTS = ("triscope", "clickhouse-connect")
-"""The CLI's own client of a daemon's store, and a general one."""
-
-
 def _open(client: str, endpoint: Endpoint) -> ServedStore | ServerStore:
     if client == "triscope":
         return ServedStore(endpoint)

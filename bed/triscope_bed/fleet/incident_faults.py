@@ -93,10 +93,11 @@ HOG = f"import time\nend = time.time() + {SAFETY_S}\nwhile time.time() < end:\n 
 
 
 def _cpu_hog(bed: Bed, victim: Engine | None) -> Recover:
-    """Busy processes pinned to the engine's core, each in a session of its own: with the kernel's autogroups
-    on, the scheduler shares a core between sessions, not processes (as between containers), so the engine's
-    own session gets a third of its core and its threads wait on the run queue. On a fleet whose engines
-    float, the engine is pinned to the last core for the fault (its affinity restored after)."""
+    """Busy processes pinned to the engine's core, each started with ``setsid`` into an autogroup of its own:
+    with the kernel's autogroups on, the scheduler shares a core between autogroups, not processes (as between
+    containers), so the engine's autogroup gets a third of its core and its threads wait on the run queue. On
+    a fleet whose engines float, the engine is pinned to the last core for the fault (its affinity restored
+    after)."""
     assert victim is not None
     pids = [p for top in bed.fleet.pids(victim) for p in tree(top)]
     core = victim.core if victim.core is not None else (os.cpu_count() or 1) - 1
@@ -110,8 +111,8 @@ def _cpu_hog(bed: Bed, victim: Engine | None) -> Recover:
     def setup() -> None:
         os.sched_setaffinity(0, {core})
 
-    # A nice value only ranks processes inside one autogroup: hogs in the bench's session would split the core
-    # with the engine's session 50/50 whatever their nice, which doubled a vLLM engine's P99 and no more.
+    # A nice value only ranks processes inside one autogroup: hogs in the bench's autogroup would split the core
+    # with the engine's autogroup 50/50 whatever their nice, which doubled a vLLM engine's P99 and no more.
     hogs = [subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=setup, start_new_session=True)
             for _ in range(2)]
 
@@ -202,7 +203,7 @@ for _f in (
     Fault("long_prompts", "kv_pressure", "one", _long_prompts,
           doc="70 % of one engine's requests become 420-token prompts, +40 % more of them (1.4x its share)"),
     Fault("cpu_hog", "host_cpu", "one", _cpu_hog,
-          doc="2 busy processes pinned to the engine's core, each in a session (autogroup) of its own"),
+          doc="2 busy processes pinned to the engine's core, each in an autogroup of its own (setsid)"),
     Fault("memory_growth", "host_memory", "one", _memory,
           doc=f"the engine (sim) or a process in its memory cgroup (vLLM) grows by {GROW_MIB} MiB; the cgroup's "
               "limit is its usage + half of that"),
