@@ -21,6 +21,14 @@ MIX = {"realtime_speech": 0.5, "interactive_image_text": 0.35, "offline_video": 
 """Share of each request class in the load (the routing classes of docs/weights.md)."""
 LONG_PROMPT = RequestClass("offline_video", "long-document", text_tokens=420, media_tokens=0, output_tokens=64)
 """A long prompt that still fits ``--max-model-len 512``: four of them fill a 1,024-token KV cache twice over."""
+PER_BACKEND = 32
+"""Requests in flight per backend at most, the rest waiting at the client (their wait counts in the latency the
+client sees), as an LB's per-server ``maxconn`` does. Without a bound, a backlog piles into the engine: vLLM,
+whose KV cache holds a few requests here, preempts and recomputes them over and over (hundreds waiting,
+thousands of preemptions) and does not recover at the rate that built the backlog. A pool shared by all
+backends (96) coupled them instead: a slowed engine held every worker, and the others' arrivals came late
+and in a burst."""
+
 
 @dataclass
 class Tally:
@@ -36,11 +44,10 @@ class LoadGen:
     one backend's requests into long prompts. With ``tracer`` each request's span (a gateway's CLIENT span
     naming the backend, ``triscope.request_class``, failure status) goes to the daemon."""
 
-    def __init__(self, fleet: Fleet, rate: float, seed: int, tracer: Any = None, workers: int = 512) -> None:
-        # Many workers: users are independent clients. With 96, a slowed engine's 10 s requests at 15/s held
-        # them all, every backend's arrivals waited for a worker and then came in a burst, which the
-        # servers saw as a +75 % jump of the whole fleet's load.
+    def __init__(self, fleet: Fleet, rate: float, seed: int, tracer: Any = None,
+                 per_backend: int = PER_BACKEND) -> None:
         self.fleet, self.rate, self.tracer = fleet, rate, tracer
+        self.per_backend = per_backend
         self.factor = 1.0
         self.skew: tuple[str, float] | None = None
         self.long_to: tuple[str, float, float] | None = None
@@ -51,7 +58,7 @@ class LoadGen:
         """(wall time, request class) of every arrival, sent or still waiting for a worker."""
         self.rng = random.Random(seed)
         self.stop_event = threading.Event()
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="load")
+        self.pools: dict[str, ThreadPoolExecutor] = {}
         self.tally = Tally()
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, daemon=True, name="load-arrivals")
@@ -63,7 +70,15 @@ class LoadGen:
     def stop(self) -> None:
         self.stop_event.set()
         self.thread.join(timeout=10)
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        for pool in list(self.pools.values()):
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _pool(self, address: str) -> ThreadPoolExecutor:
+        """The backend's own connections: a slow backend holds only its own, as behind an LB's per-server
+        maxconn (the arrivals of the others neither wait for it nor come in a burst after it)."""
+        if address not in self.pools:
+            self.pools[address] = ThreadPoolExecutor(self.per_backend, thread_name_prefix=f"load-{address}")
+        return self.pools[address]
 
     def _pick(self) -> Engine:
         engines = self.fleet.engines
@@ -94,7 +109,7 @@ class LoadGen:
             arrival = time.time()
             with self.lock:
                 self.arrivals.append((arrival, cls.name))
-            self.pool.submit(self._one, e, cls, random.Random(self.rng.random()), arrival)
+            self._pool(e.address).submit(self._one, e, cls, random.Random(self.rng.random()), arrival)
 
     def _one(self, e: Engine, cls: RequestClass, rng: random.Random, arrival: float) -> None:
         start = time.time_ns()
@@ -135,4 +150,4 @@ def client_tracer(otlp_url: str) -> tuple[Any, Callable[[], None]]:
     return provider.get_tracer("triscope.bench.incidents"), provider.shutdown
 
 
-__all__ = ["LONG_PROMPT", "MIX", "LoadGen", "Tally", "client_tracer"]
+__all__ = ["LONG_PROMPT", "MIX", "PER_BACKEND", "LoadGen", "Tally", "client_tracer"]
