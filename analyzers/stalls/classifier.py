@@ -12,7 +12,7 @@ from triscope.analyzers.stalls import readers
 from triscope.analyzers.stalls.config import HOST_IO_DEVICE, stall_config
 from triscope.analyzers.stalls.metrics import Unit, unit_windows, window_metrics
 from triscope.analyzers.stalls.report import StallReport, Window
-from triscope.analyzers.stalls.rules import classify_window
+from triscope.analyzers.stalls.rules import LazyEvidence, classify_windows
 from triscope.errors import InputError
 from triscope.store.base import Store
 
@@ -118,10 +118,12 @@ def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, 
         if not intervals:
             continue
         metrics = window_metrics(unit, intervals, io_by_host.get(host, []), queue_by_host.get(host, []), cfg)
-        for (a, b, kind, label), m in zip(intervals, metrics, strict=True):
-            verdict, matched, evidence, severity = classify_window(m, cfg)
-            report.windows.append(Window(unit.key, host, unit.device, a, b, kind, label, m, verdict, matched,
-                                         evidence, severity, device_data=unit.device_data))
+        verdicts, matched, severity = classify_windows(metrics, cfg)
+        report.windows.extend(
+            Window(unit.key, host, unit.device, a, b, kind, label, m, verdict, also, LazyEvidence(m, cfg), sev,
+                   device_data=unit.device_data)
+            for (a, b, kind, label), m, verdict, also, sev in zip(intervals, metrics, verdicts, matched,
+                                                                   severity.tolist(), strict=True))
     traced_runs = sorted({r for u in units.values() for r in u.runs}) or run_ids
     strag = stragglers(store, run_ids=traced_runs, start_ns=None if run_ids else start_ns,
                        end_ns=None if run_ids else end_ns, min_lateness_seconds=cfg.straggler_min_lateness_seconds,

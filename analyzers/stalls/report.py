@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +95,7 @@ class Window:
     metrics: dict[str, float] = field(default_factory=dict)
     verdict: str = UNCLASSIFIED
     matched: list[str] = field(default_factory=list)
-    evidence: dict[str, list[Evidence]] = field(default_factory=dict)
+    evidence: Mapping[str, list[Evidence]] = field(default_factory=dict)
     severity: float = 0.0
     device_data: bool = True
     """False for a unit with no device data (see the module docstring)."""
@@ -129,9 +129,26 @@ class StallReport:
     stragglers: dict[str, Any] = field(default_factory=dict)
     flight_recorder: list[dict[str, Any]] = field(default_factory=list)
 
+    _by_unit: dict[str, list[Window]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _indexed: int = field(default=-1, init=False, repr=False, compare=False)
+
+    def _groups(self) -> dict[str, list[Window]]:
+        """The windows by unit, grouped again only when windows were added: a fleet's hour holds hundreds
+        of thousands, and every per-unit figure would otherwise scan them all."""
+        if self._indexed != len(self.windows):
+            self._by_unit = defaultdict(list)
+            for w in self.windows:
+                self._by_unit[w.unit].append(w)
+            self._indexed = len(self.windows)
+        return self._by_unit
+
+    def unit_windows(self, unit: str | None = None) -> list[Window]:
+        """The windows of ``unit`` (all of them for None)."""
+        return self.windows if unit is None else self._groups().get(unit, [])
+
     def shares(self, unit: str | None = None) -> dict[str, float]:
         """Time share of each verdict (windows weighted by their length), largest first."""
-        return _shares(w for w in self.windows if unit is None or w.unit == unit)
+        return _shares(self.unit_windows(unit))
 
     @property
     def device_data(self) -> bool:
@@ -149,15 +166,15 @@ class StallReport:
         """What to do about ``cls``: CPU-side when none of its windows has device data, else named for the
         devices that had it (GPU, MTIA)."""
         windows = [w for w in self.windows if w.verdict == cls]
-        device = [w for w in windows if w.device_data]
-        if windows and not device:
+        devices = {w.device for w in windows if w.device_data}
+        if windows and not devices:
             return CPU_ACTIONS[cls]
-        kinds = sorted({_DEVICE_NAMES.get(_device_kind(w.device), _device_kind(w.device).upper()) for w in device})
+        kinds = sorted({_DEVICE_NAMES.get(_device_kind(d), _device_kind(d).upper()) for d in devices})
         name = "/".join(kinds) or "GPU"
         return ACTIONS[cls] if name == "GPU" else ACTIONS[cls].replace("GPU", name)
 
     def units(self) -> list[str]:
-        return sorted({w.unit for w in self.windows})
+        return sorted(self._groups())
 
     def top(self, n: int | None = None) -> list[Window]:
         """The worst windows of alert classes, by severity (how far past the threshold)."""
@@ -189,7 +206,7 @@ class StallReport:
     def share_text(self, unit: str | None = None) -> str:
         """``io 41%, comm 31%, compute 28%``; prefixed ``CPU only (no device data):`` when no window in scope
         has device data."""
-        windows = [w for w in self.windows if unit is None or w.unit == unit]
+        windows = self.unit_windows(unit)
         text = ", ".join(f"{k} {v * 100:.0f}%" for k, v in self.shares(unit).items())
         if windows and not any(w.device_data for w in windows) and any(w.device.startswith("cpu") for w in windows):
             return f"CPU only (no device data): {text}"
@@ -202,8 +219,8 @@ class StallReport:
             "range": {"start_ns": self.start_ns, "end_ns": self.end_ns}, "window_ms": self.window_ms, "by": self.by,
             "thresholds": thresholds,
             "shares": shares, "summary": self.share_text(), "device_data": self.device_data,
-            "units": [{"unit": u, "windows": sum(1 for w in self.windows if w.unit == u),
-                       "device_data": any(w.device_data for w in self.windows if w.unit == u),
+            "units": [{"unit": u, "windows": len(self.unit_windows(u)),
+                       "device_data": any(w.device_data for w in self.unit_windows(u)),
                        "shares": self.shares(u)} for u in self.units()],
             "top_windows": [w.to_json() for w in self.top()],
             "actions": {c: self.action(c) for c in shares},
@@ -217,6 +234,6 @@ def _shares(windows: Iterable[Window]) -> dict[str, float]:
     """Time share of each verdict over ``windows`` (weighted by their length), largest first."""
     total: dict[str, float] = defaultdict(float)
     for w in windows:
-        total[w.verdict] += w.seconds
+        total[w.verdict] += (w.end_ns - w.start_ns) / 1e9
     s = sum(total.values())
     return {k: v / s for k, v in sorted(total.items(), key=lambda kv: kv[1], reverse=True)} if s else {}

@@ -8,6 +8,10 @@ the table of rules and their data.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
 
 from triscope.analyzers.stalls.config import UNCLASSIFIED, StallsConfig
 from triscope.analyzers.stalls.report import Evidence
@@ -84,3 +88,100 @@ def classify_window(m: dict[str, float], cfg: StallsConfig) -> Verdict:
     matched = [c for c in cfg.precedence if c in held]
     verdict = matched[0] if matched else UNCLASSIFIED
     return verdict, matched, {c: e for c, e in ev.items() if e}, held.get(verdict, 0.0)
+
+
+def _column(metrics: Sequence[Mapping[str, Any]], key: str, default: float = math.nan) -> np.ndarray:
+    return np.fromiter((m.get(key, default) for m in metrics), dtype=np.float64, count=len(metrics))
+
+
+def classify_windows(metrics: Sequence[Mapping[str, Any]],
+                     cfg: StallsConfig) -> tuple[list[str], list[list[str]], np.ndarray]:
+    """``classify_window``'s verdict, matched classes and severity for many windows at once, without the
+    evidence (which :class:`LazyEvidence` builds for the few windows that are shown)."""
+    n = len(metrics)
+    col = {k: _column(metrics, k) for k in (
+        "comm_share", "sm_active_ratio", "l2_bandwidth_ratio", "dram_active_ratio", "trace_compute_share",
+        "io_read_p99_seconds", "io_queue_depth", "gpu_busy_share", "host_busy_share", "gpu_activity_ratio",
+        "serving_queue_length", "device_busy_share")}
+    has_gpu = _column(metrics, "has_gpu", 0.0) > 0
+    io_met = _column(metrics, "io_met", 0.0) > 0
+    fin = {k: np.isfinite(v) for k, v in col.items()}
+    with np.errstate(invalid="ignore", divide="ignore"):
+        def above(key: str, threshold: float) -> np.ndarray:
+            return fin[key] & (col[key] > threshold)
+
+        def below(key: str, threshold: float) -> np.ndarray:
+            return fin[key] & (col[key] < threshold)
+
+        held: dict[str, np.ndarray] = {}
+        severity: dict[str, np.ndarray] = {}
+        held["comm"] = above("comm_share", cfg.comm_share_min)
+        severity["comm"] = col["comm_share"] / max(cfg.comm_share_min, 1e-9)
+
+        samples_compute = above("sm_active_ratio", cfg.compute_sm_active_min)
+        for key in ("l2_bandwidth_ratio", "dram_active_ratio"):  # a bandwidth not measured does not count
+            samples_compute &= ~fin[key] | (col[key] < cfg.compute_bandwidth_max)
+        trace_c = above("trace_compute_share", cfg.trace_compute_busy_min)
+        held["compute"] = samples_compute | trace_c
+        severity["compute"] = np.maximum(
+            np.where(samples_compute, col["sm_active_ratio"] / cfg.compute_sm_active_min, 0.0),
+            np.where(trace_c, col["trace_compute_share"] / cfg.trace_compute_busy_min, 0.0))
+
+        held["io"] = io_met
+        severity["io"] = np.sqrt(col["io_read_p99_seconds"] / max(cfg.io_read_p99_min_seconds, 1e-12)
+                                 * col["io_queue_depth"] / max(cfg.io_queue_depth_min, 1e-12))
+
+        trace_host = has_gpu & below("gpu_busy_share", cfg.host_gpu_busy_max) \
+            & above("host_busy_share", cfg.host_busy_min)
+        sample_host = below("gpu_activity_ratio", cfg.host_gpu_busy_max) \
+            & fin["serving_queue_length"] & (col["serving_queue_length"] >= cfg.host_queue_min)
+        held["host"] = trace_host | sample_host
+        severity["host"] = np.where(trace_host, col["host_busy_share"] / max(cfg.host_busy_min, 1e-9),
+                                    col["serving_queue_length"])
+
+        idle_keys = ("device_busy_share", "host_busy_share", "comm_share", "gpu_activity_ratio")
+        any_measured = np.zeros(n, dtype=bool)
+        all_idle = np.ones(n, dtype=bool)
+        for key in idle_keys:
+            any_measured |= fin[key]
+            all_idle &= ~fin[key] | (col[key] < cfg.idle_busy_max)
+        held["idle"] = any_measured & all_idle
+        severity["idle"] = np.ones(n)
+
+    order = list(cfg.precedence)
+    mask = np.zeros(n, dtype=np.int64)
+    for bit, cls in enumerate(order):
+        mask |= held[cls].astype(np.int64) << bit
+    names: dict[int, tuple[str, ...]] = {}
+    for value in np.unique(mask).tolist():
+        names[value] = tuple(c for bit, c in enumerate(order) if value >> bit & 1)
+    matched = [list(names[v]) for v in mask.tolist()]
+    verdicts = [m[0] if m else UNCLASSIFIED for m in matched]
+    out = np.zeros(n)
+    for cls in reversed(order):  # the first class that held sets the severity
+        out = np.where(held[cls], severity[cls], out)
+    return verdicts, matched, out
+
+
+class LazyEvidence(Mapping[str, list[Evidence]]):
+    """A window's evidence per class, built by ``classify_window`` the first time it is read."""
+
+    __slots__ = ("_metrics", "_cfg", "_built")
+
+    def __init__(self, metrics: Mapping[str, float], cfg: StallsConfig) -> None:
+        self._metrics, self._cfg = metrics, cfg
+        self._built: dict[str, list[Evidence]] | None = None
+
+    def _get(self) -> dict[str, list[Evidence]]:
+        if self._built is None:
+            self._built = classify_window(dict(self._metrics), self._cfg)[2]
+        return self._built
+
+    def __getitem__(self, key: str) -> list[Evidence]:
+        return self._get()[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())

@@ -274,12 +274,13 @@ def render(report: StallReport, title: str = "") -> None:
                       "data (block IO), none IO- or host-bound")
     else:
         console.print(f"[bold]overall:[/] {report.share_text()}")
-        kinds = sorted({w.device.rstrip("0123456789").split("-")[0].upper() for w in report.windows if w.device_data})
+        devices = {w.device for w in report.windows if w.device_data}
+        kinds = sorted({d.rstrip("0123456789").split("-")[0].upper() for d in devices})
         units = Table(title=f"per {'/'.join(kinds) or 'device'} / rank", show_lines=False)
         for col in ("unit", "windows", "shares"):
             units.add_column(col)
         for u in report.units():
-            units.add_row(u, str(sum(1 for w in report.windows if w.unit == u)), report.share_text(u))
+            units.add_row(u, str(len(report.unit_windows(u))), report.share_text(u))
         console.print(units)
         top = report.top()
         if top:
