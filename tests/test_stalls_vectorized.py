@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from triscope.analyzers.stalls import classify_window, stall_config
-from triscope.analyzers.stalls.rules import LazyEvidence, classify_windows
+from triscope.analyzers.stalls.rules import LazyEvidence, classify_windows, columns_of
 
 KEYS = {  # metric: values around its default threshold, and a value far either side
     "comm_share": (0.0, 0.84, 0.85, 0.86, 1.0),
@@ -48,7 +48,7 @@ def test_many_windows_at_once_equal_one_at_a_time(precedence: list[str] | None) 
     cfg = stall_config({"stalls": {"precedence": precedence}} if precedence else {})
     rng = random.Random(20261207)
     metrics = [_draw(rng) for _ in range(3000)]
-    verdicts, matched, severity = classify_windows(metrics, cfg)
+    verdicts, matched, severity = classify_windows(columns_of(metrics), cfg)
     seen = set()
     for i, m in enumerate(metrics):
         verdict, also, evidence, sev = classify_window(dict(m), cfg)
@@ -62,5 +62,5 @@ def test_many_windows_at_once_equal_one_at_a_time(precedence: list[str] | None) 
 
 
 def test_no_windows() -> None:
-    verdicts, matched, severity = classify_windows([], stall_config({}))
+    verdicts, matched, severity = classify_windows(columns_of([]), stall_config({}))
     assert verdicts == [] and matched == [] and len(severity) == 0

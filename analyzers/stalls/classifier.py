@@ -7,6 +7,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from triscope.analyzers.nccl_crossrank import flight_recorder_check, stragglers
 from triscope.analyzers.stalls import readers
 from triscope.analyzers.stalls.config import HOST_IO_DEVICE, stall_config
@@ -57,12 +59,33 @@ def _gather(store: Store, start_ns: int, end_ns: int, max_events: int, host_set:
     """Units with their samples and trace intervals; whether a model filter applies."""
     units = _Units()
     model_gpus = readers.model_gpus(store, model, start_ns, end_ns) if model else None
-    for host, gpu, gpu_model, ts, *ratios in readers.samples(store, start_ns, end_ns):
-        if model_gpus is not None and not ((host, str(gpu)) in model_gpus or (host, "") in model_gpus
-                                           or str(model).lower() in str(gpu_model).lower()):
+    cols = readers.samples(store, start_ns, end_ns)
+    hosts_col, gpus_col = cols["host"], np.asarray(cols["gpu_index"], dtype=np.int64)
+    n = len(gpus_col)
+    keep = np.ones(n, dtype=bool)
+    if model_gpus is not None and n:
+        wanted = str(model).lower()
+        models, model_index = np.unique(cols["gpu_model"].astype(str), return_inverse=True)
+        keep = np.array([wanted in m.lower() for m in models], dtype=bool)[model_index.reshape(-1)]
+    values = np.column_stack([np.asarray(cols[k], dtype=np.float64) for k in ("sm", "dram", "l2", "util")]) \
+        if n else np.zeros((0, 4))
+    ts_col = np.asarray(cols["ts_ns"], dtype=np.int64)
+    # rows come sorted by (host, gpu): one unit per run of equal keys
+    cuts = [0, *(np.flatnonzero((hosts_col[1:] != hosts_col[:-1]) | (gpus_col[1:] != gpus_col[:-1])) + 1).tolist(), n]
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        if b <= a:
             continue
-        sm, dram, l2, util = (float("nan") if v is None else float(v) for v in ratios)
-        units.get_unit(host, int(gpu)).samples.append((int(ts), sm, dram, l2, util))
+        host, gpu = str(hosts_col[a]), int(gpus_col[a])
+        rows = slice(a, b)
+        if model_gpus is not None and ((host, str(gpu)) in model_gpus or (host, "") in model_gpus):
+            picked = np.ones(b - a, dtype=bool)
+        else:
+            picked = keep[rows]
+        if not picked.any():
+            continue
+        unit = units.get_unit(host, gpu)
+        unit.sample_ts = np.concatenate([unit.sample_ts, ts_col[rows][picked]])
+        unit.sample_values = np.concatenate([unit.sample_values, values[rows][picked]])
     if parts is None:
         parts = readers.trace_parts(store, start_ns, end_ns, run_ids)
     for part in parts:
@@ -105,8 +128,8 @@ def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, 
         for host in io_by_host:  # a host with block-IO data but no GPU data still gets its IO verdicts
             if not any(u.host == host for u in units.values()) and (not gpu_set and not by_model):
                 u = Unit(host, HOST_IO_DEVICE, -1, device_data=False)
-                u.samples = sorted((int((r[3] + r[4]) // 2), math.nan, math.nan, math.nan, math.nan)
-                                   for r in io_by_host[host])
+                u.sample_ts = np.array(sorted(int((r[3] + r[4]) // 2) for r in io_by_host[host]), dtype=np.int64)
+                u.sample_values = np.full((len(u.sample_ts), 4), np.nan)
                 units[(host, HOST_IO_DEVICE)] = u
     report = StallReport(start_ns, end_ns, float(cfg.window_ms), by, cfg)
     for (host, _device), unit in sorted(units.items()):
@@ -117,8 +140,9 @@ def diagnose_stalls(store: Store, start_ns: int, end_ns: int, config: dict[str, 
         intervals = unit_windows(unit, start_ns, end_ns, w_ns, by)
         if not intervals:
             continue
-        metrics = window_metrics(unit, intervals, io_by_host.get(host, []), queue_by_host.get(host, []), cfg)
-        verdicts, matched, severity = classify_windows(metrics, cfg)
+        metrics, columns = window_metrics(unit, intervals, io_by_host.get(host, []), queue_by_host.get(host, []),
+                                          cfg)
+        verdicts, matched, severity = classify_windows(columns, cfg)
         report.windows.extend(
             Window(unit.key, host, unit.device, a, b, kind, label, m, verdict, also, LazyEvidence(m, cfg), sev,
                    device_data=unit.device_data)

@@ -13,8 +13,6 @@ import numpy as np
 from triscope.analyzers.intervals import coverage
 from triscope.analyzers.stalls.config import StallsConfig
 
-Sample = tuple[int, float, float, float, float]
-"""(ts_ns, sm_active, dram_active, l2_bandwidth, gpu_util) ratios; NaN where not reported."""
 Interval = tuple[int, int, str, str]
 """(start_ns, end_ns, kind, label) of one window or profiler step."""
 
@@ -30,8 +28,16 @@ class Unit:
     device_data: bool = True
     """False for a traced rank with no device work (a CPU-only trace) and an IO-only host."""
     runs: set[str] = field(default_factory=set)
-    samples: list[Sample] = field(default_factory=list)
+    sample_ts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Sample times (ns), sorted."""
+    sample_values: np.ndarray = field(default_factory=lambda: np.zeros((0, 4)))
+    """(sm_active, dram_active, l2_bandwidth, gpu_util) ratios per sample; NaN where not reported."""
     traces: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def samples(self) -> bool:
+        """Whether the unit has samples (GPU samples, or the IO rows' times of an IO-only host)."""
+        return len(self.sample_ts) > 0
 
     @property
     def key(self) -> str:
@@ -74,7 +80,7 @@ def unit_windows(unit: Unit, start_ns: int, end_ns: int, w_ns: int, by: str) -> 
     ws, we = window_grid(start_ns, end_ns, w_ns)
     keep = np.zeros(len(ws), dtype=bool)
     if unit.samples:
-        ts = np.array([s[0] for s in unit.samples], dtype=np.int64)
+        ts = unit.sample_ts
         keep |= np.searchsorted(ts, we, side="left") > np.searchsorted(ts, ws, side="left")
     for t in unit.traces:
         keep |= (ws < t["hi"]) & (we > t["lo"])
@@ -114,27 +120,42 @@ def _num(v: Any) -> float:
     return float("nan") if v is None else float(v)
 
 
+Columns = dict[str, np.ndarray]
+"""Each metric over a unit's windows, NaN where a window has none (``has_gpu`` and ``io_met`` 0 there)."""
+COLUMN_KEYS = ("comm_share", "sm_active_ratio", "l2_bandwidth_ratio", "dram_active_ratio", "trace_compute_share",
+               "io_read_p99_seconds", "io_queue_depth", "gpu_busy_share", "host_busy_share", "gpu_activity_ratio",
+               "serving_queue_length", "device_busy_share", "has_gpu", "io_met")
+
+
 def window_metrics(unit: Unit, iv: list[Interval], io_rows: list[tuple[Any, ...]],
-                   queue_rows: list[tuple[int, float]], cfg: StallsConfig) -> list[dict[str, float]]:
-    """What each interval measured: sample means, traced busy shares, the worst IO device, the serving queue."""
+                   queue_rows: list[tuple[int, float]],
+                   cfg: StallsConfig) -> tuple[list[dict[str, float]], Columns]:
+    """What each interval measured (sample means, traced busy shares, the worst IO device, the serving queue),
+    as one dict per interval and as the columns the rules read."""
     n = len(iv)
     ws = np.array([i[0] for i in iv], dtype=np.int64)
     we = np.array([i[1] for i in iv], dtype=np.int64)
     out: list[dict[str, float]] = [{} for _ in range(n)]
+    cols: Columns = {k: np.full(n, np.nan) for k in COLUMN_KEYS}
+    cols["has_gpu"][:] = 0.0
+    cols["io_met"][:] = 0.0
     if unit.samples:
-        arr = np.array(unit.samples, dtype=np.float64)
-        ts = np.array([s[0] for s in unit.samples], dtype=np.int64)
-        sm, count = mean_in(ts, arr[:, 1], ws, we)
-        dram, _ = mean_in(ts, arr[:, 2], ws, we)
-        l2, _ = mean_in(ts, arr[:, 3], ws, we)
-        util, _ = mean_in(ts, arr[:, 4], ws, we)
-        for i in range(n):
-            if count[i]:
-                out[i].update(sm_active_ratio=sm[i], dram_active_ratio=dram[i], l2_bandwidth_ratio=l2[i],
-                              gpu_util_ratio=util[i], samples=float(count[i]),
-                              gpu_activity_ratio=sm[i] if math.isfinite(sm[i]) else util[i])
+        arr, ts = unit.sample_values, unit.sample_ts
+        sm, count = mean_in(ts, arr[:, 0], ws, we)
+        dram, _ = mean_in(ts, arr[:, 1], ws, we)
+        l2, _ = mean_in(ts, arr[:, 2], ws, we)
+        util, _ = mean_in(ts, arr[:, 3], ws, we)
+        activity = np.where(np.isfinite(sm), sm, util)
+        has = count > 0
+        for key, values in (("sm_active_ratio", sm), ("dram_active_ratio", dram), ("l2_bandwidth_ratio", l2),
+                            ("gpu_activity_ratio", activity)):
+            cols[key] = np.where(has, values, np.nan)
+        lists = [v.tolist() for v in (sm, dram, l2, util, count.astype(np.float64), activity)]
+        for i in np.flatnonzero(has).tolist():
+            out[i].update(sm_active_ratio=lists[0][i], dram_active_ratio=lists[1][i], l2_bandwidth_ratio=lists[2][i],
+                          gpu_util_ratio=lists[3][i], samples=lists[4][i], gpu_activity_ratio=lists[5][i])
     if unit.traces:
-        _trace_shares(unit, ws, we, out)
+        _trace_shares(unit, ws, we, out, cols)
     if io_rows:
         rows = [(int(a), int(b), str(device), _num(p99), _num(qd)) for _h, device, _op, a, b, p99, qd in io_rows]
         # Only rows starting in (window start - longest row, window end) can overlap a window: found by
@@ -155,17 +176,19 @@ def window_metrics(unit: Unit, iv: list[Interval], io_rows: list[tuple[Any, ...]
                 ok, _, p99, qd, device = max(cands, key=lambda c: (c[0], c[1]))
                 out[i].update(io_read_p99_seconds=p99, io_queue_depth=qd, io_met=float(ok))
                 out[i]["io_device"] = device  # type: ignore[assignment]
+                cols["io_read_p99_seconds"][i], cols["io_queue_depth"][i], cols["io_met"][i] = p99, qd, float(ok)
     if queue_rows:
         qts = np.array([q[0] for q in queue_rows], dtype=np.int64)
         qv = np.array([q[1] for q in queue_rows], dtype=np.float64)
         qmean, qn = mean_in(qts, qv, ws, we)
-        for i in range(n):
-            if qn[i]:
-                out[i]["serving_queue_length"] = qmean[i]
-    return out
+        cols["serving_queue_length"] = np.where(qn > 0, qmean, np.nan)
+        qlist = qmean.tolist()
+        for i in np.flatnonzero(qn).tolist():
+            out[i]["serving_queue_length"] = qlist[i]
+    return out, cols
 
 
-def _trace_shares(unit: Unit, ws: np.ndarray, we: np.ndarray, out: list[dict[str, float]]) -> None:
+def _trace_shares(unit: Unit, ws: np.ndarray, we: np.ndarray, out: list[dict[str, float]], cols: Columns) -> None:
     """Busy shares of the traced part of each window (the denominator), per class of trace work."""
     n = len(ws)
     classes = ("gpu", "gpu_compute", "comm", "host")
@@ -188,3 +211,7 @@ def _trace_shares(unit: Unit, ws: np.ndarray, we: np.ndarray, out: list[dict[str
                       trace_compute_share=compute, device_busy_share=device, has_gpu=float(has_gpu))
         if has_gpu:
             out[i]["gpu_busy_share"] = shares["gpu"]
+        for key in ("comm_share", "host_busy_share", "trace_compute_share", "device_busy_share", "has_gpu",
+                    "gpu_busy_share"):
+            if key in out[i]:
+                cols[key][i] = out[i][key]

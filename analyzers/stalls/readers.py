@@ -31,12 +31,21 @@ def _range_params(start_ns: int, end_ns: int) -> dict[str, Any]:
     return {"start": int(start_ns), "end": int(end_ns)}
 
 
-def samples(store: Store, start_ns: int, end_ns: int) -> list[tuple[Any, ...]]:
-    """(host, gpu, gpu_model, ts_ns, sm, dram, l2, util) of every GPU sample in the range."""
-    return store.query(
-        "SELECT host, gpu, gpu_model, toUnixTimestamp64Nano(ts), sm_active_ratio, dram_active_ratio, "
-        f"l2_bandwidth_ratio, gpu_util_ratio FROM {qualified(store, GPU_SAMPLES)} "
-        f"WHERE {_IN_RANGE} ORDER BY host, gpu, ts", _range_params(start_ns, end_ns)).rows
+def _decimal(column: str) -> str:
+    """A Float32 column as the Float64 of its shortest decimal text (0.33, not 0.33000001311302185): the value
+    the row-format readers get, so every command shows the same figure for the same sample."""
+    return f"toFloat64(toString(ifNull({column}, nan)))"
+
+
+def samples(store: Store, start_ns: int, end_ns: int) -> dict[str, Any]:
+    """Columns host, gpu_index, gpu_model, ts_ns, sm, dram, l2, util (NaN where not reported) of every GPU sample
+    in the range, sorted by host, gpu and time."""
+    return store.query_columns(
+        "SELECT host, toInt64(gpu) AS gpu_index, gpu_model, toUnixTimestamp64Nano(ts) AS ts_ns, "
+        f"{_decimal('sm_active_ratio')} AS sm, {_decimal('dram_active_ratio')} AS dram, "
+        f"{_decimal('l2_bandwidth_ratio')} AS l2, {_decimal('gpu_util_ratio')} AS util "
+        f"FROM {qualified(store, GPU_SAMPLES)} WHERE {_IN_RANGE} ORDER BY host, gpu_index, ts_ns",
+        _range_params(start_ns, end_ns))
 
 
 def io_rows(store: Store, start_ns: int, end_ns: int) -> list[tuple[Any, ...]]:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from triscope.analyzers.stalls.config import UNCLASSIFIED, StallsConfig
+from triscope.analyzers.stalls.metrics import COLUMN_KEYS
 from triscope.analyzers.stalls.report import Evidence
 from triscope.schema import GPU_SAMPLES, IO_LATENCY, SERVING_METRICS, TRACE_EVENTS
 
@@ -90,21 +91,23 @@ def classify_window(m: dict[str, float], cfg: StallsConfig) -> Verdict:
     return verdict, matched, {c: e for c, e in ev.items() if e}, held.get(verdict, 0.0)
 
 
-def _column(metrics: Sequence[Mapping[str, Any]], key: str, default: float = math.nan) -> np.ndarray:
-    return np.fromiter((m.get(key, default) for m in metrics), dtype=np.float64, count=len(metrics))
+def columns_of(metrics: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+    """The rules' columns of per-window metric dicts (what ``window_metrics`` also returns)."""
+    def column(key: str, default: float) -> np.ndarray:
+        return np.fromiter((m.get(key, default) for m in metrics), dtype=np.float64, count=len(metrics))
+
+    return {k: column(k, 0.0 if k in ("has_gpu", "io_met") else math.nan) for k in COLUMN_KEYS}
 
 
-def classify_windows(metrics: Sequence[Mapping[str, Any]],
+def classify_windows(columns: Mapping[str, np.ndarray],
                      cfg: StallsConfig) -> tuple[list[str], list[list[str]], np.ndarray]:
-    """``classify_window``'s verdict, matched classes and severity for many windows at once, without the
-    evidence (which :class:`LazyEvidence` builds for the few windows that are shown)."""
-    n = len(metrics)
-    col = {k: _column(metrics, k) for k in (
-        "comm_share", "sm_active_ratio", "l2_bandwidth_ratio", "dram_active_ratio", "trace_compute_share",
-        "io_read_p99_seconds", "io_queue_depth", "gpu_busy_share", "host_busy_share", "gpu_activity_ratio",
-        "serving_queue_length", "device_busy_share")}
-    has_gpu = _column(metrics, "has_gpu", 0.0) > 0
-    io_met = _column(metrics, "io_met", 0.0) > 0
+    """``classify_window``'s verdict, matched classes and severity for many windows at once, from the metrics'
+    columns (:data:`COLUMN_KEYS`), without the evidence (which :class:`LazyEvidence` builds for the few
+    windows that are shown)."""
+    n = len(columns["has_gpu"])
+    col = {k: np.asarray(v, dtype=np.float64) for k, v in columns.items() if k not in ("has_gpu", "io_met")}
+    has_gpu = np.asarray(columns["has_gpu"]) > 0
+    io_met = np.asarray(columns["io_met"]) > 0
     fin = {k: np.isfinite(v) for k, v in col.items()}
     with np.errstate(invalid="ignore", divide="ignore"):
         def above(key: str, threshold: float) -> np.ndarray:
