@@ -219,6 +219,9 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
         sent = list(bed.load.sent)
     lo = injected - WINDOW_S if fault.expected_cause else from_s
     starts = client_breach_starts(sent, lo, recovered + WINDOW_S, sla_s, WINDOW_S)
+    # the lead-in, up to the window before the injection's: a breach there is an earlier backlog's
+    lead = sorted(client_breach_starts(sent, from_s, injected - WINDOW_S, sla_s, WINDOW_S)) \
+        if fault.expected_cause else []
     # the effect: the first window the client saw breached while the fault was on (on an expected backend where
     # there is one)
     mine = [t for b, t in starts.items() if b in expected or expected == [FLEET]] or list(starts.values())
@@ -232,7 +235,7 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
     time.sleep(2 * args.flush_s)  # the last windows reach the store
     doc = diagnose(cfg, until - from_s, until)
     inj = Injection(fault.name, rnd, fault.expected_cause, expected, injected, effect, recovered, until, from_s,
-                    fault.needs_breach, first_report, breached)
+                    fault.needs_breach, first_report, breached, lead_breached=lead)
     if set(breached) - set(starts):
         inj.notes.append(f"{', '.join(sorted(set(breached) - set(starts)))} breached after the recovery, "
                          f"(the client first saw calm {calm_from - recovered:.0f} s after it)")
@@ -293,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lead-s", type=float, default=30.0, help="calm before each injection")
     p.add_argument("--hold-s", type=float, default=30.0, help="how long a fault is held")
     p.add_argument("--gap-s", type=float, default=25.0, help="after recovery, before the next stretch")
-    p.add_argument("--max-drain-s", type=float, default=120.0, help="after the gap, wait up to this for calm")
+    p.add_argument("--max-drain-s", type=float, default=300.0,
+                   help="after the gap, wait up to this for calm (a x3 step's backlog drains for minutes)")
     p.add_argument("--warmup-s", type=float, default=30.0, help="load before the first stretch")
     p.add_argument("--poll-s", type=float, default=5.0, help="diagnose every this during a hold (0: off)")
     p.add_argument("--out-dir", type=Path, help="incidents.json, incidents.png (and the daemon's log)")

@@ -120,6 +120,20 @@ def test_a_fault_whose_victim_never_breached_is_no_breach_whatever_a_bystander_d
     assert (both.outcome, both.expected_backends) == ("wrong", [A, B])  # the victim breached: judged as before
 
 
+def test_a_fault_injected_while_the_client_still_saw_a_breach_is_not_judged() -> None:
+    # an earlier fault's backlog breached B before this injection: the incident open then is no verdict on it,
+    # right or wrong, and the summary says how many landed so
+    doc = _doc((T - 25, T + 40, [B], "kv_pressure"))
+    landed = score_injection(_inj("cpu_hog", "host_cpu", [B], client_breached=[B], lead_breached=[B]), doc, FLEET3)
+    assert (landed.outcome, landed.cause_right, landed.diagnosed_cause) == ("not calm before", None, "kv_pressure")
+    judged = score_injection(_inj("cpu_hog", "host_cpu", [B], client_breached=[B], lead_breached=[]), doc, FLEET3)
+    assert judged.outcome == "wrong"
+    summary = summarise([landed, judged])
+    assert summary["overall"]["not_calm_before"] == 1 and summary["overall"]["breached_and_judged"] == 1
+    assert "not calm before" not in summary["confusion"].get("host_cpu", {}) and \
+        sum(summary["confusion"]["host_cpu"].values()) == 1
+
+
 def test_incidents_outside_the_injection_are_counted_and_calm_stretches_judged() -> None:
     # one in the lead-in (before the effect), the injection's own, one in another stretch
     doc = _doc((T - 25, T - 15, [A], "host_cpu"), (T + 5, T + 20, [B], "backend_down"), (T + 90, T + 95, [A], "io"))

@@ -56,6 +56,9 @@ class Injection:
     saw calm again, the drain included (the ground truth of "it breached"; ``None``: not measured,
     ``needs_breach`` decides)."""
     notes: list[str] = field(default_factory=list)
+    lead_breached: list[str] | None = None
+    """Backends on which the client saw a breach in the lead-in before the injection (the last one's backlog
+    not drained): the bed was not calm, so no cause can be called right or wrong (``None``: not measured)."""
 
 
 @dataclass
@@ -67,7 +70,8 @@ class Score:
     outcome: str
     """``right`` / ``wrong`` (an incident, wrong cause or backends) / ``missed`` (the client saw a breach, no
     incident) / ``no breach`` / ``false`` (an incident in a calm stretch the client saw no breach in) /
-    ``calm breached`` (one the client saw too: the bed was not calm) / ``calm`` (a calm stretch with none)."""
+    ``calm breached`` (one the client saw too: the bed was not calm) / ``calm`` (a calm stretch with none) /
+    ``not calm before`` (the client saw a breach before the injection: no ground truth to judge against)."""
     cause_right: bool | None
     backends_right: bool | None
     expected_backends: list[str]
@@ -143,6 +147,17 @@ def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str]
                      cause_right=False, backends_right=False, diagnosed_backends=sorted(first["backends"]),
                      onset_error_s=None, report_delay_s=None, score=float(first["cause"].get("score", math.nan)),
                      evidence=list(first["cause"].get("evidence", [])))
+    if inj.lead_breached:
+        # an earlier fault's backlog still breached when this one was injected: whatever diagnose says is judged
+        # against a bed that was not calm, so it counts neither way (the bench waits for calm first; this is
+        # what its drain limit left)
+        base["notes"].append(f"the client saw {', '.join(sorted(inj.lead_breached))} breach before the injection")
+        seen_inc = hits[0] if hits else None
+        return Score(**base, expected_cause=inj.expected_cause,
+                     diagnosed_cause=str(seen_inc["cause"]["cause"]) if seen_inc else NO_INCIDENT,
+                     outcome="not calm before", cause_right=None, backends_right=None,
+                     diagnosed_backends=sorted(seen_inc["backends"]) if seen_inc else [], onset_error_s=None,
+                     report_delay_s=None)
     if seen and not set(seen) & set(victims) and list(inj.expected_backends) != [FLEET]:
         # the fault's victim never breached: nothing of the fault's to diagnose; the bystanders' breach is the
         # bed's own noise (a tight class's SLA), judged as a calm stretch's would be, not as the fault
@@ -228,10 +243,11 @@ def _p99(sorted_values: list[float]) -> float:
 
 def confusion(scores: Iterable[Score]) -> dict[str, dict[str, int]]:
     """Rows: the expected cause (``calm`` for calm stretches), columns: the diagnosed cause or ``no incident``.
-    Injections that did not breach (``no breach``) are left out: nothing was there to diagnose."""
+    Injections that did not breach (``no breach``) or landed in a breach (``not calm before``) are left out:
+    nothing was there to diagnose, or nothing to judge it against."""
     out: dict[str, dict[str, int]] = {}
     for s in scores:
-        if s.outcome == "no breach":
+        if s.outcome in ("no breach", "not calm before"):
             continue
         row = out.setdefault(s.expected_cause, {})
         row[s.diagnosed_cause] = row.get(s.diagnosed_cause, 0) + 1
@@ -280,6 +296,7 @@ def summarise(scores: Sequence[Score], calm_minutes: float = 0.0, target: float 
         "injected": len([s for s in scores if s.expected_cause != CALM]),
         "breached_and_judged": len(judged),
         "no_breach": sum(1 for s in scores if s.outcome == "no breach"),
+        "not_calm_before": sum(1 for s in scores if s.outcome == "not calm before"),
         "cause_right": _share([bool(s.cause_right) for s in judged]),
         "backends_right": _share([bool(s.backends_right) for s in judged]),
         "cause_and_backends_right": both,
@@ -337,7 +354,8 @@ def report_text(doc: Mapping[str, Any]) -> str:
                      f"{med(f['onset_error_s']):>15}{med(f['report_delay_s']):>15}  {outcomes}")
     lines += ["", f"overall: cause and backends right {pct(o['cause_and_backends_right'])} of "
                   f"{o['breached_and_judged']} breached incidents (cause {pct(o['cause_right'])}, backends "
-                  f"{pct(o['backends_right'])}); {o['no_breach']} injections did not breach; onset within 5 s "
+                  f"{pct(o['backends_right'])}); {o['no_breach']} injections did not breach, "
+                  f"{o.get('not_calm_before', 0)} landed in an earlier breach; onset within 5 s "
                   f"{pct(o['onset_within_5s'])}; false incidents in {o['calm_minutes']} calm minutes: "
                   f"{o['false_incidents_in_calm']} (and {o['calm_stretches_breached']} calm stretches the client "
                   f"saw breached); target met: {'yes' if o['meets_target'] else 'no'}"]
