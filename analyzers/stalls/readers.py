@@ -39,13 +39,17 @@ def _decimal(column: str) -> str:
 
 def samples(store: Store, start_ns: int, end_ns: int) -> dict[str, Any]:
     """Columns host, gpu_index, gpu_model, ts_ns, sm, dram, l2, util (NaN where not reported) of every GPU sample
-    in the range, sorted by host, gpu and time."""
+    in the range, sorted by host, gpu and time. A range without samples (a serving fleet without GPU telemetry)
+    is answered without the columnar reader's imports."""
+    params = _range_params(start_ns, end_ns)
+    if not store.query(f"SELECT count() FROM {qualified(store, GPU_SAMPLES)} WHERE {_IN_RANGE}", params).scalar():
+        return {k: np.zeros(0, dtype=object if k in ("host", "gpu_model") else np.float64)
+                for k in ("host", "gpu_index", "gpu_model", "ts_ns", "sm", "dram", "l2", "util")}
     return store.query_columns(
         "SELECT host, toInt64(gpu) AS gpu_index, gpu_model, toUnixTimestamp64Nano(ts) AS ts_ns, "
         f"{_decimal('sm_active_ratio')} AS sm, {_decimal('dram_active_ratio')} AS dram, "
         f"{_decimal('l2_bandwidth_ratio')} AS l2, {_decimal('gpu_util_ratio')} AS util "
-        f"FROM {qualified(store, GPU_SAMPLES)} WHERE {_IN_RANGE} ORDER BY host, gpu_index, ts_ns",
-        _range_params(start_ns, end_ns))
+        f"FROM {qualified(store, GPU_SAMPLES)} WHERE {_IN_RANGE} ORDER BY host, gpu_index, ts_ns", params)
 
 
 def io_rows(store: Store, start_ns: int, end_ns: int) -> list[tuple[Any, ...]]:
