@@ -5,10 +5,12 @@ metrics and request spans, the writer ingesting synthetic ``serving_metrics`` ro
 them (a producer submitting 20,000-row batches), and the query endpoint (``[query]``) serving N clients,
 each a process of its own (clickhouse-connect, a general client parsing Native as Grafana's plugin does)
 running every panel of the fleet and weights boards in a loop.
-For N = 0, 4 and 16 it prints the writer's rows/s and the spool's depth, with the ratio to N = 0 measured
-in the same run, and the boards' queries' latency through the endpoint against the same queries on the
-store opened directly (median ratio), from a client process of its own: the CLI's (the served store of
-``triscope/store/served.py``, the target's) and clickhouse-connect's, each with its CPU per query.
+For N = 4 and 16 it prints the writer's rows/s and the spool's depth, with the ratio to the idle writer
+(N = 0) measured just before and just after each in the same run (the idle rate itself moves by up to 2x
+between stretches on a small machine), and the boards' queries' latency through the endpoint against the
+same queries on the store opened directly (median ratio), from a client process of its own: the CLI's (the
+served store of ``triscope/store/served.py``, the target's) and clickhouse-connect's, each with its CPU per
+query.
 ``--client-nice 19`` runs the clients at the lowest priority: on a machine of two cores their own CPU
 (an interpreter parsing every answer) otherwise weighs in the writer's figure, where a deployment's
 Grafana runs elsewhere.
@@ -46,6 +48,7 @@ from triscope.writer import Writer
 
 BACKENDS = [f"10.0.{i // 256}.{i % 256}:8000" for i in range(64)]
 HOUR_S = 3600
+LEVEL_ORDER = (0, 4, 0, 16, 0)
 
 
 def seed(store: EmbeddedStore, end_s: int) -> None:
@@ -261,6 +264,20 @@ def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[s
             "served_client_cpu_ms_per_query": round(1000 * client_cpu / n, 3)}
 
 
+def bracket_ratios(levels: list[dict[str, Any]]) -> None:
+    """Each loaded level's writer rate against the mean of the idle levels measured just before and after it."""
+    for i, level in enumerate(levels):
+        if not level["clients"]:
+            continue
+        before = next(lv for lv in reversed(levels[:i]) if not lv["clients"])["writer_rows_per_s"]
+        after = next(lv for lv in levels[i + 1:] if not lv["clients"])["writer_rows_per_s"]
+        level["idle_rows_per_s_around"] = [before, after]
+        level["writer_ratio_to_idle"] = round(level["writer_rows_per_s"] / max(1.0, (before + after) / 2), 3)
+        level["writer_ratio_to_idle_before"] = round(level["writer_rows_per_s"] / max(1.0, before), 3)
+    for level in levels:
+        level.setdefault("writer_ratio_to_idle", 1.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=8.0, help="per concurrency level")
@@ -292,20 +309,21 @@ def main(argv: list[str] | None = None) -> int:
             fixed = latency_ratio(store, endpoint, ["SELECT 1"] * 20, rounds=20)
             latency = latency_ratio(store, endpoint, queries)
             general = latency_ratio(store, endpoint, queries, client="clickhouse-connect")
+            # idle between the loaded levels: the store grows and its merges run under whatever comes
+            # later, so each loaded level is judged against the idle levels either side of it
             levels = [run_level(store, writer, endpoint, queries, n, args.seconds, args.client_nice)
-                      for n in (0, 4, 16)]
+                      for n in LEVEL_ORDER]
         finally:
             endpoint.close()
             writer.close(timeout_s=120)
             store.close()
-    idle = levels[0]["writer_rows_per_s"] or 1
-    for level in levels:
-        level["writer_ratio_to_idle"] = round(level["writer_rows_per_s"] / idle, 3)
+    bracket_ratios(levels)
+    loaded = {lv["clients"]: lv for lv in levels if lv["clients"]}
     doc = {"board_queries": len(queries), "client_nice": args.client_nice, "query_config": query_cfg,
            "levels": levels, "endpoint_latency": latency, "endpoint_latency_clickhouse_connect": general,
            "select_1": fixed,
            "targets": {"writer_ratio_at_4": 0.8, "latency_median_ratio": 1.3},
-           "met": {"writer_ratio_at_4": levels[1]["writer_ratio_to_idle"] >= 0.8,
+           "met": {"writer_ratio_at_4": loaded[4]["writer_ratio_to_idle"] >= 0.8,
                    "latency_median_ratio": latency["median_ratio"] <= 1.3}}
     if args.json:
         print(json.dumps(doc, indent=2))
