@@ -104,6 +104,16 @@ def expand(backends: Sequence[str], fleet: Sequence[str]) -> list[str]:
     return sorted(fleet) if list(backends) == [FLEET] else sorted(backends)
 
 
+def _unjudged(base: dict[str, Any], inj: Injection, hits: list[dict[str, Any]], outcome: str) -> Score:
+    """A score that counts neither right nor wrong, with what diagnose said of the stretch (its first incident)."""
+    seen_inc = hits[0] if hits else None
+    return Score(**base, expected_cause=str(inj.expected_cause),
+                 diagnosed_cause=str(seen_inc["cause"]["cause"]) if seen_inc else NO_INCIDENT,
+                 outcome=outcome, cause_right=None, backends_right=None,
+                 diagnosed_backends=sorted(seen_inc["backends"]) if seen_inc else [], onset_error_s=None,
+                 report_delay_s=None)
+
+
 def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str], window_s: float = 5.0) -> Score:
     """Judge one injection from the diagnose document covering its stretch.
 
@@ -152,22 +162,12 @@ def score_injection(inj: Injection, doc: Mapping[str, Any], fleet: Sequence[str]
         # against a bed that was not calm, so it counts neither way (the bench waits for calm first; this is
         # what its drain limit left)
         base["notes"].append(f"the client saw {', '.join(sorted(inj.lead_breached))} breach before the injection")
-        seen_inc = hits[0] if hits else None
-        return Score(**base, expected_cause=inj.expected_cause,
-                     diagnosed_cause=str(seen_inc["cause"]["cause"]) if seen_inc else NO_INCIDENT,
-                     outcome="not calm before", cause_right=None, backends_right=None,
-                     diagnosed_backends=sorted(seen_inc["backends"]) if seen_inc else [], onset_error_s=None,
-                     report_delay_s=None)
+        return _unjudged(base, inj, hits, "not calm before")
     if seen and not set(seen) & set(victims) and list(inj.expected_backends) != [FLEET]:
         # the fault's victim never breached: nothing of the fault's to diagnose; the bystanders' breach is the
         # bed's own noise (a tight class's SLA), judged as a calm stretch's would be, not as the fault
         base["notes"].append(f"the client saw only {', '.join(seen)} breach, not the fault's victim")
-        seen_inc = hits[0] if hits else None
-        return Score(**base, expected_cause=inj.expected_cause,
-                     diagnosed_cause=str(seen_inc["cause"]["cause"]) if seen_inc else NO_INCIDENT,
-                     outcome="no breach", cause_right=None, backends_right=None,
-                     diagnosed_backends=sorted(seen_inc["backends"]) if seen_inc else [], onset_error_s=None,
-                     report_delay_s=None)
+        return _unjudged(base, inj, hits, "no breach")
     if not hits:
         breached = bool(inj.client_breached) if inj.client_breached is not None else not inj.needs_breach
         return Score(**base, expected_cause=inj.expected_cause, diagnosed_cause=NO_INCIDENT,
