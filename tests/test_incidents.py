@@ -406,6 +406,25 @@ def test_an_engine_starved_of_cpu_fills_its_kv_and_is_still_host_cpu(store: Any)
     assert "475%" in incident.cause.evidence[0] and "kv_pressure" in [c.name for c in incident.runners_up]
 
 
+def test_an_engine_running_a_third_as_much_while_it_waits_more_is_host_cpu(store: Any) -> None:
+    """The real bed's CPU hog where vLLM's threads already waited 2.4 s a second when calm: under the hog they
+    wait 4.4 s (1.8x, short of twice) while the engine runs 0.32 of a core instead of 0.86. Runnable but not
+    running is starvation, however busy its threads were before."""
+    Fleet().write(store, _slowed_b)
+    _engine_cpu(store, (A, B), lambda s, b: (0.32, 4.4) if b == B and 85 <= s < 130 else (0.86, 2.4), psi_cpu=1.0)
+    (incident,) = _find(store).incidents
+    assert incident.backends == [B] and incident.cause.name == "host_cpu", incident.to_dict()
+    assert "it ran 32% of a core (before: 86%)" in incident.cause.evidence[0]
+
+
+def test_an_engine_waiting_more_for_its_own_extra_work_is_not_starved(store: Any) -> None:
+    """The same wait (1.8x) while the engine runs as much as before or more is its own load, not a hog's."""
+    Fleet().write(store, _slowed_b)
+    _engine_cpu(store, (A, B), lambda s, b: (0.95, 4.4) if b == B and 85 <= s < 130 else (0.86, 2.4), psi_cpu=1.0)
+    (incident,) = _find(store).incidents
+    assert incident.cause.name == "kv_pressure" and "host_cpu" not in [c.name for c in incident.runners_up]
+
+
 def test_a_disk_busy_with_the_host_s_own_writes_leaves_kv_pressure_the_cause(store: Any) -> None:
     """The same engine with the disk at the queue depths the collector's own inserts give (up to 7): KV."""
     Fleet().write(store, _slowed_b)

@@ -212,7 +212,7 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     elif host and not any(math.isfinite(h.psi_memory_some) or math.isfinite(h.oom_kills)
                           for t, h in host.items() if near <= t < end):
         missing.append("host pressure and OOM kills (no PSI or OOM reading in the incident: node-exporter or /proc)")
-    for b, (peak, usual) in starved.items():
+    for b, (peak, usual, ran) in starved.items():
         psi = max((h.psi_cpu_some for t, h in host.items() if near <= t < end and math.isfinite(h.psi_cpu_some)),
                   default=math.nan)
         # an engine sent far more than its share waits for CPU under its own extra work: the routing's doing;
@@ -220,7 +220,7 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
         # interrupts): the disk's doing
         score = 0.55 if b in over_served else 0.6 if disk_first else 0.8 + (0.1 if share < cfg.fleet_share else 0.0)
         causes.append(Cause("host_cpu", score, (
-            f"{b}: its threads waited on the run queue {peak:.0%} of the time (before: {usual:.0%})"
+            f"{b}: its threads waited on the run queue {peak:.0%} of the time (before: {usual:.0%}){ran}"
             + (f"; host CPU pressure {psi:.0%}" if math.isfinite(psi) else "")
             + ("; it got more than its share of the requests" if b in over_served else "")
             + ("; the host's disk saturated at the same time" if disk_first else ""),)))
@@ -247,14 +247,27 @@ def explain(breaches: Sequence[BreachLike], windows: Mapping[str, Mapping[float,
     return Explanation(best, runners, leads, missing, drop, *_at_breach(mine, onset, near, end, cfg))
 
 
-def _cpu_starved(ws: Sequence[Window], near: float, cfg: IncidentsConfig) -> tuple[float, float] | None:
-    """(peak, usual) share of the time the engine's threads waited runnable, when from ``near`` on it reached
-    ``cpu_wait`` and twice its usual (the median before); None otherwise."""
-    waits = [w.cpu_wait_ratio for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s >= near]
-    before = [w.cpu_wait_ratio for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s < near]
-    usual = statistics.median(before or [0.0])
-    if waits and max(waits) >= cfg.cpu_wait and max(waits) >= 2 * usual:
-        return max(waits), usual
+def _cpu_starved(ws: Sequence[Window], near: float, cfg: IncidentsConfig) -> tuple[float, float, str] | None:
+    """(peak, usual) share of the time the engine's threads waited runnable, and how its running changed, when
+    from ``near`` on the wait reached ``cpu_wait`` and twice its usual (the median before), or 1.5x its usual
+    while the engine ran half as much as usually or less (runnable but not running: an engine whose threads
+    wait even when calm, as vLLM's do, cannot double its wait); None otherwise."""
+    after = [w for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s >= near]
+    before = [w for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s < near]
+    if not after:
+        return None
+    usual = statistics.median([w.cpu_wait_ratio for w in before] or [0.0])
+    peak = max(after, key=lambda w: w.cpu_wait_ratio)
+    runs = [w.cpu_run_ratio for w in before if math.isfinite(w.cpu_run_ratio)]
+    usual_run = statistics.median(runs) if runs else math.nan
+    ran = ""
+    if math.isfinite(usual_run) and math.isfinite(peak.cpu_run_ratio):
+        ran = f"; it ran {peak.cpu_run_ratio:.0%} of a core (before: {usual_run:.0%})"
+    if peak.cpu_wait_ratio < cfg.cpu_wait:
+        return None
+    if peak.cpu_wait_ratio >= 2 * usual or (peak.cpu_wait_ratio >= 1.5 * usual and ran
+                                            and peak.cpu_run_ratio <= 0.5 * usual_run):
+        return peak.cpu_wait_ratio, usual, ran
     return None
 
 

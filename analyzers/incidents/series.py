@@ -59,6 +59,8 @@ class Window:
     lb_state: str = ""
     cpu_wait_ratio: float = NAN
     """Share of the window its processes' threads waited runnable on a run queue (host collector)."""
+    cpu_run_ratio: float = NAN
+    """Cores its processes ran on over the window (CPU seconds per second)."""
     rss_bytes: float = NAN
     classes: dict[str, ClassWindow] = field(default_factory=dict)
 
@@ -146,11 +148,12 @@ FROM {qualified(store, WEIGHTS_HISTORY)} WHERE {span} GROUP BY backend, t""", p)
             w = window(str(r["backend"]), float(r["t"]))
             w.weight, w.lb_state = _f(r["w_avg"]), str(r["lb_state"])
     for r in store.query(f"""
-SELECT backend, {bucket} AS t, sum(wait_seconds) / sum(window_seconds) AS wait_ratio, max(rss_bytes) AS rss
+SELECT backend, {bucket} AS t, sum(wait_seconds) / sum(window_seconds) AS wait_ratio,
+       sum(cpu_seconds) / sum(window_seconds) AS run_ratio, max(rss_bytes) AS rss
 FROM {qualified(store, HOST_SAMPLES)} WHERE {span} AND backend != '' GROUP BY backend, t""", p).dicts():
         if str(r["backend"]) in out:
             w = window(str(r["backend"]), float(r["t"]))
-            w.cpu_wait_ratio, w.rss_bytes = _f(r["wait_ratio"]), _f(r["rss"])
+            w.cpu_wait_ratio, w.cpu_run_ratio, w.rss_bytes = _f(r["wait_ratio"]), _f(r["run_ratio"]), _f(r["rss"])
     # a fast disk (NVMe, a cloud volume) keeps its latency under a hog and shows it in the queue instead
     rows = store.query(f"""
 SELECT t, max(lat) AS io_lat, max(qd) AS io_qd, argMax(device, qd) AS dev, argMax(ios, qd) AS io_rate FROM (
