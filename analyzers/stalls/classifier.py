@@ -83,9 +83,8 @@ def _gather(store: Store, start_ns: int, end_ns: int, max_events: int, host_set:
             picked = keep[rows]
         if not picked.any():
             continue
-        unit = units.get_unit(host, gpu)
-        unit.sample_ts = np.concatenate([unit.sample_ts, ts_col[rows][picked]])
-        unit.sample_values = np.concatenate([unit.sample_values, values[rows][picked]])
+        unit = units.get_unit(host, gpu)  # one run of rows per (host, gpu): its samples, whole
+        unit.sample_ts, unit.sample_values = ts_col[rows][picked], values[rows][picked]
     if parts is None:
         parts = readers.trace_parts(store, start_ns, end_ns, run_ids)
     for part in parts:

@@ -125,6 +125,8 @@ Columns = dict[str, np.ndarray]
 COLUMN_KEYS = ("comm_share", "sm_active_ratio", "l2_bandwidth_ratio", "dram_active_ratio", "trace_compute_share",
                "io_read_p99_seconds", "io_queue_depth", "gpu_busy_share", "host_busy_share", "gpu_activity_ratio",
                "serving_queue_length", "device_busy_share", "has_gpu", "io_met")
+FLAG_KEYS = ("has_gpu", "io_met")
+"""The columns that are flags: 0 (not NaN) where a window has none."""
 
 
 def window_metrics(unit: Unit, iv: list[Interval], io_rows: list[tuple[Any, ...]],
@@ -136,9 +138,7 @@ def window_metrics(unit: Unit, iv: list[Interval], io_rows: list[tuple[Any, ...]
     ws = np.array([i[0] for i in iv], dtype=np.int64)
     we = np.array([i[1] for i in iv], dtype=np.int64)
     out: list[dict[str, float]] = [{} for _ in range(n)]
-    cols: Columns = {k: np.full(n, np.nan) for k in COLUMN_KEYS}
-    cols["has_gpu"][:] = 0.0
-    cols["io_met"][:] = 0.0
+    cols: Columns = {k: np.full(n, 0.0 if k in FLAG_KEYS else np.nan) for k in COLUMN_KEYS}
     if unit.samples:
         arr, ts = unit.sample_values, unit.sample_ts
         sm, count = mean_in(ts, arr[:, 0], ws, we)

@@ -234,6 +234,6 @@ def _shares(windows: Iterable[Window]) -> dict[str, float]:
     """Time share of each verdict over ``windows`` (weighted by their length), largest first."""
     total: dict[str, float] = defaultdict(float)
     for w in windows:
-        total[w.verdict] += (w.end_ns - w.start_ns) / 1e9
+        total[w.verdict] += w.seconds
     s = sum(total.values())
     return {k: v / s for k, v in sorted(total.items(), key=lambda kv: kv[1], reverse=True)} if s else {}

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from triscope.analyzers.stalls.config import UNCLASSIFIED, StallsConfig
-from triscope.analyzers.stalls.metrics import COLUMN_KEYS
+from triscope.analyzers.stalls.metrics import COLUMN_KEYS, FLAG_KEYS
 from triscope.analyzers.stalls.report import Evidence
 from triscope.schema import GPU_SAMPLES, IO_LATENCY, SERVING_METRICS, TRACE_EVENTS
 
@@ -96,7 +96,7 @@ def columns_of(metrics: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
     def column(key: str, default: float) -> np.ndarray:
         return np.fromiter((m.get(key, default) for m in metrics), dtype=np.float64, count=len(metrics))
 
-    return {k: column(k, 0.0 if k in ("has_gpu", "io_met") else math.nan) for k in COLUMN_KEYS}
+    return {k: column(k, 0.0 if k in FLAG_KEYS else math.nan) for k in COLUMN_KEYS}
 
 
 def classify_windows(columns: Mapping[str, np.ndarray],
@@ -105,7 +105,7 @@ def classify_windows(columns: Mapping[str, np.ndarray],
     columns (:data:`COLUMN_KEYS`), without the evidence (which :class:`LazyEvidence` builds for the few
     windows that are shown)."""
     n = len(columns["has_gpu"])
-    col = {k: np.asarray(v, dtype=np.float64) for k, v in columns.items() if k not in ("has_gpu", "io_met")}
+    col = {k: np.asarray(v, dtype=np.float64) for k, v in columns.items() if k not in FLAG_KEYS}
     has_gpu = np.asarray(columns["has_gpu"]) > 0
     io_met = np.asarray(columns["io_met"]) > 0
     fin = {k: np.isfinite(v) for k, v in col.items()}
@@ -171,13 +171,13 @@ class LazyEvidence(Mapping[str, list[Evidence]]):
 
     __slots__ = ("_metrics", "_cfg", "_built")
 
-    def __init__(self, metrics: Mapping[str, float], cfg: StallsConfig) -> None:
+    def __init__(self, metrics: dict[str, float], cfg: StallsConfig) -> None:
         self._metrics, self._cfg = metrics, cfg
         self._built: dict[str, list[Evidence]] | None = None
 
     def _get(self) -> dict[str, list[Evidence]]:
         if self._built is None:
-            self._built = classify_window(dict(self._metrics), self._cfg)[2]
+            self._built = classify_window(self._metrics, self._cfg)[2]
         return self._built
 
     def __getitem__(self, key: str) -> list[Evidence]:
