@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-drain-s", type=float, default=300.0,
                    help="after the gap, wait up to this for calm (a x3 step's backlog drains for minutes)")
     p.add_argument("--warmup-s", type=float, default=30.0, help="load before the first stretch")
+    p.add_argument("--give-up-after", type=int, default=3, metavar="N",
+                   help="stop when N injections in a row found the fleet breaching before them (0: never)")
     p.add_argument("--poll-s", type=float, default=5.0, help="diagnose every this during a hold (0: off)")
     p.add_argument("--out-dir", type=Path, help="incidents.json, incidents.png (and the daemon's log)")
     p.add_argument("--work-dir", type=Path, help="store, spool, engine logs (default: a temporary directory)")
@@ -407,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                     "sla_ms": slas, "faults": names, "rounds": args.rounds, "calm_warmup": calm,
                     "lead_s": args.lead_s, "hold_s": args.hold_s, "gap_s": args.gap_s,
                     "fault_docs": {n_: FAULTS[n_].doc for n_ in names}}
+        stuck, given_up = 0, False  # stretches in a row that began breached
         for k, (name, rnd) in enumerate(items):
             if daemon.poll() is not None:
                 raise RuntimeError(f"triscope run exited {daemon.returncode}; see {work / 'daemon.log'}")
@@ -421,6 +424,14 @@ def main(argv: list[str] | None = None) -> int:
                 + (f", onset {s.onset_error_s:+.1f} s" if s.onset_error_s is not None else "")
                 + (f", reported after {s.report_delay_s:.1f} s" if s.report_delay_s is not None else "")
                 + f"; the client saw breaches on {','.join(inj.client_breached or []) or 'none'}")
+            stuck = stuck + 1 if s.outcome == "not calm before" else 0
+            if args.give_up_after and stuck >= args.give_up_after:
+                # an engine that preempts instead of failing can stay saturated at a rate it held when calm
+                # (vLLM, KV full): the stretches left would all be unjudged
+                say(f"the client saw the fleet breach before each of the last {stuck} injections, drain waits "
+                    f"included: stopping; lower --rate (now {rate} req/s per backend)")
+                given_up = True
+                break
             if args.out_dir is not None and k + 1 < len(items):
                 # the stretches so far, so a run cut short still leaves its answers (--rescore works on them)
                 write_results(args.out_dir, summarise(scores, calm_s / 60) | {"run": run_info | {"partial": k + 1}},
@@ -434,14 +445,14 @@ def main(argv: list[str] | None = None) -> int:
                 (args.out_dir / "daemon.log").write_text((work / "daemon.log").read_text()[-200_000:])
 
     result = summarise(scores, calm_s / 60)
-    result["run"] = run_info | {"load": tally}
+    result["run"] = run_info | {"load": tally} | ({"given_up_after": len(scores)} if given_up else {})
     print(report_text(result), file=sys.stderr if args.json else sys.stdout)
     if args.out_dir is not None:
         write_results(args.out_dir, result, docs, png=True)
         say(f"wrote {args.out_dir / 'incidents.json'} and {args.out_dir / 'incidents.png'}")
     if args.json:
         print(json.dumps(result, indent=1, default=str))
-    return 0
+    return 1 if given_up else 0
 
 
 if __name__ == "__main__":

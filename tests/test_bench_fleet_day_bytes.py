@@ -1,6 +1,7 @@
-"""``bench/fleet_day.py``'s bytes per value count a table's projections: the time-sorted copy of
-``serving_metrics``' window columns is stored in every part, so it is part of what the table costs
-(``system.parts_columns`` lists the parent part's columns only)."""
+"""``bench/fleet_day.py``'s bytes per value count a table's projections: a projection (here the time-sorted
+copy of ``serving_metrics``' window columns that stores made before the ``*_recent`` tables had) is stored
+in every part, so it is part of what the table costs (``system.parts_columns`` lists the parent part's
+columns only)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from conftest import REPO
 
 from triscope.schema import SERVING_METRICS, migrate, qualified
+from triscope.schema.latest import add_projection_sql
+from triscope.schema.requests import SERVING_BY_TIME
 from triscope.store.embedded import EmbeddedStore
 
 
@@ -36,6 +39,8 @@ def test_sizes_count_the_projection_bytes(store_path: Path, monkeypatch: pytest.
     try:
         migrate(store)
         table = qualified(store, SERVING_METRICS)
+        for sql in add_projection_sql(SERVING_BY_TIME, store.database):
+            store.command(sql)
         f = bench.fleet_of(0.016, 600 / 86400, 1_700_000_000.0)
         for batch in bench.data.serving_chunks(f, 600):
             store.insert(table, batch)

@@ -14,16 +14,18 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 from conftest import fresh_database
 
-from triscope.analyzers.routing import WeightParams, compute_weights, read_inputs, with_address
+from triscope.analyzers.routing import WeightParams, compute_weights, read_inputs, store_latest, with_address
 from triscope.analyzers.routing.store_inputs import read_inputs_scan
 from triscope.commands.weights import explanation
 from triscope.schema import GPU_SAMPLES, REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
+from triscope.schema.requests import REQUESTS_RECENT, SERVING_RECENT
 from triscope_bed.fleet import weight_inputs_scans as reference
 
 NOW = float(int(time.time()))
@@ -137,3 +139,17 @@ def test_inputs_and_weights_equal_the_reference_reader(fleet: Any, name: str, re
         assert by["10.0.0.1:8000"].trailing_errors == params.down_after_errors and by["10.0.0.1:8000"].scrape_up == 0
         assert len(by["10.0.0.4:8000"].p99_seconds) >= 3 and math.isnan(by["10.0.0.8:8000"].preemptions)
         assert math.isnan(by["10.0.0.10:8000"].span_count) and by["10.0.0.11:8000"].healthy is False
+
+
+def test_a_range_older_than_the_recent_tables_hold_is_read_from_the_raw_rows(
+        fleet: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window's rows come from the ``*_recent`` tables while they hold the range (the store's clock
+    near ``now``), from the raw tables once the range is older than their hours: the same inputs."""
+    params = WeightParams.from_config({"weights": {}})
+    wstart = int((NOW - params.window_s) * 1e9)
+    assert store_latest.by_time(fleet, REQUESTS_RECENT, wstart).endswith(".requests_recent")
+    current = read_inputs(fleet, params, NOW)
+    monkeypatch.setattr(store_latest, "time", SimpleNamespace(time=lambda: NOW + 3 * 3600.0))
+    assert store_latest.by_time(fleet, REQUESTS_RECENT, wstart).endswith(".requests")
+    assert store_latest.by_time(fleet, SERVING_RECENT, wstart).endswith(".serving_metrics")
+    assert repr(read_inputs(fleet, params, NOW)) == repr(current) == repr(reference.read_inputs(fleet, params, NOW))

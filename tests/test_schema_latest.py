@@ -1,19 +1,22 @@
-"""Newest-row tables and time-sorted projections (``triscope.schema.latest``): rendered DDL (single node,
-ON CLUSTER), rows equal to the raw table's newest row per key on the embedded store (chDB), whatever order
-the rows arrive in, backfilled for rows stored before, and a window query reading the projection."""
+"""Newest-row tables, the last hours by time and time-sorted projections (``triscope.schema.latest``):
+rendered DDL (single node, ON CLUSTER), rows equal to the raw table's newest row per key on the embedded
+store (chDB), whatever order the rows arrive in, backfilled for rows stored before, and a window query
+reading the last hours' table."""
 
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any
 
 import numpy as np
+import pytest
 
 from triscope.schema import REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
 from triscope.schema.gpu import GPU_LATEST
-from triscope.schema.latest import add_projection_sql, create_latest_sql
-from triscope.schema.requests import REQUESTS_BY_TIME, SCRAPES_LATEST, SERVING_LATEST
+from triscope.schema.latest import Recent, add_projection_sql, create_latest_sql, create_recent_sql
+from triscope.schema.requests import REQUESTS_BY_TIME, REQUESTS_RECENT, SCRAPES_LATEST, SERVING_LATEST, SERVING_RECENT
 
 NOW = float(int(time.time()))
 
@@ -37,6 +40,22 @@ def test_cluster_ddl_keeps_each_shards_newest_rows_and_projection_on_its_local_t
     assert [s.split(" (")[0] for s in create_latest_sql(SERVING_LATEST, "db")[:1]] == [
         "CREATE TABLE IF NOT EXISTS db.serving_metrics_latest"]
     assert add_projection_sql(REQUESTS_BY_TIME, "db")[0].startswith("ALTER TABLE db.requests ADD PROJECTION")
+    local, dist, view, backfill = create_recent_sql(SERVING_RECENT, "db", "c1")
+    assert local.startswith("CREATE TABLE IF NOT EXISTS db.serving_metrics_recent_local ON CLUSTER `c1`")
+    assert "ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/serving_metrics_recent_local'" in local
+    assert "PARTITION BY toStartOfHour(ts)\nORDER BY (ts)\nTTL toDateTime(ts) + toIntervalHour(2)" in local
+    assert "ttl_only_drop_parts = 1" in local and "`requests_total` Float64" in local and "CODEC(" in local
+    assert "Distributed(`c1`, db, serving_metrics_recent_local, rand())" in dist
+    assert view == ("CREATE MATERIALIZED VIEW IF NOT EXISTS db.serving_metrics_recent_mv ON CLUSTER `c1` TO "
+                    "db.serving_metrics_recent_local AS SELECT `ts`, `backend`, `requests_total`, "
+                    "`preemptions_total` FROM db.serving_metrics_local")
+    assert backfill.endswith("FROM db.serving_metrics WHERE ts >= now() - toIntervalHour(2)")
+    assert REQUESTS_RECENT.covers(NOW - 3600, NOW) and not REQUESTS_RECENT.covers(NOW - 3601, NOW)
+    for bad in (("ts", "nope"), ("backend",)):
+        with pytest.raises(ValueError, match="no column"):
+            Recent(REQUESTS, bad)
+    with pytest.raises(ValueError, match="whole hours"):
+        Recent(REQUESTS, ("ts",), held_s=3600)
 
 
 def _insert(store: Any, table: Any, rows: list[dict[str, Any]]) -> None:
@@ -86,19 +105,27 @@ def test_latest_rows_are_the_raw_newest_row_per_key_in_any_arrival_order(store: 
     assert repr(_newest(store)) == repr((s_latest, s_raw, h_latest, h_raw))
 
 
-def test_a_window_query_reads_the_time_sorted_projection_only(store: Any) -> None:
-    """200 backends, 300 spans each over 300 s: sorted by backend, every granule holds the window's spans
-    of some backend; sorted by time, only the window's granules do."""
+def test_a_window_query_reads_the_last_hours_table_only(store: Any) -> None:
+    """200 backends, 300 spans each over 300 s: sorted by backend, every granule of the raw table holds the
+    window's spans of some backend; in the last hours' table, sorted by time, only the window's granules
+    do, and they hold the same rows. No projection is left on the raw tables."""
     rng = np.random.default_rng(4)
     _insert(store, REQUESTS, [{"ts": float(t), "backend": f"10.0.{i // 256}.{i % 256}:8000", "request_class": "c",
                                "latency_seconds": float(rng.lognormal(-1, 0.5)), "status": "ok"}
                               for i in range(200) for t in NOW - 300 + np.sort(rng.uniform(0, 300, 300))])
-    sql = (f"SELECT backend, count(), quantileExact(0.99)(latency_seconds) FROM {qualified(store, REQUESTS)} "
+    store.command(f"OPTIMIZE TABLE {qualified(store, REQUESTS_RECENT.table)} FINAL")
+    sql = ("SELECT backend, count(), quantileExact(0.99)(latency_seconds) FROM {table} "
            "WHERE ts >= fromUnixTimestamp64Nano({wstart:Int64}) AND ts <= fromUnixTimestamp64Nano({until:Int64}) "
            "GROUP BY backend ORDER BY backend")
     p = {"wstart": int((NOW - 10) * 1e9), "until": int(NOW * 1e9)}
-    plan = "\n".join(r[0] for r in store.query(f"EXPLAIN indexes = 1 {sql}", p).rows)
-    assert "ReadFromMergeTree (by_time)" in plan, plan
-    with_projection = store.query(sql, p).rows
-    without = store.query(sql + " SETTINGS optimize_use_projections = 0", p).rows
-    assert len(with_projection) > 150 and repr(with_projection) == repr(without)
+    read = {}
+    for table in (REQUESTS, REQUESTS_RECENT.table):
+        q = sql.replace("{table}", qualified(store, table))
+        plan = "\n".join(r[0] for r in store.query(f"EXPLAIN indexes = 1 {q}", p).rows)
+        read[table.name] = [int(x.split("/")[0]) for x in re.findall(r"Granules: (\d+/\d+)", plan)][-1]
+        rows = store.query(q, p).rows
+        assert len(rows) > 150 and repr(rows) == repr(read.get("rows", rows))
+        read["rows"] = rows
+    assert read["requests_recent"] <= 2 < read["requests"], read
+    for table in (REQUESTS, SERVING_METRICS):
+        assert "PROJECTION" not in store.query(f"SHOW CREATE TABLE {qualified(store, table)}").rows[0][0]

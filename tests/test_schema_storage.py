@@ -97,6 +97,8 @@ def _check_retention_and_codecs(store):
         assert f"TTL toDateTime(ts) + toIntervalDay({StoreConfig().raw_ttl_days})" in _create_query(store, t.name)
     for name in ("gpu_samples_latest", "serving_metrics_latest", "scrape_health_latest", "requests_latest"):
         assert f"TTL toDateTime(ts) + toIntervalDay({StoreConfig().raw_ttl_days})" in _create_query(store, name)
+    for name in ("serving_metrics_recent", "requests_recent"):  # the last hours only, whatever [store] says
+        assert "TTL toDateTime(ts) + toIntervalHour(2)" in _create_query(store, name)
     for name in ("gpu_samples_10s", "gpu_samples_1m", "serving_metrics_10s", "serving_metrics_1m"):
         assert f"TTL toDateTime(ts) + toIntervalDay({StoreConfig().rollup_ttl_days})" in _create_query(store, name)
     declared = {(t.name, c.name): c.codec for t in tables for c in t.columns if c.codec}

@@ -4,8 +4,9 @@ What the engine takes as each backend's latest values (its gauges, its scrape's 
 memory, the GPUs its spans name) comes from the ``*_latest`` tables (``triscope.schema.latest``): one
 row per key, kept on insert, instead of the raw rows of the look-back. What it computes over its
 window (span counts, exact P99, the errors in a row at its end, the requests counter's rise) and the
-preemption look-back comes from the raw rows of that range only, which the time-sorted projections
-let a query find without reading every granule. The answer is the raw scan's
+preemption look-back comes from the rows of that range only, read from the ``*_recent`` tables (the
+last hours of those columns, sorted by time) so that a query finds them without reading every granule
+of the raw table; a range older than they hold is read from the raw table. The answer is the raw scan's
 (:func:`~triscope.analyzers.routing.store_inputs.read_inputs_scan`), to the bit: a key whose newest
 row is after ``now`` (a past ``now``, a host's clock ahead) is read from the raw rows, that key only.
 See docs/weights.md ("Store reader").
@@ -14,6 +15,7 @@ See docs/weights.md ("Store reader").
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -32,15 +34,27 @@ from triscope.analyzers.routing.store_inputs import (
     serving_reading,
     serving_scan,
 )
-from triscope.schema import REQUESTS, SERVING_METRICS, qualified
+from triscope.schema import REQUESTS, qualified
 from triscope.schema.gpu import GPU_LATEST
-from triscope.schema.requests import REQUESTS_LATEST, SCRAPES_LATEST, SERVING_LATEST
+from triscope.schema.latest import Recent
+from triscope.schema.requests import (
+    REQUESTS_LATEST,
+    REQUESTS_RECENT,
+    SCRAPES_LATEST,
+    SERVING_LATEST,
+    SERVING_RECENT,
+)
 from triscope.store.base import Store
 
 _SINCE = "ts >= fromUnixTimestamp64Nano({since:Int64})"
 # rows of a latest table older than the look-back cannot hold a key's newest row within it
 _LATEST_WHERE = f"WHERE {_SINCE}"
 _NO_WINDOW = {"rt_hi": 0.0, "rt_lo": 0.0, "w_hi": 0, "w_lo": 0, "w_n": 0, "pre_hi": 0.0, "pre_lo": 0.0, "pre_n": 0}
+
+
+def by_time(store: Store, recent: Recent, from_ns: int) -> str:
+    """Where to read ``recent``'s columns from ``from_ns`` on: its table while it holds that range, else the raw one."""
+    return qualified(store, recent.table if recent.covers(from_ns / 1e9, time.time()) else recent.source)
 
 
 def _split_later(rows: list[dict[str, Any]], p: dict[str, Any],
@@ -61,12 +75,13 @@ def _split_later(rows: list[dict[str, Any]], p: dict[str, Any],
 
 def _serving(store: Store, p: dict[str, Any], names: set[str]) -> dict[str, dict[str, float]]:
     """:func:`serving_scan`'s answer: the gauges from ``serving_metrics_latest``, the counters from
-    the raw rows of the window and the preemption look-back."""
+    the rows of the window and the preemption look-back."""
     latest = f"""
 SELECT backend, toUnixTimestamp64Nano(max(ts)) AS last_ns, argMaxMerge(kv_cache_usage_ratio) AS kv,
        argMaxMerge(latency_p99_seconds) AS p99, argMaxMerge(sleep_state) AS sleep
 FROM {qualified(store, SERVING_LATEST.table)} {_LATEST_WHERE}
 GROUP BY backend"""
+    wfrom = max(p["since"], min(p["wstart"], p["pstart"]))  # the scan's rows are since ``since``
     window = f"""
 SELECT backend,
        maxIf(requests_total, {WINDOW}) AS rt_hi, minIf(requests_total, {WINDOW}) AS rt_lo,
@@ -74,10 +89,9 @@ SELECT backend,
        countIf({WINDOW}) AS w_n,
        argMaxIf(preemptions_total, ts, {PREEMPT}) AS pre_hi, argMinIf(preemptions_total, ts, {PREEMPT}) AS pre_lo,
        countIf({PREEMPT}) AS pre_n
-FROM {qualified(store, SERVING_METRICS)}
+FROM {by_time(store, SERVING_RECENT, wfrom)}
 WHERE ts >= fromUnixTimestamp64Nano({{wfrom:Int64}}) AND {UNTIL}
 GROUP BY backend"""
-    wfrom = max(p["since"], min(p["wstart"], p["pstart"]))  # the scan's rows are since ``since``
     counters = {str(r["backend"]): r for r in store.query(window, {**p, "wfrom": wfrom}).dicts()}
     fresh, later = _split_later(store.query(latest, p).dicts(), p, names)
     out = {str(r["backend"]): serving_reading({**_NO_WINDOW, **counters.get(str(r["backend"]), {}), **r})
@@ -105,7 +119,7 @@ SELECT backend, if(request_class IN {{classes:Array(String)}}, request_class, {{
        toUnixTimestamp64Nano(maxIf(ts, status != 'error' AND {_SINCE})) AS ok_ns,
        arraySlice(arraySort(groupArrayIf(toUnixTimestamp64Nano(ts), status = 'error' AND {_SINCE})),
                   -{{k:UInt32}}) AS errors
-FROM {qualified(store, REQUESTS)}
+FROM {by_time(store, REQUESTS_RECENT, p["wstart"])}
 WHERE {WINDOW}
 GROUP BY backend, cls"""
     out = Spans()

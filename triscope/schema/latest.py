@@ -1,11 +1,12 @@
-"""Insert-time views of a raw table for readers that want each key's newest values or one time range.
+"""Insert-time views of a raw table for readers that want each key's newest values or the last minutes.
 
 :class:`Latest`: each key's newest row (its time, and chosen columns as ``argMax`` states), kept by a
 materialized view on every insert, so a reader of "the latest value per backend" reads one row per key
-and part instead of the raw rows of a look-back. :class:`Projection`: a copy of some columns sorted by
-``ts``, kept by the table itself, so a query bounded to the last seconds reads only their granules (a
+and part instead of the raw rows of a look-back. :class:`Recent`: a copy of some columns sorted by
+``ts`` for the last hours only, so a query bounded to the last seconds reads only their granules (a
 raw table sorted by key then time cannot skip any granule when thousands of keys share each one).
-Both render for single node and ``ON CLUSTER`` (each shard keeps its own rows; readers merge the
+:class:`Projection` did that inside the table for its whole history; stores made before :class:`Recent`
+drop it. All render for single node and ``ON CLUSTER`` (each shard keeps its own rows; readers merge the
 states across shards). Why the weight engine uses them: docs/weights.md ("Store reader").
 """
 
@@ -77,6 +78,71 @@ def create_latest(*latest: Latest) -> Callable[[str, str], list[str]]:
     """Migration body creating each :class:`Latest` (table, view, backfill)."""
     def render(database: str, cluster: str) -> list[str]:
         return [sql for x in latest for sql in create_latest_sql(x, database, cluster)]
+    return render
+
+
+@dataclass(frozen=True)
+class Recent:
+    """``columns`` of ``source`` sorted by ``ts``, in a table of their own that keeps only the last hours
+    (partitions by hour, dropped whole once ``held_s`` past): a reader of the last minutes reads only
+    their granules without a time-sorted copy of the whole history. Rows are present for every ``ts``
+    from ``held_s`` before the store's clock; :meth:`covers` says whether a range starts late enough
+    for that, leaving an hour for clocks that disagree."""
+
+    source: Table
+    columns: Sequence[str]
+    held_s: int = 7200
+
+    def __post_init__(self) -> None:
+        missing = set(self.columns) - set(self.source.column_names())
+        if missing or "ts" not in self.columns:
+            raise ValueError(f"{self.source.name}: no column {sorted(missing or {'ts'})}")
+        if self.held_s < 7200 or self.held_s % 3600:
+            raise ValueError(f"{self.source.name}: held_s must be whole hours, at least 2")
+
+    @cached_property
+    def table(self) -> Table:
+        by_name = {c.name: c for c in self.source.columns}
+        return Table(name=f"{self.source.name}_recent", columns=[by_name[c] for c in self.columns], order_by="ts",
+                     partition_by="toStartOfHour(ts)",
+                     ttl=f"toDateTime(ts) + toIntervalHour({self.held_s // 3600})",
+                     # a part goes whole once all its rows are past; checked every 10 minutes, not ClickHouse's 4 h
+                     settings={"ttl_only_drop_parts": "1", "merge_with_ttl_timeout": "600"},
+                     comment=f"{self.source.name}: {', '.join(self.columns[1:])} by time, the last "
+                             f"{self.held_s // 3600} hours")
+
+    def covers(self, since_s: float, clock_s: float) -> bool:
+        """Whether every row from ``since_s`` on is held, by a store whose clock reads about ``clock_s``."""
+        return since_s >= clock_s - (self.held_s - 3600)
+
+    def select(self, source: str) -> str:
+        """The table's rows from ``source``'s."""
+        return f"SELECT {', '.join(f'`{c}`' for c in self.columns)} FROM {source}"
+
+
+def create_recent_sql(recent: Recent, database: str, cluster: str = "") -> list[str]:
+    """The table (local + Distributed in cluster mode), its materialized view (ON CLUSTER, on each
+    node's local tables) and a backfill of the rows already stored within its hours."""
+    target, source = recent.table.name, recent.source.name
+    suffix, on = ("_local", f" ON CLUSTER `{cluster}`") if cluster else ("", "")
+    return [
+        *create_table_sql(recent.table, database, cluster),
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS {database}.{target}_mv{on} TO {database}.{target}{suffix} "
+        f"AS {recent.select(f'{database}.{source}{suffix}')}",
+        f"INSERT INTO {database}.{target} {recent.select(f'{database}.{source}')} "
+        f"WHERE ts >= now() - toIntervalHour({recent.held_s // 3600})",
+    ]
+
+
+def replace_projections(*pairs: tuple[Projection, Recent]) -> Callable[[str, str], list[str]]:
+    """Migration body: each :class:`Recent` created, then the :class:`Projection` it replaces dropped."""
+    def render(database: str, cluster: str) -> list[str]:
+        out = []
+        for projection, recent in pairs:
+            table = f"{database}.{projection.source.name}" + (f"_local ON CLUSTER `{cluster}`" if cluster else "")
+            out += [*create_recent_sql(recent, database, cluster),
+                    f"ALTER TABLE {table} DROP PROJECTION IF EXISTS {projection.name}"]
+        return out
     return render
 
 

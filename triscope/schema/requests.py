@@ -1,6 +1,6 @@
 """Request spans (OTLP / in-process exporter) and serving-engine metrics (vLLM, SGLang, TGI)."""
 
-from triscope.schema.latest import Latest, Projection, add_projections, create_latest
+from triscope.schema.latest import Latest, Projection, Recent, add_projections, create_latest, replace_projections
 from triscope.schema.model import (
     Column,
     Migration,
@@ -128,6 +128,10 @@ SERVING_BY_TIME = Projection(SERVING_METRICS, "by_time", ("ts", "backend", "requ
 """The counters the weight engine reads over its window and preemption look-back, sorted by time."""
 REQUESTS_BY_TIME = Projection(REQUESTS, "by_time", ("ts", "backend", "request_class", "latency_seconds", "status"))
 """What the weight engine reads of the spans in its window, sorted by time."""
+SERVING_RECENT = Recent(SERVING_METRICS, SERVING_BY_TIME.columns)
+"""The counters the weight engine reads over its window and preemption look-back: the last hours, by time."""
+REQUESTS_RECENT = Recent(REQUESTS, REQUESTS_BY_TIME.columns)
+"""What the weight engine reads of the spans in its window: the last hours, by time."""
 
 
 MIGRATIONS = [
@@ -149,4 +153,7 @@ MIGRATIONS = [
               create_latest(SERVING_LATEST, SCRAPES_LATEST, REQUESTS_LATEST)),
     Migration(10, "serving metrics, requests: the weight engine's window columns sorted by time (projections)",
               add_projections(SERVING_BY_TIME, REQUESTS_BY_TIME)),
+    Migration(11, "serving metrics, requests: the window columns of the last hours in tables of their own "
+                  "(materialized views), replacing the projections that copied the whole history",
+              replace_projections((SERVING_BY_TIME, SERVING_RECENT), (REQUESTS_BY_TIME, REQUESTS_RECENT))),
 ]
