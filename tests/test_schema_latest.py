@@ -129,3 +129,15 @@ def test_a_window_query_reads_the_last_hours_table_only(store: Any) -> None:
     assert read["requests_recent"] <= 2 < read["requests"], read
     for table in (REQUESTS, SERVING_METRICS):
         assert "PROJECTION" not in store.query(f"SHOW CREATE TABLE {qualified(store, table)}").rows[0][0]
+
+
+def test_the_last_hours_table_drops_what_is_past_its_hours(store: Any) -> None:
+    """Rows 1 and 5 hours old in both tables: once merged, the last hours' table keeps the recent ones
+    only (a partition wholly past its 2 hours goes), the raw table keeps both."""
+    _insert(store, SERVING_METRICS, [{"ts": NOW - age, "backend": f"b{i}", "requests_total": float(i)}
+                                     for age in (3600.0, 5 * 3600.0) for i in range(50)])
+    recent, raw = qualified(store, SERVING_RECENT.table), qualified(store, SERVING_METRICS)
+    store.command(f"OPTIMIZE TABLE {recent} FINAL")
+    old = f"ts < fromUnixTimestamp64Nano({int((NOW - 2 * 3600) * 1e9)})"
+    assert store.query(f"SELECT countIf({old}), count() FROM {recent}").rows[0] == (0, 50)
+    assert store.query(f"SELECT countIf({old}), count() FROM {raw}").rows[0] == (50, 100)
