@@ -15,8 +15,15 @@ import pytest
 
 from triscope.schema import REQUESTS, SCRAPE_HEALTH, SERVING_METRICS, encode_ts, qualified
 from triscope.schema.gpu import GPU_LATEST
-from triscope.schema.latest import Recent, add_projection_sql, create_latest_sql, create_recent_sql
-from triscope.schema.requests import REQUESTS_BY_TIME, REQUESTS_RECENT, SCRAPES_LATEST, SERVING_LATEST, SERVING_RECENT
+from triscope.schema.latest import Recent, add_projection_sql, create_latest_sql, create_recent_sql, replace_projections
+from triscope.schema.requests import (
+    REQUESTS_BY_TIME,
+    REQUESTS_RECENT,
+    SCRAPES_LATEST,
+    SERVING_BY_TIME,
+    SERVING_LATEST,
+    SERVING_RECENT,
+)
 
 NOW = float(int(time.time()))
 
@@ -49,7 +56,7 @@ def test_cluster_ddl_keeps_each_shards_newest_rows_and_projection_on_its_local_t
     assert view == ("CREATE MATERIALIZED VIEW IF NOT EXISTS db.serving_metrics_recent_mv ON CLUSTER `c1` TO "
                     "db.serving_metrics_recent_local AS SELECT `ts`, `backend`, `requests_total`, "
                     "`preemptions_total` FROM db.serving_metrics_local")
-    assert backfill.endswith("FROM db.serving_metrics WHERE ts >= now() - toIntervalHour(2)")
+    assert "FROM db.serving_metrics WHERE ts >= now() - toIntervalHour(2) AND ts < (SELECT " in backfill
     assert REQUESTS_RECENT.covers(NOW - 3600, NOW) and not REQUESTS_RECENT.covers(NOW - 3601, NOW)
     for bad in (("ts", "nope"), ("backend",)):
         with pytest.raises(ValueError, match="no column"):
@@ -141,3 +148,26 @@ def test_the_last_hours_table_drops_what_is_past_its_hours(store: Any) -> None:
     old = f"ts < fromUnixTimestamp64Nano({int((NOW - 2 * 3600) * 1e9)})"
     assert store.query(f"SELECT countIf({old}), count() FROM {recent}").rows[0] == (0, 50)
     assert store.query(f"SELECT countIf({old}), count() FROM {raw}").rows[0] == (50, 100)
+
+
+def test_a_store_with_the_projections_loses_them_and_keeps_its_recent_rows(store: Any) -> None:
+    """A store made before the last-hours tables: the projections on both raw tables, rows of the last
+    hour stored. The migration's statements (run twice: migrations are idempotent) drop the projections
+    and leave the last-hours tables holding those rows (their backfill) once."""
+    for projection in (SERVING_BY_TIME, REQUESTS_BY_TIME):
+        for sql in add_projection_sql(projection, store.database):
+            store.command(sql)
+    for recent in (SERVING_RECENT, REQUESTS_RECENT):
+        store.command(f"DROP VIEW {store.database}.{recent.table.name}_mv")
+        store.command(f"DROP TABLE {store.database}.{recent.table.name}")
+    _insert(store, SERVING_METRICS, [{"ts": NOW - 600 + t, "backend": "b", "requests_total": float(t)}
+                                     for t in range(100)])
+    raw = qualified(store, SERVING_METRICS)
+    assert "PROJECTION by_time" in store.query(f"SHOW CREATE TABLE {raw}").rows[0][0]
+    migration = replace_projections((SERVING_BY_TIME, SERVING_RECENT), (REQUESTS_BY_TIME, REQUESTS_RECENT))
+    for sql in migration(store.database, "") * 2:
+        store.command(sql)
+    for table in (SERVING_METRICS, REQUESTS):
+        assert "PROJECTION" not in store.query(f"SHOW CREATE TABLE {qualified(store, table)}").rows[0][0]
+    recent = qualified(store, SERVING_RECENT.table)
+    assert store.query(f"SELECT count(), sum(requests_total) FROM {recent}").rows[0] == (100, 4950.0)

@@ -122,15 +122,19 @@ class Recent:
 
 def create_recent_sql(recent: Recent, database: str, cluster: str = "") -> list[str]:
     """The table (local + Distributed in cluster mode), its materialized view (ON CLUSTER, on each
-    node's local tables) and a backfill of the rows already stored within its hours."""
+    node's local tables) and a backfill of the rows already stored within its hours. The backfill takes
+    only rows older than the table's oldest, so a migration run again adds nothing twice (readers count
+    rows); a row that the view wrote older than rows stored before it holds the backfill back to it."""
     target, source = recent.table.name, recent.source.name
     suffix, on = ("_local", f" ON CLUSTER `{cluster}`") if cluster else ("", "")
+    oldest = (f"(SELECT if(count() = 0, toDateTime64('2200-01-01 00:00:00', 9, 'UTC'), min(ts)) "
+              f"FROM {database}.{target})")
     return [
         *create_table_sql(recent.table, database, cluster),
         f"CREATE MATERIALIZED VIEW IF NOT EXISTS {database}.{target}_mv{on} TO {database}.{target}{suffix} "
         f"AS {recent.select(f'{database}.{source}{suffix}')}",
         f"INSERT INTO {database}.{target} {recent.select(f'{database}.{source}')} "
-        f"WHERE ts >= now() - toIntervalHour({recent.held_s // 3600})",
+        f"WHERE ts >= now() - toIntervalHour({recent.held_s // 3600}) AND ts < {oldest}",
     ]
 
 
