@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the gap, wait up to this for calm (a x3 step's backlog drains for minutes)")
     p.add_argument("--warmup-s", type=float, default=30.0, help="load before the first stretch")
     p.add_argument("--give-up-after", type=int, default=3, metavar="N",
-                   help="stop when N injections in a row found the fleet breaching before them (0: never)")
+                   help="stop after N stretches in a row that found the fleet breaching before the injection, or "
+                   "breached while calm (0: never)")
     p.add_argument("--poll-s", type=float, default=5.0, help="diagnose every this during a hold (0: off)")
     p.add_argument("--out-dir", type=Path, help="incidents.json, incidents.png (and the daemon's log)")
     p.add_argument("--work-dir", type=Path, help="store, spool, engine logs (default: a temporary directory)")
@@ -424,12 +425,14 @@ def main(argv: list[str] | None = None) -> int:
                 + (f", onset {s.onset_error_s:+.1f} s" if s.onset_error_s is not None else "")
                 + (f", reported after {s.report_delay_s:.1f} s" if s.report_delay_s is not None else "")
                 + f"; the client saw breaches on {','.join(inj.client_breached or []) or 'none'}")
-            stuck = stuck + 1 if s.outcome == "not calm before" else 0
+            # a calm stretch has no lead-in to judge: one the client saw breach counts as stuck too
+            stuck = stuck + 1 if s.outcome in ("not calm before", "calm breached") else 0
             if args.give_up_after and stuck >= args.give_up_after:
                 # an engine that preempts instead of failing can stay saturated at a rate it held when calm
                 # (vLLM, KV full): the stretches left would all be unjudged
-                say(f"the client saw the fleet breach before each of the last {stuck} injections, drain waits "
-                    f"included: stopping; lower --rate (now {rate} req/s per backend)")
+                say(f"the client saw the fleet breach in each of the last {stuck} stretches before their "
+                    f"injection (or in a calm one), drain waits included: stopping; lower --rate (now {rate} "
+                    "req/s per backend)")
                 given_up = True
                 break
             if args.out_dir is not None and k + 1 < len(items):
