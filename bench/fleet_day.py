@@ -53,6 +53,8 @@ TABLES = (GPU_SAMPLES, SERVING_METRICS, REQUESTS, IO_LATENCY, WEIGHTS_HISTORY)
 ROLLUPS = tuple(r.table for r in (GPU_SAMPLES_10S, GPU_SAMPLES_1M, SERVING_METRICS_10S, SERVING_METRICS_1M))
 RECENT = (SERVING_RECENT.table, REQUESTS_RECENT.table)
 """The weight engine's last hours by time: their rows are those of the store's last 2 to 3 hours."""
+MEASURED = TABLES + ROLLUPS + RECENT
+"""Every table whose bytes are reported."""
 FULL_FLEET = {"gpus": 1000, "backends": 1000, "requests_per_s": 5000.0}
 """The fleet the targets speak of: 1,000 GPUs at 10 Hz, 1,000 engines at 1 Hz, 5,000 requests/s."""
 INSERT_ROWS = 200_000
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                               "baseline": args.baseline}
     try:
         migrate(store)
-        for table in TABLES + ROLLUPS + RECENT:
+        for table in MEASURED:
             # wide parts at every size, so each column's bytes are its own (compact parts share one file)
             store.command(f"ALTER TABLE {qualified(store, table)} MODIFY SETTING min_bytes_for_wide_part = 0")
             if args.baseline:
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         built = build(store, f)
         result["build_s"] = time.perf_counter() - started
         t = time.perf_counter()
-        for table in TABLES + ROLLUPS + RECENT:
+        for table in MEASURED:
             store.command(f"OPTIMIZE TABLE {qualified(store, table)} FINAL")
         result["optimize_s"] = time.perf_counter() - t
         result["ingest"] = {name: {**b, "rows_per_s": b["rows"] / max(b["insert_s"], 1e-9)}
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         result["ingest_headroom"] = headroom(built)
         print(f"built in {result['build_s']:.1f} s, merged in {result['optimize_s']:.1f} s; ingest headroom over a "
               f"1,000-GPU fleet (one insert thread): {result['ingest_headroom']:.1f}x", flush=True)
-        result["sizes"] = sizes(store, TABLES + ROLLUPS + RECENT)
+        result["sizes"] = sizes(store, MEASURED)
         print_sizes(result["sizes"], args.columns or args.try_codecs)
         if args.try_codecs:
             result["codec_trials"] = fleet_day_codecs.trial(store, TABLES)

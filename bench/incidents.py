@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                     "sla_ms": slas, "faults": names, "rounds": args.rounds, "calm_warmup": calm,
                     "lead_s": args.lead_s, "hold_s": args.hold_s, "gap_s": args.gap_s,
                     "fault_docs": {n_: FAULTS[n_].doc for n_ in names}}
-        stuck, given_up = 0, False  # stretches in a row that began breached
+        stuck = 0  # stretches in a row that began breached
         for k, (name, rnd) in enumerate(items):
             if daemon.poll() is not None:
                 raise RuntimeError(f"triscope run exited {daemon.returncode}; see {work / 'daemon.log'}")
@@ -433,7 +433,6 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"the client saw the fleet breach in each of the last {stuck} stretches before their "
                     f"injection (or in a calm one), drain waits included: stopping; lower --rate (now {rate} "
                     "req/s per backend)")
-                given_up = True
                 break
             if args.out_dir is not None and k + 1 < len(items):
                 # the stretches so far, so a run cut short still leaves its answers (--rescore works on them)
@@ -447,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 (args.out_dir / "daemon.log").write_text((work / "daemon.log").read_text()[-200_000:])
 
+    given_up = bool(args.give_up_after) and stuck >= args.give_up_after
     result = summarise(scores, calm_s / 60)
     result["run"] = run_info | {"load": tally} | ({"given_up_after": len(scores)} if given_up else {})
     print(report_text(result), file=sys.stderr if args.json else sys.stdout)

@@ -64,14 +64,27 @@ class Latest:
 def create_latest_sql(latest: Latest, database: str, cluster: str = "") -> list[str]:
     """The table (local + Distributed in cluster mode), its materialized view (ON CLUSTER, on each
     node's local tables) and a backfill from the rows already stored."""
-    target, source = latest.table.name, latest.source.name
+    return _table_view_backfill(latest.table, latest.source, latest.select, database, cluster)
+
+
+def _table_view_backfill(table: Table, source: Table, select: Callable[[str], str], database: str, cluster: str,
+                         backfill_where: str = "") -> list[str]:
+    """``table`` (local + Distributed in cluster mode), a materialized view filling it with ``select`` of
+    each insert into ``source`` (ON CLUSTER, on each node's local tables) and a backfill of ``select`` over
+    the rows already stored (``backfill_where`` appended)."""
     suffix, on = ("_local", f" ON CLUSTER `{cluster}`") if cluster else ("", "")
     return [
-        *create_table_sql(latest.table, database, cluster),
-        f"CREATE MATERIALIZED VIEW IF NOT EXISTS {database}.{target}_mv{on} TO {database}.{target}{suffix} "
-        f"AS {latest.select(f'{database}.{source}{suffix}')}",
-        f"INSERT INTO {database}.{target} {latest.select(f'{database}.{source}')}",
+        *create_table_sql(table, database, cluster),
+        f"CREATE MATERIALIZED VIEW IF NOT EXISTS {database}.{table.name}_mv{on} TO {database}.{table.name}{suffix} "
+        f"AS {select(f'{database}.{source.name}{suffix}')}",
+        f"INSERT INTO {database}.{table.name} {select(f'{database}.{source.name}')}{backfill_where}",
     ]
+
+
+def _stored(table: Table, database: str, cluster: str) -> str:
+    """The table that holds ``table``'s rows, for ALTERs: ``T_local ON CLUSTER`` in cluster mode (a
+    Distributed table stores nothing)."""
+    return f"{database}.{table.name}" + (f"_local ON CLUSTER `{cluster}`" if cluster else "")
 
 
 def create_latest(*latest: Latest) -> Callable[[str, str], list[str]]:
@@ -125,17 +138,10 @@ def create_recent_sql(recent: Recent, database: str, cluster: str = "") -> list[
     node's local tables) and a backfill of the rows already stored within its hours. The backfill takes
     only rows older than the table's oldest, so a migration run again adds nothing twice (readers count
     rows); a row that the view wrote older than rows stored before it holds the backfill back to it."""
-    target, source = recent.table.name, recent.source.name
-    suffix, on = ("_local", f" ON CLUSTER `{cluster}`") if cluster else ("", "")
     oldest = (f"(SELECT if(count() = 0, toDateTime64('2200-01-01 00:00:00', 9, 'UTC'), min(ts)) "
-              f"FROM {database}.{target})")
-    return [
-        *create_table_sql(recent.table, database, cluster),
-        f"CREATE MATERIALIZED VIEW IF NOT EXISTS {database}.{target}_mv{on} TO {database}.{target}{suffix} "
-        f"AS {recent.select(f'{database}.{source}{suffix}')}",
-        f"INSERT INTO {database}.{target} {recent.select(f'{database}.{source}')} "
-        f"WHERE ts >= now() - toIntervalHour({recent.held_s // 3600}) AND ts < {oldest}",
-    ]
+              f"FROM {database}.{recent.table.name})")
+    return _table_view_backfill(recent.table, recent.source, recent.select, database, cluster,
+                                f" WHERE ts >= now() - toIntervalHour({recent.held_s // 3600}) AND ts < {oldest}")
 
 
 def replace_projections(*pairs: tuple[Projection, Recent]) -> Callable[[str, str], list[str]]:
@@ -143,9 +149,9 @@ def replace_projections(*pairs: tuple[Projection, Recent]) -> Callable[[str, str
     def render(database: str, cluster: str) -> list[str]:
         out = []
         for projection, recent in pairs:
-            table = f"{database}.{projection.source.name}" + (f"_local ON CLUSTER `{cluster}`" if cluster else "")
             out += [*create_recent_sql(recent, database, cluster),
-                    f"ALTER TABLE {table} DROP PROJECTION IF EXISTS {projection.name}"]
+                    f"ALTER TABLE {_stored(projection.source, database, cluster)} "
+                    f"DROP PROJECTION IF EXISTS {projection.name}"]
         return out
     return render
 
@@ -170,7 +176,7 @@ def add_projection_sql(projection: Projection, database: str, cluster: str = "")
     """DDL adding the projection and building it for the parts already stored (a mutation, run in
     the background; queries read the parts without it from the table's own order meanwhile). In
     cluster mode on each shard's local table: a Distributed table stores nothing."""
-    table = f"{database}.{projection.source.name}" + (f"_local ON CLUSTER `{cluster}`" if cluster else "")
+    table = _stored(projection.source, database, cluster)
     cols = ", ".join(f"`{c}`" for c in projection.columns)
     return [f"ALTER TABLE {table} ADD PROJECTION IF NOT EXISTS {projection.name} "
             f"(SELECT {cols} ORDER BY {projection.order_by})",
