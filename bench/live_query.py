@@ -5,19 +5,23 @@ metrics and request spans, the writer ingesting synthetic ``serving_metrics`` ro
 them (a producer submitting 20,000-row batches), and the query endpoint (``[query]``) serving N clients,
 each a process of its own (clickhouse-connect, a general client parsing Native as Grafana's plugin does)
 running every panel of the fleet and weights boards in a loop.
-For N = 4 and 16 it prints the writer's rows/s and the spool's depth, with the ratio to the idle writer
-(N = 0) measured just before and just after each in the same run (the idle rate itself moves by up to 2x
-between stretches on a small machine), and the boards' queries' latency through the endpoint against the
-same queries on the store opened directly (median ratio), from a client process of its own: the CLI's (the
-served store of ``triscope/store/served.py``, the target's) and clickhouse-connect's, each with its CPU per
-query.
+For N = 4 and 16 the writer ingests throughout while the clients alternate: idle, N clients querying, idle,
+... (``--pairs`` loaded phases of ``--seconds``). Each loaded phase's rows/s is judged against the idle phases
+either side: the idle writer's own rate moves by up to 2x over tens of seconds on a small machine (the
+store grows and merges), and a drift slower than a phase weighs on both sides of a ratio alike. It prints the
+ratios' median with a bootstrap 95 % interval, the same reckoning on idle phases alone (the method's noise
+floor), the spool's depth and the query latency. Then the boards' queries' latency through the endpoint
+against the same queries on the store opened directly (median ratio), from a client process of its own: the
+CLI's (the served store of ``triscope/store/served.py``, the target's) and clickhouse-connect's, each with its
+CPU per query.
 ``--client-nice 19`` runs the clients at the lowest priority: on a machine of two cores their own CPU
 (an interpreter parsing every answer) otherwise weighs in the writer's figure, where a deployment's
 Grafana runs elsewhere.
 
-    .venv/bin/python bench/live_query.py [--seconds 8] [--client-nice 19] [--json]
+    .venv/bin/python bench/live_query.py [--pairs 10] [--seconds 6] [--client-nice 19] [--json]
 
-Targets: writer >= 0.8x of idle at 4 concurrent queries; endpoint latency <= 1.3x direct (median).
+Targets: writer >= 0.8x of idle at 4 concurrent queries (median; ``met`` says too whether the interval's
+floor is); endpoint latency <= 1.3x direct (median).
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from triscope.writer import Writer
 
 BACKENDS = [f"10.0.{i // 256}.{i % 256}:8000" for i in range(64)]
 HOUR_S = 3600
-LEVEL_ORDER = (0, 4, 0, 16, 0)
+LOADED_LEVELS = (4, 16)
+BACKLOG_CAP_ROWS = 1_000_000  # five of the writer's batches: it never waits for rows
 
 
 def seed(store: EmbeddedStore, end_s: int) -> None:
@@ -91,7 +96,7 @@ def board_queries(store: EmbeddedStore, start: datetime, end: datetime) -> list[
 
 
 class Producer(threading.Thread):
-    """Submits 20,000-row serving_metrics batches as fast as the writer takes them."""
+    """Submits 20,000-row serving_metrics batches as fast as the writer takes them (its backlog held at a cap)."""
 
     def __init__(self, writer: Writer, start_s: int) -> None:
         super().__init__(daemon=True)
@@ -101,6 +106,9 @@ class Producer(threading.Thread):
     def run(self) -> None:
         n = 20_000
         while not self.stop.is_set():
+            if self.writer.snapshot()["rows_pending"] >= BACKLOG_CAP_ROWS:
+                time.sleep(0.005)  # the writer stays saturated while the spool stays bounded
+                continue
             ts = self.t + np.arange(n, dtype=np.int64)
             self.t += n
             # encode_ts's text, vectorized: a per-row Python call would make this producer, not the writer,
@@ -110,53 +118,79 @@ class Producer(threading.Thread):
                                                  "kv_cache_usage_ratio": [0.5] * n})
 
 
-def _client(url: str, database: str, username: str, token: str, queries: list[str], seconds: float,
-            out: Any, nice: int = 0) -> None:
-    """One dashboard client in a process of its own (as Grafana or the CLI are): board queries in a loop."""
+def _gated_client(url: str, database: str, username: str, token: str, queries: list[str], go: Any, stop: Any,
+                  out: Any, nice: int = 0) -> None:
+    """One dashboard client in a process of its own (as Grafana or the CLI are): board queries in a loop while
+    ``go`` is set, idle while it is clear, until ``stop``; its interpreter and connection stay up in between, so
+    a loaded phase starts at once."""
     if nice:
         os.nice(nice)
     remote = ServerStore(url, database=database, username=username, password=token, create_database=False)
+    remote.query("SELECT 1")
+    out.put(None)
     latencies: list[float] = []
-    end = time.monotonic() + seconds
     cpu0 = time.process_time()
     try:
-        while time.monotonic() < end:
+        while not stop.is_set():
+            if not go.wait(0.1):
+                continue
             for sql in queries:
+                if not go.is_set():
+                    break
                 t0 = time.perf_counter()
                 remote.query(sql)
                 latencies.append(time.perf_counter() - t0)
-                if time.monotonic() >= end:
-                    break
     finally:
         remote.close()
         out.put((latencies, time.process_time() - cpu0))
 
 
-def run_level(store: EmbeddedStore, writer: Writer, endpoint: QueryEndpoint, queries: list[str], clients: int,
-              seconds: float, client_nice: int = 0) -> dict[str, Any]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_client, args=(endpoint.url, store.database, endpoint.username, endpoint.token,
-                                               queries, seconds, results, client_nice), daemon=True)
-             for _ in range(clients)]
-    for proc in procs:
-        proc.start()
-    time.sleep(2.0 if clients else 0.0)  # the clients' interpreters start before the measured stretch
-    producer = Producer(writer, int(time.time()) + 10 * HOUR_S)
+def _phase(writer: Writer, seconds: float) -> dict[str, Any]:
+    """The writer's rows/s, the spool's depth and this process's CPU over ``seconds``."""
     before = writer.snapshot()["rows_written"]
     cpu0 = _cpu_s()
     t0 = time.monotonic()
-    producer.start()
     depth = []
-    while time.monotonic() - t0 < seconds - 2.5:
+    while time.monotonic() - t0 < seconds:
         time.sleep(0.25)
         depth.append(writer.snapshot()["rows_pending"])
-    written = writer.snapshot()["rows_written"] - before
     elapsed = time.monotonic() - t0
-    daemon_cpu = _cpu_s() - cpu0
-    producer.stop.set()
+    return {"writer_rows_per_s": round((writer.snapshot()["rows_written"] - before) / elapsed),
+            "spool_rows_max": max(depth or [0]), "daemon_cpu_cores": round((_cpu_s() - cpu0) / elapsed, 3)}
+
+
+def alternate(store: EmbeddedStore, writer: Writer, endpoint: QueryEndpoint, queries: list[str], clients: int,
+              pairs: int, seconds: float, client_nice: int = 0) -> dict[str, Any]:
+    """The writer, ingesting throughout, in ``2 * pairs + 1`` phases of ``seconds``: idle, ``clients`` board
+    clients, idle, ... idle. Each loaded phase is judged against the mean of the idle phases either side, so a
+    drift slower than a phase (the store's growth, its merges, the host) weighs on both sides of a ratio alike;
+    the ratios' median comes with a bootstrap 95 % interval. The same reckoning on idle phases alone (each
+    against the idle phases two steps either side) gives the method's own spread: the noise floor."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    go, stop, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_gated_client, args=(endpoint.url, store.database, endpoint.username,
+                                                     endpoint.token, queries, go, stop, results, client_nice),
+                         daemon=True) for _ in range(clients)]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        results.get(timeout=120)  # connected
+    producer = Producer(writer, int(time.time()) + 10 * HOUR_S)
+    producer.start()
+    time.sleep(2.0)  # the writer reaches its steady backlog before the first phase
+    phases = []
+    try:
+        for i in range(2 * pairs + 1):
+            loaded = i % 2 == 1
+            (go.set if loaded else go.clear)()
+            time.sleep(0.5)  # the queries in flight when a phase turns finish outside it
+            phases.append({"clients": clients if loaded else 0, **_phase(writer, seconds)})
+    finally:
+        go.clear()
+        stop.set()
+        producer.stop.set()
     latencies: list[float] = []
     client_cpu = 0.0
     for _ in procs:
@@ -166,13 +200,35 @@ def run_level(store: EmbeddedStore, writer: Writer, endpoint: QueryEndpoint, que
     for proc in procs:
         proc.join(timeout=60)
     producer.join(timeout=60)
-    writer.flush(timeout_s=120)
-    return {"clients": clients, "writer_rows_per_s": round(written / elapsed),
-            "spool_rows_max": max(depth or [0]), "spool_rows_median": statistics.median(depth or [0]),
-            "daemon_cpu_cores": round(daemon_cpu / elapsed, 3),
-            "client_cpu_ms_per_query": round(1000 * client_cpu / len(latencies), 3) if latencies else None,
+    writer.flush(timeout_s=300)
+    rates = [ph["writer_rows_per_s"] for ph in phases]
+    ratios = [rates[i] / max(1.0, (rates[i - 1] + rates[i + 1]) / 2) for i in range(1, len(rates), 2)]
+    floor = [rates[i] / max(1.0, (rates[i - 2] + rates[i + 2]) / 2) for i in range(2, len(rates) - 2, 2)]
+    loaded_phases = phases[1::2]
+    return {"clients": clients, "pairs": pairs, "phase_seconds": seconds,
+            "writer_ratio_median": round(statistics.median(ratios), 3),
+            "writer_ratio_ci95": bootstrap_median_ci(ratios),
+            "writer_ratio_mean": round(statistics.fmean(ratios), 3),
+            "noise_floor_median": round(statistics.median(floor), 3) if floor else None,
+            "noise_floor_ci95": bootstrap_median_ci(floor) if len(floor) > 1 else None,
+            "idle_rows_per_s_median": round(statistics.median(rates[0::2])),
+            "loaded_rows_per_s_median": round(statistics.median(rates[1::2])),
+            "spool_rows_max_loaded": max(ph["spool_rows_max"] for ph in loaded_phases),
+            "spool_rows_max_idle": max(ph["spool_rows_max"] for ph in phases[0::2]),
+            "daemon_cpu_cores_idle": round(statistics.median(ph["daemon_cpu_cores"] for ph in phases[0::2]), 3),
+            "daemon_cpu_cores_loaded": round(statistics.median(ph["daemon_cpu_cores"] for ph in loaded_phases), 3),
             "queries": len(latencies),
-            "query_median_ms": round(1000 * statistics.median(latencies), 2) if latencies else None}
+            "query_median_ms": round(1000 * statistics.median(latencies), 2) if latencies else None,
+            "client_cpu_ms_per_query": round(1000 * client_cpu / len(latencies), 3) if latencies else None,
+            "ratios": [round(r, 3) for r in ratios], "phases": phases}
+
+
+def bootstrap_median_ci(values: list[float], draws: int = 4000, seed: int = 1) -> list[float]:
+    """The 2.5 and 97.5 percentiles of the median over ``draws`` resamples of ``values``."""
+    rng = np.random.default_rng(seed)
+    arr = np.asarray(values, dtype=float)
+    medians = np.median(rng.choice(arr, size=(draws, arr.size), replace=True), axis=1)
+    return [round(float(np.quantile(medians, 0.025)), 3), round(float(np.quantile(medians, 0.975)), 3)]
 
 
 def _open(client: str, endpoint: Endpoint) -> ServedStore | ServerStore:
@@ -264,23 +320,10 @@ def latency_ratio(store: EmbeddedStore, endpoint: QueryEndpoint, queries: list[s
             "served_client_cpu_ms_per_query": round(1000 * client_cpu / n, 3)}
 
 
-def bracket_ratios(levels: list[dict[str, Any]]) -> None:
-    """Each loaded level's writer rate against the mean of the idle levels measured just before and after it."""
-    for i, level in enumerate(levels):
-        if not level["clients"]:
-            continue
-        before = next(lv for lv in reversed(levels[:i]) if not lv["clients"])["writer_rows_per_s"]
-        after = next(lv for lv in levels[i + 1:] if not lv["clients"])["writer_rows_per_s"]
-        level["idle_rows_per_s_around"] = [before, after]
-        level["writer_ratio_to_idle"] = round(level["writer_rows_per_s"] / max(1.0, (before + after) / 2), 3)
-        level["writer_ratio_to_idle_before"] = round(level["writer_rows_per_s"] / max(1.0, before), 3)
-    for level in levels:
-        level.setdefault("writer_ratio_to_idle", 1.0)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seconds", type=float, default=8.0, help="per concurrency level")
+    p.add_argument("--seconds", type=float, default=6.0, help="per phase (idle or loaded)")
+    p.add_argument("--pairs", type=int, default=10, help="loaded phases per client count, each between idle ones")
     p.add_argument("--max-concurrent", type=int, default=0, help="[query] max_concurrent (0: its default)")
     p.add_argument("--client-nice", type=int, default=0,
                    help="niceness of the client processes (19: they stand for a Grafana on another machine, whose "
@@ -309,31 +352,36 @@ def main(argv: list[str] | None = None) -> int:
             fixed = latency_ratio(store, endpoint, ["SELECT 1"] * 20, rounds=20)
             latency = latency_ratio(store, endpoint, queries)
             general = latency_ratio(store, endpoint, queries, client="clickhouse-connect")
-            # idle between the loaded levels: the store grows and its merges run under whatever comes
-            # later, so each loaded level is judged against the idle levels either side of it
-            levels = [run_level(store, writer, endpoint, queries, n, args.seconds, args.client_nice)
-                      for n in LEVEL_ORDER]
+            levels = [alternate(store, writer, endpoint, queries, n, args.pairs, args.seconds, args.client_nice)
+                      for n in LOADED_LEVELS]
+            writer_stats = {k: writer.snapshot()[k] for k in ("rows_written", "rows_dropped", "rows_rejected")}
         finally:
             endpoint.close()
             writer.close(timeout_s=120)
             store.close()
-    bracket_ratios(levels)
-    loaded = {lv["clients"]: lv for lv in levels if lv["clients"]}
+    loaded = {lv["clients"]: lv for lv in levels}
     doc = {"board_queries": len(queries), "client_nice": args.client_nice, "query_config": query_cfg,
-           "levels": levels, "endpoint_latency": latency, "endpoint_latency_clickhouse_connect": general,
-           "select_1": fixed,
+           "levels": levels, "writer": writer_stats, "endpoint_latency": latency,
+           "endpoint_latency_clickhouse_connect": general, "select_1": fixed,
            "targets": {"writer_ratio_at_4": 0.8, "latency_median_ratio": 1.3},
-           "met": {"writer_ratio_at_4": loaded[4]["writer_ratio_to_idle"] >= 0.8,
+           "met": {"writer_ratio_at_4": loaded[4]["writer_ratio_median"] >= 0.8,
+                   "writer_ratio_at_4_interval": loaded[4]["writer_ratio_ci95"][0] >= 0.8,
                    "latency_median_ratio": latency["median_ratio"] <= 1.3}}
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
     print(f"{len(queries)} board queries (fleet and weights boards, one hour of 64 backends)")
-    print("clients  writer rows/s  x idle  spool rows (median/max)  queries  query median ms  daemon CPU cores")
+    print(f"writer rows/s, {args.pairs} loaded phases of {args.seconds:g} s per client count, each between idle ones")
+    print("clients  idle rows/s  loaded rows/s  x idle either side [95 %]  noise floor [95 %]  spool max  "
+          "queries  query median ms  daemon CPU idle/loaded")
     for lv in levels:
-        print(f"{lv['clients']:>7}  {lv['writer_rows_per_s']:>13,}  {lv['writer_ratio_to_idle']:>6.2f}  "
-              f"{lv['spool_rows_median']:>12,.0f} / {lv['spool_rows_max']:<9,}  {lv['queries']:>7}  "
-              f"{lv['query_median_ms']!s:>15}  {lv['daemon_cpu_cores']:>16}")
+        ci, fl, flci = lv["writer_ratio_ci95"], lv["noise_floor_median"], lv["noise_floor_ci95"] or ["-", "-"]
+        print(f"{lv['clients']:>7}  {lv['idle_rows_per_s_median']:>11,}  {lv['loaded_rows_per_s_median']:>13,}  "
+              f"{lv['writer_ratio_median']:>9.3f} [{ci[0]:.3f}, {ci[1]:.3f}]  {fl!s:>8} [{flci[0]}, {flci[1]}]  "
+              f"{lv['spool_rows_max_loaded']:>9,}  {lv['queries']:>7}  {lv['query_median_ms']!s:>15}  "
+              f"{lv['daemon_cpu_cores_idle']}/{lv['daemon_cpu_cores_loaded']}")
+    print(f"writer: {writer_stats['rows_written']:,} rows written, {writer_stats['rows_dropped']:,} dropped, "
+          f"{writer_stats['rows_rejected']:,} rejected")
     for name, lat in (("board queries", latency), ("board queries, clickhouse-connect", general),
                       ("SELECT 1", fixed)):
         print(f"{name}: endpoint / direct latency median {lat['median_ratio']:.2f}x (p90 {lat['p90_ratio']:.2f}x), "
