@@ -157,6 +157,30 @@ def plan(faults: list[str], rounds: int, calm_stretches: int, rng: random.Random
     return items
 
 
+def wait_client_calm(bed: Bed, sla_s: dict[str, float], calm_from: float, deadline: float) -> float:
+    """Wait until the client saw two windows without a breach (judged once their slowest request is past every
+    SLA), or ``deadline``: the start of those calm windows (at least ``calm_from``)."""
+    late = max(sla_s.values())
+    while time.time() < deadline:
+        hi = (time.time() - late) // WINDOW_S * WINDOW_S
+        with bed.load.lock:
+            recent = [s for s in bed.load.sent if s.start_s >= hi - 2 * WINDOW_S]
+        calm_from = max(calm_from, hi - 2 * WINDOW_S)
+        if not client_breach_starts(recent, hi - 2 * WINDOW_S, hi, sla_s, WINDOW_S):
+            return calm_from
+        time.sleep(WINDOW_S)
+    return math.inf
+
+
+def restart_stuck(bed: Bed, sla_s: dict[str, float], wait_s: float) -> bool:
+    """Restart every engine (as an operator would a fleet that stays saturated after its load fell back) and
+    wait up to ``wait_s`` for the client to see calm: whether it did."""
+    for e in bed.fleet.engines:
+        say(f"  restarting {e.address}")
+        bed.fleet.restart(e)
+    return math.isfinite(wait_client_calm(bed, sla_s, time.time(), time.time() + wait_s))
+
+
 def overlapping(doc: dict[str, Any], lo: float) -> bool:
     part = doc.get("incidents", {})
     incs = part.get("incidents", []) if isinstance(part, dict) else []
@@ -164,7 +188,9 @@ def overlapping(doc: dict[str, Any], lo: float) -> bool:
 
 
 def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespace, rng: random.Random,
-            slas: dict[str, float]) -> tuple[Injection, dict[str, Any]]:
+            slas: dict[str, float]) -> tuple[Injection, dict[str, Any], bool]:
+    """One stretch: its injection with the ground truth, diagnose's answer over it, and whether the client saw
+    calm again within the drain wait."""
     from_s = time.time()
     time.sleep(args.lead_s)
     victim = rng.choice(bed.fleet.engines) if fault.hits == "one" else None
@@ -195,15 +221,7 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
     # saw two windows without a breach (judged once their slowest request is past every SLA), or --max-drain-s
     late = max(slas.values()) / 1000
     sla_s = {c: ms / 1000 for c, ms in slas.items()}
-    calm_from = recovered + WINDOW_S
-    while time.time() < recovered + args.gap_s + args.max_drain_s:
-        hi = (time.time() - late) // WINDOW_S * WINDOW_S
-        with bed.load.lock:
-            recent = [s for s in bed.load.sent if s.start_s >= hi - 2 * WINDOW_S]
-        calm_from = max(calm_from, hi - 2 * WINDOW_S)
-        if not client_breach_starts(recent, hi - 2 * WINDOW_S, hi, sla_s, WINDOW_S):
-            break
-        time.sleep(WINDOW_S)
+    calm_from = wait_client_calm(bed, sla_s, recovered + WINDOW_S, recovered + args.gap_s + args.max_drain_s)
     # and until diagnose saw no breach for a merge gap either (an engine's own histogram lags the client): a
     # backlog's incident still open would swallow the next stretch's injection
     while time.time() < recovered + args.gap_s + args.max_drain_s:
@@ -230,7 +248,8 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
     # backlog spills onto its neighbours after the recovery), and on to the end of the stretch diagnose is asked
     # about (its windows whose slowest request is past every SLA): an incident diagnose saw while the bench
     # waited for it to end is judged against what the client saw then, not called false unseen
-    breached = sorted(client_breach_starts(sent, lo, max(calm_from, (until - late) // WINDOW_S * WINDOW_S), sla_s,
+    calm_seen = calm_from if math.isfinite(calm_from) else until
+    breached = sorted(client_breach_starts(sent, lo, max(calm_seen, (until - late) // WINDOW_S * WINDOW_S), sla_s,
                                            WINDOW_S))
     time.sleep(2 * args.flush_s)  # the last windows reach the store
     doc = diagnose(cfg, until - from_s, until)
@@ -238,8 +257,8 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: argparse.Namespac
                     fault.needs_breach, first_report, breached, lead_breached=lead)
     if set(breached) - set(starts):
         inj.notes.append(f"{', '.join(sorted(set(breached) - set(starts)))} breached after the recovery, "
-                         f"(the client first saw calm {calm_from - recovered:.0f} s after it)")
-    return inj, doc
+                         f"(the client first saw calm {calm_seen - recovered:.0f} s after it)")
+    return inj, doc, math.isfinite(calm_from)
 
 
 def write_results(out_dir: Path, result: dict[str, Any], docs: list[dict[str, Any]], png: bool = False) -> None:
@@ -302,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--give-up-after", type=int, default=3, metavar="N",
                    help="stop after N stretches in a row that found the fleet breaching before the injection, or "
                    "breached while calm (0: never)")
+    p.add_argument("--restart-stuck", action="store_true",
+                   help="when the client still sees breaches after a stretch's drain wait, restart every engine and "
+                   "wait for calm before the next stretch (each restart is counted in the results)")
     p.add_argument("--poll-s", type=float, default=5.0, help="diagnose every this during a hold (0: off)")
     p.add_argument("--out-dir", type=Path, help="incidents.json, incidents.png (and the daemon's log)")
     p.add_argument("--work-dir", type=Path, help="store, spool, engine logs (default: a temporary directory)")
@@ -411,10 +433,12 @@ def main(argv: list[str] | None = None) -> int:
                     "lead_s": args.lead_s, "hold_s": args.hold_s, "gap_s": args.gap_s,
                     "fault_docs": {n_: FAULTS[n_].doc for n_ in names}}
         stuck = 0  # stretches in a row that began breached
+        restarts: list[dict[str, Any]] = []
+        client_sla_s = {c: ms / 1000 for c, ms in client_sla.items()}
         for k, (name, rnd) in enumerate(items):
             if daemon.poll() is not None:
                 raise RuntimeError(f"triscope run exited {daemon.returncode}; see {work / 'daemon.log'}")
-            inj, doc = run_one(FAULTS[name], rnd, bed, cfg, args, rng, client_sla)
+            inj, doc, drained = run_one(FAULTS[name], rnd, bed, cfg, args, rng, client_sla)
             s = score_injection(inj, doc, addresses, WINDOW_S)
             docs.append({"fault": name, "round": rnd, "injection": asdict(inj), "diagnose": doc})
             scores.append(s)
@@ -427,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
                 + f"; the client saw breaches on {','.join(inj.client_breached or []) or 'none'}")
             # a calm stretch has no lead-in to judge: one the client saw breach counts as stuck too
             stuck = stuck + 1 if s.outcome in ("not calm before", "calm breached") else 0
+            # a drain wait that ran out, and breaches still: the engines are stuck (vLLM, KV full, preempting)
+            if args.restart_stuck and k + 1 < len(items) and not drained and not math.isfinite(
+                    wait_client_calm(bed, client_sla_s, time.time() - 2 * WINDOW_S, time.time() + WINDOW_S)):
+                say(f"  the client still sees breaches {time.time() - inj.recovered_s:.0f} s after the recovery")
+                restarts.append({"after_stretch": k + 1, "at_s": time.time(),
+                                 "calm_after": restart_stuck(bed, client_sla_s, args.max_drain_s)})
             if args.give_up_after and stuck >= args.give_up_after:
                 # an engine that preempts instead of failing can stay saturated at a rate it held when calm
                 # (vLLM, KV full): the stretches left would all be unjudged
@@ -448,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
 
     given_up = bool(args.give_up_after) and stuck >= args.give_up_after
     result = summarise(scores, calm_s / 60)
-    result["run"] = run_info | {"load": tally} | ({"given_up_after": len(scores)} if given_up else {})
+    result["run"] = run_info | {"load": tally, "restarts": restarts} | \
+        ({"given_up_after": len(scores)} if given_up else {})
     print(report_text(result), file=sys.stderr if args.json else sys.stdout)
     if args.out_dir is not None:
         write_results(args.out_dir, result, docs, png=True)
