@@ -16,8 +16,10 @@ import pytest
 from conftest import REPO
 
 from triscope_bed.fleet.incident_capacity import judge_step, probe_capacity
-from triscope_bed.fleet.incident_faults import FAULTS, Fault, register
+from triscope_bed.fleet.incident_faults import FAULTS, Bed, Fault, register
 from triscope_bed.fleet.incident_fleet import SimFleet
+from triscope_bed.fleet.incident_load import LoadGen
+from triscope_bed.fleet.incident_stretch import restart_stuck, wait_client_calm
 from triscope_bed.reports.incident_score import (
     CALM,
     FLEET,
@@ -241,6 +243,33 @@ def test_a_short_live_run_on_the_simulated_fleet_is_scored(tmp_path: Path) -> No
     assert [d["diagnose"]["incidents"]["incidents"] for d in after] == \
         [d["diagnose"]["incidents"]["incidents"] for d in before]
     assert json.loads((out / "incidents.json").read_text())["scores"] == doc["scores"]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_stuck_fleet_is_restarted_and_its_calm_awaited(tmp_path: Path) -> None:
+    """Two simulated engines under a light load: while the client sees every request over its SLA (an SLA no
+    request meets stands for a fleet stuck breaching), the calm wait runs out; ``restart_stuck`` starts fresh engine
+    processes, and under the real SLA the client then sees calm (about 30 s)."""
+    import random
+    import time
+
+    fleet = SimFleet(2, tmp_path)
+    fleet.start("http://127.0.0.1:9/v1/traces")  # the simulated engines send no spans
+    load = LoadGen(fleet, 4.0, 7).start()
+    try:
+        bed = Bed(fleet, load, tmp_path, random.Random(7))
+        time.sleep(12)
+        never = dict.fromkeys(("realtime_speech", "interactive_image_text", "offline_video"), 1e-6)
+        assert wait_client_calm(bed, never, time.time(), time.time() + 6) == inf
+        before = {e.name: fleet.pids(e) for e in fleet.engines}
+        sla = {"realtime_speech": 0.64, "interactive_image_text": 3.4, "offline_video": 4.4}
+        assert restart_stuck(bed, sla, 60)
+        after = {e.name: fleet.pids(e) for e in fleet.engines}
+        assert all(after[n] and after[n] != before[n] for n in before) and all(fleet.alive(e) for e in fleet.engines)
+    finally:
+        load.stop()
+        fleet.stop()
 
 
 @pytest.mark.slow
