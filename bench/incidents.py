@@ -44,7 +44,7 @@ from typing import Any
 from triscope_bed.fleet.incident_capacity import probe_capacity
 from triscope_bed.fleet.incident_faults import FAULTS, Bed
 from triscope_bed.fleet.incident_fleet import make_fleet, sla_ms
-from triscope_bed.fleet.incident_load import LoadGen, client_tracer
+from triscope_bed.fleet.incident_load import PER_BACKEND, LoadGen, client_tracer
 from triscope_bed.fleet.incident_stretch import (
     WINDOW_S,
     Timing,
@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float,
                    help="base load, requests/s per backend (default: --load-fraction of the capacity the probe "
                         "measures first)")
+    p.add_argument("--max-in-flight", type=int, default=PER_BACKEND,
+                   help="the client's requests in flight per backend; more wait in the client, unseen by the engine "
+                   f"(default {PER_BACKEND}): an engine's latency under overload tops out near this over its "
+                   "throughput")
     p.add_argument("--load-fraction", type=float, default=0.5,
                    help="base load as a share of the measured capacity (the rate at which the client's P99 reaches "
                         "the SLA)")
@@ -294,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(max(slas.values()) / 1000 + 10)  # the probe's last, overloaded step drains
         say(f"{args.fleet} fleet of {n}, {rate} req/s per backend, SLAs {slas} ms, collectors {collectors}")
         tracer, shutdown = client_tracer(otlp_url) if fleet.spans_from_client else (None, lambda: None)
-        load = LoadGen(fleet, rate * n, seed, tracer).start()
+        load = LoadGen(fleet, rate * n, seed, tracer, per_backend=args.max_in_flight).start()
         stack.callback(shutdown)
         stack.callback(load.stop)
         bed = Bed(fleet, load, work, rng)
@@ -311,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         run_info = {"fleet": args.fleet, "backends": n, "seed": seed, "rerun": f"python bench/incidents.py "
                     f"{shlex.join(rerun)}", "rate_per_backend": rate, "load_fraction": None if capacity is None
                     else args.load_fraction, "capacity": None if capacity is None else capacity.to_dict(),
-                    "sla_ms": slas, "faults": names, "rounds": args.rounds, "calm_warmup": calm,
+                    "sla_ms": slas, "max_in_flight": args.max_in_flight, "faults": names, "rounds": args.rounds,
+                    "calm_warmup": calm,
                     "lead_s": args.lead_s, "hold_s": args.hold_s, "gap_s": args.gap_s,
                     "fault_docs": {n_: FAULTS[n_].doc for n_ in names}}
         stuck = 0  # stretches in a row that began breached
