@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,13 @@ def test_since_finds_a_fresh_job(tmp_path: Path) -> None:
     assert report["stragglers"]["by_rank"][0]["rank"] == 0  # this time rank 0 slept
     units = {u["unit"].split("/")[-1]: u["shares"] for u in report["units"]}
     assert units["cpu-rank1"].get("comm", 0) > units["cpu-rank0"].get("comm", 0)
+    # the same range named by its ends: --from (ISO-8601) and --until give the same verdicts
+    ends = [datetime.fromtimestamp(time.time() + d, UTC).strftime("%Y-%m-%dT%H:%M:%SZ") for d in (-600, 60)]
+    named = _cli(db, "diagnose", "--from", ends[0], "--until", ends[1], "--json")
+    assert named.returncode == 3, named.stderr
+    assert json.loads(named.stdout)["stragglers"]["by_rank"] == report["stragglers"]["by_rank"]
+    assert {u["unit"]: u["shares"] for u in json.loads(named.stdout)["units"]} == \
+        {u["unit"]: u["shares"] for u in report["units"]}
     only = _cli(db, "diagnose", "--since", "10m", "--json", "--host", "no-such-host")
     assert only.returncode == 0
     assert json.loads(only.stdout)["units"] == []
@@ -86,6 +95,11 @@ def test_empty_range_and_bad_duration(tmp_path: Path) -> None:
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "not a duration" in bad.stderr
     bad_until = _cli(db, "diagnose", "--since", "1m", "--until", "yesterday-ish")
     assert bad_until.returncode == 2 and "--until" in bad_until.stderr
+    for argv, needle in ((["--from", "later"], "--from: not a duration or ISO-8601 time"),
+                         (["--since", "1m", "--from", "2m"], "either --since or --from"),
+                         (["--from", "1m", "--until", "5m"], "empty time range")):
+        res = _cli(db, "diagnose", *argv)
+        assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and needle in res.stderr, res.stderr
 
 
 def test_nccl_ingest_reports_bad_files_but_loads_good_ones(tmp_path: Path) -> None:

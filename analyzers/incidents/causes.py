@@ -256,16 +256,16 @@ def _cpu_starved(ws: Sequence[Window], near: float, cfg: IncidentsConfig) -> tup
     before = [w for w in ws if math.isfinite(w.cpu_wait_ratio) and w.start_s < near]
     if not after:
         return None
-    usual = statistics.median([w.cpu_wait_ratio for w in before] or [0.0])
     peak = max(after, key=lambda w: w.cpu_wait_ratio)
+    if peak.cpu_wait_ratio < cfg.cpu_wait:
+        return None
+    usual = statistics.median([w.cpu_wait_ratio for w in before] or [0.0])
     runs = [w.cpu_run_ratio for w in before if math.isfinite(w.cpu_run_ratio)]
     usual_run = statistics.median(runs) if runs else math.nan
     measured = math.isfinite(usual_run) and math.isfinite(peak.cpu_run_ratio)
-    ran = f"; it ran {peak.cpu_run_ratio:.0%} of a core (before: {usual_run:.0%})" if measured else ""
-    if peak.cpu_wait_ratio < cfg.cpu_wait:
-        return None
     if peak.cpu_wait_ratio >= 2 * usual or (peak.cpu_wait_ratio >= 1.5 * usual and measured
                                             and peak.cpu_run_ratio <= 0.5 * usual_run):
+        ran = f"; it ran {peak.cpu_run_ratio:.0%} of a core (before: {usual_run:.0%})" if measured else ""
         return peak.cpu_wait_ratio, usual, ran
     return None
 

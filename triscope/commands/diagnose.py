@@ -40,6 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="keep the last ProfilerStep in whole-trace figures (HTA drops it by default)")
     stalls = parser.add_argument_group("stall diagnosis (without --trace-run)")
     stalls.add_argument("--since", metavar="DURATION", help="analyse the last DURATION (e.g. 10m, 2h; default 10m)")
+    stalls.add_argument("--from", dest="start", metavar="WHEN",
+                        help="start of the range instead of --since: a DURATION ago or an ISO-8601 UTC time")
     stalls.add_argument("--until", metavar="WHEN",
                         help="end of the range: a DURATION ago or an ISO-8601 UTC time (default now)")
     stalls.add_argument("--png", metavar="PATH", help="a timeline per incident (load, P99 / SLA, KV usage, the "
@@ -203,6 +205,21 @@ def run_trace_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def fleet_bounds(args: argparse.Namespace, now_ns: int) -> tuple[int, int]:
+    """``[start, end)`` in epoch ns from ``--since`` or ``--from`` and ``--until``."""
+    from triscope.errors import InputError
+
+    if args.since and args.start:
+        raise InputError("use either --since or --from, not both")
+    end_ns = parse_when(args.until, now_ns, epoch_seconds=False, flag="--until") if args.until else now_ns
+    start_ns = parse_when(args.start, now_ns, epoch_seconds=False, flag="--from") if args.start else \
+        since_start(args.since, end_ns)
+    if end_ns <= start_ns:
+        raise InputError(f"empty time range: {utc_text(start_ns)} .. {utc_text(end_ns)} UTC "
+                         "(--until must be after --from)")
+    return start_ns, end_ns
+
+
 def run_stalls(args: argparse.Namespace) -> int:
     from triscope.analyzers.stalls import diagnose_stalls, trace_span
     from triscope.store import open_store
@@ -213,17 +230,19 @@ def run_stalls(args: argparse.Namespace) -> int:
     if args.top is not None:
         config.setdefault("stalls", {})["top_windows"] = args.top
     now_ns = time.time_ns()
+    fleet_range = bool(args.since or args.start)
+    if not (args.run_id and not fleet_range):
+        fleet_bounds(args, now_ns)  # a bad range is refused before the store is opened
     store = open_store(config)
     try:
-        if args.run_id and not args.since:
+        if args.run_id and not fleet_range:
             start_ns, end_ns = trace_span(store, args.run_id)
         else:
-            end_ns = parse_when(args.until, now_ns, epoch_seconds=False, flag="--until") if args.until else now_ns
-            start_ns = since_start(args.since, end_ns)
+            start_ns, end_ns = fleet_bounds(args, now_ns)
         report = diagnose_stalls(store, start_ns, end_ns, config, hosts=args.host, gpus=args.gpu,
                                  model=args.model, run_ids=args.run_id, by=args.by)
         incidents = None
-        if not (args.run_id and not args.since):  # a fleet's range, not one trace's
+        if fleet_range or not args.run_id:  # a fleet's range, not one trace's
             from triscope.analyzers.incidents import find_incidents
 
             incidents = find_incidents(store, start_ns, end_ns, config)
