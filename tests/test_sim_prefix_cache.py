@@ -125,3 +125,42 @@ def test_the_sim_backend_reads_prefix_blocks_from_the_body() -> None:
     first, second, bad = asyncio.run(main())
     assert first[0] == second[0] == 200 and bad[0] == 400 and "prefix_blocks" in bad[1]["error"]
     assert second[1]["timings"]["prefill_s"] < first[1]["timings"]["prefill_s"]
+
+
+def test_the_large_kv_profile_keeps_a_conversation_s_history_between_its_turns() -> None:
+    """``vllm-cpu-large-kv``: vLLM-CPU's fitted costs with a 256 Ki-token KV in 16-token blocks. Two turns of
+    one Mooncake conversation at full size (the second's first 12 block ids are the first's), a dozen
+    unrelated prompts in between: the second turn finds its 6,144-token history cached and skips its
+    prefill."""
+    from triscope_bed.engines.calibration import PROFILES, VLLM_CPU, idle_latency, token_sizes
+
+    large = PROFILES["vllm-cpu-large-kv"]
+    engine = Engine(large.engine_spec("e"))
+    assert engine.spec.kv_capacity_bytes // engine.spec.kv_bytes_per_token == 262_144 and large.kv_block_tokens == 16
+    for cls, (prompt, out) in token_sizes().items():  # the shared cost model: within 12 % of the measured idle
+        assert abs(idle_latency(VLLM_CPU, prompt, out) / VLLM_CPU.idle_latency_s[cls] - 1) < 0.12
+    assert set(large.sla_s.values()) == {round(4 * idle_latency(VLLM_CPU, 6909, 350), 0)}
+    history = tuple(range(100, 112))  # 12 blocks of 512 tokens
+    fast = _faster(engine)
+
+    async def main() -> list[Served | str]:
+        first = await _serve(fast, 12 * 512, 8, history, per=512)
+        others = [await _serve(fast, 4096, 8, (9000 + k,), per=512) for k in range(12)]
+        second = await _serve(fast, 14 * 512, 8, (*history, 200, 201), per=512)
+        return [first, *others, second]
+
+    done = asyncio.run(main())
+    first, second = done[0], done[-1]
+    assert isinstance(first, Served) and isinstance(second, Served)
+    cache = fast.paged.cache  # type: ignore[union-attr]
+    assert cache.hit_tokens == 12 * 512  # the whole history, the new turn's 1,024 tokens computed
+    assert second.prefill_s < first.prefill_s / 3
+
+
+def _faster(engine: Engine) -> Engine:
+    """The same engine with per-token costs a thousand times smaller, so the test takes milliseconds."""
+    import dataclasses
+
+    spec = dataclasses.replace(engine.spec, prefill_s_per_token=engine.spec.prefill_s_per_token / 1000,
+                               decode_s_per_token=engine.spec.decode_s_per_token / 1000, overhead_s=0.0)
+    return Engine(spec)

@@ -8,6 +8,7 @@ Method, figures and where it misses: docs/calibration.md.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from triscope_bed.engines.engine import GIB, EngineSpec
@@ -88,4 +89,32 @@ VLLM_CPU = SimProfile(
     measured="2026-12-05, 2 CPUs, load average 0.4-2.6, vLLM 0.32.0 CPU, tiny Llama, --enforce-eager",
 )
 
-PROFILES: dict[str, SimProfile] = {"vllm-cpu": VLLM_CPU}
+MOONCAKE_MEDIAN_TOKENS = (6909, 350)
+"""(prompt, output) tokens of the Mooncake conversation trace's median request (12,031 requests: prompts
+6,909 tokens at the median and 12,035 on average, outputs 350 and 343)."""
+
+
+def idle_latency(profile: SimProfile, prompt: int, output: int) -> float:
+    """Seconds one request of ``prompt`` + ``output`` tokens takes alone on an engine of ``profile`` (the
+    per-token costs are the idle fit over ``1 + batch_slowdown / slots``)."""
+    alone = 1 + profile.batch_slowdown / profile.slots
+    return profile.overhead_s + (profile.prefill_s_per_token * prompt + profile.decode_s_per_token * output) * alone
+
+
+def large_kv(base: SimProfile, kv_tokens: int = 262_144, kv_block_tokens: int = 16) -> SimProfile:
+    """``base``'s measured per-token costs and batching with a production-sized KV cache (``kv_tokens`` at
+    ``kv_gib = 1.0``, in GPU-sized ``kv_block_tokens`` blocks), for traces at full size: prompts of thousands
+    of tokens whose shared prefixes stay cached between a conversation's turns. Every class gets one SLA,
+    ``SLA_FACTOR`` x the idle latency of the Mooncake trace's median request (the trace's lengths, not the
+    class, set a request's cost)."""
+    sla = sla_from_idle(idle_latency(base, *MOONCAKE_MEDIAN_TOKENS))
+    return dataclasses.replace(
+        base, name=f"{base.name}-large-kv", kv_tokens=kv_tokens, kv_bytes_per_token=GIB / kv_tokens,
+        kv_block_tokens=kv_block_tokens, sla_s=dict.fromkeys(base.sla_s, sla),
+        idle_latency_s=dict.fromkeys(base.idle_latency_s, round(idle_latency(base, *MOONCAKE_MEDIAN_TOKENS), 3)),
+        measured=f"{base.measured}; KV and block size set, not measured")
+
+
+VLLM_CPU_LARGE_KV = large_kv(VLLM_CPU)
+
+PROFILES: dict[str, SimProfile] = {"vllm-cpu": VLLM_CPU, VLLM_CPU_LARGE_KV.name: VLLM_CPU_LARGE_KV}
