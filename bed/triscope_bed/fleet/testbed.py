@@ -19,7 +19,6 @@ import json
 import math
 import os
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -300,8 +299,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    # a SIGTERM unwinds like Ctrl-C, so the engines, load balancers and routers started are stopped
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run(args)
     return 0
 
