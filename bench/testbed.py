@@ -9,12 +9,9 @@ The harness lives in :mod:`triscope_bed.fleet.testbed`.
 
 from __future__ import annotations
 
-import signal
 import sys
 
 from triscope_bed.fleet.testbed import main
 
 if __name__ == "__main__":
-    # a SIGTERM unwinds like Ctrl-C, so a stopped run leaves no engine, load balancer or router behind
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())
