@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         default_class = "interactive_image_text" if args.fleet == "sim" else max(slas, key=lambda c: slas[c])
         cfg = write_config(work, fleet, ports, collectors, slas, default_class)
         client_sla = slas if fleet.spans_from_client else dict.fromkeys(slas, slas[default_class])
+        client_sla_s = {c: ms / 1000 for c, ms in client_sla.items()}
         otlp_url = f"http://127.0.0.1:{ports['otlp']}/v1/traces"
         fleet.start(otlp_url)
         stack.callback(fleet.stop)
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             # with the collector running, as the faults will be: its scrapes, inserts and merges take their share
             say(f"capacity probe: open-loop ramp x1.25 every {args.probe_step_s:.0f} s until a class's client P99 "
                 "is over its SLA, with triscope run collecting")
-            capacity = probe_capacity(fleet, {c: ms / 1000 for c, ms in client_sla.items()}, seed,
+            capacity = probe_capacity(fleet, client_sla_s, seed,
                                       step_s=args.probe_step_s, say=say)
             rate = round(args.load_fraction * capacity.rate_per_backend, 3)
             say(f"capacity {'>= ' if capacity.capped else ''}{capacity.rate_per_backend:.2f} req/s per backend; "
@@ -321,11 +322,10 @@ def main(argv: list[str] | None = None) -> int:
                     "fault_docs": {n_: FAULTS[n_].doc for n_ in names}}
         stuck = 0  # stretches in a row that began breached
         restarts: list[dict[str, Any]] = []
-        client_sla_s = {c: ms / 1000 for c, ms in client_sla.items()}
         for k, (name, rnd) in enumerate(items):
             if daemon.poll() is not None:
                 raise RuntimeError(f"triscope run exited {daemon.returncode}; see {work / 'daemon.log'}")
-            inj, doc, drained = run_one(FAULTS[name], rnd, bed, cfg, timing, rng, client_sla)
+            inj, doc, drained = run_one(FAULTS[name], rnd, bed, cfg, timing, rng, client_sla_s)
             s = score_injection(inj, doc, addresses, WINDOW_S)
             docs.append({"fault": name, "round": rnd, "injection": asdict(inj), "diagnose": doc})
             scores.append(s)

@@ -79,6 +79,21 @@ def since_start(since: str | None, end_ns: int, default: str = "10m") -> int:
     return end_ns - int(parse_duration(since or default) * 1e9)
 
 
+def time_range(since: str | None, start: str | None, end: str | None, now_ns: int, *, epoch_seconds: bool = True,
+               end_flag: str = "--to") -> tuple[int, int]:
+    """``[start, end)`` in epoch ns from ``--since DURATION`` (default 10m) or ``--from WHEN``, ending at
+    ``end`` (the ``end_flag`` option; default now). InputError (one line) for both starts, a bad time or an
+    empty range."""
+    if since and start:
+        raise InputError("use either --since or --from, not both")
+    end_ns = parse_when(end, now_ns, epoch_seconds, flag=end_flag) if end else now_ns
+    start_ns = parse_when(start, now_ns, epoch_seconds, flag="--from") if start else since_start(since, end_ns)
+    if end_ns <= start_ns:
+        raise InputError(f"empty time range: {utc_text(start_ns)} .. {utc_text(end_ns)} UTC "
+                         f"({end_flag} must be after --from)")
+    return start_ns, end_ns
+
+
 def utc_text(ns: int) -> str:
     """``YYYY-MM-DD HH:MM:SS.mmm`` (UTC) of epoch ns, for tables and messages."""
     return datetime.fromtimestamp(ns / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]

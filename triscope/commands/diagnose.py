@@ -20,7 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from triscope.commands._common import add_common, config_from, parse_when, print_json, since_start, store_from, utc_text
+from triscope.commands._common import add_common, config_from, print_json, store_from, time_range, utc_text
 
 if TYPE_CHECKING:
     from triscope.analyzers.stalls import StallReport
@@ -205,21 +205,6 @@ def run_trace_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def fleet_bounds(args: argparse.Namespace, now_ns: int) -> tuple[int, int]:
-    """``[start, end)`` in epoch ns from ``--since`` or ``--from`` and ``--until``."""
-    from triscope.errors import InputError
-
-    if args.since and args.start:
-        raise InputError("use either --since or --from, not both")
-    end_ns = parse_when(args.until, now_ns, epoch_seconds=False, flag="--until") if args.until else now_ns
-    start_ns = parse_when(args.start, now_ns, epoch_seconds=False, flag="--from") if args.start else \
-        since_start(args.since, end_ns)
-    if end_ns <= start_ns:
-        raise InputError(f"empty time range: {utc_text(start_ns)} .. {utc_text(end_ns)} UTC "
-                         "(--until must be after --from)")
-    return start_ns, end_ns
-
-
 def run_stalls(args: argparse.Namespace) -> int:
     from triscope.analyzers.stalls import diagnose_stalls, trace_span
     from triscope.store import open_store
@@ -230,19 +215,16 @@ def run_stalls(args: argparse.Namespace) -> int:
     if args.top is not None:
         config.setdefault("stalls", {})["top_windows"] = args.top
     now_ns = time.time_ns()
-    fleet_range = bool(args.since or args.start)
-    if not (args.run_id and not fleet_range):
-        fleet_bounds(args, now_ns)  # a bad range is refused before the store is opened
+    # a fleet's range unless trace runs are named without one (then their own span); refused before the store opens
+    fleet = None if args.run_id and not (args.since or args.start) else \
+        time_range(args.since, args.start, args.until, now_ns, epoch_seconds=False, end_flag="--until")
     store = open_store(config)
     try:
-        if args.run_id and not fleet_range:
-            start_ns, end_ns = trace_span(store, args.run_id)
-        else:
-            start_ns, end_ns = fleet_bounds(args, now_ns)
+        start_ns, end_ns = fleet if fleet is not None else trace_span(store, args.run_id)
         report = diagnose_stalls(store, start_ns, end_ns, config, hosts=args.host, gpus=args.gpu,
                                  model=args.model, run_ids=args.run_id, by=args.by)
         incidents = None
-        if fleet_range or not args.run_id:  # a fleet's range, not one trace's
+        if fleet is not None:  # a fleet's range, not one trace's
             from triscope.analyzers.incidents import find_incidents
 
             incidents = find_incidents(store, start_ns, end_ns, config)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from triscope.commands._common import add_common, parse_when, since_start, utc_text
+from triscope.commands._common import add_common, time_range, utc_text
 from triscope.errors import InputError
 
 AXIS_UNITS = {"qps": "QPS", "memory": "GPU memory (GB)", "latency": "latency (ms)"}
@@ -53,13 +53,7 @@ def time_bounds(args: argparse.Namespace, now_ns: int) -> tuple[int | None, int 
         if args.since or args.start or args.end:
             raise InputError("--all cannot be combined with --since/--from/--to")
         return None, None
-    if args.since and args.start:
-        raise InputError("use either --since or --from, not both")
-    end = parse_when(args.end, now_ns) if args.end else now_ns
-    start = parse_when(args.start, now_ns) if args.start else since_start(args.since, end)
-    if end <= start:
-        raise InputError(f"empty time range: {utc_text(start)} .. {utc_text(end)} UTC (--to must be after --from)")
-    return start, end
+    return time_range(args.since, args.start, args.end, now_ns)
 
 
 def spec_from(args: argparse.Namespace, config: dict[str, Any]) -> Any:

@@ -26,14 +26,15 @@ MERGE_GAP_S = 10.0
 
 @dataclass(frozen=True)
 class Timing:
-    """How long each part of a stretch lasts (the bench's options of the same names)."""
+    """How long each part of a stretch lasts (the bench's options of the same names, which hold the defaults)."""
 
-    lead_s: float = 30.0
-    hold_s: float = 30.0
-    gap_s: float = 25.0
-    max_drain_s: float = 300.0
-    poll_s: float = 5.0
+    lead_s: float
+    hold_s: float
+    gap_s: float
+    max_drain_s: float
+    poll_s: float
     flush_s: float = 0.5
+    """The daemon's ``[writer] flush_interval_s``: the last windows reach the store within two of it."""
 
 
 def say(text: str) -> None:
@@ -82,22 +83,22 @@ def overlapping(doc: dict[str, Any], lo: float) -> bool:
     return any(float(i["end_s"]) > lo for i in incs)
 
 
-def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: Timing, rng: random.Random,
-            slas: dict[str, float]) -> tuple[Injection, dict[str, Any], bool]:
+def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, timing: Timing, rng: random.Random,
+            sla_s: dict[str, float]) -> tuple[Injection, dict[str, Any], bool]:
     """One stretch: its injection with the ground truth, diagnose's answer over it, and whether the client saw
-    calm again within the drain wait."""
+    calm again within the drain wait (``sla_s``: the client's SLA per class, seconds)."""
     from_s = time.time()
-    time.sleep(args.lead_s)
+    time.sleep(timing.lead_s)
     victim = rng.choice(bed.fleet.engines) if fault.hits == "one" else None
     expected = [victim.address] if victim is not None else ([FLEET] if fault.hits == "fleet" else [])
     say(f"{fault.name} round {rnd}: inject" + (f" on {victim.address}" if victim else ""))
     injected = time.time()
     recover = fault.inject(bed, victim)
     first_report = math.nan
-    hold_end = injected + args.hold_s
+    hold_end = injected + timing.hold_s
     try:
         while time.time() < hold_end:
-            if fault.expected_cause is not None and args.poll_s > 0 and not math.isfinite(first_report):
+            if fault.expected_cause is not None and timing.poll_s > 0 and not math.isfinite(first_report):
                 try:
                     doc = diagnose(cfg, time.time() - from_s + 1)
                     if overlapping(doc, injected - WINDOW_S):
@@ -105,21 +106,20 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: Timing, rng: rand
                         say(f"  reported {first_report - injected:.1f} s after the injection")
                 except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
                     say(f"  diagnose during the hold failed: {exc}")
-                time.sleep(max(0.0, min(args.poll_s, hold_end - time.time())))
+                time.sleep(max(0.0, min(timing.poll_s, hold_end - time.time())))
             else:
                 time.sleep(max(0.0, min(1.0, hold_end - time.time())))
     finally:
         recover()
     recovered = time.time()
-    time.sleep(args.gap_s)
+    time.sleep(timing.gap_s)
     # a backlog can outlast the gap (a skewed engine drains for minutes): the next stretch starts once the client
     # saw two windows without a breach (judged once their slowest request is past every SLA), or --max-drain-s
-    late = max(slas.values()) / 1000
-    sla_s = {c: ms / 1000 for c, ms in slas.items()}
-    calm_from = wait_client_calm(bed, sla_s, recovered + WINDOW_S, recovered + args.gap_s + args.max_drain_s)
+    late = max(sla_s.values())
+    calm_from = wait_client_calm(bed, sla_s, recovered + WINDOW_S, recovered + timing.gap_s + timing.max_drain_s)
     # and until diagnose saw no breach for a merge gap either (an engine's own histogram lags the client): a
     # backlog's incident still open would swallow the next stretch's injection
-    while time.time() < recovered + args.gap_s + args.max_drain_s:
+    while time.time() < recovered + timing.gap_s + timing.max_drain_s:
         try:
             ends = [float(i["end_s"]) for i in incidents_of(diagnose(cfg, time.time() - from_s + 1))]
         except (RuntimeError, subprocess.TimeoutExpired, ValueError):
@@ -146,7 +146,7 @@ def run_one(fault: Fault, rnd: int, bed: Bed, cfg: Path, args: Timing, rng: rand
     calm_seen = calm_from if math.isfinite(calm_from) else until
     breached = sorted(client_breach_starts(sent, lo, max(calm_seen, (until - late) // WINDOW_S * WINDOW_S), sla_s,
                                            WINDOW_S))
-    time.sleep(2 * args.flush_s)  # the last windows reach the store
+    time.sleep(2 * timing.flush_s)  # the last windows reach the store
     doc = diagnose(cfg, until - from_s, until)
     inj = Injection(fault.name, rnd, fault.expected_cause, expected, injected, effect, recovered, until, from_s,
                     fault.needs_breach, first_report, breached, lead_breached=lead)
